@@ -1,0 +1,32 @@
+// KernelSpec: one backend's implementation of one op, as declared by a
+// plugin manifest. Pure metadata: no library is opened to build one.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "kdispatch/device.hpp"
+#include "kdispatch/dtype.hpp"
+
+namespace kdispatch {
+
+struct KernelSpec {
+  std::string op;           // "layernorm.rmsnorm"
+  std::string backend;      // "cuda"
+  std::string plugin;       // "cuda"
+  std::string symbol;       // "kd_cuda_rmsnorm"
+  std::vector<Target> targets;  // OR; empty = any device
+  std::vector<Dtype> dtypes;    // empty = any dtype
+  std::string description;
+  std::string manifest;     // path of the manifest that declared it
+
+  bool supports(Dtype dtype) const;
+  // Same plugin and symbol: registering it again is a no-op.
+  bool same_implementation(const KernelSpec& other) const {
+    return plugin == other.plugin && symbol == other.symbol;
+  }
+  // "plugin 'cuda' symbol 'kd_cuda_rmsnorm' (manifests/cuda.json)"
+  std::string describe() const;
+};
+
+}  // namespace kdispatch

@@ -1,0 +1,66 @@
+// Plugin manifests and op-schema files: parsing and validation (DESIGN.md
+// section 5). The implementation, manifest.cpp, is the only file of the core
+// that includes nlohmann/json.
+#pragma once
+
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kdispatch/error.hpp"
+#include "kdispatch/kernel_spec.hpp"
+#include "kdispatch/schema.hpp"
+
+namespace kdispatch {
+
+inline constexpr int kManifestFormatMajor = 1;
+inline constexpr int kManifestFormatMinor = 0;
+
+struct Manifest {
+  std::string path;          // the file it was read from
+  std::string format;        // "1.0"
+  std::string plugin;        // [a-z0-9_]+
+  std::string backend;       // [a-z0-9_]+
+  std::string library;       // plain file name, resolved next to the manifest
+  std::string abi;           // "1.0"
+  std::optional<std::string> sha256;  // 64 lowercase hex digits
+  std::string description;
+  std::vector<Target> targets;        // default for kernels without their own
+  std::vector<KernelSpec> kernels;    // targets resolved, plugin/backend/manifest filled
+  std::vector<OpSchema> ops;          // op schemas this plugin defines
+
+  // The library's path: the manifest's directory / library.
+  std::filesystem::path library_path() const;
+};
+
+struct ManifestResult {
+  std::optional<Manifest> manifest;  // set when there is no error
+  std::vector<Problem> errors;       // KD-E010..E013, naming file and field
+  std::vector<Problem> warnings;     // unknown keys, newer minor version
+  bool ok() const { return manifest.has_value(); }
+};
+
+// Parses and validates a manifest. Never throws for bad input: every problem
+// is returned with its code, the file, and the JSON pointer of the field
+// ("/kernels/2/targets/0/min_arch: expected \"major.minor\", found \"9\"").
+// Bad JSON reports file:line:col. Also checks the library path is a plain
+// file name (KD-E012); it does not look at the file system.
+ManifestResult parse_manifest(std::string_view text, const std::string& path);
+ManifestResult read_manifest(const std::filesystem::path& path);
+
+struct SchemaFileResult {
+  std::vector<OpSchema> schemas;
+  std::vector<Problem> errors;
+  std::vector<Problem> warnings;
+};
+
+// Parses an op-schema file: a JSON list of op schemas (manifests/ops/*.json).
+SchemaFileResult parse_op_schemas(std::string_view text, const std::string& path);
+
+// Checks a name against [a-z0-9_]+ and an op id against <group>.<name>.
+bool is_valid_name(std::string_view name);
+bool is_valid_op_id(std::string_view op);
+
+}  // namespace kdispatch

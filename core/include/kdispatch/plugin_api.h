@@ -1,0 +1,172 @@
+/*
+ * kdispatch plugin ABI: the only header a plugin needs.
+ *
+ * A plugin is a shared library that exports one C symbol,
+ * `kdispatch_plugin_api` (type kd_plugin_entry_fn), returning a pointer to a
+ * static kd_plugin_api table. Everything that crosses the boundary is plain C:
+ * fixed-width integers, enums pinned to 32 bits, DLPack tensors, and
+ * caller-owned buffers for messages. No C++ exception, std::string or STL type
+ * ever crosses it; a plugin catches everything inside its entry points and
+ * reports a kd_status plus a message.
+ *
+ * Versioning (after PJRT):
+ *   KDISPATCH_ABI_MAJOR  bump when a field is removed, reordered or changes
+ *                        meaning, or a function changes signature. The host
+ *                        refuses a plugin of another major (KD-E022).
+ *   KDISPATCH_ABI_MINOR  bump when a field is appended to the end of a struct
+ *                        or a new enum value is added. The host accepts any
+ *                        minor of its major, and reads a field only when the
+ *                        struct_size reported by the other side covers it
+ *                        (KD_STRUCT_HAS_FIELD).
+ * Every struct starts with `size_t struct_size` and only ever grows at its
+ * end. Its *_STRUCT_SIZE macro names the last field; the static asserts below
+ * fail to compile when a field is appended without updating that macro.
+ *
+ * Changelog
+ *   1.0  first version: kd_plugin_api, kd_device_info, kd_attr, kd_call_args.
+ */
+#ifndef KDISPATCH_PLUGIN_API_H_
+#define KDISPATCH_PLUGIN_API_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <dlpack/dlpack.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KDISPATCH_ABI_MAJOR 1
+#define KDISPATCH_ABI_MINOR 0
+
+/* Name of the one symbol a plugin exports. */
+#define KDISPATCH_PLUGIN_ENTRY_SYMBOL "kdispatch_plugin_api"
+
+/* ELF section holding the plugin's manifest text, so tools can read it
+ * without loading the library. */
+#define KDISPATCH_MANIFEST_SECTION ".kdispatch_manifest"
+
+/* Size of a struct up to and including `field`. */
+#define KD_STRUCT_SIZE(type, field) \
+  (offsetof(type, field) + sizeof(((type*)0)->field))
+
+/* True when a struct whose struct_size is `size` carries `field`. */
+#define KD_STRUCT_HAS_FIELD(type, field, size) \
+  ((size) >= KD_STRUCT_SIZE(type, field))
+
+#if defined(__cplusplus)
+#define KD_STATIC_ASSERT(cond, msg) static_assert(cond, msg)
+#elif defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L
+#define KD_STATIC_ASSERT(cond, msg) _Static_assert(cond, msg)
+#else
+#define KD_STATIC_ASSERT_CAT2(a, b) a##b
+#define KD_STATIC_ASSERT_CAT(a, b) KD_STATIC_ASSERT_CAT2(a, b)
+#define KD_STATIC_ASSERT(cond, msg) \
+  typedef char KD_STATIC_ASSERT_CAT(kd_static_assert_, __LINE__)[(cond) ? 1 : -1]
+#endif
+
+/* Status returned by every function of the ABI. */
+typedef enum kd_status {
+  KD_STATUS_OK = 0,
+  KD_STATUS_INVALID_ARGUMENT = 1, /* the kernel refused its arguments */
+  KD_STATUS_UNSUPPORTED = 2,      /* dtype, shape or attribute not handled */
+  KD_STATUS_DEVICE_ERROR = 3,     /* the device runtime reported an error */
+  KD_STATUS_INTERNAL = 4,         /* anything else, e.g. a caught exception */
+  KD_STATUS_FORCE_32BIT = 0x7fffffff
+} kd_status;
+
+/* One device a backend can run on, written by kd_plugin_api.probe. */
+typedef struct kd_device_info {
+  size_t struct_size;   /* set by the caller to sizeof(kd_device_info) */
+  int32_t device_type;  /* out: a DLDeviceType: kDLCPU, kDLCUDA, kDLROCM */
+  int32_t device_id;    /* out: ordinal within its type */
+  char arch[32];        /* out: "9.0" (cuda), "gfx90a" (hip), "" (cpu);
+                           NUL-terminated */
+  char name[96];        /* out: human-readable device name, NUL-terminated */
+} kd_device_info;
+#define KD_DEVICE_INFO_STRUCT_SIZE KD_STRUCT_SIZE(kd_device_info, name)
+KD_STATIC_ASSERT(sizeof(kd_device_info) == KD_DEVICE_INFO_STRUCT_SIZE,
+                 "kd_device_info grew: update KD_DEVICE_INFO_STRUCT_SIZE");
+
+typedef enum kd_attr_type {
+  KD_ATTR_TYPE_FLOAT = 1,  /* value.f */
+  KD_ATTR_TYPE_INT = 2,    /* value.i */
+  KD_ATTR_TYPE_BOOL = 3,   /* value.b (0 or 1) */
+  KD_ATTR_TYPE_STRING = 4, /* value.s */
+  KD_ATTR_TYPE_FORCE_32BIT = 0x7fffffff
+} kd_attr_type;
+
+/* One scalar attribute of a call. The host passes every attribute of the op
+ * schema, in schema order, defaults filled in, so a kernel may read them by
+ * index. */
+typedef struct kd_attr {
+  const char* name;  /* owned by the host, valid for the call */
+  int32_t type;      /* a kd_attr_type */
+  int32_t reserved;  /* zero */
+  union {
+    double f;
+    int64_t i;
+    int32_t b;
+    const char* s; /* owned by the host, valid for the call */
+  } value;
+} kd_attr;
+
+/* Arguments of one kernel call. All pointers are owned by the host and valid
+ * only for the duration of the call. */
+typedef struct kd_call_args {
+  size_t struct_size;        /* sizeof(kd_call_args) of the host */
+  DLTensor* tensors;         /* in schema order; tensors marked "written" in
+                                the schema are outputs (their data is written) */
+  int32_t num_tensors;
+  int32_t num_attrs;
+  const kd_attr* attrs;      /* in schema order, defaults filled in */
+  void* stream;              /* cudaStream_t / hipStream_t; NULL = default
+                                stream; unused on cpu */
+  char* error;               /* out: NUL-terminated message when the kernel
+                                does not return KD_STATUS_OK */
+  size_t error_capacity;     /* bytes available at `error` */
+} kd_call_args;
+#define KD_CALL_ARGS_STRUCT_SIZE KD_STRUCT_SIZE(kd_call_args, error_capacity)
+KD_STATIC_ASSERT(sizeof(kd_call_args) == KD_CALL_ARGS_STRUCT_SIZE,
+                 "kd_call_args grew: update KD_CALL_ARGS_STRUCT_SIZE");
+
+/* A kernel. Must not throw, must not keep any pointer from `args` after it
+ * returns, and must be callable concurrently from several threads. */
+typedef kd_status (*kd_kernel_fn)(const kd_call_args* args);
+
+/* The table a plugin returns from its entry symbol. Static storage, owned by
+ * the plugin, valid until process exit (plugins are never unloaded). */
+typedef struct kd_plugin_api {
+  size_t struct_size;          /* sizeof(kd_plugin_api) of the plugin */
+  uint32_t abi_major;          /* KDISPATCH_ABI_MAJOR the plugin was built with */
+  uint32_t abi_minor;          /* KDISPATCH_ABI_MINOR the plugin was built with */
+  const char* plugin_name;     /* matches the manifest's "plugin" */
+  const char* plugin_version;  /* free-form, e.g. "0.1.0" */
+  const char* backend;         /* matches the manifest's "backend" */
+  const char* manifest_json;   /* the manifest compiled into the library,
+                                  NUL-terminated */
+
+  /* Reports the devices this backend can use. Writes up to `capacity`
+   * entries to `devices` (each with struct_size set by the caller) and the
+   * number of devices present to *count (which may exceed capacity). Zero
+   * devices (e.g. no driver) is KD_STATUS_OK with *count = 0, not an error.
+   * On failure writes a NUL-terminated message to `error`. */
+  kd_status (*probe)(kd_device_info* devices, size_t capacity, size_t* count,
+                     char* error, size_t error_capacity);
+
+  /* The kernel exported under `symbol` (a name from the manifest), or NULL. */
+  kd_kernel_fn (*find_kernel)(const char* symbol);
+} kd_plugin_api;
+#define KD_PLUGIN_API_STRUCT_SIZE KD_STRUCT_SIZE(kd_plugin_api, find_kernel)
+KD_STATIC_ASSERT(sizeof(kd_plugin_api) == KD_PLUGIN_API_STRUCT_SIZE,
+                 "kd_plugin_api grew: update KD_PLUGIN_API_STRUCT_SIZE");
+
+/* Type of the exported entry symbol. Returns NULL only on a fatal error. */
+typedef const kd_plugin_api* (*kd_plugin_entry_fn)(void);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* KDISPATCH_PLUGIN_API_H_ */

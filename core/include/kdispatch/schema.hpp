@@ -1,0 +1,70 @@
+// Op schemas: the signature of an op (tensors with shape patterns and dtype
+// variables, attributes with defaults). Parsed from JSON by manifest.cpp;
+// checked against calls by schema.cpp.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "kdispatch/dtype.hpp"
+
+namespace kdispatch {
+
+struct ShapeToken {
+  enum class Kind : uint8_t {
+    leading,   // "*": any number of leading dims, first token only
+    symbol,    // "H": binds one dim, consistent across tensors
+    constant,  // 64
+    multiple,  // "2*D": factor * value of symbol
+  };
+  Kind kind = Kind::symbol;
+  std::string symbol;   // symbol, multiple
+  int64_t value = 0;    // constant: the size; multiple: the factor
+  std::string str() const;  // "*", "H", "64", "2*D"
+  bool operator==(const ShapeToken&) const = default;
+};
+
+struct TensorArg {
+  std::string name;
+  std::vector<ShapeToken> shape;
+  std::string dtype;          // a key of OpSchema::dtype_vars, or a dtype name
+  bool written = false;       // an output (or in-place) argument
+  bool strided = false;       // non-contiguous layouts allowed
+  bool operator==(const TensorArg&) const = default;
+};
+
+enum class AttrType : uint8_t { float_, int_, bool_, string };
+std::string_view attr_type_name(AttrType type);  // "float", "int", "bool", "string"
+
+using AttrValue = std::variant<double, int64_t, bool, std::string>;
+
+struct AttrArg {
+  std::string name;
+  AttrType type = AttrType::float_;
+  std::optional<AttrValue> default_value;  // absent: the attribute is required
+  std::string doc;
+  bool operator==(const AttrArg&) const = default;
+};
+
+struct OpSchema {
+  std::string op;   // "layernorm.rmsnorm"
+  std::string doc;
+  std::vector<TensorArg> tensors;  // call order
+  std::vector<AttrArg> attrs;      // call order (passed by name)
+  std::map<std::string, std::vector<Dtype>> dtype_vars;  // "T" -> allowed
+  std::string source;  // file that defined it ("<builtin>/layernorm.json")
+
+  // Same signature (doc and source are not compared).
+  bool same_signature(const OpSchema& other) const {
+    return op == other.op && tensors == other.tensors && attrs == other.attrs &&
+           dtype_vars == other.dtype_vars;
+  }
+  // The dtypes a tensor may take (its variable's list, or its one dtype).
+  std::vector<Dtype> allowed_dtypes(const TensorArg& tensor) const;
+};
+
+}  // namespace kdispatch

@@ -1,0 +1,79 @@
+// Shared glue for the shipped plugins: error reporting, the exception wall
+// around every kernel, the kernel table and the entry point. Third-party
+// plugins may use it or write the same few lines against plugin_api.h.
+#pragma once
+
+#include <kdispatch/plugin_api.h>
+
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <new>
+
+extern "C" const char kd_plugin_embedded_manifest[];  // kdispatch_add_plugin()
+
+namespace kd_plugin {
+
+// Writes a printf-style message into the caller's buffer; returns `status`.
+inline kd_status fail(const kd_call_args* args, kd_status status, const char* fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+inline kd_status fail(const kd_call_args* args, kd_status status, const char* fmt, ...) {
+  if (args != nullptr && args->error != nullptr && args->error_capacity > 0) {
+    va_list ap;
+    va_start(ap, fmt);
+    std::vsnprintf(args->error, args->error_capacity, fmt, ap);
+    va_end(ap);
+  }
+  return status;
+}
+
+// Runs `body` (returning kd_status) and turns any exception into a status:
+// nothing C++ crosses the ABI.
+template <class Body>
+kd_status guarded(const kd_call_args* args, Body&& body) noexcept {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return fail(args, KD_STATUS_INTERNAL, "out of host memory");
+  } catch (const std::exception& e) {
+    return fail(args, KD_STATUS_INTERNAL, "%s", e.what());
+  } catch (...) {
+    return fail(args, KD_STATUS_INTERNAL, "unknown exception");
+  }
+}
+
+struct KernelEntry {
+  const char* symbol;
+  kd_kernel_fn fn;
+};
+
+template <size_t N>
+kd_kernel_fn find_kernel(const KernelEntry (&table)[N], const char* symbol) noexcept {
+  if (symbol == nullptr) return nullptr;
+  for (const KernelEntry& k : table) {
+    if (std::strcmp(k.symbol, symbol) == 0) return k.fn;
+  }
+  return nullptr;
+}
+
+inline void copy_string(char* dst, size_t capacity, const char* src) noexcept {
+  if (capacity == 0) return;
+  std::snprintf(dst, capacity, "%s", src);
+}
+
+}  // namespace kd_plugin
+
+// Defines the exported entry point. `probe_fn` and `find_kernel_fn` are
+// functions of the plugin with the signatures of kd_plugin_api.
+#define KD_DEFINE_PLUGIN(name, version, backend, probe_fn, find_kernel_fn) \
+  extern "C" __attribute__((visibility("default")))                        \
+  const kd_plugin_api* kdispatch_plugin_api(void) {                       \
+    static const kd_plugin_api api = {                                     \
+        KD_PLUGIN_API_STRUCT_SIZE, KDISPATCH_ABI_MAJOR,                     \
+        KDISPATCH_ABI_MINOR,       name,                                    \
+        version,                   backend,                                 \
+        kd_plugin_embedded_manifest, probe_fn,                              \
+        find_kernel_fn};                                                    \
+    return &api;                                                           \
+  }
