@@ -1,0 +1,73 @@
+#include "kdispatch/dtype.hpp"
+
+namespace kdispatch {
+
+std::string_view dtype_name(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::float32: return "float32";
+    case Dtype::float16: return "float16";
+    case Dtype::bfloat16: return "bfloat16";
+    case Dtype::float64: return "float64";
+    case Dtype::int32: return "int32";
+    case Dtype::int64: return "int64";
+    case Dtype::uint8: return "uint8";
+    case Dtype::bool_: return "bool";
+  }
+  return "?";
+}
+
+std::optional<Dtype> parse_dtype(std::string_view name) {
+  for (Dtype d : kAllDtypes) {
+    if (dtype_name(d) == name) return d;
+  }
+  return std::nullopt;
+}
+
+size_t dtype_size(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::float32: case Dtype::int32: return 4;
+    case Dtype::float16: case Dtype::bfloat16: return 2;
+    case Dtype::float64: case Dtype::int64: return 8;
+    case Dtype::uint8: case Dtype::bool_: return 1;
+  }
+  return 0;
+}
+
+DLDataType to_dlpack(Dtype dtype) {
+  const auto bits = static_cast<uint8_t>(dtype_size(dtype) * 8);
+  switch (dtype) {
+    case Dtype::float32: case Dtype::float16: case Dtype::float64: return {kDLFloat, bits, 1};
+    case Dtype::bfloat16: return {kDLBfloat, bits, 1};
+    case Dtype::int32: case Dtype::int64: return {kDLInt, bits, 1};
+    case Dtype::uint8: return {kDLUInt, bits, 1};
+    // DLPack 0.6 has no kDLBool: a bool is one unsigned byte tagged by the schema.
+    case Dtype::bool_: return {kDLUInt, 8, 1};
+  }
+  return {kDLOpaqueHandle, 0, 0};
+}
+
+std::optional<Dtype> from_dlpack(DLDataType type) {
+  if (type.lanes != 1) return std::nullopt;
+  switch (type.code) {
+    case kDLFloat:
+      if (type.bits == 32) return Dtype::float32;
+      if (type.bits == 16) return Dtype::float16;
+      if (type.bits == 64) return Dtype::float64;
+      break;
+    case kDLBfloat:
+      if (type.bits == 16) return Dtype::bfloat16;
+      break;
+    case kDLInt:
+      if (type.bits == 32) return Dtype::int32;
+      if (type.bits == 64) return Dtype::int64;
+      break;
+    case kDLUInt:
+      if (type.bits == 8) return Dtype::uint8;
+      break;
+    default:
+      break;
+  }
+  return std::nullopt;
+}
+
+}  // namespace kdispatch
