@@ -1,0 +1,90 @@
+// The selection rules of DESIGN.md section 4, in one place, with a
+// resolution cache that takes no lock on a hit.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kdispatch/device.hpp"
+#include "kdispatch/dtype.hpp"
+#include "kdispatch/kernel_spec.hpp"
+#include "kdispatch/registry.hpp"
+
+namespace kdispatch {
+
+struct SelectorOptions {
+  // KDISPATCH_FORCE_BACKEND: wins whenever it is eligible; otherwise a
+  // warning (once per op) and the normal rules.
+  std::string force_backend;
+  // KDISPATCH_BACKEND_ORDER: breaks a tie between several eligible backends.
+  // There is no built-in ranking: without an order a tie is KD-E004.
+  std::vector<std::string> backend_order;
+
+  static SelectorOptions from_environment();
+};
+
+struct SelectRequest {
+  std::string_view op;
+  std::string_view backend;  // empty: choose
+  Device device;
+  std::optional<Dtype> dtype;  // unknown: dtype is not checked
+};
+
+// Why one registered backend was or was not eligible (for `list`, KD-E003).
+struct Eligibility {
+  const KernelSpec* spec = nullptr;
+  bool eligible = false;
+  std::string reason;  // empty when eligible
+};
+
+class Selector {
+ public:
+  explicit Selector(const KernelRegistry& registry, SelectorOptions options = {});
+  ~Selector();
+  Selector(const Selector&) = delete;
+  Selector& operator=(const Selector&) = delete;
+
+  // The spec that a call described by `request` runs. Throws SelectionError
+  // (KD-E001/E002/E003/E004/E006) or CallError KD-E031. Results are cached
+  // per (op, backend request, device type, arch, dtype) until the registry
+  // changes; a cache hit takes no lock.
+  const KernelSpec& select(const SelectRequest& request) const;
+  // The same rules without the cache.
+  const KernelSpec& select_uncached(const SelectRequest& request) const;
+
+  // Every registered backend of `op` checked against the device and dtype.
+  std::vector<Eligibility> eligibility(std::string_view op, const Device& device,
+                                       std::optional<Dtype> dtype) const;
+
+  const SelectorOptions& options() const { return options_; }
+  const KernelRegistry& registry() const { return registry_; }
+
+ private:
+  struct CacheEntry;
+  const CacheEntry* cache_find(const SelectRequest& request, uint64_t hash, uint64_t generation) const;
+  void cache_store(const SelectRequest& request, uint64_t hash, uint64_t generation,
+                   const KernelSpec* spec) const;
+
+  const KernelRegistry& registry_;
+  SelectorOptions options_;
+
+  static constexpr size_t kCacheSlots = 1024;  // power of two
+  static constexpr size_t kCacheProbes = 8;
+  std::unique_ptr<std::atomic<const CacheEntry*>[]> slots_;
+  mutable std::mutex write_mutex_;                       // cache writers only
+  mutable std::vector<std::unique_ptr<CacheEntry>> entries_;  // owned, never freed early
+  mutable std::set<std::string, std::less<>> warned_ops_;  // force-backend warnings
+};
+
+// Closest op ids to `op` (edit distance), for "did you mean".
+std::vector<std::string> closest_ops(std::string_view op, const std::vector<std::string>& candidates,
+                                     size_t max_results = 3);
+
+}  // namespace kdispatch

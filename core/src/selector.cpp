@@ -1,0 +1,276 @@
+#include "kdispatch/selector.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "kdispatch/environment.hpp"
+#include "kdispatch/log.hpp"
+
+namespace kdispatch {
+
+struct Selector::CacheEntry {
+  std::string op;
+  std::string backend;
+  DeviceType device_type;
+  std::string arch;
+  int dtype;  // -1: unknown
+  uint64_t generation;
+  const KernelSpec* spec;
+
+  bool matches(const SelectRequest& r) const {
+    return device_type == r.device.type && dtype == (r.dtype ? static_cast<int>(*r.dtype) : -1) &&
+           op == r.op && backend == r.backend && arch == r.device.arch;
+  }
+};
+
+namespace {
+
+uint64_t fnv1a(uint64_t h, std::string_view s) {
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+uint64_t request_hash(const SelectRequest& r) {
+  uint64_t h = 14695981039346656037ull;
+  h = fnv1a(h, r.op);
+  h = fnv1a(h ^ 0xff, r.backend);
+  h = fnv1a(h ^ (static_cast<uint64_t>(r.device.type) + 1), r.device.arch);
+  h ^= r.dtype ? static_cast<uint64_t>(*r.dtype) + 1 : 0;
+  return h * 1099511628211ull;
+}
+
+std::string backend_list(const std::vector<const KernelSpec*>& specs) {
+  std::vector<std::string_view> names;
+  for (const auto* s : specs) names.push_back(s->backend);
+  return fmt::format("[{}]", fmt::join(names, ", "));
+}
+
+std::string dtype_list(const std::vector<Dtype>& dtypes) {
+  std::vector<std::string_view> names;
+  for (Dtype d : dtypes) names.push_back(dtype_name(d));
+  return fmt::format("[{}]", fmt::join(names, ", "));
+}
+
+std::string failure_text(const PluginFailure& f) {
+  return fmt::format("plugin '{}'{} was not loaded: [{}] {}", f.plugin.empty() ? "?" : f.plugin,
+                     f.manifest.empty() ? "" : fmt::format(" ({})", f.manifest), code_string(f.problem.code),
+                     f.problem.message);
+}
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+}  // namespace
+
+SelectorOptions SelectorOptions::from_environment() {
+  SelectorOptions options;
+  if (auto force = get_env("KDISPATCH_FORCE_BACKEND")) options.force_backend = *force;
+  if (auto order = get_env("KDISPATCH_BACKEND_ORDER")) options.backend_order = split_list(*order, ',');
+  return options;
+}
+
+std::vector<std::string> closest_ops(std::string_view op, const std::vector<std::string>& candidates,
+                                     size_t max_results) {
+  std::vector<std::pair<size_t, std::string>> scored;
+  const size_t limit = std::max<size_t>(2, op.size() / 3);
+  for (const auto& c : candidates) {
+    size_t d = edit_distance(op, c);
+    // "rmsnorm" should suggest "layernorm.rmsnorm": a match on the name part.
+    const auto dot = c.find('.');
+    if (dot != std::string::npos) d = std::min(d, edit_distance(op, std::string_view(c).substr(dot + 1)) + 1);
+    if (d <= limit) scored.emplace_back(d, c);
+  }
+  std::sort(scored.begin(), scored.end());
+  std::vector<std::string> out;
+  for (size_t i = 0; i < scored.size() && i < max_results; ++i) out.push_back(scored[i].second);
+  return out;
+}
+
+Selector::Selector(const KernelRegistry& registry, SelectorOptions options)
+    : registry_(registry),
+      options_(std::move(options)),
+      slots_(new std::atomic<const CacheEntry*>[kCacheSlots]) {
+  for (size_t i = 0; i < kCacheSlots; ++i) slots_[i].store(nullptr, std::memory_order_relaxed);
+}
+
+Selector::~Selector() = default;
+
+std::vector<Eligibility> Selector::eligibility(std::string_view op, const Device& device,
+                                               std::optional<Dtype> dtype) const {
+  std::vector<Eligibility> out;
+  for (const KernelSpec* spec : registry_.get(op)) {
+    Eligibility e{spec, true, {}};
+    std::string why;
+    if (!targets_match(spec->targets, device, &why)) {
+      e.eligible = false;
+      e.reason = std::move(why);
+    } else if (dtype && !spec->supports(*dtype)) {
+      e.eligible = false;
+      e.reason = fmt::format("does not support dtype {} (supports {})", dtype_name(*dtype), dtype_list(spec->dtypes));
+    }
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+const KernelSpec& Selector::select_uncached(const SelectRequest& request) const {
+  const std::string device = request.device.str();
+  const std::vector<const KernelSpec*> specs = registry_.get(request.op);
+  const std::vector<PluginFailure> failures = registry_.failures();
+  const auto failures_for = [&](auto&& pred) {
+    std::vector<std::string> lines;
+    for (const auto& f : failures) {
+      if (pred(f)) lines.push_back(failure_text(f));
+    }
+    return lines;
+  };
+  const auto declares_op = [&](const PluginFailure& f) {
+    return std::find(f.ops.begin(), f.ops.end(), request.op) != f.ops.end();
+  };
+
+  // Rule 1: the op is unknown.
+  if (specs.empty()) {
+    std::vector<std::string> hints;
+    for (const auto& s : closest_ops(request.op, registry_.ops())) hints.push_back(fmt::format("did you mean '{}'?", s));
+    for (auto& line : failures_for([](const PluginFailure&) { return true; })) hints.push_back(std::move(line));
+    throw SelectionError(ErrorCode::unknown_op, fmt::format("No kernels registered for op '{}'", request.op),
+                         std::move(hints));
+  }
+
+  // Rule 2: a backend is named.
+  if (!request.backend.empty()) {
+    const auto it = std::find_if(specs.begin(), specs.end(),
+                                 [&](const KernelSpec* s) { return s->backend == request.backend; });
+    if (it == specs.end()) {
+      std::string message = fmt::format("No '{}' backend registered for op '{}' (registered: {})", request.backend,
+                                        request.op, backend_list(specs));
+      const auto why = failures_for([&](const PluginFailure& f) { return f.backend == request.backend; });
+      if (!why.empty()) message += fmt::format(": {}", fmt::join(why, "; "));
+      throw SelectionError(ErrorCode::backend_not_registered, std::move(message), why);
+    }
+    const KernelSpec& spec = **it;
+    std::string why;
+    if (!targets_match(spec.targets, request.device, &why)) {
+      throw SelectionError(ErrorCode::backend_not_usable,
+                           fmt::format("Backend '{}' is registered for op '{}' but not usable on device '{}': {}",
+                                       request.backend, request.op, device, why));
+    }
+    if (request.dtype && !spec.supports(*request.dtype)) {
+      throw CallError(ErrorCode::dtype_not_supported,
+                      fmt::format("Backend '{}' for op '{}' does not support dtype {} (supports {})", request.backend,
+                                  request.op, dtype_name(*request.dtype), dtype_list(spec.dtypes)));
+    }
+    return spec;
+  }
+
+  // Rule 3: filter by device and dtype, then choose.
+  const std::vector<Eligibility> checked = eligibility(request.op, request.device, request.dtype);
+  std::vector<const KernelSpec*> eligible;
+  for (const auto& e : checked) {
+    if (e.eligible) eligible.push_back(e.spec);
+  }
+
+  if (!options_.force_backend.empty()) {
+    for (const KernelSpec* s : eligible) {
+      if (s->backend == options_.force_backend) return *s;
+    }
+    bool first_time;
+    {
+      std::lock_guard lock(write_mutex_);
+      first_time = warned_ops_.emplace(request.op).second;
+    }
+    if (first_time) {
+      log(LogLevel::warn, "KDISPATCH_FORCE_BACKEND={} is not usable for op '{}' on device '{}'; selecting normally",
+          options_.force_backend, request.op, device);
+    }
+  }
+
+  if (eligible.size() == 1) return *eligible.front();
+
+  if (eligible.empty()) {
+    std::vector<std::string> reasons;
+    for (const auto& e : checked) reasons.push_back(fmt::format("{}: {}", e.spec->backend, e.reason));
+    for (auto& line : failures_for(declares_op)) reasons.push_back(std::move(line));
+    throw SelectionError(ErrorCode::no_usable_backend,
+                         fmt::format("op '{}' has no backend usable on device '{}' (registered: {}): {}", request.op,
+                                     device, backend_list(specs), fmt::join(reasons, "; ")),
+                         reasons);
+  }
+
+  for (const auto& preferred : options_.backend_order) {
+    for (const KernelSpec* s : eligible) {
+      if (s->backend == preferred) return *s;
+    }
+  }
+  throw SelectionError(ErrorCode::ambiguous_backend,
+                       fmt::format("op '{}' has multiple backends usable on device '{}' ({}); pass backend=... to "
+                                   "choose one",
+                                   request.op, device, backend_list(eligible)),
+                       {"or set a preference order, e.g. KDISPATCH_BACKEND_ORDER=" +
+                        fmt::format("{}", fmt::join([&] {
+                                      std::vector<std::string_view> n;
+                                      for (const auto* s : eligible) n.push_back(s->backend);
+                                      return n;
+                                    }(),
+                                                    ","))});
+}
+
+const Selector::CacheEntry* Selector::cache_find(const SelectRequest& request, uint64_t hash,
+                                                  uint64_t generation) const {
+  for (size_t i = 0; i < kCacheProbes; ++i) {
+    const CacheEntry* e = slots_[(hash + i) & (kCacheSlots - 1)].load(std::memory_order_acquire);
+    if (e == nullptr) return nullptr;
+    if (e->generation == generation && e->matches(request)) return e;
+  }
+  return nullptr;
+}
+
+void Selector::cache_store(const SelectRequest& request, uint64_t hash, uint64_t generation,
+                           const KernelSpec* spec) const {
+  std::lock_guard lock(write_mutex_);
+  // Bounded: past this many entries selections are still correct, just not
+  // cached (a registry that changes without end).
+  if (entries_.size() >= kCacheSlots * 16) return;
+  auto entry = std::make_unique<CacheEntry>(CacheEntry{std::string(request.op), std::string(request.backend),
+                                                       request.device.type, request.device.arch,
+                                                       request.dtype ? static_cast<int>(*request.dtype) : -1,
+                                                       generation, spec});
+  for (size_t i = 0; i < kCacheProbes; ++i) {
+    auto& slot = slots_[(hash + i) & (kCacheSlots - 1)];
+    const CacheEntry* current = slot.load(std::memory_order_acquire);
+    // Take an empty slot, or replace a stale entry (older generation); entries
+    // are never freed while the selector lives, so readers stay safe.
+    if (current == nullptr || current->generation < generation) {
+      slot.store(entry.get(), std::memory_order_release);
+      entries_.push_back(std::move(entry));
+      return;
+    }
+  }
+}
+
+const KernelSpec& Selector::select(const SelectRequest& request) const {
+  const uint64_t generation = registry_.generation();
+  const uint64_t hash = request_hash(request);
+  if (const CacheEntry* e = cache_find(request, hash, generation)) return *e->spec;
+  const KernelSpec& spec = select_uncached(request);
+  cache_store(request, hash, generation, &spec);
+  return spec;
+}
+
+}  // namespace kdispatch
