@@ -50,6 +50,6 @@ struct PluginBinary {
 //   probe succeeds                                         (KD-E024)
 //   every declared kernel symbol is found                  (KD-E023)
 // Throws PluginError. Not thread-safe by itself: the caller serialises loads.
-std::unique_ptr<PluginBinary> load_plugin(const Manifest& manifest);
+std::unique_ptr<PluginBinary> load_plugin_binary(const Manifest& manifest);
 
 }  // namespace kdispatch

@@ -1,0 +1,83 @@
+// Context: one set of plugins and the registry built from their manifests.
+// Constructing it discovers plugins and registers their kernels from the
+// manifests alone; a plugin library is opened only when one of its kernels
+// is first asked for (kernel()).
+#pragma once
+
+#include <kdispatch/plugin_api.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kdispatch/discovery.hpp"
+#include "kdispatch/plugin_loader.hpp"
+#include "kdispatch/registry.hpp"
+#include "kdispatch/selector.hpp"
+
+namespace kdispatch {
+
+struct ContextOptions {
+  SearchPathOptions search;
+  // Default: SelectorOptions::from_environment().
+  std::optional<SelectorOptions> selector;
+  // Register the op schemas compiled into the core (manifests/ops/).
+  bool builtin_schemas = true;
+};
+
+// What became of a plugin once its library was asked for.
+struct PluginLoadState {
+  const PluginBinary* binary = nullptr;  // set when loaded
+  std::optional<Problem> failure;        // set when loading failed
+};
+
+class Context {
+ public:
+  explicit Context(ContextOptions options = {});
+  ~Context();
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  KernelRegistry& registry() { return *registry_; }
+  const KernelRegistry& registry() const { return *registry_; }
+  const Selector& selector() const { return *selector_; }
+  const DiscoveryResult& discovery() const { return discovery_; }
+
+  // Registers a manifest given by the API (its library is found next to its
+  // path). Problems are returned, and kept for problems().
+  std::vector<Problem> add_manifest(const Manifest& manifest);
+
+  // Every problem so far: discovery, registration conflicts, failed loads.
+  std::vector<Problem> problems() const;
+
+  const KernelSpec& select(const SelectRequest& request) const { return selector_->select(request); }
+
+  // The kernel of `spec`, loading its plugin on first use (serialised; a
+  // plugin is opened at most once and never unloaded). Throws PluginError
+  // when the plugin cannot be used; its kernels are then withdrawn, so later
+  // selections report why (KD-E002/E003).
+  kd_kernel_fn kernel(const KernelSpec& spec);
+  // Loads a plugin by name (doctor). Throws PluginError.
+  const PluginBinary& load_plugin(const std::string& plugin);
+  // nullopt when the plugin was never asked for.
+  std::optional<PluginLoadState> load_state(const std::string& plugin) const;
+
+ private:
+  void register_record(PluginRecord& record);
+  const Manifest* manifest_of(const std::string& plugin) const;
+
+  std::unique_ptr<KernelRegistry> registry_;
+  std::unique_ptr<Selector> selector_;
+  DiscoveryResult discovery_;
+  std::vector<Manifest> api_manifests_;
+  std::vector<Problem> problems_;  // registration problems (guarded by load_mutex_)
+
+  mutable std::mutex load_mutex_;
+  std::map<std::string, std::unique_ptr<PluginBinary>> loaded_;
+  std::map<std::string, Problem> failed_;
+};
+
+}  // namespace kdispatch

@@ -1,0 +1,157 @@
+#include "kdispatch/context.hpp"
+
+#include <fmt/format.h>
+
+#include "builtin_schemas.hpp"
+#include "kdispatch/log.hpp"
+
+namespace kdispatch {
+namespace {
+
+std::vector<std::string> ops_of(const Manifest& m) {
+  std::vector<std::string> ops;
+  for (const auto& k : m.kernels) ops.push_back(k.op);
+  return ops;
+}
+
+}  // namespace
+
+Context::Context(ContextOptions options)
+    : registry_(std::make_unique<KernelRegistry>()),
+      selector_(std::make_unique<Selector>(*registry_, options.selector ? std::move(*options.selector)
+                                                                        : SelectorOptions::from_environment())) {
+  if (options.builtin_schemas) {
+    for (const BuiltinSchemaFile& file : builtin_schema_files()) {
+      SchemaFileResult parsed = parse_op_schemas(file.text, file.name);
+      for (const auto& e : parsed.errors) {
+        log(LogLevel::error, "built-in op schemas {}: {}", file.name, e.message);
+        problems_.push_back(e);
+      }
+      for (const auto& schema : parsed.schemas) registry_->add_schema(schema);
+    }
+  }
+  discovery_ = discover_plugins(options.search);
+  for (PluginRecord& record : discovery_.plugins) register_record(record);
+}
+
+Context::~Context() = default;
+
+void Context::register_record(PluginRecord& record) {
+  switch (record.state) {
+    case PluginState::shadowed:
+      return;
+    case PluginState::disabled:
+      registry_->record_failure({record.name, record.backend, record.manifest_path,
+                                 record.manifest ? ops_of(*record.manifest) : std::vector<std::string>{},
+                                 Problem{ErrorCode::backend_not_registered, record.manifest_path, record.note}});
+      return;
+    case PluginState::error:
+      // The last problem is the error that stopped the plugin (warnings come first).
+      if (!record.problems.empty()) {
+        registry_->record_failure({record.name, record.backend, record.manifest_path,
+                                   record.manifest ? ops_of(*record.manifest) : std::vector<std::string>{},
+                                   record.problems.back()});
+      }
+      return;
+    case PluginState::found:
+      break;
+  }
+  const Manifest& m = *record.manifest;
+  for (const OpSchema& schema : m.ops) {
+    try {
+      registry_->add_schema(schema);
+    } catch (const RegistrationError& e) {
+      log(LogLevel::warn, "{}: {}", record.manifest_path, e.message());
+      record.problems.push_back({e.code(), record.manifest_path, e.message()});
+    }
+  }
+  for (const KernelSpec& spec : m.kernels) {
+    try {
+      registry_->add(spec);
+    } catch (const RegistrationError& e) {
+      // The first registration stays; the rest of this plugin still loads.
+      log(LogLevel::warn, "{}", e.message());
+      record.problems.push_back({e.code(), record.manifest_path, e.message()});
+    }
+  }
+}
+
+std::vector<Problem> Context::add_manifest(const Manifest& manifest) {
+  PluginRecord record;
+  record.name = manifest.plugin;
+  record.backend = manifest.backend;
+  record.manifest_path = manifest.path;
+  record.library_path = manifest.library_path().string();
+  record.manifest = manifest;
+  register_record(record);
+  std::lock_guard lock(load_mutex_);
+  api_manifests_.push_back(manifest);
+  for (const auto& p : record.problems) problems_.push_back(p);
+  return record.problems;
+}
+
+std::vector<Problem> Context::problems() const {
+  std::vector<Problem> out;
+  for (const auto& rec : discovery_.plugins) {
+    for (const auto& p : rec.problems) out.push_back(p);
+  }
+  std::lock_guard lock(load_mutex_);
+  out.insert(out.end(), problems_.begin(), problems_.end());
+  for (const auto& [name, problem] : failed_) out.push_back(problem);
+  return out;
+}
+
+const Manifest* Context::manifest_of(const std::string& plugin) const {
+  for (const auto& rec : discovery_.plugins) {
+    if (rec.state == PluginState::found && rec.name == plugin) return &*rec.manifest;
+  }
+  for (const auto& m : api_manifests_) {
+    if (m.plugin == plugin) return &m;
+  }
+  return nullptr;
+}
+
+const PluginBinary& Context::load_plugin(const std::string& plugin) {
+  std::lock_guard lock(load_mutex_);
+  if (auto it = loaded_.find(plugin); it != loaded_.end()) return *it->second;
+  if (auto it = failed_.find(plugin); it != failed_.end()) {
+    throw PluginError(it->second.code, it->second.message);
+  }
+  const Manifest* manifest = manifest_of(plugin);
+  if (manifest == nullptr) {
+    throw PluginError(ErrorCode::plugin_open_failed, fmt::format("no usable manifest for plugin '{}'", plugin));
+  }
+  try {
+    log(LogLevel::info, "loading plugin '{}' from {}", plugin, manifest->library_path().string());
+    auto binary = load_plugin_binary(*manifest);
+    const PluginBinary& ref = *binary;
+    loaded_.emplace(plugin, std::move(binary));
+    return ref;
+  } catch (const PluginError& e) {
+    Problem problem{e.code(), manifest->library_path().string(), e.message()};
+    log(LogLevel::warn, "plugin '{}' failed to load: {}: {}", plugin, code_string(e.code()), e.message());
+    failed_.emplace(plugin, problem);
+    registry_->withdraw_plugin(plugin, problem);
+    throw;
+  }
+}
+
+std::optional<PluginLoadState> Context::load_state(const std::string& plugin) const {
+  std::lock_guard lock(load_mutex_);
+  if (auto it = loaded_.find(plugin); it != loaded_.end()) return PluginLoadState{it->second.get(), std::nullopt};
+  if (auto it = failed_.find(plugin); it != failed_.end()) return PluginLoadState{nullptr, it->second};
+  return std::nullopt;
+}
+
+kd_kernel_fn Context::kernel(const KernelSpec& spec) {
+  const PluginBinary& binary = load_plugin(spec.plugin);
+  auto it = binary.kernels.find(spec.symbol);
+  if (it == binary.kernels.end()) {
+    throw PluginError(ErrorCode::plugin_manifest_mismatch,
+                      fmt::format("plugin '{}' ({}) has no kernel '{}' for op '{}'", spec.plugin, binary.library_path,
+                                  spec.symbol, spec.op));
+  }
+  return it->second;
+}
+
+}  // namespace kdispatch

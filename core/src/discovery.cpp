@@ -1,0 +1,170 @@
+#include "kdispatch/discovery.hpp"
+
+#include <dlfcn.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <system_error>
+
+#include "kdispatch/environment.hpp"
+#include "kdispatch/log.hpp"
+#include "kdispatch/plugin_security.hpp"
+
+namespace fs = std::filesystem;
+
+namespace kdispatch {
+
+std::string_view plugin_state_name(PluginState state) {
+  switch (state) {
+    case PluginState::found: return "found";
+    case PluginState::error: return "error";
+    case PluginState::disabled: return "disabled";
+    case PluginState::shadowed: return "shadowed";
+  }
+  return "?";
+}
+
+std::vector<fs::path> default_plugin_dirs() {
+  std::vector<fs::path> dirs;
+  std::error_code ec;
+  // Beside the running program: <prefix>/bin/kdispatch -> <prefix>/lib/kdispatch/plugins.
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) dirs.push_back((exe.parent_path() / ".." / "lib" / "kdispatch" / "plugins").lexically_normal());
+  // Beside the core library, for programs that live elsewhere (e.g. a Python
+  // extension): <prefix>/lib/libkdispatch.so -> <prefix>/lib/kdispatch/plugins.
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&default_plugin_dirs), &info) != 0 && info.dli_fname != nullptr) {
+    const fs::path lib = fs::weakly_canonical(info.dli_fname, ec);
+    if (!ec) dirs.push_back((lib.parent_path() / "kdispatch" / "plugins").lexically_normal());
+  }
+  dirs.emplace_back(KDISPATCH_INSTALL_PLUGIN_DIR);
+  return dirs;
+}
+
+std::vector<SearchDir> resolve_search_path(const SearchPathOptions& options) {
+  std::vector<SearchDir> dirs;
+  std::set<std::string> seen;
+  const auto push = [&](const fs::path& p, std::string origin) {
+    std::error_code ec;
+    fs::path key = fs::weakly_canonical(fs::absolute(p, ec), ec);
+    if (ec) key = p.lexically_normal();
+    if (seen.insert(key.string()).second) dirs.push_back({p, std::move(origin)});
+  };
+  for (const auto& p : options.add) push(p, "--add-plugin-path");
+  if (options.use_environment) {
+    if (auto env = get_env("KDISPATCH_ADD_PLUGIN_PATH")) {
+      for (const auto& p : split_list(*env, ':')) push(p, "KDISPATCH_ADD_PLUGIN_PATH");
+    }
+  }
+  std::optional<std::string> env_path;
+  if (options.use_environment) env_path = get_env("KDISPATCH_PLUGIN_PATH");
+  if (!options.replace.empty()) {
+    for (const auto& p : options.replace) push(p, "--plugin-path");
+  } else if (env_path) {
+    for (const auto& p : split_list(*env_path, ':')) push(p, "KDISPATCH_PLUGIN_PATH");
+  } else if (options.use_default_path) {
+    for (const auto& p : default_plugin_dirs()) push(p, "default");
+  }
+  return dirs;
+}
+
+namespace {
+
+struct NameFilter {
+  std::vector<std::string> disable;
+  std::vector<std::string> select;
+
+  // Why `name` is filtered out, or empty.
+  std::string reject_reason(const std::string& name) const {
+    for (const auto& g : disable) {
+      if (glob_match(g, name)) return fmt::format("disabled by KDISPATCH_PLUGINS_DISABLE (matches '{}')", g);
+    }
+    if (select.empty()) return {};
+    for (const auto& g : select) {
+      if (glob_match(g, name)) return {};
+    }
+    return fmt::format("not selected by KDISPATCH_PLUGINS_SELECT={}", fmt::join(select, ","));
+  }
+};
+
+std::vector<fs::path> manifests_in(const fs::path& dir) {
+  std::vector<fs::path> files;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (entry.path().extension() == ".json" && entry.is_regular_file(ec)) files.push_back(entry.path());
+  }
+  if (ec) log(LogLevel::warn, "cannot list plugin directory {}: {}", dir.string(), ec.message());
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+}  // namespace
+
+DiscoveryResult discover_plugins(const SearchPathOptions& options) {
+  DiscoveryResult result;
+  result.search_path = resolve_search_path(options);
+  NameFilter filter;
+  if (options.use_environment) {
+    if (auto env = get_env("KDISPATCH_PLUGINS_DISABLE")) filter.disable = split_list(*env, ',');
+    if (auto env = get_env("KDISPATCH_PLUGINS_SELECT")) filter.select = split_list(*env, ',');
+  }
+  std::map<std::string, std::string> first_manifest;  // plugin name -> manifest path
+
+  for (const SearchDir& dir : result.search_path) {
+    std::error_code ec;
+    if (!fs::is_directory(dir.path, ec)) {
+      log(LogLevel::info, "plugin directory {} ({}): does not exist, skipped", dir.path.string(), dir.origin);
+      continue;
+    }
+    log(LogLevel::debug, "searching plugin directory {} ({})", dir.path.string(), dir.origin);
+    for (const fs::path& file : manifests_in(dir.path)) {
+      PluginRecord rec;
+      rec.manifest_path = file.string();
+      ManifestResult parsed = read_manifest(file);
+      for (const auto& w : parsed.warnings) {
+        log(LogLevel::warn, "{}", w.message);
+        rec.problems.push_back(w);
+      }
+      if (!parsed.ok()) {
+        rec.state = PluginState::error;
+        for (const auto& e : parsed.errors) {
+          log(LogLevel::warn, "skipping manifest {}: {}: {}", rec.manifest_path, code_string(e.code), e.message);
+          rec.problems.push_back(e);
+        }
+        result.plugins.push_back(std::move(rec));
+        continue;
+      }
+      const Manifest& m = *parsed.manifest;
+      rec.name = m.plugin;
+      rec.backend = m.backend;
+      rec.library_path = m.library_path().string();
+      log(LogLevel::debug, "found manifest {}: plugin '{}', backend '{}', {} kernel(s)", rec.manifest_path, m.plugin,
+          m.backend, m.kernels.size());
+
+      if (auto it = first_manifest.find(m.plugin); it != first_manifest.end()) {
+        rec.state = PluginState::shadowed;
+        rec.note = fmt::format("plugin '{}' was already found at {}; the first one wins", m.plugin, it->second);
+        log(LogLevel::warn, "skipping manifest {}: {}", rec.manifest_path, rec.note);
+      } else if (std::string why = filter.reject_reason(m.plugin); !why.empty()) {
+        first_manifest.emplace(m.plugin, rec.manifest_path);
+        rec.state = PluginState::disabled;
+        rec.note = std::move(why);
+        log(LogLevel::info, "skipping plugin '{}' ({}): {}", m.plugin, rec.manifest_path, rec.note);
+      } else {
+        first_manifest.emplace(m.plugin, rec.manifest_path);
+        if (auto problem = check_library_location(m)) {
+          rec.state = PluginState::error;
+          log(LogLevel::warn, "skipping plugin '{}': {}: {}", m.plugin, code_string(problem->code), problem->message);
+          rec.problems.push_back(std::move(*problem));
+        }
+      }
+      rec.manifest = std::move(parsed.manifest);
+      result.plugins.push_back(std::move(rec));
+    }
+  }
+  return result;
+}
+
+}  // namespace kdispatch
