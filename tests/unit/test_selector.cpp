@@ -1,0 +1,367 @@
+// The selection rules of DESIGN.md section 4, including the cases of SGLang's
+// kernel-registry tests.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kdispatch/error.hpp"
+#include "kdispatch/log.hpp"
+#include "kdispatch/registry.hpp"
+#include "kdispatch/selector.hpp"
+
+using namespace kdispatch;
+
+namespace {
+
+Target cuda_target(std::optional<std::string> min_arch, std::optional<std::string> max_arch = std::nullopt) {
+  Target t;
+  t.device = DeviceType::cuda;
+  if (min_arch) t.min_arch = CudaArch::parse(*min_arch);
+  if (max_arch) t.max_arch = CudaArch::parse(*max_arch);
+  return t;
+}
+
+Target cpu_target() { return Target{DeviceType::cpu, {}, {}, {}, {}}; }
+
+Target hip_target(std::vector<std::string> archs) { return Target{DeviceType::hip, {}, {}, std::move(archs), {}}; }
+
+KernelSpec spec(std::string op, std::string backend, std::vector<Target> targets,
+                std::vector<Dtype> dtypes = {}) {
+  KernelSpec s;
+  s.op = std::move(op);
+  s.backend = backend;
+  s.plugin = backend;
+  s.symbol = "kd_" + backend + "_kernel";
+  s.targets = std::move(targets);
+  s.dtypes = std::move(dtypes);
+  s.manifest = backend + ".json";
+  return s;
+}
+
+SelectRequest req(std::string_view op, std::string_view device, std::string_view backend = {},
+                  std::optional<Dtype> dtype = std::nullopt) {
+  return SelectRequest{op, backend, Device::parse(device), dtype};
+}
+
+// Runs `f`, expecting a kdispatch::Error with `code`; returns its message.
+template <class F>
+std::string error_of(F&& f, ErrorCode code) {
+  try {
+    f();
+  } catch (const Error& e) {
+    CHECK_MESSAGE(e.code() == code, "got " << e.code_string() << ": " << e.what());
+    return e.what();
+  }
+  FAIL("no error thrown, expected " << code_string(code));
+  return {};
+}
+
+struct CaptureLog {
+  std::vector<std::string> lines;
+  CaptureLog() {
+    set_log_sink([this](LogLevel, std::string_view m) { lines.emplace_back(m); });
+  }
+  ~CaptureLog() { set_log_sink({}); }
+};
+
+}  // namespace
+
+TEST_CASE("a single eligible backend resolves without naming it") {
+  KernelRegistry reg;
+  reg.add(spec("layernorm.rmsnorm", "cuda", {cuda_target("8.0")}));
+  Selector sel(reg);
+  CHECK(sel.select(req("layernorm.rmsnorm", "cuda:9.0")).backend == "cuda");
+}
+
+TEST_CASE("unknown op raises KD-E001 with did-you-mean") {
+  KernelRegistry reg;
+  reg.add(spec("layernorm.rmsnorm", "cpu", {cpu_target()}));
+  Selector sel(reg);
+  const std::string msg =
+      error_of([&] { sel.select(req("layernorm.rmsnrom", "cpu")); }, ErrorCode::unknown_op);
+  CHECK(msg == "No kernels registered for op 'layernorm.rmsnrom'");
+  try {
+    sel.select(req("layernorm.rmsnrom", "cpu"));
+  } catch (const Error& e) {
+    REQUIRE(!e.hints().empty());
+    CHECK(e.hints()[0] == "did you mean 'layernorm.rmsnorm'?");
+  }
+}
+
+TEST_CASE("unknown backend raises KD-E002 naming the registered ones") {
+  KernelRegistry reg;
+  reg.add(spec("layernorm.rmsnorm", "cpu", {cpu_target()}));
+  reg.add(spec("layernorm.rmsnorm", "cuda", {cuda_target("9.0")}));
+  Selector sel(reg);
+  const std::string msg =
+      error_of([&] { sel.select(req("layernorm.rmsnorm", "cpu", "triton")); }, ErrorCode::backend_not_registered);
+  CHECK(msg == "No 'triton' backend registered for op 'layernorm.rmsnorm' (registered: [cpu, cuda])");
+}
+
+TEST_CASE("KD-E002 says why a plugin declaring the backend did not load") {
+  KernelRegistry reg;
+  reg.add(spec("layernorm.rmsnorm", "cpu", {cpu_target()}));
+  reg.record_failure({"cuda", "cuda", "/p/cuda.json", {"layernorm.rmsnorm"},
+                      Problem{ErrorCode::manifest_bad_library_path, "/p/cuda.json",
+                              "library not found: /p/libkdispatch-cuda.so"}});
+  Selector sel(reg);
+  const std::string msg =
+      error_of([&] { sel.select(req("layernorm.rmsnorm", "cpu", "cuda")); }, ErrorCode::backend_not_registered);
+  CHECK(msg.starts_with("No 'cuda' backend registered for op 'layernorm.rmsnorm' (registered: [cpu])"));
+  CHECK(msg.find("plugin 'cuda' (/p/cuda.json) was not loaded: [KD-E012] library not found: "
+                 "/p/libkdispatch-cuda.so") != std::string::npos);
+}
+
+TEST_CASE("two backends usable on cuda:9.0 raise KD-E004 and resolve once one is named") {
+  KernelRegistry reg;
+  reg.add(spec("layernorm.rmsnorm", "cuda", {cuda_target("8.0")}));
+  reg.add(spec("layernorm.rmsnorm", "triton", {cuda_target("7.5")}));
+  Selector sel(reg);
+  const std::string msg = error_of([&] { sel.select(req("layernorm.rmsnorm", "cuda:9.0")); },
+                                   ErrorCode::ambiguous_backend);
+  CHECK(msg ==
+        "op 'layernorm.rmsnorm' has multiple backends usable on device 'cuda:9.0' ([cuda, triton]); pass "
+        "backend=... to choose one");
+  CHECK(sel.select(req("layernorm.rmsnorm", "cuda:9.0", "triton")).backend == "triton");
+  CHECK(sel.select(req("layernorm.rmsnorm", "cuda:9.0", "cuda")).backend == "cuda");
+}
+
+TEST_CASE("an arch window [9.0, -] rejects cuda:8.0 and accepts cuda:10.0") {
+  KernelRegistry reg;
+  reg.add(spec("attention.decode", "cuda", {cuda_target("9.0")}));
+  Selector sel(reg);
+  CHECK(sel.select(req("attention.decode", "cuda:10.0")).backend == "cuda");
+  CHECK(sel.select(req("attention.decode", "cuda:9.0")).backend == "cuda");
+  const std::string msg =
+      error_of([&] { sel.select(req("attention.decode", "cuda:8.0")); }, ErrorCode::no_usable_backend);
+  CHECK(msg.starts_with("op 'attention.decode' has no backend usable on device 'cuda:8.0' (registered: [cuda])"));
+  CHECK(msg.find("needs cuda arch >= 9.0, device has 8.0") != std::string::npos);
+}
+
+TEST_CASE("an inclusive upper bound") {
+  KernelRegistry reg;
+  reg.add(spec("x.y", "cuda", {cuda_target("8.0", "9.0")}));
+  Selector sel(reg);
+  CHECK(sel.select(req("x.y", "cuda:9.0")).backend == "cuda");
+  CHECK(sel.select(req("x.y", "cuda:8.0")).backend == "cuda");
+  error_of([&] { sel.select(req("x.y", "cuda:10.0")); }, ErrorCode::no_usable_backend);
+  // A device whose arch is unknown cannot satisfy an arch window.
+  error_of([&] { sel.select(req("x.y", "cuda")); }, ErrorCode::no_usable_backend);
+}
+
+TEST_CASE("CPU and HIP platforms") {
+  KernelRegistry reg;
+  reg.add(spec("activation.silu_and_mul", "cpu", {cpu_target()}));
+  reg.add(spec("activation.silu_and_mul", "hip", {hip_target({"gfx90a", "gfx1030"})}));
+  Selector sel(reg);
+  CHECK(sel.select(req("activation.silu_and_mul", "cpu")).backend == "cpu");
+  CHECK(sel.select(req("activation.silu_and_mul", "hip:gfx90a")).backend == "hip");
+  CHECK(sel.select(req("activation.silu_and_mul", "hip:gfx1030")).backend == "hip");
+  const std::string msg =
+      error_of([&] { sel.select(req("activation.silu_and_mul", "hip:gfx942")); }, ErrorCode::no_usable_backend);
+  CHECK(msg.find("hip: needs hip arch in [gfx90a, gfx1030], device has gfx942") != std::string::npos);
+  CHECK(msg.find("cpu: targets cpu, not hip") != std::string::npos);
+}
+
+TEST_CASE("CPU feature requirements") {
+  KernelRegistry reg;
+  reg.add(spec("x.y", "cpu_fancy", {Target{DeviceType::cpu, {}, {}, {}, {"no_such_feature"}}}));
+  Selector sel(reg);
+  const std::string msg = error_of([&] { sel.select(req("x.y", "cpu")); }, ErrorCode::no_usable_backend);
+  CHECK(msg.find("needs cpu feature 'no_such_feature'") != std::string::npos);
+}
+
+TEST_CASE("OR over several targets; no targets means any device") {
+  KernelRegistry reg;
+  reg.add(spec("x.multi", "portable", {cpu_target(), cuda_target("9.0"), hip_target({"gfx90a"})}));
+  reg.add(spec("x.any", "generic", {}));
+  Selector sel(reg);
+  for (const char* dev : {"cpu", "cuda:9.0", "cuda:12.0", "hip:gfx90a"}) {
+    CHECK(sel.select(req("x.multi", dev)).backend == "portable");
+    CHECK(sel.select(req("x.any", dev)).backend == "generic");
+  }
+  const std::string msg = error_of([&] { sel.select(req("x.multi", "cuda:8.6")); }, ErrorCode::no_usable_backend);
+  CHECK(msg.find("targets cpu, not cuda; needs cuda arch >= 9.0, device has 8.6; targets hip, not cuda") !=
+        std::string::npos);
+}
+
+TEST_CASE("a single registered CUDA-only backend on cpu raises KD-E003, not silently chosen") {
+  KernelRegistry reg;
+  reg.add(spec("layernorm.rmsnorm", "cuda", {cuda_target("9.0")}));
+  Selector sel(reg);
+  const std::string msg =
+      error_of([&] { sel.select(req("layernorm.rmsnorm", "cpu")); }, ErrorCode::no_usable_backend);
+  CHECK(msg == "op 'layernorm.rmsnorm' has no backend usable on device 'cpu' (registered: [cuda]): cuda: targets "
+               "cuda, not cpu");
+}
+
+TEST_CASE("a named backend that is registered but not usable raises KD-E006") {
+  KernelRegistry reg;
+  reg.add(spec("layernorm.rmsnorm", "cuda", {cuda_target("9.0")}));
+  reg.add(spec("layernorm.rmsnorm", "cpu", {cpu_target()}));
+  Selector sel(reg);
+  const std::string msg = error_of([&] { sel.select(req("layernorm.rmsnorm", "cpu", "cuda")); },
+                                   ErrorCode::backend_not_usable);
+  CHECK(msg.find("targets cuda, not cpu") != std::string::npos);
+}
+
+TEST_CASE("dtype gates eligibility; KD-E031 when the backend is named") {
+  KernelRegistry reg;
+  reg.add(spec("x.y", "cpu", {cpu_target()}, {Dtype::float32}));
+  reg.add(spec("x.y", "cpu_half", {cpu_target()}, {Dtype::float16, Dtype::bfloat16}));
+  Selector sel(reg);
+  CHECK(sel.select(req("x.y", "cpu", {}, Dtype::float32)).backend == "cpu");
+  CHECK(sel.select(req("x.y", "cpu", {}, Dtype::bfloat16)).backend == "cpu_half");
+  const std::string msg =
+      error_of([&] { sel.select(req("x.y", "cpu", "cpu", Dtype::float16)); }, ErrorCode::dtype_not_supported);
+  CHECK(msg.find("does not support dtype float16 (supports [float32])") != std::string::npos);
+  error_of([&] { sel.select(req("x.y", "cpu", {}, Dtype::int32)); }, ErrorCode::no_usable_backend);
+}
+
+TEST_CASE("forced backend: wins when eligible, warns once and falls back when not") {
+  KernelRegistry reg;
+  reg.add(spec("x.y", "cuda", {cuda_target("9.0")}));
+  reg.add(spec("x.y", "cpu", {cpu_target()}));
+  reg.add(spec("x.y", "triton", {cuda_target("8.0")}));
+  SUBCASE("eligible") {
+    Selector sel(reg, SelectorOptions{"triton", {}});
+    CHECK(sel.select(req("x.y", "cuda:9.0")).backend == "triton");
+  }
+  SUBCASE("not eligible: warning once, then the normal rules") {
+    CaptureLog capture;
+    Selector sel(reg, SelectorOptions{"cuda", {}});
+    CHECK(sel.select_uncached(req("x.y", "cpu")).backend == "cpu");
+    CHECK(sel.select_uncached(req("x.y", "cpu")).backend == "cpu");
+    REQUIRE(capture.lines.size() == 1);
+    CHECK(capture.lines[0].find("KDISPATCH_FORCE_BACKEND=cuda is not usable for op 'x.y'") != std::string::npos);
+  }
+  SUBCASE("an explicit backend beats the forced one") {
+    Selector sel(reg, SelectorOptions{"triton", {}});
+    CHECK(sel.select(req("x.y", "cuda:9.0", "cuda")).backend == "cuda");
+  }
+}
+
+TEST_CASE("a preference order breaks ties, and only ties") {
+  KernelRegistry reg;
+  reg.add(spec("x.y", "cuda", {cuda_target("9.0")}));
+  reg.add(spec("x.y", "triton", {cuda_target("8.0")}));
+  reg.add(spec("x.y", "cpu", {cpu_target()}));
+  Selector sel(reg, SelectorOptions{{}, {"triton", "cuda"}});
+  CHECK(sel.select(req("x.y", "cuda:9.0")).backend == "triton");
+  CHECK(sel.select(req("x.y", "cpu")).backend == "cpu");  // single eligible: not in the order, still wins
+  Selector sel2(reg, SelectorOptions{{}, {"hip"}});      // order names none of the tied ones
+  error_of([&] { sel2.select(req("x.y", "cuda:9.0")); }, ErrorCode::ambiguous_backend);
+}
+
+TEST_CASE("re-registration: identical is a no-op, different is KD-E005 and the first stays") {
+  KernelRegistry reg;
+  KernelSpec a = spec("x.y", "cuda", {cuda_target("9.0")});
+  CHECK(reg.add(a));
+  const uint64_t gen = reg.generation();
+  CHECK_FALSE(reg.add(a));
+  CHECK(reg.generation() == gen);
+  KernelSpec b = a;
+  b.symbol = "kd_other_symbol";
+  b.manifest = "other.json";
+  const std::string msg = error_of([&] { reg.add(b); }, ErrorCode::conflicting_registration);
+  CHECK(msg ==
+        "Conflicting kernel registration for op 'x.y', backend 'cuda': plugin 'cuda' symbol 'kd_cuda_kernel' "
+        "(cuda.json) != plugin 'cuda' symbol 'kd_other_symbol' (other.json)");
+  CHECK(reg.get_backend("x.y", "cuda")->symbol == "kd_cuda_kernel");
+}
+
+TEST_CASE("the cache is invalidated by a registration") {
+  KernelRegistry reg;
+  reg.add(spec("x.y", "cuda", {cuda_target("9.0")}));
+  Selector sel(reg);
+  CHECK(sel.select(req("x.y", "cuda:9.0")).backend == "cuda");
+  CHECK(&sel.select(req("x.y", "cuda:9.0")) == &sel.select(req("x.y", "cuda:9.0")));
+  reg.add(spec("x.y", "triton", {cuda_target("8.0")}));
+  error_of([&] { sel.select(req("x.y", "cuda:9.0")); }, ErrorCode::ambiguous_backend);
+  // A withdrawn plugin (failed to load) disappears from cached results too.
+  reg.withdraw_plugin("triton", Problem{ErrorCode::plugin_open_failed, "libtriton.so", "not found"});
+  CHECK(sel.select(req("x.y", "cuda:9.0")).backend == "cuda");
+  const std::string msg =
+      error_of([&] { sel.select(req("x.y", "cuda:9.0", "triton")); }, ErrorCode::backend_not_registered);
+  CHECK(msg.find("plugin 'triton'") != std::string::npos);
+  CHECK(msg.find("[KD-E020] not found") != std::string::npos);
+}
+
+TEST_CASE("the cache keys on device, arch, dtype and backend request") {
+  KernelRegistry reg;
+  reg.add(spec("x.y", "new", {cuda_target("9.0")}, {Dtype::bfloat16}));
+  reg.add(spec("x.y", "old", {cuda_target("7.0", "8.9")}));
+  reg.add(spec("x.y", "cpu", {cpu_target()}));
+  Selector sel(reg);
+  for (int round = 0; round < 2; ++round) {
+    CHECK(sel.select(req("x.y", "cuda:9.0", {}, Dtype::bfloat16)).backend == "new");
+    CHECK(sel.select(req("x.y", "cuda:8.0", {}, Dtype::bfloat16)).backend == "old");
+    CHECK(sel.select(req("x.y", "cpu", {}, Dtype::bfloat16)).backend == "cpu");
+    CHECK(sel.select(req("x.y", "cuda:8.0", "old")).backend == "old");
+    error_of([&] { sel.select(req("x.y", "cuda:9.0", {}, Dtype::float32)); }, ErrorCode::no_usable_backend);
+  }
+}
+
+TEST_CASE("closest ops for did-you-mean") {
+  const std::vector<std::string> ops{"layernorm.rmsnorm", "layernorm.fused_add_rmsnorm", "moe.topk_softmax"};
+  CHECK(closest_ops("layernorm.rmsnrom", ops).front() == "layernorm.rmsnorm");
+  CHECK(closest_ops("rmsnorm", ops).front() == "layernorm.rmsnorm");
+  CHECK(closest_ops("totally.different", ops).empty());
+}
+
+TEST_CASE("device strings") {
+  CHECK(Device::parse("cuda:9.0").str() == "cuda:9.0");
+  CHECK(Device::parse("hip:gfx90a").str() == "hip:gfx90a");
+  CHECK(Device::parse("cpu").str() == "cpu");
+  CHECK_THROWS_AS(Device::parse("tpu"), std::invalid_argument);
+  CHECK_THROWS_AS(Device::parse("cuda:9"), std::invalid_argument);
+  CHECK_THROWS_AS(Device::parse("cuda:"), std::invalid_argument);
+  CHECK_THROWS_AS(Device::parse("hip:sm_90"), std::invalid_argument);
+  CHECK_THROWS_AS(Device::parse("cpu:avx"), std::invalid_argument);
+}
+
+TEST_CASE("concurrent selection while another thread registers") {
+  KernelRegistry reg;
+  reg.add(spec("op.base", "cpu", {cpu_target()}));
+  Selector sel(reg);
+  std::atomic<bool> stop{false};
+  std::atomic<int> wrong{0};
+  std::atomic<long> selections{0};
+  std::vector<std::thread> readers;
+  for (int t = 0; t < 8; ++t) {
+    readers.emplace_back([&, t] {
+      const Device cpu = Device::parse("cpu");
+      const Device gpu = Device::parse("cuda:9.0");
+      long n = 0;
+      while (!stop.load(std::memory_order_relaxed) || n < 1000) {
+        if (sel.select({"op.base", {}, cpu, std::nullopt}).backend != "cpu") wrong.fetch_add(1);
+        // Ops registered by the writer: either unknown yet or resolved right.
+        const std::string op = "op.n" + std::to_string((n + t) % 64);
+        try {
+          if (sel.select({op, {}, gpu, std::nullopt}).backend != "cuda") wrong.fetch_add(1);
+        } catch (const SelectionError& e) {
+          if (e.code() != ErrorCode::unknown_op) wrong.fetch_add(1);
+        }
+        ++n;
+      }
+      selections.fetch_add(n);
+    });
+  }
+  std::thread writer([&] {
+    for (int i = 0; i < 64; ++i) {
+      reg.add(spec("op.n" + std::to_string(i), "cuda", {cuda_target("9.0")}));
+      std::this_thread::yield();
+    }
+    stop.store(true);
+  });
+  writer.join();
+  for (auto& r : readers) r.join();
+  CHECK(wrong.load() == 0);
+  CHECK(selections.load() >= 8000);
+  for (int i = 0; i < 64; ++i) {
+    CHECK(sel.select(req("op.n" + std::to_string(i), "cuda:9.0")).backend == "cuda");
+  }
+}
