@@ -1,0 +1,105 @@
+// kdispatch doctor: the search path, every plugin found, whether it loads,
+// its ABI and the devices its probe reports, and every problem with its code.
+// Unlike list and select, doctor opens each plugin: that is what it checks.
+#include <fmt/format.h>
+
+#include "common.hpp"
+#include "kdispatch/platform.hpp"
+
+namespace kdispatch::cli {
+
+Runner add_doctor(CLI::App& app) {
+  struct Options {
+    CommonOptions common;
+    bool no_load = false;
+  };
+  auto options = std::make_shared<Options>();
+  CLI::App* cmd = app.add_subcommand(
+      "doctor", "Diagnose plugin discovery and loading: what was found, what loads, why anything does not");
+  add_common_options(*cmd, options->common);
+  cmd->add_flag("--no-load", options->no_load, "Check manifests and files only; open no plugin library");
+  cmd->footer("Exit code 2 when any plugin has an error. KDISPATCH_LOG=debug shows every step.");
+
+  return [options]() -> int {
+    auto ctx = make_context(options->common);
+    bool any_error = false;
+    Json plugins = Json::array();
+    for (const auto& rec : ctx->discovery().plugins) {
+      Json p = plugin_json(rec);
+      if (rec.state == PluginState::error) any_error = true;
+      if (rec.state == PluginState::found && !options->no_load) {
+        try {
+          const PluginBinary& bin = ctx->load_plugin(rec.name);
+          p["loaded"] = true;
+          p["version"] = bin.version;
+          p["abi"] = fmt::format("{}.{}", bin.abi_major, bin.abi_minor);
+          Json devices = Json::array();
+          for (const auto& d : bin.devices) {
+            devices.push_back({{"device", d.device.str()}, {"id", d.id}, {"name", d.name}});
+          }
+          p["devices"] = devices;
+        } catch (const Error& e) {
+          any_error = true;
+          p["loaded"] = false;
+          p["status"] = "error";
+          p["problems"].push_back(problem_json({e.code(), rec.library_path, e.message()}));
+        }
+      }
+      plugins.push_back(std::move(p));
+    }
+    Json problems = Json::array();
+    for (const auto& p : plugins) {
+      for (const auto& q : p["problems"]) problems.push_back(q);
+    }
+
+    if (options->common.json) {
+      Json search = Json::array();
+      for (const auto& d : ctx->discovery().search_path) search.push_back(d.path.string());
+      Json doc;
+      doc["search_path"] = search;
+      doc["plugins"] = plugins;
+      doc["problems"] = problems;
+      print_json(doc);
+      return any_error ? kDispatchError : kOk;
+    }
+
+    fmt::print("search path:\n");
+    for (const auto& d : ctx->discovery().search_path) {
+      std::error_code ec;
+      fmt::print("  {} ({}{})\n", d.path.string(), d.origin,
+                 std::filesystem::is_directory(d.path, ec) ? "" : ", does not exist");
+    }
+    try {
+      const DetectedPlatform platform = detect_platform();
+      fmt::print("\nplatform: {} ({})\n", platform.device.str(), platform.source);
+    } catch (const std::exception& e) {
+      fmt::print("\nplatform: {}\n", e.what());
+    }
+    fmt::print("\nplugins:\n");
+    if (plugins.empty()) fmt::print("  none found\n");
+    for (const auto& p : plugins) {
+      fmt::print("  {} [{}]\n", p["name"].get<std::string>().empty() ? "?" : p["name"].get<std::string>(),
+                 p["state"].get<std::string>());
+      fmt::print("    manifest: {}\n", p["manifest"].get<std::string>());
+      if (!p["library"].get<std::string>().empty()) fmt::print("    library:  {}\n", p["library"].get<std::string>());
+      if (p.contains("note")) fmt::print("    note:     {}\n", p["note"].get<std::string>());
+      if (p.value("loaded", false)) {
+        fmt::print("    loaded:   yes, version {}, ABI {}\n", p["version"].get<std::string>(),
+                   p["abi"].get<std::string>());
+        if (p["devices"].empty()) fmt::print("    devices:  none (no device of this kind here)\n");
+        for (const auto& d : p["devices"]) {
+          fmt::print("    device:   {} #{} {}\n", d["device"].get<std::string>(), d["id"].get<int>(),
+                     d["name"].get<std::string>());
+        }
+      }
+      for (const auto& q : p["problems"]) {
+        fmt::print("    {}: {}\n", q["code"].get<std::string>(), q["message"].get<std::string>());
+      }
+    }
+    fmt::print("\n{}\n", any_error ? "problems found (kdispatch explain KD-Ennn says how to fix each)"
+                                   : "no problems found");
+    return any_error ? kDispatchError : kOk;
+  };
+}
+
+}  // namespace kdispatch::cli

@@ -1,0 +1,75 @@
+// kdispatch list: ops x backends and whether each is usable on a device.
+// Metadata only: no plugin library is opened.
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "common.hpp"
+
+namespace kdispatch::cli {
+
+Runner add_list(CLI::App& app) {
+  struct Options {
+    CommonOptions common;
+    std::string device;
+  };
+  auto options = std::make_shared<Options>();
+  CLI::App* cmd = app.add_subcommand("list", "List ops and their backends, and which are usable on a device");
+  cmd->add_option("--device", options->device,
+                  "cpu, cuda, cuda:9.0, hip, hip:gfx90a (default: KDISPATCH_DEVICE, else the first GPU, else cpu)")
+      ->type_name("D");
+  add_common_options(*cmd, options->common);
+  cmd->footer("Example: kdispatch list --device cuda:9.0");
+
+  return [options]() -> int {
+    const DeviceChoice device = choose_device(options->device);
+    auto ctx = make_context(options->common);
+    const Selector& sel = ctx->selector();
+    const auto& plugins = ctx->discovery().plugins;
+
+    if (options->common.json) {
+      Json doc;
+      doc["device"] = device.device.str();
+      doc["plugins"] = Json::array();
+      for (const auto& rec : plugins) doc["plugins"].push_back(plugin_json(rec));
+      doc["ops"] = Json::array();
+      for (const auto& op : ctx->registry().ops()) {
+        Json backends = Json::array();
+        for (const auto& e : sel.eligibility(op, device.device, std::nullopt)) {
+          backends.push_back({{"backend", e.spec->backend},
+                              {"plugin", e.spec->plugin},
+                              {"eligible", e.eligible},
+                              {"reason", e.eligible ? Json(nullptr) : Json(e.reason)}});
+        }
+        doc["ops"].push_back({{"op", op}, {"backends", backends}});
+      }
+      print_json(doc);
+      return kOk;
+    }
+
+    fmt::print("device: {} ({})\n\n", device.device.str(), device.source);
+    fmt::print("plugins:\n");
+    if (plugins.empty()) fmt::print("  (none found; try kdispatch doctor)\n");
+    for (const auto& rec : plugins) {
+      const std::string name = rec.name.empty() ? "?" : rec.name;
+      fmt::print("  {:<10} {:<9} {}\n", name, plugin_state_name(rec.state), rec.manifest_path);
+      if (!rec.note.empty()) fmt::print("  {:<10} {}\n", "", rec.note);
+      for (const auto& p : rec.problems) fmt::print("  {:<10} {}: {}\n", "", code_string(p.code), p.message);
+    }
+    const auto ops = ctx->registry().ops();
+    size_t width = 2;
+    for (const auto& op : ops) width = std::max(width, op.size());
+    fmt::print("\n{:<{}}  {:<10} {:<7} {}\n", "OP", width, "BACKEND", "USABLE", "WHY NOT");
+    for (const auto& op : ops) {
+      bool first = true;
+      for (const auto& e : sel.eligibility(op, device.device, std::nullopt)) {
+        fmt::print("{:<{}}  {:<10} {:<7} {}\n", first ? op : "", width, e.spec->backend, e.eligible ? "yes" : "no",
+                   e.reason);
+        first = false;
+      }
+    }
+    return kOk;
+  };
+}
+
+}  // namespace kdispatch::cli

@@ -1,0 +1,57 @@
+// kdispatch select: which backend a call of OP would run, by the rules of
+// DESIGN.md section 4. Metadata only: no plugin library is opened.
+#include <fmt/format.h>
+
+#include "common.hpp"
+
+namespace kdispatch::cli {
+
+Runner add_select(CLI::App& app) {
+  struct Options {
+    CommonOptions common;
+    std::string op;
+    std::string backend;
+    std::string device;
+    std::string dtype;
+  };
+  auto options = std::make_shared<Options>();
+  CLI::App* cmd = app.add_subcommand("select", "Show which backend runs OP on a device, or why none can");
+  cmd->add_option("op", options->op, "Op id, e.g. layernorm.rmsnorm")->required()->type_name("OP");
+  cmd->add_option("--backend", options->backend, "Require this backend (as backend=... in the API)")
+      ->type_name("B");
+  cmd->add_option("--device", options->device,
+                  "cpu, cuda, cuda:9.0, hip, hip:gfx90a (default: KDISPATCH_DEVICE, else the first GPU, else cpu)")
+      ->type_name("D");
+  cmd->add_option("--dtype", options->dtype, "Only backends supporting this dtype, e.g. bfloat16")
+      ->type_name("T");
+  add_common_options(*cmd, options->common);
+  cmd->footer("Example: kdispatch select layernorm.rmsnorm --device cuda:9.0 --backend cuda");
+
+  return [options]() -> int {
+    const DeviceChoice device = choose_device(options->device);
+    std::optional<Dtype> dtype;
+    if (!options->dtype.empty()) {
+      dtype = parse_dtype(options->dtype);
+      if (!dtype) throw UsageError(fmt::format("unknown dtype '{}'", options->dtype));
+    }
+    auto ctx = make_context(options->common);
+    try {
+      const KernelSpec& spec = ctx->select({options->op, options->backend, device.device, dtype});
+      if (options->common.json) {
+        print_json(Json{{"op", spec.op},
+                        {"backend", spec.backend},
+                        {"plugin", spec.plugin},
+                        {"symbol", spec.symbol},
+                        {"device", device.device.str()}});
+      } else {
+        fmt::print("{} on {}: backend '{}' (plugin '{}', symbol '{}', {})\n", spec.op, device.device.str(),
+                   spec.backend, spec.plugin, spec.symbol, spec.manifest);
+      }
+      return kOk;
+    } catch (const Error& e) {
+      return report_error(e, options->common.json);
+    }
+  };
+}
+
+}  // namespace kdispatch::cli

@@ -1,0 +1,79 @@
+// kdispatch validate: schema and semantic checks of manifests and op-schema
+// files, one line per problem.
+#include <fmt/format.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "common.hpp"
+#include "kdispatch/manifest.hpp"
+
+namespace kdispatch::cli {
+
+namespace {
+
+// An op-schema file is a JSON list; a manifest is an object.
+bool looks_like_schema_list(const std::string& text) {
+  for (char c : text) {
+    if (c == ' ' || c == '\n' || c == '\r' || c == '\t') continue;
+    return c == '[';
+  }
+  return false;
+}
+
+}  // namespace
+
+Runner add_validate(CLI::App& app) {
+  struct Options {
+    std::vector<std::string> files;
+    bool json = false;
+  };
+  auto options = std::make_shared<Options>();
+  CLI::App* cmd = app.add_subcommand(
+      "validate", "Check plugin manifests (and op-schema files) against the format; exit 2 on any problem");
+  cmd->add_option("files", options->files, "Manifest or op-schema files")->required()->type_name("MANIFEST...");
+  cmd->add_flag("--json", options->json, "Print one JSON document on stdout");
+  cmd->footer("Prints FILE: KD-Ennn: message per problem. Example: kdispatch validate manifests/*.json");
+
+  return [options]() -> int {
+    Json results = Json::array();
+    bool any_error = false;
+    for (const auto& file : options->files) {
+      std::vector<Problem> errors;
+      std::vector<Problem> warnings;
+      std::string summary;
+      std::ifstream in(file, std::ios::binary);
+      std::ostringstream text;
+      if (in) text << in.rdbuf();
+      if (in && looks_like_schema_list(text.str())) {
+        SchemaFileResult r = parse_op_schemas(text.str(), file);
+        errors = std::move(r.errors);
+        warnings = std::move(r.warnings);
+        summary = fmt::format("{} op schema(s)", r.schemas.size());
+      } else {
+        ManifestResult r = read_manifest(file);
+        errors = std::move(r.errors);
+        warnings = std::move(r.warnings);
+        if (r.manifest) {
+          summary = fmt::format("plugin '{}', backend '{}', {} kernel(s)", r.manifest->plugin, r.manifest->backend,
+                                r.manifest->kernels.size());
+        }
+      }
+      any_error = any_error || !errors.empty();
+      if (options->json) {
+        results.push_back({{"file", file},
+                           {"ok", errors.empty()},
+                           {"errors", problems_json(errors)},
+                           {"warnings", problems_json(warnings)}});
+        continue;
+      }
+      for (const auto& e : errors) fmt::print("{}: {}: {}\n", file, code_string(e.code), e.message);
+      for (const auto& w : warnings) fmt::print("{}: warning: {}\n", file, w.message);
+      if (errors.empty()) fmt::print("{}: ok ({})\n", file, summary);
+    }
+    if (options->json) print_json(Json{{"results", results}});
+    return any_error ? kDispatchError : kOk;
+  };
+}
+
+}  // namespace kdispatch::cli

@@ -1,0 +1,64 @@
+// Shared by the subcommands: common options, building a Context, printing
+// results and errors (human text or one JSON document), exit codes.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kdispatch/context.hpp"
+#include "kdispatch/error.hpp"
+
+namespace kdispatch::cli {
+
+using Json = nlohmann::ordered_json;
+
+// DESIGN.md section 8.
+enum ExitCode : int { kOk = 0, kUsage = 1, kDispatchError = 2, kKernelFailure = 3 };
+
+struct CommonOptions {
+  std::vector<std::string> plugin_path;      // --plugin-path (replaces)
+  std::vector<std::string> add_plugin_path;  // --add-plugin-path (prepends)
+  bool json = false;
+};
+
+// Adds --plugin-path, --add-plugin-path and --json to a subcommand.
+void add_common_options(CLI::App& cmd, CommonOptions& options);
+std::unique_ptr<Context> make_context(const CommonOptions& options);
+
+// Parses --device, or detects the platform (KDISPATCH_DEVICE, a GPU driver,
+// else cpu). Throws UsageError on a malformed device.
+struct DeviceChoice {
+  Device device;
+  std::string source;
+};
+DeviceChoice choose_device(const std::string& flag);
+
+// Bad command-line input that CLI11 cannot see (exit 1).
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Prints `error` as `error[KD-E002]: message` plus hint lines on stderr, or
+// as {"error": {...}} on stdout with --json. Returns the exit code.
+int report_error(const Error& error, bool json);
+void print_json(const Json& doc);
+
+Json problem_json(const Problem& problem);
+Json problems_json(const std::vector<Problem>& problems);
+// The "plugins" entries of list and doctor.
+Json plugin_json(const PluginRecord& record);
+
+// A subcommand: registers its options; returns the function that runs it.
+using Runner = std::function<int()>;
+Runner add_list(CLI::App& app);
+Runner add_select(CLI::App& app);
+Runner add_validate(CLI::App& app);
+Runner add_explain(CLI::App& app);
+Runner add_doctor(CLI::App& app);
+Runner add_inspect(CLI::App& app);
+
+}  // namespace kdispatch::cli

@@ -1,0 +1,52 @@
+// kdispatch: the command-line face of the dispatcher. DESIGN.md section 8.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <iostream>
+
+#include "common.hpp"
+
+int main(int argc, char** argv) {
+  using namespace kdispatch::cli;
+  CLI::App app{
+      "kdispatch: a kernel dispatcher with plugin backends.\n"
+      "Lists, selects, runs and benchmarks the kernels that plugins (CPU, CUDA, HIP, third-party)\n"
+      "declare in their manifests, and explains every error.\n\n"
+      "Environment: KDISPATCH_PLUGIN_PATH, KDISPATCH_ADD_PLUGIN_PATH, KDISPATCH_PLUGINS_DISABLE,\n"
+      "KDISPATCH_PLUGINS_SELECT, KDISPATCH_DEVICE, KDISPATCH_FORCE_BACKEND, KDISPATCH_BACKEND_ORDER,\n"
+      "KDISPATCH_LOG=error|warn|info|debug (see README.md).\n"
+      "Exit codes: 0 ok, 1 usage, 2 dispatch or manifest error, 3 kernel failure or result mismatch.",
+      "kdispatch"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", KDISPATCH_TOOL_VERSION);
+
+  std::vector<Runner> runners;
+  std::vector<CLI::App*> commands;
+  for (auto add : {add_list, add_select, add_validate, add_explain, add_doctor, add_inspect}) {
+    runners.push_back(add(app));
+    commands.push_back(app.get_subcommands({}).back());
+  }
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? kOk : kUsage;
+  }
+  try {
+    for (size_t i = 0; i < commands.size(); ++i) {
+      if (commands[i]->parsed()) return runners[i]();
+    }
+  } catch (const UsageError& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return kUsage;
+  } catch (const kdispatch::Error& e) {
+    // --json is per subcommand; report_error inside each handles it. This is
+    // the fallback for anything thrown outside that.
+    return report_error(e, false);
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return kDispatchError;
+  }
+  return kUsage;
+}
