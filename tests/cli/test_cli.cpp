@@ -1,0 +1,327 @@
+// The kdispatch tool as DESIGN.md section 8 specifies it, driven as a real
+// process over the shipped plugins and fixture manifests.
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+
+#include "run_tool.hpp"
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+namespace {
+
+const std::string kPluginDir = KDISPATCH_PLUGIN_DIR;
+const std::string kManifests = std::string(KDISPATCH_SOURCE_DIR) + "/manifests";
+const std::string kFixtures = KDISPATCH_FIXTURES_DIR;
+
+// A plugin directory holding copies of `manifests`, each with a stand-in
+// library file: enough for discovery, which only stats libraries. The
+// libraries listed in `without_library` are left out.
+std::string plugin_dir(const std::vector<std::string>& manifests, const std::vector<std::string>& without_library = {}) {
+  const std::string dir = make_temp_dir();
+  fs::permissions(dir, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+                           fs::perms::others_read | fs::perms::others_exec);
+  for (const auto& m : manifests) {
+    fs::copy_file(m, dir + "/" + fs::path(m).filename().string());
+    std::ifstream in(m);
+    const Json j = Json::parse(in);
+    const std::string lib = j.at("library");
+    if (std::find(without_library.begin(), without_library.end(), lib) == without_library.end()) {
+      std::ofstream(dir + "/" + lib) << "stand-in";
+    }
+  }
+  return dir;
+}
+
+Json json_of(const ToolResult& r) {
+  INFO("stdout: " << r.out << "\nstderr: " << r.err);
+  REQUIRE_NOTHROW(Json::parse(r.out));
+  return Json::parse(r.out);
+}
+
+bool plugin_built(const std::string& name) { return fs::exists(kPluginDir + "/libkdispatch-" + name + ".so"); }
+
+}  // namespace
+
+TEST_CASE("list --json over the shipped plugins") {
+  const ToolResult r = run_tool({"list", "--json", "--device", "cpu"});
+  CHECK(r.exit_code == 0);
+  const Json doc = json_of(r);
+  CHECK(doc["device"] == "cpu");
+  bool cpu = false;
+  for (const auto& p : doc["plugins"]) {
+    for (const char* key : {"name", "backend", "manifest", "library", "status", "problems"}) CHECK(p.contains(key));
+    if (p["name"] == "cpu") {
+      cpu = true;
+      CHECK(p["status"] == "ok");
+    }
+  }
+  CHECK(cpu);
+  bool rmsnorm = false;
+  for (const auto& op : doc["ops"]) {
+    if (op["op"] != "layernorm.rmsnorm") continue;
+    rmsnorm = true;
+    for (const auto& b : op["backends"]) {
+      for (const char* key : {"backend", "plugin", "eligible", "reason"}) CHECK(b.contains(key));
+      if (b["backend"] == "cpu") {
+        CHECK(b["eligible"] == true);
+        CHECK(b["reason"].is_null());
+      }
+      if (b["backend"] == "cuda") {
+        CHECK(b["eligible"] == false);
+        CHECK(b["reason"] == "targets cuda, not cpu");
+      }
+    }
+  }
+  CHECK(rmsnorm);
+}
+
+TEST_CASE("list and select open no plugin library") {
+  for (const auto& args : std::vector<std::vector<std::string>>{
+           {"list", "--device", "cpu"}, {"select", "layernorm.rmsnorm", "--device", "cpu"},
+           {"list", "--device", "cuda:9.0", "--json"}}) {
+    const ToolResult r = run_tool(args, {{"LD_DEBUG", "files"}});
+    CHECK(r.exit_code == 0);
+    CHECK(r.err.find("file=") != std::string::npos);  // LD_DEBUG is on
+    CHECK(r.err.find("libkdispatch-cpu.so") == std::string::npos);
+    CHECK(r.err.find("libkdispatch-cuda.so") == std::string::npos);
+    CHECK(r.err.find("libkdispatch-hip.so") == std::string::npos);
+  }
+}
+
+TEST_CASE("select on cpu picks the cpu backend without naming it") {
+  const ToolResult r = run_tool({"select", "layernorm.rmsnorm", "--device", "cpu", "--json"});
+  CHECK(r.exit_code == 0);
+  const Json doc = json_of(r);
+  CHECK(doc == Json{{"op", "layernorm.rmsnorm"},
+                    {"backend", "cpu"},
+                    {"plugin", "cpu"},
+                    {"symbol", "kd_cpu_rmsnorm"},
+                    {"device", "cpu"}});
+  const ToolResult human = run_tool({"select", "layernorm.rmsnorm", "--device", "cpu"});
+  CHECK(human.exit_code == 0);
+  CHECK(human.out.find("backend 'cpu'") != std::string::npos);
+}
+
+TEST_CASE("select --device cuda:9.0 works without a GPU, on manifests alone") {
+  const std::string dir = plugin_dir({kManifests + "/cpu.json", kManifests + "/cuda.json"});
+  const ToolResult r =
+      run_tool({"select", "layernorm.rmsnorm", "--device", "cuda:9.0", "--json", "--plugin-path", dir});
+  CHECK(r.exit_code == 0);
+  CHECK(json_of(r)["backend"] == "cuda");
+  CHECK(json_of(r)["device"] == "cuda:9.0");
+  // Below the manifest's arch window: KD-E003 with the reason.
+  const ToolResult old = run_tool({"select", "layernorm.rmsnorm", "--device", "cuda:8.0", "--plugin-path", dir});
+  CHECK(old.exit_code == 2);
+  CHECK(old.err.find("error[KD-E003]: op 'layernorm.rmsnorm' has no backend usable on device 'cuda:8.0' "
+                     "(registered: [cpu, cuda])") == 0);
+  CHECK(old.err.find("cuda: needs cuda arch >= 9.0, device has 8.0") != std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("several usable backends: KD-E004 until one is named or ordered") {
+  const std::string dir = plugin_dir({kManifests + "/cuda.json", kFixtures + "/cli/triton.json"});
+  const std::vector<std::string> base{"select", "layernorm.rmsnorm", "--device", "cuda:9.0", "--plugin-path", dir};
+  const ToolResult r = run_tool(base);
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.empty());
+  CHECK(r.err.find("error[KD-E004]: op 'layernorm.rmsnorm' has multiple backends usable on device 'cuda:9.0' "
+                   "([cuda, triton]); pass backend=... to choose one\n") == 0);
+  auto named = base;
+  named.insert(named.end(), {"--backend", "triton", "--json"});
+  const ToolResult n = run_tool(named);
+  CHECK(n.exit_code == 0);
+  CHECK(json_of(n)["backend"] == "triton");
+  auto json = base;
+  json.push_back("--json");
+  CHECK(json_of(run_tool(json, {{"KDISPATCH_BACKEND_ORDER", "triton,cuda"}}))["backend"] == "triton");
+  CHECK(json_of(run_tool(json, {{"KDISPATCH_FORCE_BACKEND", "cuda"}}))["backend"] == "cuda");
+  // The dtype narrows the choice: triton declares no float32.
+  auto f32 = json;
+  f32.insert(f32.end(), {"--dtype", "float32"});
+  CHECK(json_of(run_tool(f32))["backend"] == "cuda");
+  fs::remove_all(dir);
+}
+
+TEST_CASE("errors: stderr format, --json document, exit code 2") {
+  SUBCASE("KD-E002 unknown backend") {
+    const ToolResult r = run_tool({"select", "layernorm.rmsnorm", "--backend", "nope", "--device", "cpu"});
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find("error[KD-E002]: No 'nope' backend registered for op 'layernorm.rmsnorm' (registered: [") ==
+          0);
+    const ToolResult j =
+        run_tool({"select", "layernorm.rmsnorm", "--backend", "nope", "--device", "cpu", "--json"});
+    CHECK(j.exit_code == 2);
+    const Json doc = json_of(j);
+    CHECK(doc["error"]["code"] == "KD-E002");
+    CHECK(doc["error"]["message"].get<std::string>().find("No 'nope' backend registered") == 0);
+  }
+  SUBCASE("KD-E001 unknown op, with did-you-mean") {
+    const ToolResult r = run_tool({"select", "layernorm.rmsnrom", "--device", "cpu"});
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find("error[KD-E001]: No kernels registered for op 'layernorm.rmsnrom'") == 0);
+    CHECK(r.err.find("did you mean 'layernorm.rmsnorm'?") != std::string::npos);
+  }
+  SUBCASE("KD-E003: a CUDA-only op on cpu") {
+    const std::string dir = plugin_dir({kManifests + "/cuda.json"});
+    const ToolResult r = run_tool({"select", "moe.topk_softmax", "--device", "cpu", "--plugin-path", dir});
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find("error[KD-E003]: op 'moe.topk_softmax' has no backend usable on device 'cpu' (registered: "
+                     "[cuda]): cuda: targets cuda, not cpu") == 0);
+    fs::remove_all(dir);
+  }
+  SUBCASE("KD-E006: a named backend not usable on the device") {
+    const std::string dir = plugin_dir({kManifests + "/cpu.json", kManifests + "/cuda.json"});
+    const ToolResult r =
+        run_tool({"select", "moe.topk_softmax", "--backend", "cuda", "--device", "cpu", "--plugin-path", dir});
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find("error[KD-E006]") == 0);
+    fs::remove_all(dir);
+  }
+}
+
+TEST_CASE("a plugin whose library is missing: KD-E002 says where it was looked for") {
+  const std::string dir = plugin_dir({kManifests + "/cpu.json", kManifests + "/cuda.json"}, {"libkdispatch-cuda.so"});
+  const ToolResult r =
+      run_tool({"select", "layernorm.rmsnorm", "--backend", "cuda", "--device", "cuda:9.0", "--plugin-path", dir});
+  CHECK(r.exit_code == 2);
+  const std::string first_line = r.err.substr(0, r.err.find('\n'));
+  CHECK(first_line.find("error[KD-E002]: No 'cuda' backend registered for op 'layernorm.rmsnorm' (registered: "
+                        "[cpu])") == 0);
+  CHECK(first_line.find("plugin 'cuda'") != std::string::npos);
+  CHECK(first_line.find("not found") != std::string::npos);
+  CHECK(first_line.find(dir + "/libkdispatch-cuda.so") != std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a disabled plugin: KD-E002 says it is disabled") {
+  const std::string dir = plugin_dir({kManifests + "/cpu.json", kManifests + "/cuda.json"});
+  const ToolResult r =
+      run_tool({"select", "layernorm.rmsnorm", "--backend", "cuda", "--device", "cuda:9.0", "--plugin-path", dir},
+               {{"KDISPATCH_PLUGINS_DISABLE", "cu*"}});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("disabled by KDISPATCH_PLUGINS_DISABLE (matches 'cu*')") != std::string::npos);
+  const ToolResult s = run_tool({"list", "--json", "--plugin-path", dir}, {{"KDISPATCH_PLUGINS_SELECT", "cuda"}});
+  for (const auto& p : json_of(s)["plugins"]) CHECK((p["name"] == "cuda") == (p["state"] == "found"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("--plugin-path replaces the default path; --add-plugin-path goes in front") {
+  const std::string dir = plugin_dir({kFixtures + "/cli/triton.json"});
+  const Json replaced = json_of(run_tool({"list", "--json", "--plugin-path", dir}));
+  REQUIRE(replaced["plugins"].size() == 1);
+  CHECK(replaced["plugins"][0]["name"] == "triton");
+  const Json env_replaced = json_of(run_tool({"list", "--json"}, {{"KDISPATCH_PLUGIN_PATH", dir}}));
+  REQUIRE(env_replaced["plugins"].size() == 1);
+
+  const Json added = json_of(run_tool({"list", "--json", "--add-plugin-path", dir}));
+  REQUIRE(added["plugins"].size() >= 2);
+  CHECK(added["plugins"][0]["name"] == "triton");
+  bool cpu = false;
+  for (const auto& p : added["plugins"]) cpu = cpu || p["name"] == "cpu";
+  CHECK(cpu);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("the first plugin of a name wins; later ones are reported") {
+  const std::string first = plugin_dir({kManifests + "/cpu.json"});
+  const std::string second = plugin_dir({kManifests + "/cpu.json"});
+  const Json doc = json_of(run_tool({"list", "--json", "--plugin-path", first, "--plugin-path", second}));
+  REQUIRE(doc["plugins"].size() == 2);
+  CHECK(doc["plugins"][0]["state"] == "found");
+  CHECK(doc["plugins"][1]["state"] == "shadowed");
+  CHECK(doc["plugins"][1]["note"].get<std::string>().find(first) != std::string::npos);
+  fs::remove_all(first);
+  fs::remove_all(second);
+}
+
+TEST_CASE("KDISPATCH_DEVICE sets the default device of list and select") {
+  const std::string dir = plugin_dir({kManifests + "/cpu.json", kManifests + "/cuda.json"});
+  const Json doc = json_of(run_tool({"list", "--json", "--plugin-path", dir}, {{"KDISPATCH_DEVICE", "cuda:9.0"}}));
+  CHECK(doc["device"] == "cuda:9.0");
+  const ToolResult bad = run_tool({"list", "--plugin-path", dir}, {{"KDISPATCH_DEVICE", "tpu"}});
+  CHECK(bad.exit_code == 1);
+  CHECK(bad.err.find("invalid device 'tpu'") != std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("KDISPATCH_LOG=debug says what was searched") {
+  const std::string dir = plugin_dir({kManifests + "/cpu.json"});
+  const ToolResult r = run_tool({"list", "--plugin-path", dir, "--plugin-path", dir + "/missing"},
+                                {{"KDISPATCH_LOG", "debug"}});
+  CHECK(r.exit_code == 0);
+  CHECK(r.err.find("searching plugin directory " + dir) != std::string::npos);
+  CHECK(r.err.find(dir + "/missing (--plugin-path): does not exist") != std::string::npos);
+  CHECK(r.err.find("found manifest " + dir + "/cpu.json") != std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("validate: shipped manifests are clean; broken ones print FILE: KD-Ennn: message and exit 2") {
+  std::vector<std::string> args{"validate"};
+  for (const char* f : {"cpu.json", "cuda.json", "hip.json", "ops/layernorm.json", "ops/activation.json",
+                        "ops/embeddings.json", "ops/moe.json"}) {
+    args.push_back(kManifests + "/" + f);
+  }
+  const ToolResult ok = run_tool(args);
+  CHECK(ok.exit_code == 0);
+  CHECK(ok.out.find(": ok (plugin 'cpu', backend 'cpu', 7 kernel(s))") != std::string::npos);
+
+  const std::string bad_dir = kFixtures + "/manifests/bad";
+  int checked = 0;
+  for (const auto& entry : fs::directory_iterator(bad_dir)) {
+    if (entry.path().extension() != ".json") continue;
+    const std::string file = entry.path().string();
+    const ToolResult r = run_tool({"validate", file});
+    INFO(file << "\n" << r.out << r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(r.out.find(file + ": KD-E0") == 0);
+    ++checked;
+  }
+  CHECK(checked >= 25);
+}
+
+TEST_CASE("doctor --json reports search path, plugins and problems") {
+  const std::string dir = plugin_dir({kManifests + "/cpu.json"});
+  std::ofstream(dir + "/broken.json") << "{\"kdispatch_manifest\": \"1.0\", \"plugin\": ";
+  const ToolResult r = run_tool({"doctor", "--json", "--no-load", "--plugin-path", dir});
+  CHECK(r.exit_code == 2);
+  const Json doc = json_of(r);
+  CHECK(doc["search_path"] == Json::array({dir}));
+  CHECK(doc["plugins"].size() == 2);
+  REQUIRE(doc["problems"].size() >= 1);
+  CHECK(doc["problems"][0]["code"] == "KD-E010");
+  CHECK(doc["problems"][0]["file"] == dir + "/broken.json");
+  fs::remove_all(dir);
+}
+
+TEST_CASE("explain prints the catalogue entry; unknown codes are usage errors") {
+  const ToolResult r = run_tool({"explain", "KD-E002"});
+  CHECK(r.exit_code == 0);
+  CHECK(r.out.find("KD-E002") == 0);
+  CHECK(r.out.find("Fix:") != std::string::npos);
+  CHECK(run_tool({"explain", "e4"}).out.find("KD-E004") == 0);
+  const Json j = json_of(run_tool({"explain", "KD-E026", "--json"}));
+  CHECK(j["code"] == "KD-E026");
+  const ToolResult all = run_tool({"explain"});
+  CHECK(all.exit_code == 0);
+  CHECK(all.out.find("KD-E041") != std::string::npos);
+  const ToolResult bad = run_tool({"explain", "KD-E999"});
+  CHECK(bad.exit_code == 1);
+  CHECK(bad.err.find("unknown error code 'KD-E999'") != std::string::npos);
+}
+
+TEST_CASE("usage errors exit 1; --help exits 0") {
+  CHECK(run_tool({}).exit_code == 1);
+  CHECK(run_tool({"frobnicate"}).exit_code == 1);
+  CHECK(run_tool({"select"}).exit_code == 1);
+  CHECK(run_tool({"list", "--no-such-flag"}).exit_code == 1);
+  CHECK(run_tool({"list", "--device", "cuda:nine"}).exit_code == 1);
+  CHECK(run_tool({"select", "layernorm.rmsnorm", "--dtype", "float8"}).exit_code == 1);
+  const ToolResult help = run_tool({"--help"});
+  CHECK(help.exit_code == 0);
+  CHECK(help.out.find("list") != std::string::npos);
+  CHECK(run_tool({"select", "--help"}).exit_code == 0);
+}
