@@ -65,8 +65,9 @@ inline void copy_string(char* dst, size_t capacity, const char* src) noexcept {
 }  // namespace kd_plugin
 
 // Defines the exported entry point. `probe_fn` and `find_kernel_fn` are
-// functions of the plugin with the signatures of kd_plugin_api.
-#define KD_DEFINE_PLUGIN(name, version, backend, probe_fn, find_kernel_fn) \
+// functions of the plugin with the signatures of kd_plugin_api; `memory` is a
+// const kd_memory_api* (NULL for host memory).
+#define KD_DEFINE_PLUGIN(name, version, backend, probe_fn, find_kernel_fn, memory) \
   extern "C" __attribute__((visibility("default")))                        \
   const kd_plugin_api* kdispatch_plugin_api(void) {                       \
     static const kd_plugin_api api = {                                     \
@@ -74,6 +75,6 @@ inline void copy_string(char* dst, size_t capacity, const char* src) noexcept {
         KDISPATCH_ABI_MINOR,       name,                                    \
         version,                   backend,                                 \
         kd_plugin_embedded_manifest, probe_fn,                              \
-        find_kernel_fn};                                                    \
+        find_kernel_fn,            memory};                                 \
     return &api;                                                           \
   }

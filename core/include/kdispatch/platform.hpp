@@ -17,4 +17,11 @@ struct DetectedPlatform {
 // Throws std::invalid_argument when KDISPATCH_DEVICE is malformed.
 DetectedPlatform detect_platform();
 
+// The device a tensor on (type, id) lives on, with its arch: "9.0" for a CUDA
+// device (from the driver, dlopen'ed), "gfx90a" for an AMD one (from the
+// amdgpu driver's sysfs), host features for the cpu. An arch that cannot be
+// found is left empty: only kernels without an arch constraint match then.
+// Cached per device; thread-safe.
+Device device_of(DeviceType type, int32_t id);
+
 }  // namespace kdispatch

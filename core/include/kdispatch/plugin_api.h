@@ -23,7 +23,8 @@
  * fail to compile when a field is appended without updating that macro.
  *
  * Changelog
- *   1.0  first version: kd_plugin_api, kd_device_info, kd_attr, kd_call_args.
+ *   1.0  first version: kd_plugin_api, kd_device_info, kd_attr, kd_call_args,
+ *        kd_memory_api.
  */
 #ifndef KDISPATCH_PLUGIN_API_H_
 #define KDISPATCH_PLUGIN_API_H_
@@ -135,6 +136,34 @@ KD_STATIC_ASSERT(sizeof(kd_call_args) == KD_CALL_ARGS_STRUCT_SIZE,
  * returns, and must be callable concurrently from several threads. */
 typedef kd_status (*kd_kernel_fn)(const kd_call_args* args);
 
+typedef enum kd_copy_kind {
+  KD_COPY_HOST_TO_DEVICE = 1,
+  KD_COPY_DEVICE_TO_HOST = 2,
+  KD_COPY_DEVICE_TO_DEVICE = 3,
+  KD_COPY_KIND_FORCE_32BIT = 0x7fffffff
+} kd_copy_kind;
+
+/* Device memory of a backend, so that hosts (the kdispatch tool, tests,
+ * benchmarks) can place tensors on the backend's devices without linking its
+ * runtime. Every function is synchronous with respect to the host unless
+ * noted, and writes a NUL-terminated message to `error` on failure. Static
+ * storage, owned by the plugin. */
+typedef struct kd_memory_api {
+  size_t struct_size; /* sizeof(kd_memory_api) of the plugin */
+  /* Allocates `bytes` on device `device_id`; *ptr is NULL on failure. */
+  kd_status (*alloc)(int32_t device_id, size_t bytes, void** ptr, char* error, size_t error_capacity);
+  /* Frees memory from alloc; NULL is a no-op. */
+  kd_status (*free)(int32_t device_id, void* ptr, char* error, size_t error_capacity);
+  /* Copies `bytes`; `kind` is a kd_copy_kind. */
+  kd_status (*copy)(int32_t device_id, void* dst, const void* src, size_t bytes, int32_t kind, char* error,
+                    size_t error_capacity);
+  /* Waits until all work queued on device `device_id` has finished. */
+  kd_status (*synchronize)(int32_t device_id, char* error, size_t error_capacity);
+} kd_memory_api;
+#define KD_MEMORY_API_STRUCT_SIZE KD_STRUCT_SIZE(kd_memory_api, synchronize)
+KD_STATIC_ASSERT(sizeof(kd_memory_api) == KD_MEMORY_API_STRUCT_SIZE,
+                 "kd_memory_api grew: update KD_MEMORY_API_STRUCT_SIZE");
+
 /* The table a plugin returns from its entry symbol. Static storage, owned by
  * the plugin, valid until process exit (plugins are never unloaded). */
 typedef struct kd_plugin_api {
@@ -157,8 +186,12 @@ typedef struct kd_plugin_api {
 
   /* The kernel exported under `symbol` (a name from the manifest), or NULL. */
   kd_kernel_fn (*find_kernel)(const char* symbol);
+
+  /* Device memory functions, or NULL when tensors of this backend live in
+   * ordinary host memory (the cpu backend). */
+  const kd_memory_api* memory;
 } kd_plugin_api;
-#define KD_PLUGIN_API_STRUCT_SIZE KD_STRUCT_SIZE(kd_plugin_api, find_kernel)
+#define KD_PLUGIN_API_STRUCT_SIZE KD_STRUCT_SIZE(kd_plugin_api, memory)
 KD_STATIC_ASSERT(sizeof(kd_plugin_api) == KD_PLUGIN_API_STRUCT_SIZE,
                  "kd_plugin_api grew: update KD_PLUGIN_API_STRUCT_SIZE");
 

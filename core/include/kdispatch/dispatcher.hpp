@@ -1,0 +1,119 @@
+// Calling kernels: resolve an op once to a handle, then call it with DLPack
+// tensors and named attributes (DESIGN.md section 2).
+//
+//   kdispatch::Context ctx;                       // discovers plugins (no dlopen)
+//   kdispatch::Dispatcher dispatch(ctx);
+//   auto rmsnorm = dispatch.op("layernorm.rmsnorm");
+//   rmsnorm({out, x, weight}, {{"eps", 1e-5}});   // checked call
+//
+// A checked call validates the tensors against the op schema, takes the
+// device from the tensors, finds the kernel in a lock-free per-op resolution
+// cache keyed by (device type, device id, dtype), opens the plugin on first
+// use and turns a failing status into KernelError (KD-E040/E041).
+#pragma once
+
+#include <kdispatch/plugin_api.h>
+
+#include <atomic>
+#include <cstdio>
+#include <initializer_list>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kdispatch/context.hpp"
+#include "kdispatch/schema.hpp"
+#include "kdispatch/schema_check.hpp"
+
+namespace kdispatch {
+
+struct NamedAttr {
+  std::string_view name;
+  AttrValue value;
+};
+
+class Dispatcher;
+struct OpState;
+
+// A kernel resolved for one device and dtype: calling it checks nothing.
+// For callers that validated their arguments already.
+class KernelHandle {
+ public:
+  KernelHandle() = default;
+  // `attrs` are every schema attribute in schema order (see default_attrs()).
+  // Throws KernelError when the kernel reports a failure.
+  void operator()(std::span<DLTensor> tensors, std::span<const kd_attr> attrs, void* stream = nullptr) const;
+  kd_kernel_fn function() const { return fn_; }
+  const KernelSpec& spec() const { return *spec_; }
+  explicit operator bool() const { return fn_ != nullptr; }
+
+ private:
+  friend class OpHandle;
+  friend class Dispatcher;
+  KernelHandle(kd_kernel_fn fn, const KernelSpec* spec) : fn_(fn), spec_(spec) {}
+  kd_kernel_fn fn_ = nullptr;
+  const KernelSpec* spec_ = nullptr;
+};
+
+// An op resolved by name once (and optionally a backend). Cheap to copy;
+// valid while its Dispatcher lives.
+class OpHandle {
+ public:
+  // The checked call.
+  void operator()(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs = {}, void* stream = nullptr) const;
+  void operator()(std::initializer_list<DLTensor> tensors, std::initializer_list<NamedAttr> attrs = {},
+                  void* stream = nullptr) const;
+  // Checks `tensors` and returns the kernel a call would run.
+  KernelHandle resolve(std::span<const DLTensor> tensors) const;
+  // Every attribute of the schema in order, defaults filled in, with the
+  // given ones applied. Throws CallError KD-E030 for unknown or mistyped ones.
+  // The result points into `storage` and `attrs` (strings).
+  std::span<const kd_attr> pack_attrs(std::span<const NamedAttr> attrs, std::span<kd_attr> storage) const;
+  const OpSchema& schema() const;
+  const CompiledSchema& compiled() const;
+  std::string_view op() const;
+  std::string_view backend() const;
+
+ private:
+  friend class Dispatcher;
+  explicit OpHandle(OpState* state) : state_(state) {}
+  OpState* state_;
+};
+
+class Dispatcher {
+ public:
+  explicit Dispatcher(Context& context);
+  ~Dispatcher();
+  Dispatcher(const Dispatcher&) = delete;
+  Dispatcher& operator=(const Dispatcher&) = delete;
+
+  // Throws SelectionError KD-E001 for an op with no kernel, CallError KD-E030
+  // for an op without a schema (it can be listed and selected, not called).
+  OpHandle op(std::string_view op, std::string_view backend = {});
+  // Lookup by name on every call (the handle is the faster way).
+  void call(std::string_view op, std::span<DLTensor> tensors, std::span<const NamedAttr> attrs = {},
+            std::string_view backend = {}, void* stream = nullptr);
+  // The kernel for (op, device, dtype) by op-id string, without tensors.
+  KernelHandle find_kernel(std::string_view op, DLDevice device, Dtype dtype, std::string_view backend = {});
+
+  Context& context() { return context_; }
+
+ private:
+  friend class OpHandle;
+  OpState* intern(std::string_view op, std::string_view backend);
+  KernelHandle resolve_slow(OpState& state, int32_t device_type, int32_t device_id, Dtype dtype);
+  KernelHandle resolve(OpState& state, int32_t device_type, int32_t device_id, Dtype dtype);
+  void trace(const OpState& state, const KernelHandle& kernel, std::span<const DLTensor> tensors, double us);
+
+  Context& context_;
+  static constexpr size_t kInternSlots = 512;  // power of two
+  std::unique_ptr<std::atomic<OpState*>[]> intern_slots_;
+  std::mutex mutex_;  // writers: intern table, resolution caches, trace file
+  std::vector<std::unique_ptr<OpState>> states_;
+  std::FILE* trace_file_ = nullptr;  // KDISPATCH_TRACE
+};
+
+}  // namespace kdispatch

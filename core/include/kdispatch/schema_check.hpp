@@ -1,0 +1,71 @@
+// Checking a call's tensors against an op schema (DESIGN.md section 5). The
+// schema is compiled once per op into a plan of small integer slots, so the
+// per-call check does no string work and no allocation.
+#pragma once
+
+#include <dlpack/dlpack.h>
+
+#include <array>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kdispatch/dtype.hpp"
+#include "kdispatch/schema.hpp"
+
+namespace kdispatch {
+
+inline constexpr size_t kMaxSchemaSymbols = 16;
+inline constexpr size_t kMaxSchemaTensors = 32;
+inline constexpr size_t kMaxSchemaAttrs = 32;
+
+class CompiledSchema {
+ public:
+  // Throws ManifestError (KD-E011) when the schema exceeds the limits above.
+  explicit CompiledSchema(const OpSchema& schema);
+
+  struct CallInfo {
+    Dtype dtype;            // the dtype that selects a kernel (first dtype variable)
+    int32_t device_type;    // DLDeviceType shared by all tensors
+    int32_t device_id;
+  };
+  // Checks count, dtypes, shapes, one device, non-null data and layout.
+  // Throws CallError KD-E030 naming the argument, what was expected and what
+  // was given.
+  CallInfo check(std::span<const DLTensor> tensors) const;
+
+  // Symbol values implied by `tensors` (after check()), e.g. {"H": 4096}.
+  std::vector<std::pair<std::string, int64_t>> bind_symbols(std::span<const DLTensor> tensors) const;
+
+  const OpSchema& schema() const { return schema_; }
+
+ private:
+  struct Dim {
+    enum class Kind : uint8_t { symbol, constant, multiple } kind;
+    uint8_t symbol;  // slot
+    int64_t value;   // constant size or factor
+  };
+  struct Tensor {
+    bool leading = false;  // starts with "*"
+    bool strided = false;
+    int dtype_var = -1;    // slot in var_allowed_, or -1 for a concrete dtype
+    Dtype dtype = Dtype::float32;
+    std::vector<Dim> dims;  // after "*"
+  };
+  [[noreturn]] void fail(size_t tensor, const std::string& what) const;
+
+  OpSchema schema_;
+  std::vector<Tensor> tensors_;
+  std::vector<std::string> symbols_;
+  std::vector<std::vector<Dtype>> var_allowed_;
+  std::vector<std::string> var_names_;
+  int selecting_var_ = -1;  // dtype variable that selects the kernel
+};
+
+// True when `t` is laid out densely in row-major order (strides NULL or
+// matching; dims of size 1 may have any stride).
+bool is_contiguous(const DLTensor& t);
+int64_t numel(const DLTensor& t);
+
+}  // namespace kdispatch

@@ -1,0 +1,316 @@
+#include "kdispatch/dispatcher.hpp"
+
+#include <fmt/format.h>
+
+#include <array>
+#include <chrono>
+#include <cstring>
+#include <functional>
+
+#include "kdispatch/environment.hpp"
+#include "kdispatch/log.hpp"
+#include "kdispatch/platform.hpp"
+
+namespace kdispatch {
+
+// One (op, backend request): its compiled schema and the kernels resolved
+// for it, per (device type, device id, dtype). Owned by the Dispatcher and
+// never freed before it, so handles and readers of the cache stay valid.
+struct OpState {
+  struct Resolved {
+    int32_t device_type;
+    int32_t device_id;
+    Dtype dtype;
+    uint64_t generation;
+    kd_kernel_fn fn;
+    const KernelSpec* spec;
+  };
+  static constexpr size_t kSlots = 8;
+
+  Dispatcher* dispatcher = nullptr;
+  std::string op;
+  std::string backend;
+  uint64_t hash = 0;
+  std::optional<CompiledSchema> compiled;  // absent: no schema, not callable
+  std::array<std::atomic<const Resolved*>, kSlots> cache{};
+  std::vector<std::unique_ptr<Resolved>> owned;  // guarded by the dispatcher's mutex
+  size_t next_victim = 0;
+};
+
+namespace {
+
+uint64_t intern_hash(std::string_view op, std::string_view backend) {
+  const size_t a = std::hash<std::string_view>{}(op);
+  const size_t b = std::hash<std::string_view>{}(backend);
+  return a ^ (b + 0x9e3779b97f4a7c15ull + (a << 6) + (a >> 2));
+}
+
+void fill_attr(kd_attr& out, const AttrArg& arg, const AttrValue& value, std::string_view op) {
+  out.name = arg.name.c_str();
+  out.reserved = 0;
+  const auto mistyped = [&](std::string_view given) {
+    return CallError(ErrorCode::bad_arguments, fmt::format("op '{}', attribute '{}': expected {}, got {}", op,
+                                                           arg.name, attr_type_name(arg.type), given));
+  };
+  switch (arg.type) {
+    case AttrType::float_:
+      out.type = KD_ATTR_TYPE_FLOAT;
+      if (auto* d = std::get_if<double>(&value)) out.value.f = *d;
+      else if (auto* i = std::get_if<int64_t>(&value)) out.value.f = static_cast<double>(*i);
+      else throw mistyped(std::holds_alternative<bool>(value) ? "bool" : "string");
+      break;
+    case AttrType::int_:
+      out.type = KD_ATTR_TYPE_INT;
+      if (auto* i = std::get_if<int64_t>(&value)) out.value.i = *i;
+      else throw mistyped(std::holds_alternative<double>(value) ? "float" : std::holds_alternative<bool>(value) ? "bool" : "string");
+      break;
+    case AttrType::bool_:
+      out.type = KD_ATTR_TYPE_BOOL;
+      if (auto* b = std::get_if<bool>(&value)) out.value.b = *b ? 1 : 0;
+      else throw mistyped(std::holds_alternative<double>(value) ? "float" : std::holds_alternative<int64_t>(value) ? "int" : "string");
+      break;
+    case AttrType::string:
+      out.type = KD_ATTR_TYPE_STRING;
+      if (auto* s = std::get_if<std::string>(&value)) out.value.s = s->c_str();
+      else throw mistyped("a number or bool");
+      break;
+  }
+}
+
+}  // namespace
+
+// --- KernelHandle -------------------------------------------------------------
+
+void KernelHandle::operator()(std::span<DLTensor> tensors, std::span<const kd_attr> attrs, void* stream) const {
+  char error[512];
+  error[0] = '\0';
+  const kd_call_args args{sizeof(kd_call_args),
+                          tensors.data(),
+                          static_cast<int32_t>(tensors.size()),
+                          static_cast<int32_t>(attrs.size()),
+                          attrs.data(),
+                          stream,
+                          error,
+                          sizeof(error)};
+  const kd_status status = fn_(&args);
+  if (status != KD_STATUS_OK) [[unlikely]] {
+    error[sizeof(error) - 1] = '\0';
+    throw KernelError(status == KD_STATUS_DEVICE_ERROR ? ErrorCode::device_error : ErrorCode::kernel_failed,
+                      fmt::format("kernel '{}' of backend '{}' failed for op '{}' (status {}): {}", spec_->symbol,
+                                  spec_->backend, spec_->op, static_cast<int>(status),
+                                  error[0] != '\0' ? error : "no message"));
+  }
+}
+
+// --- OpHandle -----------------------------------------------------------------
+
+const OpSchema& OpHandle::schema() const { return state_->compiled->schema(); }
+const CompiledSchema& OpHandle::compiled() const { return *state_->compiled; }
+std::string_view OpHandle::op() const { return state_->op; }
+std::string_view OpHandle::backend() const { return state_->backend; }
+
+std::span<const kd_attr> OpHandle::pack_attrs(std::span<const NamedAttr> attrs, std::span<kd_attr> storage) const {
+  const OpSchema& s = schema();
+  uint64_t used = 0;  // bit per given attribute
+  for (size_t i = 0; i < s.attrs.size(); ++i) {
+    const AttrArg& arg = s.attrs[i];
+    const AttrValue* value = nullptr;
+    for (size_t j = 0; j < attrs.size(); ++j) {
+      if (attrs[j].name == arg.name) {
+        value = &attrs[j].value;
+        used |= uint64_t{1} << j;
+        break;
+      }
+    }
+    if (value == nullptr) {
+      if (!arg.default_value) {
+        throw CallError(ErrorCode::bad_arguments,
+                        fmt::format("op '{}': attribute '{}' ({}) is required", s.op, arg.name, attr_type_name(arg.type)));
+      }
+      value = &*arg.default_value;
+    }
+    fill_attr(storage[i], arg, *value, s.op);
+  }
+  if (attrs.size() > 64 || used != (attrs.size() == 64 ? ~uint64_t{0} : (uint64_t{1} << attrs.size()) - 1)) {
+    std::vector<std::string_view> known;
+    for (const auto& a : s.attrs) known.push_back(a.name);
+    for (size_t j = 0; j < attrs.size(); ++j) {
+      if (j >= 64 || !(used & (uint64_t{1} << j))) {
+        throw CallError(ErrorCode::bad_arguments,
+                        fmt::format("op '{}' has no attribute '{}' (attributes: [{}])", s.op, attrs[j].name,
+                                    fmt::join(known, ", ")));
+      }
+    }
+  }
+  return storage.first(s.attrs.size());
+}
+
+KernelHandle OpHandle::resolve(std::span<const DLTensor> tensors) const {
+  const CompiledSchema::CallInfo info = state_->compiled->check(tensors);
+  return state_->dispatcher->resolve(*state_, info.device_type, info.device_id, info.dtype);
+}
+
+void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream) const {
+  const CompiledSchema::CallInfo info = state_->compiled->check(tensors);
+  const KernelHandle kernel = state_->dispatcher->resolve(*state_, info.device_type, info.device_id, info.dtype);
+  std::array<kd_attr, kMaxSchemaAttrs> storage;
+  const std::span<const kd_attr> packed = pack_attrs(attrs, storage);
+  if (state_->dispatcher->trace_file_ == nullptr) [[likely]] {
+    kernel(tensors, packed, stream);
+    return;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  kernel(tensors, packed, stream);
+  const std::chrono::duration<double, std::micro> us = std::chrono::steady_clock::now() - start;
+  state_->dispatcher->trace(*state_, kernel, tensors, us.count());
+}
+
+void OpHandle::operator()(std::initializer_list<DLTensor> tensors, std::initializer_list<NamedAttr> attrs,
+                          void* stream) const {
+  std::array<DLTensor, kMaxSchemaTensors> copy;
+  if (tensors.size() > copy.size()) {
+    throw CallError(ErrorCode::bad_arguments, fmt::format("op '{}': too many tensors ({})", op(), tensors.size()));
+  }
+  std::copy(tensors.begin(), tensors.end(), copy.begin());
+  (*this)(std::span<DLTensor>(copy.data(), tensors.size()), std::span<const NamedAttr>(attrs.begin(), attrs.size()),
+          stream);
+}
+
+// --- Dispatcher ---------------------------------------------------------------
+
+Dispatcher::Dispatcher(Context& context)
+    : context_(context), intern_slots_(new std::atomic<OpState*>[kInternSlots]) {
+  for (size_t i = 0; i < kInternSlots; ++i) intern_slots_[i].store(nullptr, std::memory_order_relaxed);
+  if (auto path = get_env("KDISPATCH_TRACE"); path && !path->empty()) {
+    trace_file_ = std::fopen(path->c_str(), "a");
+    if (trace_file_ == nullptr) {
+      log(LogLevel::warn, "KDISPATCH_TRACE={}: cannot open for appending: {}", *path, std::strerror(errno));
+    }
+  }
+}
+
+Dispatcher::~Dispatcher() {
+  if (trace_file_ != nullptr) std::fclose(trace_file_);
+}
+
+OpState* Dispatcher::intern(std::string_view op, std::string_view backend) {
+  const uint64_t hash = intern_hash(op, backend);
+  for (size_t i = 0; i < kInternSlots; ++i) {
+    OpState* s = intern_slots_[(hash + i) & (kInternSlots - 1)].load(std::memory_order_acquire);
+    if (s == nullptr) break;
+    if (s->hash == hash && s->op == op && s->backend == backend) return s;
+  }
+  std::lock_guard lock(mutex_);
+  // Another thread may have added it meanwhile.
+  size_t free_slot = kInternSlots;
+  for (size_t i = 0; i < kInternSlots; ++i) {
+    const size_t slot = (hash + i) & (kInternSlots - 1);
+    OpState* s = intern_slots_[slot].load(std::memory_order_acquire);
+    if (s == nullptr) {
+      free_slot = slot;
+      break;
+    }
+    if (s->hash == hash && s->op == op && s->backend == backend) return s;
+  }
+  for (const auto& s : states_) {  // ops that did not fit in the table
+    if (s->op == op && s->backend == backend) return s.get();
+  }
+  const KernelRegistry& registry = context_.registry();
+  if (!registry.has(op)) {
+    // The selector words KD-E001 (with did-you-mean and failed plugins).
+    context_.selector().select_uncached({op, backend, Device::host_cpu(), std::nullopt});
+  }
+  const OpSchema* schema = registry.schema(op);
+  if (schema == nullptr) {
+    throw CallError(ErrorCode::bad_arguments,
+                    fmt::format("op '{}' has kernels but no schema, so it cannot be called through the checked path; "
+                                "define it in an op-schema file or in the \"ops\" of a plugin manifest",
+                                op));
+  }
+  auto state = std::make_unique<OpState>();
+  state->dispatcher = this;
+  state->op = std::string(op);
+  state->backend = std::string(backend);
+  state->hash = hash;
+  state->compiled.emplace(*schema);
+  OpState* raw = state.get();
+  states_.push_back(std::move(state));
+  // A full table still works, through the mutex-guarded list.
+  if (free_slot < kInternSlots) intern_slots_[free_slot].store(raw, std::memory_order_release);
+  return raw;
+}
+
+OpHandle Dispatcher::op(std::string_view op, std::string_view backend) { return OpHandle(intern(op, backend)); }
+
+KernelHandle Dispatcher::resolve(OpState& state, int32_t device_type, int32_t device_id, Dtype dtype) {
+  const uint64_t generation = context_.registry().generation();
+  for (const auto& slot : state.cache) {
+    const OpState::Resolved* r = slot.load(std::memory_order_acquire);
+    if (r != nullptr && r->generation == generation && r->device_type == device_type && r->device_id == device_id &&
+        r->dtype == dtype) {
+      return KernelHandle(r->fn, r->spec);
+    }
+  }
+  return resolve_slow(state, device_type, device_id, dtype);
+}
+
+KernelHandle Dispatcher::resolve_slow(OpState& state, int32_t device_type, int32_t device_id, Dtype dtype) {
+  const auto type = from_dlpack_device_type(device_type);
+  if (!type) {
+    throw CallError(ErrorCode::bad_arguments,
+                    fmt::format("op '{}': tensors are on DLPack device type {}, which no backend kind supports "
+                                "(cpu = {}, cuda = {}, rocm = {})",
+                                state.op, device_type, static_cast<int>(kDLCPU), static_cast<int>(kDLCUDA),
+                                static_cast<int>(kDLROCM)));
+  }
+  const uint64_t generation = context_.registry().generation();
+  const Device device = device_of(*type, device_id);
+  const KernelSpec& spec = context_.select({state.op, state.backend, device, dtype});
+  const kd_kernel_fn fn = context_.kernel(spec);
+  std::lock_guard lock(mutex_);
+  auto resolved = std::make_unique<OpState::Resolved>(
+      OpState::Resolved{device_type, device_id, dtype, generation, fn, &spec});
+  // Prefer an empty or stale slot; else evict round-robin. Old entries stay
+  // owned, so a reader holding one is safe.
+  size_t slot = OpState::kSlots;
+  for (size_t i = 0; i < OpState::kSlots; ++i) {
+    const OpState::Resolved* r = state.cache[i].load(std::memory_order_relaxed);
+    if (r == nullptr || r->generation != generation) {
+      slot = i;
+      break;
+    }
+  }
+  if (slot == OpState::kSlots) slot = state.next_victim++ % OpState::kSlots;
+  state.cache[slot].store(resolved.get(), std::memory_order_release);
+  state.owned.push_back(std::move(resolved));
+  return KernelHandle(fn, &spec);
+}
+
+void Dispatcher::call(std::string_view op, std::span<DLTensor> tensors, std::span<const NamedAttr> attrs,
+                      std::string_view backend, void* stream) {
+  OpHandle(intern(op, backend))(tensors, attrs, stream);
+}
+
+KernelHandle Dispatcher::find_kernel(std::string_view op, DLDevice device, Dtype dtype, std::string_view backend) {
+  return resolve(*intern(op, backend), static_cast<int32_t>(device.device_type), device.device_id, dtype);
+}
+
+void Dispatcher::trace(const OpState& state, const KernelHandle& kernel, std::span<const DLTensor> tensors, double us) {
+  std::vector<std::string> dtypes;
+  std::vector<std::string> shapes;
+  for (const DLTensor& t : tensors) {
+    const auto d = from_dlpack(t.dtype);
+    dtypes.push_back(fmt::format("\"{}\"", d ? dtype_name(*d) : "?"));
+    shapes.push_back(fmt::format("[{}]", fmt::join(std::span<const int64_t>(t.shape, static_cast<size_t>(t.ndim)), ",")));
+  }
+  const auto type = from_dlpack_device_type(tensors.empty() ? kDLCPU : tensors[0].device.device_type);
+  const std::string line = fmt::format(
+      "{{\"op\":\"{}\",\"backend\":\"{}\",\"device\":\"{}:{}\",\"dtypes\":[{}],\"shapes\":[{}],\"us\":{:.3f}}}\n",
+      state.op, kernel.spec().backend, type ? device_type_name(*type) : "?",
+      tensors.empty() ? 0 : tensors[0].device.device_id, fmt::join(dtypes, ","), fmt::join(shapes, ","), us);
+  std::lock_guard lock(mutex_);
+  std::fputs(line.c_str(), trace_file_);
+  std::fflush(trace_file_);
+}
+
+}  // namespace kdispatch
