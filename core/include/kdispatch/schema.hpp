@@ -32,8 +32,14 @@ struct TensorArg {
   std::string name;
   std::vector<ShapeToken> shape;
   std::string dtype;          // a key of OpSchema::dtype_vars, or a dtype name
-  bool written = false;       // an output (or in-place) argument
+  bool written = false;       // an output: the kernel writes it
+  bool inplace = false;       // read and written (implies written)
   bool strided = false;       // non-contiguous layouts allowed
+  // Integer inputs that index something: values in [range_min, range_max),
+  // range_max a constant or a shape symbol ("P"). Lets tools generate valid
+  // inputs for any op.
+  std::optional<int64_t> range_min;
+  std::optional<ShapeToken> range_max;
   bool operator==(const TensorArg&) const = default;
 };
 
@@ -56,6 +62,10 @@ struct OpSchema {
   std::vector<TensorArg> tensors;  // call order
   std::vector<AttrArg> attrs;      // call order (passed by name)
   std::map<std::string, std::vector<Dtype>> dtype_vars;  // "T" -> allowed
+  // Example sizes for tools ("example": {"*": [64], "H": 4096}); symbols not
+  // given here get a tool default.
+  std::vector<int64_t> example_leading;
+  std::map<std::string, int64_t> example_sizes;
   std::string source;  // file that defined it ("<builtin>/layernorm.json")
 
   // Same signature (doc and source are not compared).

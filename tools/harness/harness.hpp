@@ -1,0 +1,121 @@
+// Test and benchmark harness shared by `kdispatch run`/`bench`, the
+// conformance suite and the benchmarks: tensors generated from an op schema,
+// placed on any backend's device through its kd_memory_api, compared with
+// per-dtype tolerances, and saved as .npy.
+#pragma once
+
+#include <dlpack/dlpack.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kdispatch/dispatcher.hpp"
+#include "kdispatch/dtype.hpp"
+#include "kdispatch/plugin_loader.hpp"
+#include "kdispatch/schema.hpp"
+
+namespace kdispatch::harness {
+
+// --- element conversion -------------------------------------------------------
+float half_to_float(uint16_t h);
+uint16_t float_to_half(float f);  // round to nearest even
+float bf16_to_float(uint16_t b);
+uint16_t float_to_bf16(float f);  // round to nearest even
+double load(const void* data, Dtype dtype, size_t index);
+void store(void* data, Dtype dtype, size_t index, double value);
+// The value as it survives a round trip through `dtype`.
+double round_to(Dtype dtype, double value);
+
+// --- shapes ---------------------------------------------------------------------
+struct Shapes {
+  std::vector<int64_t> leading;            // the "*" dims
+  std::map<std::string, int64_t> symbols;  // "H" -> 4096
+};
+// The schema's "example" sizes, with defaults for whatever it leaves out.
+Shapes example_shapes(const OpSchema& schema);
+// Applies "NAME=N" (and "*=a,b") overrides; throws std::invalid_argument.
+void apply_overrides(Shapes& shapes, const std::vector<std::string>& overrides, const OpSchema& schema);
+std::vector<int64_t> tensor_shape(const TensorArg& arg, const Shapes& shapes);
+std::string shapes_str(const Shapes& shapes);  // "*=[64] H=4096"
+
+// --- buffers --------------------------------------------------------------------
+// One tensor: always a host copy; a device copy when `memory` is given.
+class Buffer {
+ public:
+  Buffer(Dtype dtype, std::vector<int64_t> shape, DLDevice device, const kd_memory_api* memory);
+  ~Buffer();
+  Buffer(Buffer&&) noexcept;
+  Buffer& operator=(Buffer&&) = delete;
+  Buffer(const Buffer&) = delete;
+
+  DLTensor& dl() { return tensor_; }
+  const DLTensor& dl() const { return tensor_; }
+  void* host() { return host_.data(); }
+  const void* host() const { return host_.data(); }
+  size_t bytes() const { return host_.size(); }
+  size_t numel() const { return bytes() / dtype_size(dtype_); }
+  Dtype dtype() const { return dtype_; }
+  const std::vector<int64_t>& shape() const { return shape_; }
+  double at(size_t i) const { return load(host(), dtype_, i); }
+  void upload();    // host -> device (no-op for host tensors)
+  void download();  // device -> host
+
+ private:
+  Dtype dtype_;
+  std::vector<int64_t> shape_;
+  std::vector<unsigned char> host_;
+  void* device_ptr_ = nullptr;
+  const kd_memory_api* memory_ = nullptr;
+  DLTensor tensor_{};
+};
+
+// The tensors of one call, in schema order.
+struct CallData {
+  std::vector<Buffer> tensors;
+  std::vector<NamedAttr> attrs;  // all schema attrs with their defaults
+  Dtype dtype;                   // bound to the schema's first dtype variable
+  Shapes shapes;
+
+  std::vector<DLTensor> dl();
+  size_t bytes_moved(const OpSchema& schema) const;  // read + written
+};
+
+// Random inputs, never all zeros (uniform in [-2, 2), integers in their
+// range); outputs poisoned with NaN (or an out-of-range integer). Host only:
+// place() copies them to a device.
+CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, uint64_t seed);
+// The same values on another device (for checking one backend against another).
+CallData clone_to(const CallData& data, DLDevice device, const kd_memory_api* memory);
+void download_all(CallData& data);
+
+// --- checking -------------------------------------------------------------------
+struct Tolerance {
+  double atol;
+  double rtol;
+};
+Tolerance tolerance(Dtype dtype);
+
+struct Comparison {
+  bool ok = true;
+  double max_abs_err = 0;
+  double max_rel_err = 0;
+  std::string first_mismatch;  // "out[3, 17]: got 1.25, expected 1.5"
+};
+// Compares the written tensors of `got` with `expected` (same shapes).
+Comparison compare(const OpSchema& schema, const CallData& got, const std::vector<std::vector<double>>& expected);
+// Expected outputs (written tensors, in schema order, as doubles) of a
+// built-in op from the inputs of `data` in float64; nullopt for ops without a
+// reference.
+std::optional<std::vector<std::vector<double>>> reference_outputs(const OpSchema& schema, const CallData& data);
+// The written tensors of `data` as doubles (to use one backend as the reference).
+std::vector<std::vector<double>> written_values(const OpSchema& schema, const CallData& data);
+
+// --- .npy -----------------------------------------------------------------------
+// Writes `buffer` as NumPy .npy; bfloat16 is stored as float32 (exact).
+void save_npy(const std::string& path, const Buffer& buffer);
+
+}  // namespace kdispatch::harness
