@@ -60,5 +60,7 @@ Runner add_validate(CLI::App& app);
 Runner add_explain(CLI::App& app);
 Runner add_doctor(CLI::App& app);
 Runner add_inspect(CLI::App& app);
+Runner add_run(CLI::App& app);
+Runner add_bench(CLI::App& app);
 
 }  // namespace kdispatch::cli

@@ -22,7 +22,7 @@ int main(int argc, char** argv) {
 
   std::vector<Runner> runners;
   std::vector<CLI::App*> commands;
-  for (auto add : {add_list, add_select, add_validate, add_explain, add_doctor, add_inspect}) {
+  for (auto add : {add_list, add_select, add_run, add_bench, add_doctor, add_inspect, add_validate, add_explain}) {
     runners.push_back(add(app));
     commands.push_back(app.get_subcommands({}).back());
   }

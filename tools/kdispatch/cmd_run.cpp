@@ -1,0 +1,141 @@
+// kdispatch run: call ops on every usable backend and device with inputs
+// generated from their schemas, check each result, report time per call.
+#include <fmt/format.h>
+
+#include "runner.hpp"
+
+namespace kdispatch::cli {
+
+namespace {
+
+Json results_json(const Sweep& sweep) {
+  Json results = Json::array();
+  for (const auto& r : sweep.results) {
+    results.push_back({{"op", r.op},
+                       {"backend", r.backend},
+                       {"device", r.device},
+                       {"dtype", r.dtype},
+                       {"shapes", r.shapes},
+                       {"ok", r.ok},
+                       {"checked", r.checked},
+                       {"checked_against", r.checked_against},
+                       {"error", r.error.empty() ? Json(nullptr) : Json(r.error)},
+                       {"max_abs_err", r.max_abs_err},
+                       {"max_rel_err", r.max_rel_err},
+                       {"us_per_call", r.us_per_call},
+                       {"gb_per_s", r.gb_per_s}});
+  }
+  Json skipped = Json::array();
+  for (const auto& s : sweep.skipped) skipped.push_back({{"op", s.op}, {"backend", s.backend}, {"reason", s.reason}});
+  return Json{{"results", results}, {"skipped", skipped}};
+}
+
+}  // namespace
+
+void print_sweep(const Sweep& sweep, bool bench) {
+  size_t width = 2;
+  for (const auto& r : sweep.results) width = std::max(width, r.op.size());
+  fmt::print("{:<{}}  {:<8} {:<7} {:<9} {:<28} {:<6} {:>9} {:>9} {:>10} {:>8}\n", "OP", width, "BACKEND", "DEVICE",
+             "DTYPE", "SHAPES", "CHECK", "MAX_ABS", "MAX_REL", "US/CALL", "GB/S");
+  size_t ok = 0;
+  size_t failed = 0;
+  for (const auto& r : sweep.results) {
+    const std::string check = !r.ok ? "FAIL" : r.checked ? "ok" : "-";
+    fmt::print("{:<{}}  {:<8} {:<7} {:<9} {:<28} {:<6} {:>9.2e} {:>9.2e} {:>10.2f} {:>8.2f}\n", r.op, width, r.backend,
+               r.device, r.dtype, r.shapes, check, r.max_abs_err, r.max_rel_err, r.us_per_call, r.gb_per_s);
+    if (!r.ok) fmt::print("{:<{}}  -> {}\n", "", width, r.error);
+    (r.ok ? ok : failed)++;
+  }
+  for (const auto& s : sweep.skipped) fmt::print("skipped: {} on {}: {}\n", s.op, s.backend, s.reason);
+  size_t checked = 0;
+  for (const auto& r : sweep.results) checked += r.checked && r.ok;
+  fmt::print("\n{}: {} passed, {} failed, {} skipped ({} checked against a reference)\n", bench ? "bench" : "run", ok,
+             failed, sweep.skipped.size(), checked);
+}
+
+int print_sweep_result(const Sweep& sweep, bool json, bool bench) {
+  if (json) {
+    print_json(results_json(sweep));
+  } else {
+    print_sweep(sweep, bench);
+  }
+  return sweep.exit_code;
+}
+
+Runner add_run(CLI::App& app) {
+  struct Options {
+    CommonOptions common;
+    SweepOptions sweep;
+    std::string op;
+    bool all = false;
+    bool no_check = false;
+  };
+  auto options = std::make_shared<Options>();
+  CLI::App* cmd = app.add_subcommand(
+      "run", "Run ops on every usable backend and device with generated inputs; check and time each result");
+  cmd->add_option("op", options->op, "Op id, e.g. layernorm.rmsnorm")->type_name("OP");
+  cmd->add_flag("--all", options->all, "Every op that has a schema and a kernel");
+  cmd->add_option("--backend", options->sweep.backend, "Only this backend")->type_name("B");
+  cmd->add_option("--device", options->sweep.device, "Only devices of this kind: cpu, cuda, cuda:9.0, hip, hip:gfx90a")
+      ->type_name("D");
+  cmd->add_option("--dtype", options->sweep.dtype, "Only this dtype")->type_name("T");
+  cmd->add_option("--shape", options->sweep.shape_overrides,
+                  "Size of a shape symbol, e.g. H=4096, or the leading dims, e.g. '*=4,7' (repeatable)")
+      ->type_name("NAME=N");
+  cmd->add_option("--iters", options->sweep.iters, "Timed calls per result (default 10)")->type_name("N");
+  cmd->add_flag("--no-check", options->no_check, "Do not check results");
+  cmd->add_option("--save", options->sweep.save_dir,
+                  "Write every tensor as .npy (DIR/<op>.<backend>.<dtype>.<arg>.{in,out}.npy) and the attributes as "
+                  "DIR/<op>.<backend>.<dtype>.attrs.json")
+      ->type_name("DIR");
+  add_common_options(*cmd, options->common);
+  cmd->footer(
+      "Checks the cpu backend against a float64 reference and every other backend against the cpu backend.\n"
+      "Exit code 3 when a result does not match or a kernel fails.\n"
+      "Example: kdispatch run --all; kdispatch run layernorm.rmsnorm --dtype bfloat16 --shape H=8192");
+
+  return [options]() -> int {
+    if (options->all == !options->op.empty()) throw UsageError("run takes an op or --all (one of them)");
+    if (!options->op.empty()) options->sweep.ops = {options->op};
+    options->sweep.check = !options->no_check;
+    options->sweep.json = options->common.json;
+    auto ctx = make_context(options->common);
+    try {
+      return print_sweep_result(run_sweep(*ctx, options->sweep), options->common.json, false);
+    } catch (const Error& e) {
+      return report_error(e, options->common.json);
+    }
+  };
+}
+
+Runner add_bench(CLI::App& app) {
+  struct Options {
+    CommonOptions common;
+    SweepOptions sweep;
+    std::string op;
+  };
+  auto options = std::make_shared<Options>();
+  CLI::App* cmd = app.add_subcommand("bench", "Time one op on all its usable backends side by side, at large sizes");
+  cmd->add_option("op", options->op, "Op id, e.g. layernorm.rmsnorm")->required()->type_name("OP");
+  cmd->add_option("--dtype", options->sweep.dtype, "Only this dtype")->type_name("T");
+  cmd->add_option("--shape", options->sweep.shape_overrides, "Size of a shape symbol, e.g. H=8192 (repeatable)")
+      ->type_name("NAME=N");
+  add_common_options(*cmd, options->common);
+  cmd->footer("Each result is the median time per call over >= 0.3 s of calls; GB/s counts every byte read and written.");
+
+  return [options]() -> int {
+    options->sweep.ops = {options->op};
+    options->sweep.default_rows = 4096;
+    options->sweep.iters = 5;
+    options->sweep.min_seconds = 0.3;
+    options->sweep.json = options->common.json;
+    auto ctx = make_context(options->common);
+    try {
+      return print_sweep_result(run_sweep(*ctx, options->sweep), options->common.json, true);
+    } catch (const Error& e) {
+      return report_error(e, options->common.json);
+    }
+  };
+}
+
+}  // namespace kdispatch::cli

@@ -1,0 +1,230 @@
+#include "runner.hpp"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+
+#include "kdispatch/dispatcher.hpp"
+
+namespace kdispatch::cli {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Target {
+  ProbedDevice device;
+  DLDevice dl;
+  const kd_memory_api* memory;
+};
+
+const kd_memory_api* memory_of(const PluginBinary& binary) {
+  if (!KD_STRUCT_HAS_FIELD(kd_plugin_api, memory, binary.api->struct_size)) return nullptr;
+  return binary.api->memory;
+}
+
+void synchronize(const Target& t) {
+  if (t.memory == nullptr) return;
+  char error[256] = "";
+  if (t.memory->synchronize(t.dl.device_id, error, sizeof error) != KD_STATUS_OK) {
+    throw KernelError(ErrorCode::device_error, fmt::format("synchronize failed: {}", error));
+  }
+}
+
+// Devices of `binary` to run on: --device narrows them.
+std::vector<Target> targets_of(const PluginBinary& binary, const std::string& device_flag) {
+  std::vector<Target> out;
+  std::optional<Device> wanted;
+  if (!device_flag.empty()) {
+    try {
+      wanted = Device::parse(device_flag);
+    } catch (const std::invalid_argument& e) {
+      throw UsageError(e.what());
+    }
+  }
+  for (const ProbedDevice& d : binary.devices) {
+    if (wanted && (wanted->type != d.device.type || (!wanted->arch.empty() && wanted->arch != d.device.arch))) continue;
+    const DLDevice dl{static_cast<DLDeviceType>(to_dlpack_device_type(d.device.type)), d.id};
+    out.push_back({d, dl, d.device.type == DeviceType::cpu ? nullptr : memory_of(binary)});
+  }
+  return out;
+}
+
+std::vector<Dtype> dtypes_for(const OpSchema& schema, const KernelSpec& spec, const std::string& flag) {
+  std::vector<Dtype> allowed;
+  if (!schema.dtype_vars.empty()) {
+    // The first dtype variable used by a tensor selects the kernel.
+    for (const auto& t : schema.tensors) {
+      if (auto it = schema.dtype_vars.find(t.dtype); it != schema.dtype_vars.end()) {
+        allowed = it->second;
+        break;
+      }
+    }
+  } else if (!schema.tensors.empty()) {
+    if (auto d = parse_dtype(schema.tensors[0].dtype)) allowed = {*d};
+  }
+  std::vector<Dtype> out;
+  for (Dtype d : allowed) {
+    if (spec.supports(d) && (flag.empty() || dtype_name(d) == flag)) out.push_back(d);
+  }
+  return out;
+}
+
+void save_call(const std::string& dir, const OpSchema& schema, const std::string& backend, const harness::CallData& in,
+               const harness::CallData& out) {
+  std::filesystem::create_directories(dir);
+  const std::string stem = fmt::format("{}/{}.{}.{}", dir, schema.op, backend, dtype_name(in.dtype));
+  for (size_t i = 0; i < schema.tensors.size(); ++i) {
+    const TensorArg& a = schema.tensors[i];
+    if (!a.written || a.inplace) harness::save_npy(fmt::format("{}.{}.in.npy", stem, a.name), in.tensors[i]);
+    if (a.written || a.inplace) harness::save_npy(fmt::format("{}.{}.out.npy", stem, a.name), out.tensors[i]);
+  }
+  Json attrs = Json::object();
+  for (const auto& attr : in.attrs) {
+    std::visit([&](const auto& v) { attrs[std::string(attr.name)] = v; }, attr.value);
+  }
+  std::ofstream(stem + ".attrs.json") << attrs.dump(2) << "\n";
+}
+
+}  // namespace
+
+Sweep run_sweep(Context& ctx, const SweepOptions& options) {
+  Sweep sweep;
+  Dispatcher dispatch(ctx);
+  std::vector<std::string> ops = options.ops;
+  if (ops.empty()) {
+    for (const OpSchema* s : ctx.registry().schemas()) {
+      if (ctx.registry().has(s->op)) ops.push_back(s->op);
+    }
+  }
+  const bool show_progress = options.progress && (!options.json || isatty(2));
+  const auto fail_dispatch = [&] { sweep.exit_code = std::max(sweep.exit_code, static_cast<int>(kDispatchError)); };
+
+  for (const std::string& op : ops) {
+    // Resolving the handle checks that the op exists and has a schema.
+    OpHandle handle = dispatch.op(op);
+    const OpSchema& schema = handle.schema();
+    std::vector<const KernelSpec*> specs = ctx.registry().get(op);
+    if (!options.backend.empty()) {
+      const KernelSpec* s = ctx.registry().get_backend(op, options.backend);
+      if (s == nullptr) {
+        // The selector words KD-E002, with why a plugin did not load.
+        ctx.select({op, options.backend, Device::host_cpu(), std::nullopt});
+      }
+      specs = {s};
+    }
+    harness::Shapes shapes = harness::example_shapes(schema);
+    if (options.default_rows && !shapes.leading.empty()) shapes.leading = {*options.default_rows};
+    try {
+      harness::apply_overrides(shapes, options.shape_overrides, schema);
+    } catch (const std::invalid_argument& e) {
+      throw UsageError(e.what());
+    }
+    const bool has_cpu_reference = ctx.registry().has(op, "cpu");
+
+    for (const KernelSpec* spec : specs) {
+      const PluginBinary* binary = nullptr;
+      try {
+        binary = &ctx.load_plugin(spec->plugin);
+      } catch (const Error& e) {
+        sweep.results.push_back({op, spec->backend, "-", "-", "-", false, false, "", fmt::format("[{}] {}", e.code_string(), e.message())});
+        fail_dispatch();
+        continue;
+      }
+      const std::vector<Target> targets = targets_of(*binary, options.device);
+      if (targets.empty()) {
+        sweep.skipped.push_back({op, spec->backend,
+                                 options.device.empty() ? "its plugin reports no device here"
+                                                        : fmt::format("no {} device here", options.device)});
+        continue;
+      }
+      for (const Target& target : targets) {
+        try {
+          ctx.select({op, spec->backend, target.device.device, std::nullopt});
+        } catch (const Error& e) {
+          sweep.skipped.push_back({op, spec->backend, e.message()});
+          continue;
+        }
+        const std::vector<Dtype> dtypes = dtypes_for(schema, *spec, options.dtype);
+        if (dtypes.empty()) {
+          sweep.skipped.push_back({op, spec->backend, fmt::format("does not support dtype '{}'", options.dtype)});
+          continue;
+        }
+        const OpHandle backend_handle = dispatch.op(op, spec->backend);
+        for (Dtype dtype : dtypes) {
+          SweepResult r{op, spec->backend, fmt::format("{}:{}", device_type_name(target.device.device.type), target.device.id),
+                        std::string(dtype_name(dtype)), harness::shapes_str(shapes), false, false, "", "", 0, 0, 0, 0};
+          if (show_progress) {
+            fmt::print(stderr, "  running {} on {} {} {} ...\r", op, r.backend, r.device, r.dtype);
+            std::fflush(stderr);
+          }
+          try {
+            const harness::CallData host = harness::make_call(schema, dtype, shapes, 0x5eed + sweep.results.size());
+            // Expected outputs: the float64 reference for the cpu backend,
+            // the cpu backend for every other one.
+            std::optional<std::vector<std::vector<double>>> expected;
+            if (options.check) {
+              if (spec->backend != "cpu" && has_cpu_reference) {
+                harness::CallData ref = harness::clone_to(host, DLDevice{kDLCPU, 0}, nullptr);
+                std::vector<DLTensor> t = ref.dl();
+                dispatch.op(op, "cpu")(t, ref.attrs);
+                expected = harness::written_values(schema, ref);
+                r.checked_against = "cpu backend";
+              } else {
+                expected = harness::reference_outputs(schema, host);
+                r.checked_against = "float64 reference";
+              }
+            }
+            harness::CallData data = harness::clone_to(host, target.dl, target.memory);
+            std::vector<DLTensor> tensors = data.dl();
+            backend_handle(tensors, data.attrs);
+            synchronize(target);
+            harness::download_all(data);
+            if (expected) {
+              const harness::Comparison c = harness::compare(schema, data, *expected);
+              r.checked = true;
+              r.ok = c.ok;
+              r.max_abs_err = c.max_abs_err;
+              r.max_rel_err = c.max_rel_err;
+              if (!c.ok) r.error = c.first_mismatch;
+            } else {
+              r.ok = true;
+              r.checked_against = options.check ? "nothing (no reference for this op)" : "nothing (--no-check)";
+            }
+            if (!options.save_dir.empty()) save_call(options.save_dir, schema, spec->backend, host, data);
+            // Timing: in-place ops keep transforming their tensors, which is
+            // fine for timing (values stay finite) and never checked.
+            int iters = std::max(options.iters, 1);
+            double seconds = 0;
+            std::vector<double> samples;
+            const auto deadline = Clock::now() + std::chrono::duration<double>(options.min_seconds);
+            do {
+              const auto start = Clock::now();
+              for (int i = 0; i < iters; ++i) backend_handle(tensors, data.attrs);
+              synchronize(target);
+              const double s = std::chrono::duration<double>(Clock::now() - start).count();
+              samples.push_back(s / iters);
+              seconds += s;
+            } while (Clock::now() < deadline && samples.size() < 1000);
+            std::sort(samples.begin(), samples.end());
+            r.us_per_call = samples[samples.size() / 2] * 1e6;
+            r.gb_per_s = static_cast<double>(data.bytes_moved(schema)) / (r.us_per_call * 1e3);
+          } catch (const KernelError& e) {
+            r.ok = false;
+            r.error = fmt::format("[{}] {}", e.code_string(), e.message());
+          }
+          if (!r.ok) sweep.exit_code = std::max(sweep.exit_code, static_cast<int>(kKernelFailure));
+          sweep.results.push_back(std::move(r));
+        }
+      }
+    }
+  }
+  if (show_progress) fmt::print(stderr, "{:80}\r", "");
+  return sweep;
+}
+
+}  // namespace kdispatch::cli

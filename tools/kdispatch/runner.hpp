@@ -1,0 +1,52 @@
+// The sweep behind `kdispatch run` and `kdispatch bench`: every op x backend
+// x usable device x dtype asked for, each call checked (cpu against the
+// float64 reference, other backends against the cpu backend) and timed.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common.hpp"
+#include "harness.hpp"
+
+namespace kdispatch::cli {
+
+struct SweepOptions {
+  std::vector<std::string> ops;  // empty: every op with a schema and a kernel
+  std::string backend;           // empty: every registered backend
+  std::string device;            // empty: every device each backend probes
+  std::string dtype;             // empty: every dtype the backend supports
+  std::vector<std::string> shape_overrides;
+  std::optional<int64_t> default_rows;  // bench: large leading dims
+  int iters = 10;
+  double min_seconds = 0;  // bench: time at least this long
+  bool check = true;
+  std::string save_dir;
+  bool json = false;
+  bool progress = true;
+};
+
+struct SweepResult {
+  std::string op, backend, device, dtype, shapes;
+  bool ok = false;
+  bool checked = false;
+  std::string checked_against;  // "float64 reference", "cpu backend"
+  std::string error;            // why not ok
+  double max_abs_err = 0, max_rel_err = 0;
+  double us_per_call = 0, gb_per_s = 0;
+};
+
+struct SweepSkip {
+  std::string op, backend, reason;
+};
+
+struct Sweep {
+  std::vector<SweepResult> results;
+  std::vector<SweepSkip> skipped;
+  int exit_code = kOk;
+};
+
+Sweep run_sweep(Context& ctx, const SweepOptions& options);
+
+}  // namespace kdispatch::cli
