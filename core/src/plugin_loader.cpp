@@ -88,9 +88,13 @@ dll::shared_library* open_library(const std::string& library) {
     if (const auto at = cause.find(library + ": "); at != std::string::npos) {
       cause.erase(0, at + library.size() + 2);
     }
+    const bool damaged = cause.find("truncated") != std::string::npos ||
+                         cause.find("corrupt") != std::string::npos;
     fail(ErrorCode::plugin_open_failed,
-         fmt::format("cannot open plugin library {}: wrong architecture or not a shared library ({})",
-                     library, cause));
+         damaged ? fmt::format("cannot open plugin library {}: {}", library, cause)
+                 : fmt::format("cannot open plugin library {}: wrong architecture or not a shared "
+                               "library ({})",
+                               library, cause));
   }
   if (const std::string host = host_machine(); !host.empty() && elf.machine != host) {
     fail(ErrorCode::plugin_open_failed,
