@@ -68,9 +68,18 @@ std::string classify_dlopen_error(const std::string& library, const std::string&
 // Libraries are never unloaded (DESIGN.md section 3): the table and kernel
 // pointers must stay valid until exit, and unloading a library that
 // registered atexit handlers or thread-locals (GPU runtimes do) can crash the
-// process later. So each shared_library object is deliberately leaked, also
-// when a later check refuses the plugin: its code has already run.
+// process later. So every opened library is kept in a registry that is never
+// destroyed, also when a later check refuses the plugin: its code has
+// already run. (Reachable from a static, so leak checkers stay quiet.)
+std::map<std::string, dll::shared_library>& opened_libraries() {
+  static auto* libraries = new std::map<std::string, dll::shared_library>();
+  return *libraries;
+}
+
 dll::shared_library* open_library(const std::string& library) {
+  auto& opened = opened_libraries();
+  if (const auto it = opened.find(library); it != opened.end()) return &it->second;
+
   // A dlopen of a file cut short can die of SIGBUS inside the dynamic loader
   // (it maps segments without checking the file size), so the file is read
   // with bounds-checked libelf first. This also names a foreign machine,
@@ -103,19 +112,18 @@ dll::shared_library* open_library(const std::string& library) {
   }
 
   std::error_code ec;
-  auto lib = std::make_unique<dll::shared_library>(
-      library, dll::load_mode::rtld_now | dll::load_mode::rtld_local, ec);
-  if (ec || !lib->is_loaded()) {
+  dll::shared_library lib(library, dll::load_mode::rtld_now | dll::load_mode::rtld_local, ec);
+  if (ec || !lib.is_loaded()) {
     // Boost reports only a generic error code; the loader's own text is
-    // still pending in dlerror() (Boost makes no dl* call after the failed
-    // dlopen on this path).
+    // still pending in dlerror(): Boost makes no dl* call after the failed
+    // dlopen on this path (checked with Boost 1.74 and 1.83).
     const char* raw = ::dlerror();
     const std::string text = raw != nullptr ? raw : ec.message();
     fail(ErrorCode::plugin_open_failed,
          fmt::format("cannot open plugin library {}: {} ({})", library,
                      classify_dlopen_error(library, text), text));
   }
-  return lib.release();  // intentionally leaked: see above
+  return &opened.emplace(library, std::move(lib)).first->second;
 }
 
 const kd_plugin_api* call_entry(dll::shared_library& lib, const std::string& library) {
