@@ -1,0 +1,950 @@
+// Plugin manifests and op-schema files (DESIGN.md section 5). The only file of
+// the core that includes nlohmann/json: everything else sees the validated
+// structs of manifest.hpp and schema.hpp.
+//
+// Validation collects every problem it can find instead of stopping at the
+// first, so that one `kdispatch validate` run lists all of them. Each message
+// names the file and the JSON pointer of the field, says what was expected
+// and what was found.
+#include "kdispatch/manifest.hpp"
+
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cstdio>
+#include <cstring>
+#include <initializer_list>
+#include <limits>
+#include <map>
+#include <memory>
+#include <set>
+
+#include "kdispatch/plugin_api.h"
+
+namespace kdispatch {
+
+namespace {
+
+using nlohmann::json;
+
+constexpr std::string_view kDtypeNames =
+    "float32, float16, bfloat16, float64, int32, int64, uint8 or bool";
+constexpr std::string_view kNameExpected = "a name of [a-z0-9_]+";
+constexpr std::string_view kVersionExpected = "a string \"major.minor\" (e.g. \"1.0\")";
+constexpr std::string_view kArchExpected = "\"major.minor\" (e.g. \"9.0\")";
+constexpr std::string_view kIdentifierExpected = "an identifier [A-Za-z_][A-Za-z0-9_]*";
+constexpr std::string_view kShapeTokenExpected =
+    "a shape token: \"*\" (leading dims, first only), a symbol (\"H\"), a positive integer "
+    "(64) or a multiple (\"2*D\")";
+// Discovery scans whole directories for *.json; a huge file there is a
+// mistake, not a manifest, and should not stall every process that starts.
+constexpr size_t kMaxManifestBytes = size_t{16} << 20;
+
+constexpr auto kMaxInt64 = static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+
+bool is_lower_name_char(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_';
+}
+bool is_digit(char c) { return c >= '0' && c <= '9'; }
+bool is_all_digits(std::string_view s) { return !s.empty() && std::all_of(s.begin(), s.end(), is_digit); }
+
+bool is_identifier(std::string_view s) {
+  const auto head = [](char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_'; };
+  return !s.empty() && head(s.front()) &&
+         std::all_of(s.begin() + 1, s.end(), [&](char c) { return head(c) || is_digit(c); });
+}
+
+bool is_hip_arch(std::string_view s) {
+  return s.size() > 3 && s.starts_with("gfx") &&
+         std::all_of(s.begin() + 3, s.end(), [](char c) { return is_digit(c) || (c >= 'a' && c <= 'z'); });
+}
+
+bool is_sha256_hex(std::string_view s) {
+  return s.size() == 64 && std::all_of(s.begin(), s.end(), [](char c) {
+           return is_digit(c) || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
+         });
+}
+
+// A positive decimal integer, digits only (no sign, no spaces); nullopt on
+// anything else, overflow included.
+std::optional<int64_t> parse_positive(std::string_view s) {
+  if (!is_all_digits(s)) return std::nullopt;
+  int64_t value = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
+  if (ec != std::errc() || end != s.data() + s.size() || value <= 0) return std::nullopt;
+  return value;
+}
+
+struct Version {
+  int major = 0;
+  int minor = 0;
+};
+
+// "major.minor", both plain decimal numbers ("1.0", "1.12").
+std::optional<Version> parse_version(std::string_view s) {
+  const auto dot = s.find('.');
+  if (dot == std::string_view::npos) return std::nullopt;
+  const auto major = s.substr(0, dot);
+  const auto minor = s.substr(dot + 1);
+  if (!is_all_digits(major) || !is_all_digits(minor) || major.size() > 4 || minor.size() > 4) {
+    return std::nullopt;
+  }
+  Version v;
+  std::from_chars(major.data(), major.data() + major.size(), v.major);
+  std::from_chars(minor.data(), minor.data() + minor.size(), v.minor);
+  return v;
+}
+
+// Empty when `name` is a plain shared-library file name; otherwise why not.
+// Lexical only: whether the file exists is the loader's business.
+std::string library_name_problem(std::string_view name) {
+  if (name.empty()) return "is empty";
+  if (name.front() == '/') return "is an absolute path";
+  if (name.find("..") != std::string_view::npos) return "contains \"..\"";
+  if (name.find('/') != std::string_view::npos || name.find('\\') != std::string_view::npos) {
+    return "contains a directory separator";
+  }
+  if (std::any_of(name.begin(), name.end(), [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; })) {
+    return "contains a control character";
+  }
+  // Accept "x.so" and versioned "x.so.1.2": strip trailing ".<digits>" groups.
+  std::string_view stem = name;
+  while (true) {
+    const auto dot = stem.rfind('.');
+    if (dot == std::string_view::npos || !is_all_digits(stem.substr(dot + 1))) break;
+    stem = stem.substr(0, dot);
+  }
+  if (!stem.ends_with(".so") || stem.size() == 3) {
+    return "is not a shared library name (expected NAME.so or NAME.so.N, e.g. \"libkdispatch-cuda.so\")";
+  }
+  return {};
+}
+
+std::string pointer_key(std::string_view pointer, std::string_view key) {
+  std::string out(pointer);
+  out += '/';
+  for (char c : key) {
+    if (c == '~') {
+      out += "~0";
+    } else if (c == '/') {
+      out += "~1";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+std::string pointer_index(std::string_view pointer, size_t index) {
+  return fmt::format("{}/{}", pointer, index);
+}
+
+// How a found value reads in a message: strings quoted, containers by kind.
+std::string describe(const json& value) {
+  switch (value.type()) {
+    case json::value_t::string: {
+      const auto& s = value.get_ref<const std::string&>();
+      constexpr size_t kMax = 60;
+      const json shown = s.size() > kMax ? json(s.substr(0, kMax) + "...") : value;
+      // Replace rather than throw: a cut may split a UTF-8 sequence.
+      return shown.dump(-1, ' ', false, json::error_handler_t::replace);
+    }
+    case json::value_t::object: return "an object";
+    case json::value_t::array: return "an array";
+    case json::value_t::null: return "null";
+    case json::value_t::boolean: return fmt::format("boolean {}", value.get<bool>() ? "true" : "false");
+    case json::value_t::number_integer:
+    case json::value_t::number_unsigned:
+    case json::value_t::number_float: return "number " + value.dump();
+    default: return "a value of an unexpected kind";
+  }
+}
+
+std::string join_keys(std::initializer_list<std::string_view> keys) {
+  std::string out;
+  for (auto k : keys) {
+    if (k.starts_with('$')) continue;  // editor metadata, not worth advertising
+    if (!out.empty()) out += ", ";
+    out += k;
+  }
+  return out;
+}
+
+// Walks one document, tracking problems. Every report says FILE: POINTER: ...
+class Reader {
+ public:
+  Reader(std::string file, std::vector<Problem>& errors, std::vector<Problem>& warnings)
+      : file_(std::move(file)), errors_(errors), warnings_(warnings) {}
+
+  const std::string& file() const { return file_; }
+  size_t error_count() const { return errors_.size(); }
+
+  void error(ErrorCode code, std::string_view pointer, std::string_view what) {
+    errors_.push_back({code, file_, format(pointer, what)});
+  }
+  void raw_error(ErrorCode code, std::string message) { errors_.push_back({code, file_, std::move(message)}); }
+  void warn(ErrorCode code, std::string_view pointer, std::string_view what) {
+    warnings_.push_back({code, file_, format(pointer, what)});
+  }
+  void bad(std::string_view pointer, std::string_view expected, const json& found) {
+    error(ErrorCode::manifest_bad_field, pointer, fmt::format("expected {}, found {}", expected, describe(found)));
+  }
+
+  // The member `key` of `object`, or nullptr; a missing required key is
+  // reported with what should be there.
+  const json* get(const json& object, std::string_view pointer, std::string_view key, bool required,
+                  std::string_view expected) {
+    // A std::string key: nlohmann before 3.11 has no string_view lookup.
+    const auto it = object.find(std::string(key));
+    if (it != object.end()) return &*it;
+    if (required) {
+      error(ErrorCode::manifest_bad_field, pointer_key(pointer, key),
+            fmt::format("missing required key; expected {}", expected));
+    }
+    return nullptr;
+  }
+
+  std::optional<std::string> string(const json& object, std::string_view pointer, std::string_view key,
+                                    bool required, std::string_view expected) {
+    const json* value = get(object, pointer, key, required, expected);
+    if (value == nullptr) return std::nullopt;
+    if (!value->is_string()) {
+      bad(pointer_key(pointer, key), expected, *value);
+      return std::nullopt;
+    }
+    return value->get<std::string>();
+  }
+
+  // A string member that must also pass `valid`.
+  std::optional<std::string> checked_string(const json& object, std::string_view pointer, std::string_view key,
+                                            bool required, std::string_view expected,
+                                            bool (*valid)(std::string_view)) {
+    auto value = string(object, pointer, key, required, expected);
+    if (value && !valid(*value)) {
+      bad(pointer_key(pointer, key), expected, object.at(std::string(key)));
+      return std::nullopt;
+    }
+    return value;
+  }
+
+  std::optional<bool> boolean(const json& object, std::string_view pointer, std::string_view key) {
+    const json* value = get(object, pointer, key, false, "");
+    if (value == nullptr) return std::nullopt;
+    if (!value->is_boolean()) {
+      bad(pointer_key(pointer, key), "true or false", *value);
+      return std::nullopt;
+    }
+    return value->get<bool>();
+  }
+
+  // The array member `key`, or nullptr when absent or not an array.
+  const json* array(const json& object, std::string_view pointer, std::string_view key, bool required,
+                    std::string_view expected) {
+    const json* value = get(object, pointer, key, required, expected);
+    if (value != nullptr && !value->is_array()) {
+      bad(pointer_key(pointer, key), expected, *value);
+      return nullptr;
+    }
+    return value;
+  }
+
+  // Unknown keys are warnings: a newer minor format may add keys, and an
+  // older kdispatch must still load the manifest.
+  void unknown_keys(const json& object, std::string_view pointer, std::initializer_list<std::string_view> known) {
+    for (const auto& item : object.items()) {
+      if (std::find(known.begin(), known.end(), item.key()) != known.end()) continue;
+      warn(ErrorCode::manifest_bad_field, pointer_key(pointer, item.key()),
+           fmt::format("unknown key, ignored (known keys here: {})", join_keys(known)));
+    }
+  }
+
+ private:
+  std::string format(std::string_view pointer, std::string_view what) const {
+    return fmt::format("{}: {}: {}", file_, pointer.empty() ? "(top level)" : pointer, what);
+  }
+
+  std::string file_;
+  std::vector<Problem>& errors_;
+  std::vector<Problem>& warnings_;
+};
+
+// --- JSON text -----------------------------------------------------------------
+
+// nlohmann keeps the last of repeated object keys silently. A repeated
+// "library" or "sha256" could then mean different things to different tools,
+// so repeats are found while parsing and reported with their pointer.
+class DuplicateKeyFinder {
+ public:
+  bool on_event(json::parse_event_t event, const json& parsed) {
+    switch (event) {
+      case json::parse_event_t::object_start: frames_.push_back({true, 0, {}, {}}); break;
+      case json::parse_event_t::array_start: frames_.push_back({false, 0, {}, {}}); break;
+      case json::parse_event_t::key: {
+        Frame& top = frames_.back();
+        top.key = parsed.get<std::string>();
+        if (!top.keys.insert(top.key).second) duplicates_.push_back(pointer());
+        break;
+      }
+      case json::parse_event_t::object_end:
+      case json::parse_event_t::array_end:
+        frames_.pop_back();
+        next_element();
+        break;
+      case json::parse_event_t::value: next_element(); break;
+    }
+    return true;
+  }
+  const std::vector<std::string>& duplicates() const { return duplicates_; }
+
+ private:
+  struct Frame {
+    bool object;
+    size_t index;  // arrays: elements seen so far
+    std::string key;
+    std::set<std::string> keys;
+  };
+  void next_element() {
+    if (!frames_.empty() && !frames_.back().object) ++frames_.back().index;
+  }
+  std::string pointer() const {
+    std::string out;
+    for (const auto& f : frames_) out = f.object ? pointer_key(out, f.key) : pointer_index(out, f.index);
+    return out;
+  }
+  std::vector<Frame> frames_;
+  std::vector<std::string> duplicates_;
+};
+
+// 1-based line and column (in bytes) of nlohmann's error position, which
+// counts the characters read including the offending one.
+std::pair<size_t, size_t> line_and_column(std::string_view text, size_t bytes_read) {
+  const size_t offset = std::min(bytes_read == 0 ? 0 : bytes_read - 1, text.size());
+  size_t line = 1;
+  size_t column = 1;
+  for (size_t i = 0; i < offset; ++i) {
+    if (text[i] == '\n') {
+      ++line;
+      column = 1;
+    } else {
+      ++column;
+    }
+  }
+  return {line, column};
+}
+
+// The parser's own words without its "[json.exception...] ... column N: " prefix,
+// which would repeat the position in another form.
+std::string parser_message(const json::parse_error& e) {
+  std::string_view what = e.what();
+  if (const auto column = what.find("column "); column != std::string_view::npos) {
+    if (const auto colon = what.find(": ", column); colon != std::string_view::npos) {
+      return std::string(what.substr(colon + 2));
+    }
+  }
+  if (const auto bracket = what.find("] "); bracket != std::string_view::npos) {
+    return std::string(what.substr(bracket + 2));
+  }
+  return std::string(what);
+}
+
+// Parses `text`; nullopt after reporting KD-E010 or repeated keys.
+std::optional<json> parse_json(std::string_view text, Reader& r) {
+  DuplicateKeyFinder finder;
+  json doc;
+  try {
+    doc = json::parse(
+        text.begin(), text.end(),
+        [&finder](int /*depth*/, json::parse_event_t event, json& parsed) { return finder.on_event(event, parsed); },
+        /*allow_exceptions=*/true, /*ignore_comments=*/false);
+  } catch (const json::parse_error& e) {
+    // KD-E010 reads FILE:LINE:COL: message, as compilers print it.
+    const auto [line, column] = line_and_column(text, e.byte);
+    r.raw_error(ErrorCode::manifest_bad_json,
+                fmt::format("{}:{}:{}: {}", r.file(), line, column, parser_message(e)));
+    return std::nullopt;
+  }
+  const size_t before = r.error_count();
+  for (const auto& pointer : finder.duplicates()) {
+    r.error(ErrorCode::manifest_bad_field, pointer,
+            "key appears more than once in this object; parsers disagree on which one counts, so "
+            "repeats are refused");
+  }
+  if (r.error_count() != before) return std::nullopt;
+  return doc;
+}
+
+// --- op schemas ------------------------------------------------------------------
+
+std::optional<ShapeToken> parse_shape_token(const json& value, bool first) {
+  ShapeToken token;
+  if (value.is_number_integer()) {
+    // number_unsigned values above int64's range are not dims of any real tensor.
+    if (value.is_number_unsigned() && value.get<uint64_t>() > kMaxInt64) return std::nullopt;
+    const auto n = value.get<int64_t>();
+    if (n <= 0) return std::nullopt;
+    token.kind = ShapeToken::Kind::constant;
+    token.value = n;
+    return token;
+  }
+  if (!value.is_string()) return std::nullopt;
+  const auto& s = value.get_ref<const std::string&>();
+  if (s == "*") {
+    if (!first) return std::nullopt;
+    token.kind = ShapeToken::Kind::leading;
+    return token;
+  }
+  if (is_identifier(s)) {
+    token.kind = ShapeToken::Kind::symbol;
+    token.symbol = s;
+    return token;
+  }
+  if (const auto n = parse_positive(s)) {
+    token.kind = ShapeToken::Kind::constant;
+    token.value = *n;
+    return token;
+  }
+  const auto star = s.find('*');
+  if (star == std::string::npos) return std::nullopt;
+  const auto factor = parse_positive(std::string_view(s).substr(0, star));
+  const auto symbol = std::string_view(s).substr(star + 1);
+  if (!factor || !is_identifier(symbol)) return std::nullopt;
+  token.kind = ShapeToken::Kind::multiple;
+  token.value = *factor;
+  token.symbol = std::string(symbol);
+  return token;
+}
+
+std::optional<std::vector<ShapeToken>> read_shape(Reader& r, const json& shape, const std::string& pointer) {
+  const size_t before = r.error_count();
+  std::vector<ShapeToken> tokens;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    const auto& value = shape[i];
+    if (auto token = parse_shape_token(value, i == 0)) {
+      tokens.push_back(std::move(*token));
+    } else if (value.is_string() && value.get_ref<const std::string&>() == "*") {
+      r.error(ErrorCode::manifest_bad_field, pointer_index(pointer, i),
+              "\"*\" (any number of leading dims) may only be the first token of a shape");
+    } else {
+      r.bad(pointer_index(pointer, i), kShapeTokenExpected, value);
+    }
+  }
+  if (r.error_count() != before) return std::nullopt;
+  return tokens;
+}
+
+std::optional<AttrValue> attr_default(AttrType type, const json& value) {
+  switch (type) {
+    case AttrType::float_:
+      if (value.is_number()) return AttrValue(value.get<double>());
+      break;
+    case AttrType::int_:
+      if (value.is_number_unsigned() && value.get<uint64_t>() > kMaxInt64) break;
+      if (value.is_number_integer()) return AttrValue(value.get<int64_t>());
+      break;
+    case AttrType::bool_:
+      if (value.is_boolean()) return AttrValue(value.get<bool>());
+      break;
+    case AttrType::string:
+      if (value.is_string()) return AttrValue(value.get<std::string>());
+      break;
+  }
+  return std::nullopt;
+}
+
+std::optional<AttrType> parse_attr_type(std::string_view name) {
+  for (AttrType t : {AttrType::float_, AttrType::int_, AttrType::bool_, AttrType::string}) {
+    if (attr_type_name(t) == name) return t;
+  }
+  return std::nullopt;
+}
+
+// A list of dtype names ("dtypes" of a kernel or a dtype variable). Empty
+// lists are refused: [] reads as "none" but would behave as "any".
+std::optional<std::vector<Dtype>> read_dtype_list(Reader& r, const json& list, const std::string& pointer,
+                                                  std::string_view empty_hint) {
+  if (!list.is_array()) {
+    r.bad(pointer, fmt::format("a list of dtype names ({})", kDtypeNames), list);
+    return std::nullopt;
+  }
+  if (list.empty()) {
+    r.error(ErrorCode::manifest_bad_field, pointer, fmt::format("expected a non-empty list of dtype names, found []; {}", empty_hint));
+    return std::nullopt;
+  }
+  const size_t before = r.error_count();
+  std::vector<Dtype> dtypes;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const auto& item = list[i];
+    const auto dtype = item.is_string() ? parse_dtype(item.get_ref<const std::string&>()) : std::nullopt;
+    if (!dtype) {
+      r.bad(pointer_index(pointer, i), fmt::format("a dtype name ({})", kDtypeNames), item);
+    } else if (std::find(dtypes.begin(), dtypes.end(), *dtype) != dtypes.end()) {
+      r.warn(ErrorCode::manifest_bad_field, pointer_index(pointer, i),
+             fmt::format("dtype \"{}\" is listed twice", dtype_name(*dtype)));
+    } else {
+      dtypes.push_back(*dtype);
+    }
+  }
+  if (r.error_count() != before) return std::nullopt;
+  return dtypes;
+}
+
+std::optional<TensorArg> read_tensor(Reader& r, const json& j, const std::string& pointer,
+                                     const std::set<std::string>& declared_vars,
+                                     std::set<std::string>& used_vars) {
+  if (!j.is_object()) {
+    r.bad(pointer, "a tensor object {\"name\", \"shape\", \"dtype\"}", j);
+    return std::nullopt;
+  }
+  const size_t before = r.error_count();
+  r.unknown_keys(j, pointer, {"name", "shape", "dtype", "written", "strided"});
+  TensorArg t;
+  t.name = r.checked_string(j, pointer, "name", true, kIdentifierExpected, is_identifier).value_or("");
+  if (const json* shape = r.array(j, pointer, "shape", true, "a list of shape tokens (e.g. [\"*\", \"H\"])")) {
+    t.shape = read_shape(r, *shape, pointer_key(pointer, "shape")).value_or(std::vector<ShapeToken>{});
+  }
+  const auto dtype_expected = fmt::format("a dtype variable declared in \"dtypes\" or a dtype name ({})", kDtypeNames);
+  if (auto dtype = r.string(j, pointer, "dtype", true, dtype_expected)) {
+    if (declared_vars.count(*dtype) != 0) {
+      used_vars.insert(*dtype);
+    } else if (!parse_dtype(*dtype)) {
+      r.error(ErrorCode::manifest_bad_field, pointer_key(pointer, "dtype"),
+              fmt::format("expected {}, found \"{}\", which is neither", dtype_expected, *dtype));
+    }
+    t.dtype = std::move(*dtype);
+  }
+  t.written = r.boolean(j, pointer, "written").value_or(false);
+  t.strided = r.boolean(j, pointer, "strided").value_or(false);
+  if (r.error_count() != before) return std::nullopt;
+  return t;
+}
+
+std::optional<AttrArg> read_attr(Reader& r, const json& j, const std::string& pointer) {
+  if (!j.is_object()) {
+    r.bad(pointer, "an attribute object {\"name\", \"type\"}", j);
+    return std::nullopt;
+  }
+  const size_t before = r.error_count();
+  r.unknown_keys(j, pointer, {"name", "type", "default", "doc"});
+  AttrArg a;
+  a.name = r.checked_string(j, pointer, "name", true, kIdentifierExpected, is_identifier).value_or("");
+  constexpr std::string_view type_expected = "an attribute type: \"float\", \"int\", \"bool\" or \"string\"";
+  std::optional<AttrType> type;
+  if (const auto name = r.string(j, pointer, "type", true, type_expected)) {
+    type = parse_attr_type(*name);
+    if (!type) r.bad(pointer_key(pointer, "type"), type_expected, j.at("type"));
+  }
+  if (type) a.type = *type;
+  if (const json* value = r.get(j, pointer, "default", false, ""); value != nullptr && type) {
+    a.default_value = attr_default(*type, *value);
+    if (!a.default_value) {
+      r.bad(pointer_key(pointer, "default"), fmt::format("a default of type {}", attr_type_name(*type)), *value);
+    }
+  }
+  a.doc = r.string(j, pointer, "doc", false, "a string").value_or("");
+  if (r.error_count() != before) return std::nullopt;
+  return a;
+}
+
+// One op schema. A symbol seen only inside multiples ("2*R" with no plain
+// "R") is accepted: the checker binds it by dividing the dim by the factor,
+// which the rotary embedding's head dim needs.
+std::optional<OpSchema> read_op_schema(Reader& r, const json& j, const std::string& pointer) {
+  if (!j.is_object()) {
+    r.bad(pointer, "an op schema object {\"op\", \"tensors\", ...}", j);
+    return std::nullopt;
+  }
+  const size_t before = r.error_count();
+  r.unknown_keys(j, pointer, {"op", "doc", "tensors", "attrs", "dtypes"});
+  OpSchema s;
+  s.source = r.file();
+  s.op = r.checked_string(j, pointer, "op", true, "an op id <group>.<name> of [a-z0-9_]+", is_valid_op_id)
+             .value_or("");
+  s.doc = r.string(j, pointer, "doc", false, "a string").value_or("");
+
+  // dtypes first: tensors refer to its variables. A variable whose list is
+  // bad still counts as declared, so its users are not reported as well.
+  std::set<std::string> declared_vars;
+  if (const json* vars = r.get(j, pointer, "dtypes", false, ""); vars != nullptr) {
+    const auto vars_pointer = pointer_key(pointer, "dtypes");
+    if (!vars->is_object()) {
+      r.bad(vars_pointer, "an object mapping dtype variables to dtype lists ({\"T\": [\"float32\"]})", *vars);
+    } else {
+      for (const auto& item : vars->items()) {
+        const auto var_pointer = pointer_key(vars_pointer, item.key());
+        if (!is_identifier(item.key()) || parse_dtype(item.key())) {
+          r.error(ErrorCode::manifest_bad_field, var_pointer,
+                  fmt::format("expected a dtype variable name ({} that is not a dtype name), found \"{}\"",
+                              kIdentifierExpected, item.key()));
+          continue;
+        }
+        declared_vars.insert(item.key());
+        if (auto list = read_dtype_list(r, item.value(), var_pointer, "a variable needs at least one dtype")) {
+          s.dtype_vars.emplace(item.key(), std::move(*list));
+        }
+      }
+    }
+  }
+
+  std::set<std::string> used_vars;
+  std::map<std::string, std::string> arg_names;  // name -> pointer of its first use
+  const auto claim_name = [&](const std::string& name, const std::string& name_pointer, std::string_view what) {
+    if (name.empty()) return;
+    const auto [it, inserted] = arg_names.emplace(name, name_pointer);
+    if (!inserted) {
+      r.error(ErrorCode::manifest_bad_field, name_pointer,
+              fmt::format("duplicate {} name \"{}\" (already used at {})", what, name, it->second));
+    }
+  };
+  if (const json* tensors = r.array(j, pointer, "tensors", true, "a list of tensor objects")) {
+    for (size_t i = 0; i < tensors->size(); ++i) {
+      const auto t_pointer = pointer_index(pointer_key(pointer, "tensors"), i);
+      if (auto t = read_tensor(r, (*tensors)[i], t_pointer, declared_vars, used_vars)) {
+        claim_name(t->name, pointer_key(t_pointer, "name"), "argument");
+        s.tensors.push_back(std::move(*t));
+      }
+    }
+  }
+  if (const json* attrs = r.array(j, pointer, "attrs", false, "a list of attribute objects")) {
+    for (size_t i = 0; i < attrs->size(); ++i) {
+      const auto a_pointer = pointer_index(pointer_key(pointer, "attrs"), i);
+      // Attributes share the tensors' namespace: tools address both by name.
+      if (auto a = read_attr(r, (*attrs)[i], a_pointer)) {
+        claim_name(a->name, pointer_key(a_pointer, "name"), "argument");
+        s.attrs.push_back(std::move(*a));
+      }
+    }
+  }
+  for (const auto& var : declared_vars) {
+    if (used_vars.count(var) == 0) {
+      r.warn(ErrorCode::manifest_bad_field, pointer_key(pointer_key(pointer, "dtypes"), var),
+             fmt::format("dtype variable \"{}\" is not used by any tensor", var));
+    }
+  }
+  if (r.error_count() != before) return std::nullopt;
+  return s;
+}
+
+// A list of op schemas (an op-schema file, or a manifest's "ops").
+void read_op_schema_list(Reader& r, const json& list, const std::string& pointer, std::vector<OpSchema>& out) {
+  std::map<std::string, std::pair<std::string, size_t>> seen;  // op -> (pointer, index in out)
+  for (size_t i = 0; i < list.size(); ++i) {
+    const auto s_pointer = pointer_index(pointer, i);
+    auto schema = read_op_schema(r, list[i], s_pointer);
+    if (!schema) continue;
+    const auto [it, inserted] = seen.emplace(schema->op, std::make_pair(s_pointer, out.size()));
+    if (inserted) {
+      out.push_back(std::move(*schema));
+    } else if (out[it->second.second].same_signature(*schema)) {
+      r.warn(ErrorCode::conflicting_registration, s_pointer,
+             fmt::format("op '{}' is defined again, identically (first at {}); the repeat is ignored", schema->op,
+                         it->second.first));
+    } else {
+      r.error(ErrorCode::conflicting_registration, s_pointer,
+              fmt::format("Conflicting definitions of op '{}': {} != {}", schema->op, it->second.first, s_pointer));
+    }
+  }
+}
+
+// --- manifests ---------------------------------------------------------------------
+
+std::optional<Target> read_target(Reader& r, const json& j, const std::string& pointer) {
+  if (!j.is_object()) {
+    r.bad(pointer, "a target object {\"device\": \"cpu\"|\"cuda\"|\"hip\", ...}", j);
+    return std::nullopt;
+  }
+  const size_t before = r.error_count();
+  r.unknown_keys(j, pointer, {"device", "min_arch", "max_arch", "archs", "features"});
+  constexpr std::string_view device_expected = "a device: \"cpu\", \"cuda\" or \"hip\"";
+  Target t;
+  std::optional<DeviceType> device;
+  if (const auto name = r.string(j, pointer, "device", true, device_expected)) {
+    device = parse_device_type(*name);
+    if (device) {
+      t.device = *device;
+    } else {
+      r.bad(pointer_key(pointer, "device"), device_expected, j.at("device"));
+    }
+  }
+  // A field of another device's target is refused rather than ignored: the
+  // author meant a constraint, and ignoring it would widen where it runs.
+  const auto only_for = [&](std::string_view key, DeviceType wanted) {
+    if (!device || *device == wanted || !j.contains(std::string(key))) return true;
+    r.error(ErrorCode::manifest_bad_field, pointer_key(pointer, key),
+            fmt::format("{} applies to {} targets only; this target's device is \"{}\"", key,
+                        device_type_name(wanted), device_type_name(*device)));
+    return false;
+  };
+  for (const auto key : {"min_arch", "max_arch"}) {
+    if (!only_for(key, DeviceType::cuda)) continue;
+    auto text = r.string(j, pointer, key, false, kArchExpected);
+    if (!text) continue;
+    const auto arch = CudaArch::parse(*text);
+    if (!arch) {
+      r.bad(pointer_key(pointer, key), kArchExpected, j.at(key));
+    } else {
+      (std::string_view(key) == "min_arch" ? t.min_arch : t.max_arch) = arch;
+    }
+  }
+  if (t.min_arch && t.max_arch && *t.min_arch > *t.max_arch) {
+    r.error(ErrorCode::manifest_bad_field, pointer_key(pointer, "max_arch"),
+            fmt::format("inverted arch window: min_arch {} is above max_arch {}, so no device matches",
+                        t.min_arch->str(), t.max_arch->str()));
+  }
+  const auto read_list = [&](const char* key, DeviceType wanted, std::string_view expected,
+                             bool (*valid)(std::string_view), bool allow_empty, std::vector<std::string>& out) {
+    if (!only_for(key, wanted)) return;
+    const auto list_expected = fmt::format("a list of {}", expected);
+    const json* list = r.array(j, pointer, key, false, list_expected);
+    if (list == nullptr) return;
+    if (list->empty() && !allow_empty) {
+      r.error(ErrorCode::manifest_bad_field, pointer_key(pointer, key),
+              fmt::format("expected a non-empty list of {}, found []; omit \"{}\" to accept any", expected, key));
+      return;
+    }
+    for (size_t i = 0; i < list->size(); ++i) {
+      const auto& item = (*list)[i];
+      if (!item.is_string() || !valid(item.get_ref<const std::string&>())) {
+        r.bad(pointer_index(pointer_key(pointer, key), i), expected, item);
+      } else {
+        out.push_back(item.get<std::string>());
+      }
+    }
+  };
+  // An empty "archs" would read as "no arch" but match every one; an empty
+  // "features" really means "needs nothing", so it is fine.
+  read_list("archs", DeviceType::hip, "hip archs (e.g. \"gfx90a\")", is_hip_arch, false, t.archs);
+  read_list("features", DeviceType::cpu, "cpu features of [a-z0-9_]+ (e.g. \"avx2\")", is_valid_name, true,
+            t.features);
+  if (r.error_count() != before) return std::nullopt;
+  return t;
+}
+
+std::optional<std::vector<Target>> read_targets(Reader& r, const json& list, const std::string& pointer) {
+  const size_t before = r.error_count();
+  std::vector<Target> targets;
+  for (size_t i = 0; i < list.size(); ++i) {
+    if (auto t = read_target(r, list[i], pointer_index(pointer, i))) targets.push_back(std::move(*t));
+  }
+  if (r.error_count() != before) return std::nullopt;
+  return targets;
+}
+
+constexpr std::string_view kTargetsExpected = "a list of target objects";
+
+std::optional<KernelSpec> read_kernel(Reader& r, const json& j, const std::string& pointer, const Manifest& m) {
+  if (!j.is_object()) {
+    r.bad(pointer, "a kernel object {\"op\", \"symbol\", ...}", j);
+    return std::nullopt;
+  }
+  const size_t before = r.error_count();
+  r.unknown_keys(j, pointer, {"op", "symbol", "dtypes", "targets", "description"});
+  KernelSpec k;
+  k.op = r.checked_string(j, pointer, "op", true, "an op id <group>.<name> of [a-z0-9_]+", is_valid_op_id)
+             .value_or("");
+  k.symbol = r.checked_string(j, pointer, "symbol", true, "a C identifier [A-Za-z_][A-Za-z0-9_]*", is_identifier)
+                 .value_or("");
+  if (const json* dtypes = r.get(j, pointer, "dtypes", false, "")) {
+    k.dtypes = read_dtype_list(r, *dtypes, pointer_key(pointer, "dtypes"), "omit \"dtypes\" to accept any dtype")
+                   .value_or(std::vector<Dtype>{});
+  }
+  // A kernel's own targets replace the manifest's, even when empty ([] = any device).
+  if (const json* targets = r.array(j, pointer, "targets", false, kTargetsExpected)) {
+    k.targets = read_targets(r, *targets, pointer_key(pointer, "targets")).value_or(std::vector<Target>{});
+  } else {
+    k.targets = m.targets;
+  }
+  k.description = r.string(j, pointer, "description", false, "a string").value_or("");
+  k.plugin = m.plugin;
+  k.backend = m.backend;
+  k.manifest = m.path;
+  if (r.error_count() != before) return std::nullopt;
+  return k;
+}
+
+void read_kernels(Reader& r, const json& list, Manifest& m) {
+  std::map<std::string, std::pair<std::string, size_t>> seen;  // op -> (pointer, index in m.kernels)
+  for (size_t i = 0; i < list.size(); ++i) {
+    const auto pointer = pointer_index("/kernels", i);
+    auto k = read_kernel(r, list[i], pointer, m);
+    if (!k) continue;
+    const auto [it, inserted] = seen.emplace(k->op, std::make_pair(pointer, m.kernels.size()));
+    if (inserted) {
+      m.kernels.push_back(std::move(*k));
+      continue;
+    }
+    const KernelSpec& first = m.kernels[it->second.second];
+    if (first.same_implementation(*k)) {
+      // Same rule as the registry (DESIGN.md 4.4): the same symbol again is a no-op.
+      r.warn(ErrorCode::conflicting_registration, pointer,
+             fmt::format("op '{}' is declared again with the same symbol '{}' (first at {}); only the first "
+                         "entry counts",
+                         k->op, k->symbol, it->second.first));
+    } else {
+      r.error(ErrorCode::conflicting_registration, pointer,
+              fmt::format("Conflicting kernel registration for op '{}', backend '{}': symbol '{}' ({}) != "
+                          "symbol '{}' ({})",
+                          k->op, m.backend, first.symbol, it->second.first, k->symbol, pointer));
+    }
+  }
+}
+
+// Returns false when the version refuses the rest of the document.
+bool read_format_version(Reader& r, const json& doc, Manifest& m) {
+  const auto text = r.string(doc, "", "kdispatch_manifest", true, kVersionExpected);
+  if (!text) return true;  // reported; check the rest as 1.x
+  const auto version = parse_version(*text);
+  if (!version) {
+    r.bad("/kdispatch_manifest", kVersionExpected, doc.at("kdispatch_manifest"));
+    return true;
+  }
+  m.format = *text;
+  if (version->major != kManifestFormatMajor) {
+    r.error(ErrorCode::manifest_bad_version, "/kdispatch_manifest",
+            fmt::format("format {} is not supported; this kdispatch reads {}.x", *text, kManifestFormatMajor));
+    // Another major may mean other fields: checking them as 1.x would only add noise.
+    return false;
+  }
+  if (version->minor > kManifestFormatMinor) {
+    r.warn(ErrorCode::manifest_bad_version, "/kdispatch_manifest",
+           fmt::format("format {} is newer than this kdispatch ({}.{}); keys it does not know are ignored", *text,
+                       kManifestFormatMajor, kManifestFormatMinor));
+  }
+  return true;
+}
+
+void read_manifest_document(Reader& r, const json& doc, Manifest& m) {
+  if (!doc.is_object()) {
+    r.bad("", "a manifest object {\"kdispatch_manifest\": \"1.0\", ...}", doc);
+    return;
+  }
+  if (!read_format_version(r, doc, m)) return;
+  r.unknown_keys(doc, "", {"$schema", "kdispatch_manifest", "plugin", "backend", "library", "abi", "sha256",
+                           "description", "targets", "kernels", "ops"});
+
+  m.plugin = r.checked_string(doc, "", "plugin", true, kNameExpected, is_valid_name).value_or("");
+  m.backend = r.checked_string(doc, "", "backend", true, kNameExpected, is_valid_name).value_or("");
+
+  if (auto library = r.string(doc, "", "library", true, "a shared library file name (e.g. \"libkdispatch-cpu.so\")")) {
+    if (const auto why = library_name_problem(*library); !why.empty()) {
+      r.error(ErrorCode::manifest_bad_library_path, "/library",
+              fmt::format("{} {}; give a plain file name, which is resolved next to the manifest", describe(doc.at("library")),
+                          why));
+    }
+    m.library = std::move(*library);
+  }
+
+  if (auto abi = r.string(doc, "", "abi", true, kVersionExpected)) {
+    const auto version = parse_version(*abi);
+    if (!version) {
+      r.bad("/abi", kVersionExpected, doc.at("abi"));
+    } else if (version->major != KDISPATCH_ABI_MAJOR) {
+      r.error(ErrorCode::manifest_bad_field, "/abi",
+              fmt::format("abi {} is not supported by this host ({}.x)", *abi, KDISPATCH_ABI_MAJOR));
+    }
+    m.abi = std::move(*abi);
+  }
+
+  if (auto sha = r.string(doc, "", "sha256", false, "64 hex digits")) {
+    if (!is_sha256_hex(*sha)) {
+      r.bad("/sha256", "64 hex digits", doc.at("sha256"));
+    } else {
+      std::transform(sha->begin(), sha->end(), sha->begin(),
+                     [](char c) { return c >= 'A' && c <= 'F' ? static_cast<char>(c - 'A' + 'a') : c; });
+      m.sha256 = std::move(*sha);
+    }
+  }
+  m.description = r.string(doc, "", "description", false, "a string").value_or("");
+
+  // Top-level targets before kernels: they are the kernels' default.
+  if (const json* targets = r.array(doc, "", "targets", false, kTargetsExpected)) {
+    m.targets = read_targets(r, *targets, "/targets").value_or(std::vector<Target>{});
+  }
+  if (const json* kernels = r.array(doc, "", "kernels", true, "a list of kernel objects (may be empty)")) {
+    read_kernels(r, *kernels, m);
+  }
+  if (const json* ops = r.array(doc, "", "ops", false, "a list of op schemas")) {
+    read_op_schema_list(r, *ops, "/ops", m.ops);
+  }
+}
+
+}  // namespace
+
+bool is_valid_name(std::string_view name) {
+  return !name.empty() && std::all_of(name.begin(), name.end(), is_lower_name_char);
+}
+
+bool is_valid_op_id(std::string_view op) {
+  const auto dot = op.find('.');
+  return dot != std::string_view::npos && is_valid_name(op.substr(0, dot)) && is_valid_name(op.substr(dot + 1));
+}
+
+std::filesystem::path Manifest::library_path() const {
+  return std::filesystem::path(path).parent_path() / library;
+}
+
+ManifestResult parse_manifest(std::string_view text, const std::string& path) {
+  ManifestResult result;
+  Reader r(path, result.errors, result.warnings);
+  try {
+    const auto doc = parse_json(text, r);
+    if (!doc) return result;
+    Manifest m;
+    m.path = path;
+    read_manifest_document(r, *doc, m);
+    if (result.errors.empty()) result.manifest = std::move(m);
+  } catch (const std::exception& e) {
+    // Validation reports problems instead of throwing; reaching this is a bug
+    // here, and still must not take down a process that only scans plugins.
+    result.manifest.reset();
+    r.error(ErrorCode::manifest_bad_field, "", fmt::format("internal error while validating: {}", e.what()));
+  }
+  return result;
+}
+
+ManifestResult read_manifest(const std::filesystem::path& path) {
+  const std::string name = path.string();
+  const auto unreadable = [&](std::string_view why) {
+    ManifestResult result;
+    result.errors.push_back({ErrorCode::manifest_bad_json, name, fmt::format("{}: cannot read: {}", name, why)});
+    return result;
+  };
+  // A lambda, not &std::fclose: taking a standard function's address is unspecified.
+  const auto close = [](std::FILE* f) { std::fclose(f); };
+  const std::unique_ptr<std::FILE, decltype(close)> file(std::fopen(name.c_str(), "rb"), close);
+  if (!file) return unreadable(std::strerror(errno));
+  std::string text;
+  char buffer[16384];
+  while (true) {
+    const size_t n = std::fread(buffer, 1, sizeof buffer, file.get());
+    text.append(buffer, n);
+    if (text.size() > kMaxManifestBytes) {
+      return unreadable(fmt::format("larger than the {} MiB a manifest may have", kMaxManifestBytes >> 20));
+    }
+    if (n < sizeof buffer) break;
+  }
+  // fopen succeeds on a directory; the read is what fails (EISDIR).
+  if (std::ferror(file.get())) return unreadable(std::strerror(errno));
+  return parse_manifest(text, name);
+}
+
+SchemaFileResult parse_op_schemas(std::string_view text, const std::string& path) {
+  SchemaFileResult result;
+  Reader r(path, result.errors, result.warnings);
+  try {
+    const auto doc = parse_json(text, r);
+    if (!doc) return result;
+    if (!doc->is_array()) {
+      r.bad("", "a list of op schemas [{\"op\": ...}, ...]", *doc);
+      return result;
+    }
+    read_op_schema_list(r, *doc, "", result.schemas);
+  } catch (const std::exception& e) {
+    r.error(ErrorCode::manifest_bad_field, "", fmt::format("internal error while validating: {}", e.what()));
+  }
+  return result;
+}
+
+}  // namespace kdispatch
