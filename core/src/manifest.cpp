@@ -499,7 +499,7 @@ std::optional<TensorArg> read_tensor(Reader& r, const json& j, const std::string
     return std::nullopt;
   }
   const size_t before = r.error_count();
-  r.unknown_keys(j, pointer, {"name", "shape", "dtype", "written", "strided"});
+  r.unknown_keys(j, pointer, {"name", "shape", "dtype", "written", "inplace", "strided", "range"});
   TensorArg t;
   t.name = r.checked_string(j, pointer, "name", true, kIdentifierExpected, is_identifier).value_or("");
   if (const json* shape = r.array(j, pointer, "shape", true, "a list of shape tokens (e.g. [\"*\", \"H\"])")) {
@@ -516,7 +516,23 @@ std::optional<TensorArg> read_tensor(Reader& r, const json& j, const std::string
     t.dtype = std::move(*dtype);
   }
   t.written = r.boolean(j, pointer, "written").value_or(false);
+  t.inplace = r.boolean(j, pointer, "inplace").value_or(false);
+  t.written = t.written || t.inplace;
   t.strided = r.boolean(j, pointer, "strided").value_or(false);
+  // "range": [min, max) of an integer input, max a constant or a symbol.
+  if (const json* range = r.get(j, pointer, "range", false, ""); range != nullptr) {
+    constexpr std::string_view range_expected = "[min, max) as [integer, integer or shape symbol], e.g. [0, \"P\"]";
+    const auto range_pointer = pointer_key(pointer, "range");
+    std::optional<ShapeToken> max;
+    if (range->is_array() && range->size() == 2) max = parse_shape_token((*range)[1], false);
+    if (!range->is_array() || range->size() != 2 || !(*range)[0].is_number_integer() || !max ||
+        max->kind == ShapeToken::Kind::multiple) {
+      r.bad(range_pointer, range_expected, *range);
+    } else {
+      t.range_min = (*range)[0].get<int64_t>();
+      t.range_max = std::move(*max);
+    }
+  }
   if (r.error_count() != before) return std::nullopt;
   return t;
 }
@@ -557,7 +573,7 @@ std::optional<OpSchema> read_op_schema(Reader& r, const json& j, const std::stri
     return std::nullopt;
   }
   const size_t before = r.error_count();
-  r.unknown_keys(j, pointer, {"op", "doc", "tensors", "attrs", "dtypes"});
+  r.unknown_keys(j, pointer, {"op", "doc", "tensors", "attrs", "dtypes", "example"});
   OpSchema s;
   s.source = r.file();
   s.op = r.checked_string(j, pointer, "op", true, "an op id <group>.<name> of [a-z0-9_]+", is_valid_op_id)
@@ -614,6 +630,31 @@ std::optional<OpSchema> read_op_schema(Reader& r, const json& j, const std::stri
       if (auto a = read_attr(r, (*attrs)[i], a_pointer)) {
         claim_name(a->name, pointer_key(a_pointer, "name"), "argument");
         s.attrs.push_back(std::move(*a));
+      }
+    }
+  }
+  // "example": sizes that tools use by default, {"*": [64], "H": 4096}.
+  if (const json* example = r.get(j, pointer, "example", false, ""); example != nullptr) {
+    const auto ex_pointer = pointer_key(pointer, "example");
+    if (!example->is_object()) {
+      r.bad(ex_pointer, "an object of example sizes, e.g. {\"*\": [64], \"H\": 4096}", *example);
+    } else {
+      for (const auto& item : example->items()) {
+        const auto item_pointer = pointer_key(ex_pointer, item.key());
+        const json& v = item.value();
+        if (item.key() == "*") {
+          bool ok = v.is_array();
+          for (size_t i = 0; ok && i < v.size(); ++i) ok = v[i].is_number_integer() && v[i].get<int64_t>() >= 0;
+          if (!ok) {
+            r.bad(item_pointer, "a list of leading dim sizes, e.g. [64]", v);
+          } else {
+            s.example_leading = v.get<std::vector<int64_t>>();
+          }
+        } else if (!v.is_number_integer() || v.get<int64_t>() < 0) {
+          r.bad(item_pointer, "a size (a non-negative integer)", v);
+        } else {
+          s.example_sizes[item.key()] = v.get<int64_t>();
+        }
       }
     }
   }

@@ -328,7 +328,7 @@ std::map<std::string, kd_kernel_fn> find_kernels(const kd_plugin_api& api, const
 
 }  // namespace
 
-std::unique_ptr<PluginBinary> load_plugin(const Manifest& manifest) {
+std::unique_ptr<PluginBinary> load_plugin_binary(const Manifest& manifest) {
   if (auto problem = check_library_location(manifest)) fail(problem->code, problem->message);
   if (auto problem = verify_library_checksum(manifest)) fail(problem->code, problem->message);
 

@@ -44,7 +44,7 @@ std::string library_of(const Manifest& manifest) {
 
 std::optional<PluginError> load_error(const Manifest& manifest) {
   try {
-    load_plugin(manifest);
+    load_plugin_binary(manifest);
   } catch (const PluginError& e) {
     return e;
   }
@@ -114,7 +114,7 @@ TEST_CASE("loader: the good plugin loads, probes and its kernels run") {
   for (const std::string name : {"fx_good", "fx_c_good"}) {
     CAPTURE(name);
     const Manifest manifest = fixture_manifest(name);
-    std::unique_ptr<PluginBinary> plugin = load_plugin(manifest);
+    std::unique_ptr<PluginBinary> plugin = load_plugin_binary(manifest);
     REQUIRE(plugin != nullptr);
     CHECK(plugin->plugin == name);
     CHECK(plugin->backend == name);
@@ -159,7 +159,7 @@ TEST_CASE("loader: the good plugin loads, probes and its kernels run") {
     CHECK(out_data[2] == 7.0F);
 
     // Opening it again reuses the mapped library: same table.
-    CHECK(load_plugin(manifest)->api == plugin->api);
+    CHECK(load_plugin_binary(manifest)->api == plugin->api);
   }
 }
 
@@ -273,7 +273,7 @@ TEST_CASE("security: sha256 is verified when the manifest gives one") {
 
   manifest.sha256 = actual;
   CHECK_FALSE(verify_library_checksum(manifest).has_value());
-  CHECK(load_plugin(manifest)->plugin == "fx_good");
+  CHECK(load_plugin_binary(manifest)->plugin == "fx_good");
 }
 
 TEST_CASE("security: sha256_file matches known digests") {

@@ -174,7 +174,7 @@ TEST_CASE("CPU feature requirements") {
   CHECK(msg.find("needs cpu feature 'no_such_feature'") != std::string::npos);
 }
 
-TEST_CASE("OR over several targets; no targets means any device") {
+TEST_CASE("OR over several targets and no targets means any device") {
   KernelRegistry reg;
   reg.add(spec("x.multi", "portable", {cpu_target(), cuda_target("9.0"), hip_target({"gfx90a"})}));
   reg.add(spec("x.any", "generic", {}));
@@ -208,7 +208,7 @@ TEST_CASE("a named backend that is registered but not usable raises KD-E006") {
   CHECK(msg.find("targets cuda, not cpu") != std::string::npos);
 }
 
-TEST_CASE("dtype gates eligibility; KD-E031 when the backend is named") {
+TEST_CASE("dtype gates eligibility and KD-E031 when the backend is named") {
   KernelRegistry reg;
   reg.add(spec("x.y", "cpu", {cpu_target()}, {Dtype::float32}));
   reg.add(spec("x.y", "cpu_half", {cpu_target()}, {Dtype::float16, Dtype::bfloat16}));
@@ -221,7 +221,7 @@ TEST_CASE("dtype gates eligibility; KD-E031 when the backend is named") {
   error_of([&] { sel.select(req("x.y", "cpu", {}, Dtype::int32)); }, ErrorCode::no_usable_backend);
 }
 
-TEST_CASE("forced backend: wins when eligible, warns once and falls back when not") {
+TEST_CASE("forced backend wins when eligible and warns once and falls back when not") {
   KernelRegistry reg;
   reg.add(spec("x.y", "cuda", {cuda_target("9.0")}));
   reg.add(spec("x.y", "cpu", {cpu_target()}));
@@ -256,7 +256,7 @@ TEST_CASE("a preference order breaks ties, and only ties") {
   error_of([&] { sel2.select(req("x.y", "cuda:9.0")); }, ErrorCode::ambiguous_backend);
 }
 
-TEST_CASE("re-registration: identical is a no-op, different is KD-E005 and the first stays") {
+TEST_CASE("re-registration: identical is a no-op and different is KD-E005 and the first stays") {
   KernelRegistry reg;
   KernelSpec a = spec("x.y", "cuda", {cuda_target("9.0")});
   CHECK(reg.add(a));
