@@ -14,6 +14,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "reference_ops.hpp"
@@ -283,6 +284,44 @@ TEST_CASE("cpu layernorm.rmsnorm flattens leading dims") {
   REQUIRE(call.run(kernel("kd_cpu_rmsnorm")) == KD_STATUS_OK);
   check_close(out.read(), ref::rmsnorm(x.values, weight.values, 6, 33, 1e-5),
               tolerance_for(Dtype::kBFloat16), "rmsnorm [2, 3, 33]");
+}
+
+TEST_CASE("cpu kernels may be called from several threads at once") {
+  // Large enough for the thread pool: one caller gets it, the others run
+  // inline, and all must still be right.
+  const int64_t rows = 64;
+  const int64_t h = 4096;
+  struct Job {
+    FloatTensor out{Dtype::kFloat16, {rows, h}};
+    FloatTensor x{Dtype::kFloat16, {rows, h}};
+    FloatTensor weight{Dtype::kFloat16, {h}};
+    kd_status status = KD_STATUS_INTERNAL;
+  };
+  std::vector<Job> jobs(4);
+  std::mt19937_64 rng(9);
+  for (Job& job : jobs) {
+    job.x.randomize(rng, -2.0, 2.0);
+    job.weight.randomize(rng, 0.5, 1.5);
+    job.out.poison();
+  }
+  const kd_kernel_fn fn = kernel("kd_cpu_rmsnorm");
+  std::vector<std::thread> threads;
+  for (Job& job : jobs) {
+    threads.emplace_back([&job, fn] {
+      Call call{{job.out.tensor.dl(), job.x.tensor.dl(), job.weight.tensor.dl()},
+                {float_attr("eps", 1e-6)}};
+      for (int repeat = 0; repeat < 5; ++repeat) {
+        job.status = call.run(fn);
+        if (job.status != KD_STATUS_OK) break;
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (Job& job : jobs) {
+    REQUIRE(job.status == KD_STATUS_OK);
+    check_close(job.out.read(), ref::rmsnorm(job.x.values, job.weight.values, rows, h, 1e-6),
+                tolerance_for(Dtype::kFloat16), "concurrent rmsnorm");
+  }
 }
 
 TEST_CASE("cpu layernorm.fused_add_rmsnorm matches the float64 reference") {
