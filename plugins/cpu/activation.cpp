@@ -1,0 +1,97 @@
+// activation.silu_and_mul, activation.gelu_and_mul and
+// activation.gelu_tanh_and_mul: out[..., j] = act(x[..., j]) * x[..., D + j],
+// computed in float and rounded to T once (SGLang semantics).
+
+#include <cstdint>
+
+#include "fast_math.hpp"
+#include "half_float.hpp"
+#include "kd_plugin.hpp"
+#include "kernels.hpp"
+#include "multiversion.hpp"
+#include "parallel_for.hpp"
+#include "tensor_access.hpp"
+
+namespace kdispatch::cpu {
+namespace {
+
+// silu(a) = a / (1 + exp(-a))
+struct Silu {
+  static constexpr const char* kOp = "activation.silu_and_mul";
+  [[gnu::always_inline]] static float apply(float a) { return a / (1.0f + fast_exp(-a)); }
+};
+
+// gelu(a) = 0.5 a (1 + erf(a / sqrt(2))) = a * Phi(a)
+struct GeluErf {
+  static constexpr const char* kOp = "activation.gelu_and_mul";
+  [[gnu::always_inline]] static float apply(float a) { return a * normal_cdf(a); }
+};
+
+// gelu_tanh(a) = 0.5 a (1 + tanh(y)), y = sqrt(2/pi) (a + 0.044715 a^3).
+// 0.5 (1 + tanh(y)) is exactly 1 / (1 + exp(-2y)); that form needs one exp
+// and loses nothing where tanh(y) is close to -1.
+struct GeluTanh {
+  static constexpr const char* kOp = "activation.gelu_tanh_and_mul";
+  [[gnu::always_inline]] static float apply(float a) {
+    constexpr float kTwoSqrt2OverPi = 1.5957691216057308f;  // 2 sqrt(2/pi)
+    const float two_y = kTwoSqrt2OverPi * (a + 0.044715f * a * a * a);
+    return a / (1.0f + fast_exp(-two_y));
+  }
+};
+
+template <class Act, class T>
+KD_CPU_MULTIVERSION void gated_rows(T* out, const T* x, int64_t d, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* gate = x + r * 2 * d;
+    const T* up = gate + d;
+    T* o = out + r * d;
+    for (int64_t j = 0; j < d; ++j) {
+      o[j] = from_float<T>(Act::apply(to_float(gate[j])) * to_float(up[j]));
+    }
+  }
+}
+
+template <class Act>
+kd_status gated_activation(const kd_call_args* args) noexcept {
+  return kd_plugin::guarded(args, [&]() -> kd_status {
+    constexpr int kMinNdim[] = {1, 1};
+    if (kd_status s = check_arguments(args, Act::kOp, 0, kMinNdim); s != KD_STATUS_OK) return s;
+    const DLTensor& out = args->tensors[0];
+    const DLTensor& x = args->tensors[1];
+    const int64_t rows = leading_rows(x, 1);
+    const int64_t d = dim(out, -1);
+    if (dim(x, -1) != 2 * d || leading_rows(out, 1) != rows) {
+      return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT,
+                             "%s: out must be [*, D] and x [*, 2*D]", Act::kOp);
+    }
+    if (!same_dtype(out, x)) {
+      return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensor dtypes differ",
+                             Act::kOp);
+    }
+    return dispatch_float_dtype(args, Act::kOp, x, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      T* o = data_as<T>(out);
+      const T* xd = data_as<T>(x);
+      parallel_for(rows, 3 * d, [&](int64_t begin, int64_t end) noexcept {
+        gated_rows<Act, T>(o, xd, d, begin, end);
+      });
+      return KD_STATUS_OK;
+    });
+  });
+}
+
+}  // namespace
+
+kd_status silu_and_mul(const kd_call_args* args) noexcept {
+  return gated_activation<Silu>(args);
+}
+
+kd_status gelu_and_mul(const kd_call_args* args) noexcept {
+  return gated_activation<GeluErf>(args);
+}
+
+kd_status gelu_tanh_and_mul(const kd_call_args* args) noexcept {
+  return gated_activation<GeluTanh>(args);
+}
+
+}  // namespace kdispatch::cpu

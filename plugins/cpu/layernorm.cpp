@@ -1,0 +1,181 @@
+// layernorm.rmsnorm and layernorm.fused_add_rmsnorm.
+//
+// out = T(float(x) * inv_rms * float(weight)), inv_rms = 1 / sqrt(mean(x^2) +
+// eps) with the mean accumulated in float32 (FlashInfer/SGLang rounding: one
+// rounding to T, at the end). fused_add_rmsnorm first stores residual =
+// T(x + residual) and normalises that rounded residual, as the GPU kernels do,
+// so that both outputs agree with a later unfused rmsnorm(residual).
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <new>
+#include <type_traits>
+#include <vector>
+
+#include "half_float.hpp"
+#include "kd_plugin.hpp"
+#include "kernels.hpp"
+#include "multiversion.hpp"
+#include "parallel_for.hpp"
+#include "tensor_access.hpp"
+
+namespace kdispatch::cpu {
+namespace {
+
+// Sum of squares of row[0, h) in float, with kReductionLanes partial sums so
+// that the loop vectorises without reassociating anything.
+template <class T>
+[[gnu::always_inline]] inline float sum_of_squares(const T* row, int64_t h) {
+  float partial[kReductionLanes] = {};
+  int64_t j = 0;
+  for (; j + kReductionLanes <= h; j += kReductionLanes) {
+    for (int l = 0; l < kReductionLanes; ++l) {
+      const float v = to_float(row[j + l]);
+      partial[l] += v * v;
+    }
+  }
+  for (int l = 0; j < h; ++j, ++l) {
+    const float v = to_float(row[j]);
+    partial[l] += v * v;
+  }
+  for (int width = kReductionLanes / 2; width > 0; width /= 2) {
+    for (int l = 0; l < width; ++l) partial[l] += partial[l + width];
+  }
+  return partial[0];
+}
+
+[[gnu::always_inline]] inline float inverse_rms(float sum_sq, int64_t h, float eps) {
+  return 1.0f / std::sqrt(sum_sq / static_cast<float>(h) + eps);
+}
+
+// `weight` is already float: converted once per call rather than once per row.
+template <class T>
+KD_CPU_MULTIVERSION void rmsnorm_rows(T* out, const T* x, const float* weight, int64_t h,
+                                      float eps, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* xr = x + r * h;
+    T* outr = out + r * h;
+    const float inv = inverse_rms(sum_of_squares(xr, h), h, eps);
+    for (int64_t j = 0; j < h; ++j) {
+      outr[j] = from_float<T>(to_float(xr[j]) * inv * weight[j]);
+    }
+  }
+}
+
+// `row` is scratch for h floats: the rounded residual row, widened once and
+// read back from cache by the second pass.
+template <class T>
+KD_CPU_MULTIVERSION void fused_add_rmsnorm_rows(T* x, T* residual, const float* weight,
+                                                int64_t h, float eps, float* row, int64_t begin,
+                                                int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    T* xr = x + r * h;
+    T* rr = residual + r * h;
+    for (int64_t j = 0; j < h; ++j) {
+      rr[j] = from_float<T>(to_float(xr[j]) + to_float(rr[j]));
+      row[j] = to_float(rr[j]);
+    }
+    const float inv = inverse_rms(sum_of_squares(row, h), h, eps);
+    for (int64_t j = 0; j < h; ++j) {
+      xr[j] = from_float<T>(row[j] * inv * weight[j]);
+    }
+  }
+}
+
+// The weight as float: the tensor itself for float32, else a converted copy.
+template <class T>
+const float* weight_as_float(const T* weight, int64_t h, std::vector<float>& storage) {
+  if constexpr (std::is_same_v<T, float>) {
+    return weight;
+  } else {
+    storage.resize(static_cast<size_t>(h));
+    for (int64_t j = 0; j < h; ++j) storage[j] = to_float(weight[j]);
+    return storage.data();
+  }
+}
+
+// Checks shared by both ops: tensors (a, b, weight) with a, b [*, H] and
+// weight [H]; eps a float attribute.
+kd_status check_norm_arguments(const kd_call_args* args, const char* op, float* eps) {
+  constexpr int kMinNdim[] = {1, 1, 1};
+  if (kd_status s = check_arguments(args, op, 1, kMinNdim); s != KD_STATUS_OK) return s;
+  const DLTensor* t = args->tensors;
+  const int64_t h = dim(t[0], -1);
+  if (dim(t[1], -1) != h || dim(t[2], -1) != h || t[2].ndim != 1 ||
+      leading_rows(t[0], 1) != leading_rows(t[1], 1)) {
+    return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensor shapes disagree", op);
+  }
+  if (!same_dtype(t[0], t[1]) || !same_dtype(t[0], t[2])) {
+    return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensor dtypes differ", op);
+  }
+  const kd_attr* a = attr_of_type(args, 0, KD_ATTR_TYPE_FLOAT);
+  if (a == nullptr) {
+    return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: attribute eps is not a float",
+                           op);
+  }
+  *eps = static_cast<float>(a->value.f);
+  return KD_STATUS_OK;
+}
+
+}  // namespace
+
+kd_status rmsnorm(const kd_call_args* args) noexcept {
+  return kd_plugin::guarded(args, [&]() -> kd_status {
+    constexpr const char* kOp = "layernorm.rmsnorm";
+    float eps = 0.0f;
+    if (kd_status s = check_norm_arguments(args, kOp, &eps); s != KD_STATUS_OK) return s;
+    const DLTensor& out = args->tensors[0];
+    const DLTensor& x = args->tensors[1];
+    const DLTensor& weight = args->tensors[2];
+    const int64_t rows = leading_rows(x, 1);
+    const int64_t h = dim(x, -1);
+    return dispatch_float_dtype(args, kOp, x, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      T* o = data_as<T>(out);
+      const T* xd = data_as<T>(x);
+      std::vector<float> weight_storage;
+      const float* w = weight_as_float(data_as<T>(weight), h, weight_storage);
+      parallel_for(rows, h, [&](int64_t begin, int64_t end) noexcept {
+        rmsnorm_rows<T>(o, xd, w, h, eps, begin, end);
+      });
+      return KD_STATUS_OK;
+    });
+  });
+}
+
+kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
+  return kd_plugin::guarded(args, [&]() -> kd_status {
+    constexpr const char* kOp = "layernorm.fused_add_rmsnorm";
+    float eps = 0.0f;
+    if (kd_status s = check_norm_arguments(args, kOp, &eps); s != KD_STATUS_OK) return s;
+    const DLTensor& x = args->tensors[0];
+    const DLTensor& residual = args->tensors[1];
+    const DLTensor& weight = args->tensors[2];
+    const int64_t rows = leading_rows(x, 1);
+    const int64_t h = dim(x, -1);
+    return dispatch_float_dtype(args, kOp, x, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      T* xd = data_as<T>(x);
+      T* rd = data_as<T>(residual);
+      std::vector<float> weight_storage;
+      const float* w = weight_as_float(data_as<T>(weight), h, weight_storage);
+      std::atomic<bool> out_of_memory{false};
+      parallel_for(rows, h, [&](int64_t begin, int64_t end) noexcept {
+        const std::unique_ptr<float[]> row(new (std::nothrow) float[h]);
+        if (!row) {
+          out_of_memory.store(true, std::memory_order_relaxed);
+          return;
+        }
+        fused_add_rmsnorm_rows<T>(xd, rd, w, h, eps, row.get(), begin, end);
+      });
+      if (out_of_memory.load()) {
+        return kd_plugin::fail(args, KD_STATUS_INTERNAL, "%s: out of host memory", kOp);
+      }
+      return KD_STATUS_OK;
+    });
+  });
+}
+
+}  // namespace kdispatch::cpu

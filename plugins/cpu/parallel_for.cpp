@@ -1,0 +1,152 @@
+#include "parallel_for.hpp"
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace kdispatch::cpu {
+namespace {
+
+// CPUs this process may run on (a container or taskset may allow fewer than
+// the machine has); KDISPATCH_CPU_THREADS overrides, e.g. for benchmarks.
+int thread_count_from_environment() {
+  if (const char* env = std::getenv("KDISPATCH_CPU_THREADS")) {
+    const long n = std::strtol(env, nullptr, 10);
+    if (n >= 1 && n <= 1024) return static_cast<int>(n);
+  }
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n >= 1) return n;
+  }
+  const unsigned n = std::thread::hardware_concurrency();
+  return n >= 1 ? static_cast<int>(n) : 1;
+}
+
+class ThreadPool {
+ public:
+  explicit ThreadPool(int threads) : owner_pid_(getpid()) {
+    // A thread that cannot be created just leaves the pool smaller.
+    try {
+      workers_.reserve(static_cast<size_t>(threads - 1));
+      for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+    } catch (...) {
+    }
+  }
+
+  int threads() const { return static_cast<int>(workers_.size()) + 1; }
+
+  // Runs the job on the pool and the calling thread; false (nothing run) when
+  // the pool is busy with another caller's job or unusable in this process.
+  bool try_run(int64_t count, int64_t chunk, RangeCallback callback, void* context) {
+    // A forked child inherits this object but none of its threads.
+    if (getpid() != owner_pid_) return false;
+    std::unique_lock<std::mutex> submit(submit_mutex_, std::try_to_lock);
+    if (!submit.owns_lock()) return false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      callback_ = callback;
+      context_ = context;
+      count_ = count;
+      chunk_ = chunk;
+      next_.store(0, std::memory_order_relaxed);
+      busy_workers_ = static_cast<int>(workers_.size());
+      ++generation_;
+    }
+    wake_.notify_all();
+    run_chunks();
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [this] { return busy_workers_ == 0; });
+    return true;
+  }
+
+ private:
+  void run_chunks() {
+    for (;;) {
+      const int64_t begin = next_.fetch_add(chunk_, std::memory_order_relaxed);
+      if (begin >= count_) return;
+      callback_(context_, begin, std::min(count_, begin + chunk_));
+    }
+  }
+
+  void worker_loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+      }
+      run_chunks();
+      bool last = false;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        last = --busy_workers_ == 0;
+      }
+      if (last) done_.notify_one();
+    }
+  }
+
+  const pid_t owner_pid_;
+  std::vector<std::thread> workers_;
+  std::mutex submit_mutex_;  // one job at a time
+  std::mutex mutex_;         // guards the job fields and counters below
+  std::condition_variable wake_;
+  std::condition_variable done_;
+  uint64_t generation_ = 0;
+  int busy_workers_ = 0;
+  RangeCallback callback_ = nullptr;
+  void* context_ = nullptr;
+  int64_t count_ = 0;
+  int64_t chunk_ = 1;
+  std::atomic<int64_t> next_{0};
+};
+
+// Created on first use and never destroyed: plugins are never unloaded, and
+// joining threads from a static destructor at exit can hang.
+ThreadPool& pool() {
+  static ThreadPool* instance = new ThreadPool(thread_count_from_environment());
+  return *instance;
+}
+
+}  // namespace
+
+int parallel_threads() noexcept {
+  try {
+    return pool().threads();
+  } catch (...) {
+    return 1;
+  }
+}
+
+void run_parallel(int64_t count, int64_t work_per_item, RangeCallback callback,
+                  void* context) noexcept {
+  if (count <= 0) return;
+  const int64_t work = count * std::max<int64_t>(work_per_item, 1);
+  if (count > 1 && work >= kParallelMinWork) {
+    try {
+      ThreadPool& p = pool();
+      if (p.threads() > 1) {
+        // A few chunks per thread balance uneven progress; chunks never drop
+        // below the inline threshold's worth of work.
+        const int64_t per_item = std::max<int64_t>(work_per_item, 1);
+        const int64_t min_chunk = std::max<int64_t>(1, kParallelMinWork / 4 / per_item);
+        const int64_t chunk =
+            std::max(min_chunk, (count + 4 * p.threads() - 1) / (4 * p.threads()));
+        if (p.try_run(count, chunk, callback, context)) return;
+      }
+    } catch (...) {
+      // Threads could not be created: fall back to the calling thread.
+    }
+  }
+  callback(context, 0, count);
+}
+
+}  // namespace kdispatch::cpu
