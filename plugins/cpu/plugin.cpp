@@ -70,4 +70,4 @@ kd_kernel_fn find_kernel(const char* symbol) noexcept {
 }  // namespace
 }  // namespace kdispatch::cpu
 
-KD_DEFINE_PLUGIN("cpu", "0.1.0", "cpu", kdispatch::cpu::probe, kdispatch::cpu::find_kernel)
+KD_DEFINE_PLUGIN("cpu", "0.1.0", "cpu", kdispatch::cpu::probe, kdispatch::cpu::find_kernel, nullptr)
