@@ -101,7 +101,7 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
       if (ctx.registry().has(s->op)) ops.push_back(s->op);
     }
   }
-  const bool show_progress = options.progress && (!options.json || isatty(2));
+  const bool show_progress = options.progress && isatty(2);
   const auto fail_dispatch = [&] { sweep.exit_code = std::max(sweep.exit_code, static_cast<int>(kDispatchError)); };
 
   for (const std::string& op : ops) {
