@@ -81,9 +81,41 @@ struct HigherProbability {
   }
 };
 
-// Scratch of one parallel range: the row's probabilities and an index array.
+// Up to this K, selection keeps a sorted list of the best K and scans the row
+// once: after the first few elements almost every one fails a single compare
+// against the K-th best, which beats a heap (partial_sort) by a wide margin.
+constexpr int64_t kInsertionMaxK = 32;
+
+// Writes the indices of the k largest p[0, e) to ids, in HigherProbability
+// order. `keys` is scratch for k floats.
+void select_top_k(const float* p, int64_t e, int64_t k, float* keys, int32_t* ids) {
+  int64_t filled = 0;
+  for (int64_t j = 0; j < e; ++j) {
+    // Probabilities are in [0, 1]; NaN ranks below all of them.
+    const float v = p[j] != p[j] ? -1.0f : p[j];
+    int64_t pos = 0;
+    if (filled == k) {
+      // Strictly greater: an equal, later element never displaces.
+      if (!(v > keys[k - 1])) continue;
+      pos = k - 1;
+    } else {
+      pos = filled++;
+    }
+    // Equal keys stay in front: ties go to the lower index.
+    while (pos > 0 && keys[pos - 1] < v) {
+      keys[pos] = keys[pos - 1];
+      ids[pos] = ids[pos - 1];
+      --pos;
+    }
+    keys[pos] = v;
+    ids[pos] = static_cast<int32_t>(j);
+  }
+}
+
+// Scratch of one parallel range: the row's probabilities (e floats) then the
+// selection keys (k floats), and an index array of e entries.
 struct Scratch {
-  std::unique_ptr<float[]> p;
+  std::unique_ptr<float[]> floats;
   std::unique_ptr<int32_t[]> order;
 };
 
@@ -133,23 +165,28 @@ kd_status topk_softmax(const kd_call_args* args) noexcept {
       const T* g = data_as<T>(gating);
       std::atomic<bool> out_of_memory{false};
       parallel_for(rows, e, [&](int64_t begin, int64_t end) noexcept {
-        Scratch s{std::unique_ptr<float[]>(new (std::nothrow) float[e]),
+        Scratch s{std::unique_ptr<float[]>(new (std::nothrow) float[e + k]),
                   std::unique_ptr<int32_t[]>(new (std::nothrow) int32_t[e])};
-        if (!s.p || !s.order) {
+        if (!s.floats || !s.order) {
           out_of_memory.store(true, std::memory_order_relaxed);
           return;
         }
         for (int64_t r = begin; r < end; ++r) {
-          softmax_row(g + r * e, e, s.p.get());
-          for (int64_t j = 0; j < e; ++j) s.order[j] = static_cast<int32_t>(j);
-          std::partial_sort(s.order.get(), s.order.get() + k, s.order.get() + e,
-                            HigherProbability{s.p.get()});
+          float* p = s.floats.get();
+          softmax_row(g + r * e, e, p);
+          if (k <= kInsertionMaxK) {
+            select_top_k(p, e, k, p + e, s.order.get());
+          } else {
+            for (int64_t j = 0; j < e; ++j) s.order[j] = static_cast<int32_t>(j);
+            std::partial_sort(s.order.get(), s.order.get() + k, s.order.get() + e,
+                              HigherProbability{p});
+          }
           float* wr = w + r * k;
           int32_t* idr = id + r * k;
           float selected_sum = 0.0f;
           for (int64_t i = 0; i < k; ++i) {
             idr[i] = s.order[i];
-            wr[i] = s.p[s.order[i]];
+            wr[i] = p[s.order[i]];
             selected_sum += wr[i];
           }
           if (renormalize && selected_sum > 0.0f) {
