@@ -32,6 +32,10 @@ struct OpState {
   std::string backend;
   uint64_t hash = 0;
   std::optional<CompiledSchema> compiled;  // absent: no schema, not callable
+  // Every attribute with its default, in schema order; complete when every
+  // attribute has a default (then a call without attributes copies nothing).
+  std::vector<kd_attr> defaults;
+  bool defaults_complete = true;
   std::array<std::atomic<const Resolved*>, kSlots> cache{};
   std::vector<std::unique_ptr<Resolved>> owned;  // guarded by the dispatcher's mutex
   size_t next_victim = 0;
@@ -39,10 +43,25 @@ struct OpState {
 
 namespace {
 
+// Hash of an op id and backend request: 8 bytes per step, since looking up
+// an op by its string is on the path of callers that do not keep handles.
+uint64_t hash_bytes(uint64_t h, std::string_view s) {
+  size_t i = 0;
+  for (; i + 8 <= s.size(); i += 8) {
+    uint64_t chunk;
+    std::memcpy(&chunk, s.data() + i, 8);
+    h = (h ^ chunk) * 0x9e3779b97f4a7c15ull;
+    h ^= h >> 29;
+  }
+  uint64_t tail = 0;
+  std::memcpy(&tail, s.data() + i, s.size() - i);
+  h = (h ^ tail ^ s.size()) * 0x9e3779b97f4a7c15ull;
+  return h ^ (h >> 32);
+}
+
 uint64_t intern_hash(std::string_view op, std::string_view backend) {
-  const size_t a = std::hash<std::string_view>{}(op);
-  const size_t b = std::hash<std::string_view>{}(backend);
-  return a ^ (b + 0x9e3779b97f4a7c15ull + (a << 6) + (a >> 2));
+  return backend.empty() ? hash_bytes(0x243f6a8885a308d3ull, op)
+                         : hash_bytes(hash_bytes(0x243f6a8885a308d3ull, op), backend);
 }
 
 void fill_attr(kd_attr& out, const AttrArg& arg, const AttrValue& value, std::string_view op) {
@@ -81,25 +100,12 @@ void fill_attr(kd_attr& out, const AttrArg& arg, const AttrValue& value, std::st
 
 // --- KernelHandle -------------------------------------------------------------
 
-void KernelHandle::operator()(std::span<DLTensor> tensors, std::span<const kd_attr> attrs, void* stream) const {
-  char error[512];
-  error[0] = '\0';
-  const kd_call_args args{sizeof(kd_call_args),
-                          tensors.data(),
-                          static_cast<int32_t>(tensors.size()),
-                          static_cast<int32_t>(attrs.size()),
-                          attrs.data(),
-                          stream,
-                          error,
-                          sizeof(error)};
-  const kd_status status = fn_(&args);
-  if (status != KD_STATUS_OK) [[unlikely]] {
-    error[sizeof(error) - 1] = '\0';
-    throw KernelError(status == KD_STATUS_DEVICE_ERROR ? ErrorCode::device_error : ErrorCode::kernel_failed,
-                      fmt::format("kernel '{}' of backend '{}' failed for op '{}' (status {}): {}", spec_->symbol,
-                                  spec_->backend, spec_->op, static_cast<int>(status),
-                                  error[0] != '\0' ? error : "no message"));
-  }
+void KernelHandle::raise(kd_status status, char* error) const {
+  error[511] = '\0';
+  throw KernelError(status == KD_STATUS_DEVICE_ERROR ? ErrorCode::device_error : ErrorCode::kernel_failed,
+                    fmt::format("kernel '{}' of backend '{}' failed for op '{}' (status {}): {}", spec_->symbol,
+                                spec_->backend, spec_->op, static_cast<int>(status),
+                                error[0] != '\0' ? error : "no message"));
 }
 
 // --- OpHandle -----------------------------------------------------------------
@@ -110,6 +116,7 @@ std::string_view OpHandle::op() const { return state_->op; }
 std::string_view OpHandle::backend() const { return state_->backend; }
 
 std::span<const kd_attr> OpHandle::pack_attrs(std::span<const NamedAttr> attrs, std::span<kd_attr> storage) const {
+  if (attrs.empty() && state_->defaults_complete) [[likely]] return state_->defaults;
   const OpSchema& s = schema();
   uint64_t used = 0;  // bit per given attribute
   for (size_t i = 0; i < s.attrs.size(); ++i) {
@@ -233,6 +240,15 @@ OpState* Dispatcher::intern(std::string_view op, std::string_view backend) {
   state->backend = std::string(backend);
   state->hash = hash;
   state->compiled.emplace(*schema);
+  for (const AttrArg& arg : state->compiled->schema().attrs) {
+    kd_attr a{};
+    if (arg.default_value) {
+      fill_attr(a, arg, *arg.default_value, state->op);
+    } else {
+      state->defaults_complete = false;
+    }
+    state->defaults.push_back(a);
+  }
   OpState* raw = state.get();
   states_.push_back(std::move(state));
   // A full table still works, through the mutex-guarded list.

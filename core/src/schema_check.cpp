@@ -69,32 +69,118 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
     limit(symbols_.size(), kMaxSchemaSymbols, "shape symbols");
     return static_cast<uint8_t>(symbols_.size() - 1);
   };
+  limit(schema.dtype_vars.size(), kMaxSchemaDtypeVars, "dtype variables");
   for (const auto& [name, allowed] : schema.dtype_vars) {
-    var_names_.push_back(name);
-    var_allowed_.push_back(allowed);
+    DtypeVar var{name, allowed, {}};
+    for (Dtype d : allowed) var.codes.push_back(pack_dtype(to_dlpack(d)));
+    vars_.push_back(std::move(var));
   }
   for (const TensorArg& arg : schema.tensors) {
     Tensor t;
     t.strided = arg.strided;
-    auto var = std::find(var_names_.begin(), var_names_.end(), arg.dtype);
-    if (var != var_names_.end()) {
-      t.dtype_var = static_cast<int>(var - var_names_.begin());
+    auto var = std::find_if(vars_.begin(), vars_.end(), [&](const DtypeVar& v) { return v.name == arg.dtype; });
+    if (var != vars_.end()) {
+      t.dtype_var = static_cast<int>(var - vars_.begin());
       if (selecting_var_ < 0) selecting_var_ = t.dtype_var;
     } else if (auto d = parse_dtype(arg.dtype)) {
       t.dtype = *d;
+      t.dtype_code = pack_dtype(to_dlpack(*d));
     }
+    const auto push = [&](Dim d) {
+      limit(t.num_dims + 1, kMaxSchemaDims, "dims in one shape pattern");
+      t.dims[t.num_dims++] = d;
+    };
     for (const ShapeToken& tok : arg.shape) {
       switch (tok.kind) {
         case ShapeToken::Kind::leading: t.leading = true; break;
-        case ShapeToken::Kind::symbol: t.dims.push_back({Dim::Kind::symbol, symbol_slot(tok.symbol), 0}); break;
-        case ShapeToken::Kind::constant: t.dims.push_back({Dim::Kind::constant, 0, tok.value}); break;
-        case ShapeToken::Kind::multiple:
-          t.dims.push_back({Dim::Kind::multiple, symbol_slot(tok.symbol), tok.value});
-          break;
+        case ShapeToken::Kind::symbol: push({Dim::Kind::symbol, symbol_slot(tok.symbol), 0}); break;
+        case ShapeToken::Kind::constant: push({Dim::Kind::constant, 0, tok.value}); break;
+        case ShapeToken::Kind::multiple: push({Dim::Kind::multiple, symbol_slot(tok.symbol), tok.value}); break;
       }
     }
-    tensors_.push_back(std::move(t));
+    tensors_.push_back(t);
   }
+}
+
+bool CompiledSchema::check_fast(std::span<const DLTensor> tensors, CallInfo* info) const noexcept {
+  const size_t n = tensors_.size();
+  if (tensors.size() != n || n == 0) return false;
+  const DLDevice device = tensors[0].device;
+  std::array<int64_t, kMaxSchemaSymbols> bound;  // valid where symbol_bound has the bit
+  uint32_t symbol_bound = 0;
+  std::array<uint32_t, kMaxSchemaDtypeVars> var_code;
+  uint32_t var_bound = 0;  // bit per dtype variable
+  const int64_t* leading = nullptr;
+  int64_t leading_count = -1;
+
+  for (size_t i = 0; i < n; ++i) {
+    const Tensor& spec = tensors_[i];
+    const DLTensor& t = tensors[i];
+    if (t.device.device_type != device.device_type || t.device.device_id != device.device_id) return false;
+    const uint32_t code = pack_dtype(t.dtype);
+    if (spec.dtype_var >= 0) {
+      const auto v = static_cast<uint32_t>(spec.dtype_var);
+      if (var_bound & (1u << v)) {
+        if (code != var_code[v]) return false;
+      } else {
+        const auto& codes = vars_[v].codes;
+        if (std::find(codes.begin(), codes.end(), code) == codes.end()) return false;
+        var_code[v] = code;
+        var_bound |= 1u << v;
+      }
+    } else if (code != spec.dtype_code) {
+      return false;
+    }
+    const int64_t lead = t.ndim - static_cast<int64_t>(spec.num_dims);
+    if (lead < 0 || (!spec.leading && lead != 0) || (t.ndim > 0 && t.shape == nullptr)) return false;
+    if (spec.leading) {
+      if (leading == nullptr) {
+        leading = t.shape;
+        leading_count = lead;
+      } else {
+        if (lead != leading_count) return false;
+        for (int64_t k = 0; k < lead; ++k) {
+          if (t.shape[k] != leading[k]) return false;
+        }
+      }
+    }
+    const int64_t* dims = t.shape + lead;
+    for (uint32_t k = 0; k < spec.num_dims; ++k) {
+      const Dim& d = spec.dims[k];
+      const int64_t size = dims[k];
+      if (d.kind == Dim::Kind::constant) {
+        if (size != d.value) return false;
+        continue;
+      }
+      const int64_t factor = d.kind == Dim::Kind::multiple ? d.value : 1;
+      const uint32_t bit = 1u << d.symbol;
+      if (symbol_bound & bit) {
+        if (size != factor * bound[d.symbol]) return false;
+      } else {
+        if (size < 0 || size % factor != 0) return false;
+        bound[d.symbol] = size / factor;
+        symbol_bound |= bit;
+      }
+    }
+    // Null data is fine only for an empty tensor; counting elements is only
+    // needed then.
+    if (t.data == nullptr && numel(t) != 0) return false;
+    if (t.strides != nullptr && !spec.strided && !is_contiguous(t)) return false;
+  }
+  // Leading dims are not matched against a symbol, so check their sign here.
+  for (int64_t k = 0; k < leading_count; ++k) {
+    if (leading[k] < 0) return false;
+  }
+  info->device_type = static_cast<int32_t>(device.device_type);
+  info->device_id = device.device_id;
+  if (selecting_var_ >= 0) {
+    const DtypeVar& var = vars_[static_cast<size_t>(selecting_var_)];
+    const uint32_t code = var_code[static_cast<size_t>(selecting_var_)];
+    info->dtype = var.allowed[static_cast<size_t>(std::find(var.codes.begin(), var.codes.end(), code) - var.codes.begin())];
+  } else {
+    info->dtype = tensors_[0].dtype;
+  }
+  return true;
 }
 
 void CompiledSchema::fail(size_t tensor, const std::string& what) const {
@@ -102,8 +188,8 @@ void CompiledSchema::fail(size_t tensor, const std::string& what) const {
                   fmt::format("op '{}', argument {} '{}': {}", schema_.op, tensor, schema_.tensors[tensor].name, what));
 }
 
-CompiledSchema::CallInfo CompiledSchema::check(std::span<const DLTensor> tensors) const {
-  if (tensors.size() != tensors_.size()) {
+void CompiledSchema::diagnose(std::span<const DLTensor> tensors) const {
+  if (tensors.size() != tensors_.size() || tensors.empty()) {
     std::vector<std::string_view> names;
     for (const auto& a : schema_.tensors) names.push_back(a.name);
     throw CallError(ErrorCode::bad_arguments,
@@ -133,18 +219,18 @@ CompiledSchema::CallInfo CompiledSchema::check(std::span<const DLTensor> tensors
       const auto v = static_cast<size_t>(spec.dtype_var);
       if (var_by[v] < 0) {
         const auto d = from_dlpack(t.dtype);
-        const auto& allowed = var_allowed_[v];
+        const auto& allowed = vars_[v].allowed;
         if (!d || std::find(allowed.begin(), allowed.end(), *d) == allowed.end()) {
           std::vector<std::string_view> names;
           for (Dtype a : allowed) names.push_back(dtype_name(a));
-          fail(i, fmt::format("expected dtype {} in [{}], got {}", var_names_[v], fmt::join(names, ", "),
+          fail(i, fmt::format("expected dtype {} in [{}], got {}", vars_[v].name, fmt::join(names, ", "),
                               dtype_str(t.dtype)));
         }
         var_by[v] = static_cast<int>(i);
         var_type[v] = t.dtype;
       } else if (t.dtype.code != var_type[v].code || t.dtype.bits != var_type[v].bits ||
                  t.dtype.lanes != var_type[v].lanes) {
-        fail(i, fmt::format("expected dtype {} = {} (as '{}'), got {}", var_names_[v], dtype_str(var_type[v]),
+        fail(i, fmt::format("expected dtype {} = {} (as '{}'), got {}", vars_[v].name, dtype_str(var_type[v]),
                             schema_.tensors[static_cast<size_t>(var_by[v])].name, dtype_str(t.dtype)));
       }
     } else {
@@ -154,7 +240,7 @@ CompiledSchema::CallInfo CompiledSchema::check(std::span<const DLTensor> tensors
       }
     }
     // Rank.
-    const int64_t fixed = static_cast<int64_t>(spec.dims.size());
+    const int64_t fixed = static_cast<int64_t>(spec.num_dims);
     if (t.ndim < 0 || (t.ndim > 0 && t.shape == nullptr)) fail(i, "has a null shape");
     if (spec.leading ? t.ndim < fixed : t.ndim != fixed) {
       fail(i, fmt::format("expected shape {} ({}{} dims), got {}", pattern_str(schema_.tensors[i]),
@@ -173,7 +259,7 @@ CompiledSchema::CallInfo CompiledSchema::check(std::span<const DLTensor> tensors
       }
     }
     // Named and constant dims.
-    for (size_t k = 0; k < spec.dims.size(); ++k) {
+    for (size_t k = 0; k < spec.num_dims; ++k) {
       const Dim& d = spec.dims[k];
       const int64_t size = t.shape[lead + static_cast<int64_t>(k)];
       if (size < 0) fail(i, fmt::format("has a negative dim in {}", shape_str(t)));
@@ -214,15 +300,8 @@ CompiledSchema::CallInfo CompiledSchema::check(std::span<const DLTensor> tensors
     }
   }
 
-  CallInfo info{};
-  info.device_type = tensors.empty() ? kDLCPU : static_cast<int32_t>(tensors[0].device.device_type);
-  info.device_id = tensors.empty() ? 0 : tensors[0].device.device_id;
-  if (selecting_var_ >= 0) {
-    info.dtype = *from_dlpack(var_type[static_cast<size_t>(selecting_var_)]);
-  } else if (!tensors.empty()) {
-    info.dtype = from_dlpack(tensors[0].dtype).value_or(Dtype::float32);
-  }
-  return info;
+  // check_fast() refused what this pass accepts: the two disagree.
+  throw CallError(ErrorCode::bad_arguments, fmt::format("op '{}': arguments refused (no detail found)", schema_.op));
 }
 
 std::vector<std::pair<std::string, int64_t>> CompiledSchema::bind_symbols(std::span<const DLTensor> tensors) const {
@@ -230,9 +309,9 @@ std::vector<std::pair<std::string, int64_t>> CompiledSchema::bind_symbols(std::s
   for (size_t s = 0; s < symbols_.size(); ++s) {
     for (size_t i = 0; i < tensors_.size() && i < tensors.size(); ++i) {
       const Tensor& spec = tensors_[i];
-      const int64_t lead = tensors[i].ndim - static_cast<int64_t>(spec.dims.size());
+      const int64_t lead = tensors[i].ndim - static_cast<int64_t>(spec.num_dims);
       bool found = false;
-      for (size_t k = 0; k < spec.dims.size(); ++k) {
+      for (size_t k = 0; k < spec.num_dims; ++k) {
         if (spec.dims[k].kind != Dim::Kind::constant && spec.dims[k].symbol == s) {
           const int64_t factor = spec.dims[k].kind == Dim::Kind::multiple ? spec.dims[k].value : 1;
           out.emplace_back(symbols_[s], tensors[i].shape[lead + static_cast<int64_t>(k)] / factor);

@@ -43,9 +43,17 @@ struct OpState;
 class KernelHandle {
  public:
   KernelHandle() = default;
-  // `attrs` are every schema attribute in schema order (see default_attrs()).
-  // Throws KernelError when the kernel reports a failure.
-  void operator()(std::span<DLTensor> tensors, std::span<const kd_attr> attrs, void* stream = nullptr) const;
+  // `attrs` are every schema attribute in schema order (OpHandle::pack_attrs).
+  // Throws KernelError when the kernel reports a failure. Inline: this is
+  // the whole cost of an unchecked call.
+  void operator()(std::span<DLTensor> tensors, std::span<const kd_attr> attrs, void* stream = nullptr) const {
+    char error[512];
+    error[0] = '\0';
+    const kd_call_args args{sizeof(kd_call_args), tensors.data(), static_cast<int32_t>(tensors.size()),
+                            static_cast<int32_t>(attrs.size()), attrs.data(), stream, error, sizeof error};
+    const kd_status status = fn_(&args);
+    if (status != KD_STATUS_OK) [[unlikely]] raise(status, error);
+  }
   kd_kernel_fn function() const { return fn_; }
   const KernelSpec& spec() const { return *spec_; }
   explicit operator bool() const { return fn_ != nullptr; }
@@ -54,6 +62,7 @@ class KernelHandle {
   friend class OpHandle;
   friend class Dispatcher;
   KernelHandle(kd_kernel_fn fn, const KernelSpec* spec) : fn_(fn), spec_(spec) {}
+  [[noreturn]] void raise(kd_status status, char* error) const;
   kd_kernel_fn fn_ = nullptr;
   const KernelSpec* spec_ = nullptr;
 };

@@ -19,6 +19,8 @@ namespace kdispatch {
 inline constexpr size_t kMaxSchemaSymbols = 16;
 inline constexpr size_t kMaxSchemaTensors = 32;
 inline constexpr size_t kMaxSchemaAttrs = 32;
+inline constexpr size_t kMaxSchemaDims = 8;        // dims after "*" in one pattern
+inline constexpr size_t kMaxSchemaDtypeVars = 8;
 
 class CompiledSchema {
  public:
@@ -32,8 +34,13 @@ class CompiledSchema {
   };
   // Checks count, dtypes, shapes, one device, non-null data and layout.
   // Throws CallError KD-E030 naming the argument, what was expected and what
-  // was given.
-  CallInfo check(std::span<const DLTensor> tensors) const;
+  // was given. The common case (all good) runs a lean pass over flat data;
+  // only a failing call pays for the detailed diagnosis.
+  CallInfo check(std::span<const DLTensor> tensors) const {
+    CallInfo info;
+    if (check_fast(tensors, &info)) [[likely]] return info;
+    diagnose(tensors);
+  }
 
   // Symbol values implied by `tensors` (after check()), e.g. {"H": 4096}.
   std::vector<std::pair<std::string, int64_t>> bind_symbols(std::span<const DLTensor> tensors) const;
@@ -51,17 +58,30 @@ class CompiledSchema {
     bool strided = false;
     int dtype_var = -1;    // slot in var_allowed_, or -1 for a concrete dtype
     Dtype dtype = Dtype::float32;
-    std::vector<Dim> dims;  // after "*"
+    uint32_t dtype_code = 0;  // packed DLDataType of a concrete dtype
+    uint32_t num_dims = 0;
+    std::array<Dim, kMaxSchemaDims> dims{};  // after "*"
   };
+  struct DtypeVar {
+    std::string name;
+    std::vector<Dtype> allowed;
+    std::vector<uint32_t> codes;  // packed DLDataType of each allowed dtype
+  };
+  bool check_fast(std::span<const DLTensor> tensors, CallInfo* info) const noexcept;
+  [[noreturn]] void diagnose(std::span<const DLTensor> tensors) const;
   [[noreturn]] void fail(size_t tensor, const std::string& what) const;
 
   OpSchema schema_;
   std::vector<Tensor> tensors_;
   std::vector<std::string> symbols_;
-  std::vector<std::vector<Dtype>> var_allowed_;
-  std::vector<std::string> var_names_;
+  std::vector<DtypeVar> vars_;
   int selecting_var_ = -1;  // dtype variable that selects the kernel
 };
+
+// DLDataType packed into one word, for cheap comparisons.
+inline uint32_t pack_dtype(DLDataType t) {
+  return static_cast<uint32_t>(t.code) | static_cast<uint32_t>(t.bits) << 8 | static_cast<uint32_t>(t.lanes) << 16;
+}
 
 // True when `t` is laid out densely in row-major order (strides NULL or
 // matching; dims of size 1 may have any stride).

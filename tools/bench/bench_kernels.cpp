@@ -1,0 +1,104 @@
+// Each cpu op at a large size against a memcpy moving the same bytes in the
+// same run (DESIGN target: kernel time <= 1.5x memcpy). A kernel that reads
+// and writes B bytes in all is compared with memcpy of B/2 bytes, which also
+// reads B/2 and writes B/2.
+#include <benchmark/benchmark.h>
+#include <fmt/format.h>
+
+#include <cstring>
+#include <map>
+#include <memory>
+
+#include "harness.hpp"
+#include "kdispatch/context.hpp"
+#include "kdispatch/dispatcher.hpp"
+
+using namespace kdispatch;
+
+namespace {
+
+struct Shape {
+  const char* op;
+  harness::Shapes shapes;
+};
+
+const Shape kShapes[] = {
+    {"layernorm.rmsnorm", {{8192}, {{"H", 4096}}}},
+    {"layernorm.fused_add_rmsnorm", {{8192}, {{"H", 4096}}}},
+    {"activation.silu_and_mul", {{8192}, {{"D", 4096}}}},
+    {"activation.gelu_and_mul", {{8192}, {{"D", 4096}}}},
+    {"activation.gelu_tanh_and_mul", {{8192}, {{"D", 4096}}}},
+    {"embeddings.rotary_embedding", {{8192}, {{"HQ", 32}, {"HK", 8}, {"R", 64}, {"P", 8192}}}},
+    {"moe.topk_softmax", {{65536}, {{"E", 256}, {"K", 8}}}},
+};
+
+std::unique_ptr<Context> g_context;
+std::unique_ptr<Dispatcher> g_dispatch;
+
+// Records each benchmark's time so the ratio table can be printed last.
+class RatioReporter : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& runs) override {
+    ConsoleReporter::ReportRuns(runs);
+    for (const Run& r : runs) {
+      if (r.run_type == Run::RT_Iteration) times_[r.benchmark_name()] = r.GetAdjustedRealTime();
+    }
+  }
+  void print_table() const {
+    fmt::print("\n{:<30} {:<9} {:>12} {:>12} {:>7}\n", "op", "dtype", "kernel_us", "memcpy_us", "ratio");
+    for (const auto& [name, t] : times_) {
+      if (name.rfind("kernel/", 0) != 0) continue;
+      const std::string rest = name.substr(7);
+      auto it = times_.find("memcpy/" + rest);
+      if (it == times_.end()) continue;
+      const auto slash = rest.find('/');
+      fmt::print("{:<30} {:<9} {:>12.1f} {:>12.1f} {:>7.2f}\n", rest.substr(0, slash), rest.substr(slash + 1), t,
+                 it->second, t / it->second);
+    }
+  }
+
+ private:
+  std::map<std::string, double> times_;
+};
+
+void register_op(const Shape& s, Dtype dtype) {
+  const std::string suffix = fmt::format("{}/{}", s.op, dtype_name(dtype));
+  const OpSchema* schema = g_context->registry().schema(s.op);
+  auto data = std::make_shared<harness::CallData>(harness::make_call(*schema, dtype, s.shapes, 7));
+  const size_t bytes = data->bytes_moved(*schema);
+  benchmark::RegisterBenchmark(("kernel/" + suffix).c_str(), [data, op = std::string(s.op), bytes](benchmark::State& st) {
+    const OpHandle handle = g_dispatch->op(op, "cpu");
+    std::vector<DLTensor> tensors = data->dl();
+    for (auto _ : st) handle(tensors, data->attrs);
+    st.SetBytesProcessed(static_cast<int64_t>(st.iterations() * bytes));
+  })->Unit(benchmark::kMicrosecond)->UseRealTime()->MinTime(0.5);
+  benchmark::RegisterBenchmark(("memcpy/" + suffix).c_str(), [bytes](benchmark::State& st) {
+    std::vector<char> src(bytes / 2, 1);
+    std::vector<char> dst(bytes / 2, 0);
+    for (auto _ : st) {
+      std::memcpy(dst.data(), src.data(), src.size());
+      benchmark::ClobberMemory();
+    }
+    st.SetBytesProcessed(static_cast<int64_t>(st.iterations() * bytes));
+  })->Unit(benchmark::kMicrosecond)->UseRealTime()->MinTime(0.5);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ContextOptions options;
+  options.search.replace = {KDISPATCH_PLUGIN_DIR};
+  options.search.use_environment = false;
+  g_context = std::make_unique<Context>(options);
+  g_dispatch = std::make_unique<Dispatcher>(*g_context);
+  for (const Shape& s : kShapes) {
+    for (Dtype d : {Dtype::float32, Dtype::bfloat16, Dtype::float16}) register_op(s, d);
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  RatioReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  reporter.print_table();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,24 @@
+// A plugin whose one kernel does nothing: what a call costs beyond the kernel.
+#include "kd_plugin.hpp"
+
+namespace {
+
+kd_status noop(const kd_call_args* /*args*/) noexcept { return KD_STATUS_OK; }
+
+kd_status probe(kd_device_info* devices, size_t capacity, size_t* count, char*, size_t) noexcept {
+  *count = 1;
+  if (capacity > 0) {
+    devices[0].device_type = kDLCPU;
+    devices[0].device_id = 0;
+    kd_plugin::copy_string(devices[0].arch, sizeof devices[0].arch, "");
+    kd_plugin::copy_string(devices[0].name, sizeof devices[0].name, "host cpu");
+  }
+  return KD_STATUS_OK;
+}
+
+const kd_plugin::KernelEntry kKernels[] = {{"kd_bench_noop", noop}};
+kd_kernel_fn find(const char* symbol) noexcept { return kd_plugin::find_kernel(kKernels, symbol); }
+
+}  // namespace
+
+KD_DEFINE_PLUGIN("bench_noop", "0.1.0", "bench_noop", probe, find, nullptr)
