@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "run_tool.hpp"
 
@@ -326,4 +327,71 @@ TEST_CASE("usage errors exit 1 and --help exits 0") {
   CHECK(help.exit_code == 0);
   CHECK(help.out.find("list") != std::string::npos);
   CHECK(run_tool({"select", "--help"}).exit_code == 0);
+}
+
+TEST_CASE("the first call of a kernel opens exactly its plugin") {
+  const ToolResult r = run_tool({"run", "layernorm.rmsnorm", "--backend", "cpu", "--iters", "1", "--json"},
+                                {{"LD_DEBUG", "files"}});
+  CHECK(r.exit_code == 0);
+  CHECK(r.err.find("libkdispatch-cpu.so") != std::string::npos);
+  CHECK(r.err.find("libkdispatch-cuda.so") == std::string::npos);
+  CHECK(r.err.find("libkdispatch-hip.so") == std::string::npos);
+}
+
+TEST_CASE("doctor --json over the broken fixture plugins: each with its code, the good ones loaded") {
+  const std::string root = std::string(KDISPATCH_BINARY_DIR) + "/tests/fixtures/plugins";
+  std::vector<std::string> args{"doctor", "--json"};
+  for (const auto& entry : fs::directory_iterator(root)) {
+    args.push_back("--plugin-path");
+    args.push_back(entry.path().string());
+  }
+  const ToolResult r = run_tool(args);
+  CHECK(r.exit_code == 2);
+  const Json doc = json_of(r);
+  const std::map<std::string, std::string> expected = {
+      {"fx_no_entry", "KD-E021"},          {"fx_null_entry", "KD-E021"},     {"fx_abi_major", "KD-E022"},
+      {"fx_small_struct", "KD-E022"},      {"fx_manifest_mismatch", "KD-E023"}, {"fx_missing_kernel", "KD-E023"},
+      {"fx_probe_fails", "KD-E024"},       {"fx_missing_dep", "KD-E020"},    {"fx_undefined_symbol", "KD-E020"},
+      {"fx_not_elf", "KD-E020"},           {"fx_truncated", "KD-E020"}};
+  size_t seen = 0;
+  for (const auto& p : doc["plugins"]) {
+    const std::string name = p["name"];
+    INFO(name);
+    if (auto it = expected.find(name); it != expected.end()) {
+      ++seen;
+      CHECK(p["status"] == "error");
+      REQUIRE(p["problems"].size() >= 1);
+      CHECK(p["problems"].back()["code"] == it->second);
+      CHECK(p["problems"].back()["message"].get<std::string>().find(p["library"].get<std::string>()) !=
+            std::string::npos);
+    } else {
+      CHECK(p["loaded"] == true);
+      CHECK(p["abi"] == "1.0");
+      CHECK(p["devices"].size() == 1);
+    }
+  }
+  CHECK(seen == expected.size());
+}
+
+TEST_CASE("broken manifests beside a good one do not stop it from loading") {
+  const std::string dir = plugin_dir({kManifests + "/cpu.json"});
+  int copied = 0;
+  for (const auto& entry : fs::directory_iterator(kFixtures + "/manifests/bad")) {
+    if (entry.path().extension() != ".json") continue;
+    fs::copy_file(entry.path(), dir + "/" + entry.path().filename().string());
+    ++copied;
+  }
+  const Json doc = json_of(run_tool({"list", "--json", "--device", "cpu", "--plugin-path", dir}));
+  int errors = 0;
+  bool cpu = false;
+  for (const auto& p : doc["plugins"]) {
+    if (p["name"] == "cpu") cpu = p["status"] == "ok";
+    if (p["status"] == "error") ++errors;
+  }
+  CHECK(cpu);
+  CHECK(errors >= copied - 2);  // a bad file may still name plugin "cpu" and be shadowed
+  const ToolResult sel = run_tool({"select", "layernorm.rmsnorm", "--device", "cpu", "--json", "--plugin-path", dir});
+  CHECK(sel.exit_code == 0);
+  CHECK(json_of(sel)["backend"] == "cpu");
+  fs::remove_all(dir);
 }

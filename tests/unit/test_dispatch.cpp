@@ -1,0 +1,212 @@
+// The checked call path over the real cpu plugin: bad arguments are KD-E030
+// naming the argument and never reach a kernel (the poisoned output stays
+// poisoned); plugins open lazily, on the first call; tracing.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "kdispatch/context.hpp"
+#include "kdispatch/dispatcher.hpp"
+
+using namespace kdispatch;
+
+namespace {
+
+std::unique_ptr<Context> cpu_context() {
+  ContextOptions options;
+  options.search.replace = {KDISPATCH_PLUGIN_DIR};
+  options.search.use_environment = false;
+  return std::make_unique<Context>(options);
+}
+
+// A float32 rmsnorm call [rows, h] with random inputs and a NaN-poisoned output.
+struct RmsnormCall {
+  int64_t rows = 3, h = 7;
+  std::vector<float> out, x, weight;
+  std::vector<int64_t> shape2{3, 7}, shape1{7};
+  std::vector<DLTensor> tensors;
+
+  RmsnormCall() : out(21, std::nanf("")), x(21), weight(7) {
+    for (size_t i = 0; i < x.size(); ++i) x[i] = 0.25f * static_cast<float>(i % 5) - 0.6f;
+    for (size_t i = 0; i < weight.size(); ++i) weight[i] = 1.0f + 0.1f * static_cast<float>(i);
+    const DLDevice cpu{kDLCPU, 0};
+    const DLDataType f32{kDLFloat, 32, 1};
+    tensors = {DLTensor{out.data(), cpu, 2, f32, shape2.data(), nullptr, 0},
+               DLTensor{x.data(), cpu, 2, f32, shape2.data(), nullptr, 0},
+               DLTensor{weight.data(), cpu, 1, f32, shape1.data(), nullptr, 0}};
+  }
+  bool output_untouched() const {
+    for (float v : out) {
+      if (!std::isnan(v)) return false;
+    }
+    return true;
+  }
+};
+
+// Calls and expects KD-E030 whose message contains every one of `parts`.
+void expect_bad_call(const OpHandle& op, RmsnormCall& call, std::vector<std::string> parts,
+                     std::span<const NamedAttr> attrs = {}) {
+  try {
+    op(call.tensors, attrs);
+    FAIL("the call was accepted");
+  } catch (const CallError& e) {
+    CHECK(e.code() == ErrorCode::bad_arguments);
+    for (const auto& p : parts) CHECK_MESSAGE(std::string(e.what()).find(p) != std::string::npos, e.what());
+  }
+  CHECK_MESSAGE(call.output_untouched(), "the kernel ran");
+}
+
+}  // namespace
+
+TEST_CASE("dispatch: a good call runs the cpu kernel and opens its plugin on first use only") {
+  auto ctx = cpu_context();
+  Dispatcher dispatch(*ctx);
+  const OpHandle op = dispatch.op("layernorm.rmsnorm");
+  CHECK_FALSE(ctx->load_state("cpu").has_value());  // resolving the op opens nothing
+  RmsnormCall call;
+  op(call.tensors, std::vector<NamedAttr>{{"eps", 1e-5}});
+  REQUIRE(ctx->load_state("cpu").has_value());
+  CHECK(ctx->load_state("cpu")->binary != nullptr);
+  double sum = 0;
+  for (int64_t j = 0; j < call.h; ++j) sum += double(call.x[j]) * call.x[j];
+  const double inv = 1.0 / std::sqrt(sum / double(call.h) + 1e-5);
+  CHECK(call.out[2] == doctest::Approx(call.x[2] * inv * call.weight[2]).epsilon(1e-5));
+  // The unchecked handle runs the same kernel.
+  const KernelHandle kernel = op.resolve(call.tensors);
+  CHECK(kernel.spec().backend == "cpu");
+  std::array<kd_attr, kMaxSchemaAttrs> storage;
+  call.out.assign(call.out.size(), 0.0f);
+  kernel(call.tensors, op.pack_attrs(std::vector<NamedAttr>{{"eps", 1e-5}}, storage));
+  CHECK(call.out[2] == doctest::Approx(call.x[2] * inv * call.weight[2]).epsilon(1e-5));
+}
+
+TEST_CASE("dispatch: bad arguments are KD-E030 naming the argument, and never reach the kernel") {
+  auto ctx = cpu_context();
+  Dispatcher dispatch(*ctx);
+  const OpHandle op = dispatch.op("layernorm.rmsnorm");
+  SUBCASE("wrong arity") {
+    RmsnormCall call;
+    call.tensors.pop_back();
+    expect_bad_call(op, call, {"takes 3 tensors (out, x, weight), got 2"});
+  }
+  SUBCASE("wrong dtype") {
+    RmsnormCall call;
+    call.tensors[2].dtype = DLDataType{kDLFloat, 16, 1};
+    expect_bad_call(op, call, {"argument 2 'weight'", "expected dtype T = float32 (as 'out'), got float16"});
+  }
+  SUBCASE("unsupported dtype") {
+    RmsnormCall call;
+    for (auto& t : call.tensors) t.dtype = DLDataType{kDLFloat, 64, 1};
+    expect_bad_call(op, call, {"'out'", "expected dtype T in [float32, float16, bfloat16], got float64"});
+  }
+  SUBCASE("mismatched shapes") {
+    RmsnormCall call;
+    call.shape1[0] = 8;
+    expect_bad_call(op, call, {"'weight'", "dim 0 is H = 7 (from 'out'), got 8"});
+  }
+  SUBCASE("mismatched leading dims") {
+    RmsnormCall call;
+    std::vector<int64_t> other{1, 21};
+    call.tensors[1].shape = other.data();
+    call.tensors[1].ndim = 2;
+    expect_bad_call(op, call, {"'x'"});
+  }
+  SUBCASE("wrong rank") {
+    RmsnormCall call;
+    call.tensors[2].ndim = 2;
+    call.tensors[2].shape = call.shape2.data();
+    expect_bad_call(op, call, {"'weight'", "expected shape [H] (1 dims), got [3, 7]"});
+  }
+  SUBCASE("mixed devices") {
+    RmsnormCall call;
+    call.tensors[1].device = DLDevice{kDLCUDA, 0};
+    expect_bad_call(op, call, {"'x'", "is on cuda:0, but 'out' is on cpu:0"});
+  }
+  SUBCASE("null data") {
+    RmsnormCall call;
+    call.tensors[1].data = nullptr;
+    expect_bad_call(op, call, {"'x'", "null data"});
+  }
+  SUBCASE("non-contiguous") {
+    RmsnormCall call;
+    std::vector<int64_t> strides{1, 3};  // column-major
+    call.tensors[1].strides = strides.data();
+    expect_bad_call(op, call, {"'x'", "must be contiguous, got strides [1, 3] for shape [3, 7]"});
+  }
+  SUBCASE("unknown attribute") {
+    RmsnormCall call;
+    const NamedAttr attrs[] = {{"epsilon", 1e-5}};
+    expect_bad_call(op, call, {"has no attribute 'epsilon' (attributes: [eps])"}, attrs);
+  }
+  SUBCASE("mistyped attribute") {
+    RmsnormCall call;
+    const NamedAttr attrs[] = {{"eps", std::string("small")}};
+    expect_bad_call(op, call, {"attribute 'eps': expected float, got string"}, attrs);
+  }
+}
+
+TEST_CASE("dispatch: unknown ops and devices") {
+  auto ctx = cpu_context();
+  Dispatcher dispatch(*ctx);
+  CHECK_THROWS_WITH_AS(dispatch.op("layernorm.rmsnrom"), "No kernels registered for op 'layernorm.rmsnrom'",
+                       SelectionError);
+  RmsnormCall call;
+  for (auto& t : call.tensors) t.device = DLDevice{kDLCUDA, 0};
+  // Valid arguments on a device no registered backend can use: KD-E003.
+  try {
+    dispatch.op("layernorm.rmsnorm")(call.tensors);
+    FAIL("accepted");
+  } catch (const SelectionError& e) {
+    CHECK(e.code() == ErrorCode::no_usable_backend);
+  }
+}
+
+TEST_CASE("dispatch: a kernel failure is KD-E040 with the plugin's message") {
+  auto ctx = cpu_context();
+  Dispatcher dispatch(*ctx);
+  std::vector<int64_t> positions{0, 99};  // 99 is outside the cache of 5 positions
+  std::vector<float> q(2 * 1 * 2, 1.0f), k(2 * 1 * 2, 1.0f), cache(5 * 2, 0.5f);
+  std::vector<int64_t> ps{2}, qs{2, 1, 2}, cs{5, 2};
+  const DLDevice cpu{kDLCPU, 0};
+  const DLDataType f32{kDLFloat, 32, 1};
+  std::vector<DLTensor> tensors{DLTensor{positions.data(), cpu, 1, {kDLInt, 64, 1}, ps.data(), nullptr, 0},
+                                DLTensor{q.data(), cpu, 3, f32, qs.data(), nullptr, 0},
+                                DLTensor{k.data(), cpu, 3, f32, qs.data(), nullptr, 0},
+                                DLTensor{cache.data(), cpu, 2, f32, cs.data(), nullptr, 0}};
+  try {
+    dispatch.op("embeddings.rotary_embedding")(tensors);
+    FAIL("accepted");
+  } catch (const KernelError& e) {
+    CHECK(e.code() == ErrorCode::kernel_failed);
+    CHECK(std::string(e.what()).find("kernel 'kd_cpu_rotary_embedding' of backend 'cpu' failed") == 0);
+    CHECK(std::string(e.what()).find("99") != std::string::npos);
+  }
+}
+
+TEST_CASE("dispatch: KDISPATCH_TRACE appends one JSON line per call") {
+  const std::string path = (std::filesystem::temp_directory_path() / "kdispatch-trace-test.jsonl").string();
+  std::filesystem::remove(path);
+  setenv("KDISPATCH_TRACE", path.c_str(), 1);
+  {
+    auto ctx = cpu_context();
+    Dispatcher dispatch(*ctx);
+    RmsnormCall call;
+    dispatch.call("layernorm.rmsnorm", call.tensors);
+    dispatch.call("layernorm.rmsnorm", call.tensors);
+  }
+  unsetenv("KDISPATCH_TRACE");
+  std::ifstream in(path);
+  std::string line;
+  int lines = 0;
+  while (std::getline(in, line)) {
+    ++lines;
+    CHECK(line.find("{\"op\":\"layernorm.rmsnorm\",\"backend\":\"cpu\",\"device\":\"cpu:0\","
+                    "\"dtypes\":[\"float32\",\"float32\",\"float32\"],\"shapes\":[[3,7],[3,7],[7]],\"us\":") == 0);
+  }
+  CHECK(lines == 2);
+  std::filesystem::remove(path);
+}
