@@ -5,6 +5,7 @@
 
 #include <array>
 #include <memory>
+#include <vector>
 
 #include "kdispatch/context.hpp"
 #include "kdispatch/dispatcher.hpp"
@@ -106,6 +107,98 @@ void BM_SelectCached(benchmark::State& state) {
 }
 BENCHMARK(BM_SelectCached);
 
+// --- a real launch: a tiny CUDA kernel (rmsnorm of 1 x 128 bfloat16) -----------
+// Registered only where the cuda plugin finds a device. Host time per call,
+// synchronising every 256 calls so the launch queue never fills.
+struct GpuFixture {
+  std::unique_ptr<Context> context;
+  std::unique_ptr<Dispatcher> dispatch;
+  const kd_memory_api* memory = nullptr;
+  std::array<int64_t, 2> shape2{1, 128};
+  std::array<int64_t, 1> shape1{128};
+  std::array<DLTensor, 3> tensors{};
+  std::array<void*, 3> buffers{};
+  std::array<kd_attr, 1> attrs{};
+  bool ok = false;
+
+  GpuFixture() {
+    ContextOptions options;
+    options.search.replace = {KDISPATCH_PLUGIN_DIR};
+    options.search.use_environment = false;
+    context = std::make_unique<Context>(options);
+    dispatch = std::make_unique<Dispatcher>(*context);
+    if (!context->registry().has("layernorm.rmsnorm", "cuda")) return;
+    const PluginBinary* binary = nullptr;
+    try {
+      binary = &context->load_plugin("cuda");
+    } catch (const Error&) {
+      return;
+    }
+    if (binary->devices.empty() || binary->api->memory == nullptr) return;
+    memory = binary->api->memory;
+    const DLDataType bf16{kDLBfloat, 16, 1};
+    const DLDevice gpu{kDLCUDA, 0};
+    std::vector<uint16_t> host(128, 0x3f80);  // 1.0 in bfloat16
+    char error[256];
+    for (size_t i = 0; i < 3; ++i) {
+      if (memory->alloc(0, 256, &buffers[i], error, sizeof error) != KD_STATUS_OK) return;
+      memory->copy(0, buffers[i], host.data(), 256, KD_COPY_HOST_TO_DEVICE, error, sizeof error);
+    }
+    tensors[0] = DLTensor{buffers[0], gpu, 2, bf16, shape2.data(), nullptr, 0};
+    tensors[1] = DLTensor{buffers[1], gpu, 2, bf16, shape2.data(), nullptr, 0};
+    tensors[2] = DLTensor{buffers[2], gpu, 1, bf16, shape1.data(), nullptr, 0};
+    attrs[0].name = "eps";
+    attrs[0].type = KD_ATTR_TYPE_FLOAT;
+    attrs[0].value.f = 1e-6;
+    ok = true;
+  }
+  void sync() {
+    char error[256];
+    memory->synchronize(0, error, sizeof error);
+  }
+};
+
+GpuFixture& gpu_fixture() {
+  static GpuFixture f;
+  return f;
+}
+
+void BM_CudaLaunchDirect(benchmark::State& state) {
+  GpuFixture& f = gpu_fixture();
+  const kd_kernel_fn fn = f.dispatch->op("layernorm.rmsnorm", "cuda").resolve(f.tensors).function();
+  char error[512];
+  size_t n = 0;
+  for (auto _ : state) {
+    error[0] = '\0';
+    const kd_call_args args{sizeof(kd_call_args), f.tensors.data(), 3, 1, f.attrs.data(), nullptr, error, sizeof error};
+    benchmark::DoNotOptimize(fn(&args));
+    if (++n % 256 == 0) f.sync();
+  }
+  f.sync();
+}
+
+void BM_CudaLaunchHandle(benchmark::State& state) {
+  GpuFixture& f = gpu_fixture();
+  const KernelHandle kernel = f.dispatch->op("layernorm.rmsnorm", "cuda").resolve(f.tensors);
+  size_t n = 0;
+  for (auto _ : state) {
+    kernel(f.tensors, f.attrs);
+    if (++n % 256 == 0) f.sync();
+  }
+  f.sync();
+}
+
+void BM_CudaLaunchChecked(benchmark::State& state) {
+  GpuFixture& f = gpu_fixture();
+  const OpHandle op = f.dispatch->op("layernorm.rmsnorm");
+  size_t n = 0;
+  for (auto _ : state) {
+    op(f.tensors);
+    if (++n % 256 == 0) f.sync();
+  }
+  f.sync();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -113,6 +206,11 @@ int main(int argc, char** argv) {
   // the first benchmark's timing (or instruction count).
   Fixture& f = fixture();
   f.dispatch->op("bench.noop")(f.tensors);
+  if (gpu_fixture().ok) {
+    benchmark::RegisterBenchmark("BM_CudaLaunchDirect", BM_CudaLaunchDirect)->UseRealTime();
+    benchmark::RegisterBenchmark("BM_CudaLaunchHandle", BM_CudaLaunchHandle)->UseRealTime();
+    benchmark::RegisterBenchmark("BM_CudaLaunchChecked", BM_CudaLaunchChecked)->UseRealTime();
+  }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();
