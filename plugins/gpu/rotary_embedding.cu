@@ -6,7 +6,7 @@
 //
 // A position outside [0, P) is a caller error that the host cannot check
 // without reading device memory. Such a token is skipped: its query and key
-// stay unchanged and nothing outside the cache is read.
+// keep their values and nothing outside the cache is read.
 //
 // One block per token (the kernel loops only past 2^31-1 tokens); a thread takes one unit
 // of a head at a time: N rotated pairs of neox (two 16-byte vectors of the
@@ -29,9 +29,12 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int units_per_head = kNeox ? rot / N : dim / N;
   const int units = (q_heads + k_heads) * units_per_head;
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
+    // A token out of range reads cache row 0 (max_position > 0) and writes
+    // its values back unchanged: no branch, so the head loads are issued
+    // without waiting for the position.
     const int64_t pos = positions[t];
-    if (pos < 0 || pos >= max_position) continue;  // see the top of the file
-    const T* cos_row = cache + pos * dim;
+    const bool in_range = pos >= 0 && pos < max_position;
+    const T* cos_row = cache + (in_range ? pos : 0) * dim;
     const T* sin_row = cos_row + rot;
     T* q = query + t * q_heads * dim;
     T* k = key + t * k_heads * dim;
@@ -41,36 +44,39 @@ __global__ void __launch_bounds__(kMaxThreads)
       T* h = head < q_heads ? q + static_cast<int64_t>(head) * dim
                             : k + static_cast<int64_t>(head - q_heads) * dim;
       if constexpr (kNeox) {
-        Vec<T, N> x1 = load_vec<T, N, kAligned>(h + e);
-        Vec<T, N> x2 = load_vec<T, N, kAligned>(h + rot + e);
+        const Vec<T, N> x1 = load_vec<T, N, kAligned>(h + e);
+        const Vec<T, N> x2 = load_vec<T, N, kAligned>(h + rot + e);
         const Vec<T, N> c = load_vec<T, N, kAligned>(cos_row + e);
         const Vec<T, N> s = load_vec<T, N, kAligned>(sin_row + e);
+        Vec<T, N> y1;
+        Vec<T, N> y2;
 #pragma unroll
         for (int i = 0; i < N; ++i) {
           const float a = to_float(x1.v[i]);
           const float b = to_float(x2.v[i]);
           const float cf = to_float(c.v[i]);
           const float sf = to_float(s.v[i]);
-          x1.v[i] = from_float<T>(a * cf - b * sf);
-          x2.v[i] = from_float<T>(b * cf + a * sf);
+          y1.v[i] = in_range ? from_float<T>(a * cf - b * sf) : x1.v[i];
+          y2.v[i] = in_range ? from_float<T>(b * cf + a * sf) : x2.v[i];
         }
-        store_vec<T, N, kAligned>(h + e, x1);
-        store_vec<T, N, kAligned>(h + rot + e, x2);
+        store_vec<T, N, kAligned>(h + e, y1);
+        store_vec<T, N, kAligned>(h + rot + e, y2);
       } else {
         constexpr int kPairs = N / 2;
-        Vec<T, N> x = load_vec<T, N, kAligned>(h + e);
+        const Vec<T, N> x = load_vec<T, N, kAligned>(h + e);
         const Vec<T, kPairs> c = load_vec<T, kPairs, kAligned>(cos_row + e / 2);
         const Vec<T, kPairs> s = load_vec<T, kPairs, kAligned>(sin_row + e / 2);
+        Vec<T, N> y;
 #pragma unroll
         for (int i = 0; i < kPairs; ++i) {
           const float a = to_float(x.v[2 * i]);
           const float b = to_float(x.v[2 * i + 1]);
           const float cf = to_float(c.v[i]);
           const float sf = to_float(s.v[i]);
-          x.v[2 * i] = from_float<T>(a * cf - b * sf);
-          x.v[2 * i + 1] = from_float<T>(b * cf + a * sf);
+          y.v[2 * i] = in_range ? from_float<T>(a * cf - b * sf) : x.v[2 * i];
+          y.v[2 * i + 1] = in_range ? from_float<T>(b * cf + a * sf) : x.v[2 * i + 1];
         }
-        store_vec<T, N, kAligned>(h + e, x);
+        store_vec<T, N, kAligned>(h + e, y);
       }
     }
   }
@@ -88,7 +94,7 @@ void launch_rotary(const Launch& launch, const int64_t* positions, T* query, T* 
   // Without vectors: neox moves single elements, GPT-J single pairs.
   const int n = vectorized ? kVec : (neox ? 1 : 2);
   const int units = (q_heads + k_heads) * (neox ? rot / n : 2 * rot / n);
-  const int threads = std::min(kMaxThreads, round_up(units, kMaxWarpSize));
+  const int threads = std::min(kMaxThreads, round_up(units, launch.warp_size));
   const int64_t grid = std::min<int64_t>(tokens, INT32_MAX);
   auto run = [&](auto kernel) {
     kernel<<<static_cast<unsigned>(grid), threads, 0, launch.stream>>>(
@@ -144,7 +150,10 @@ kd_status run_rotary(const kd_call_args* args) {
   }
   bool neox = true;
   if (kd_status s = attr_bool(args, op, 0, &neox); s != KD_STATUS_OK) return s;
-  if (tokens == 0 || dim == 0 || q_heads + k_heads == 0) return KD_STATUS_OK;
+  // No cache rows: every position is out of range, every token is skipped.
+  if (tokens == 0 || dim == 0 || q_heads + k_heads == 0 || cache.shape[0] == 0) {
+    return KD_STATUS_OK;
+  }
   return dispatch_float_dtype(args, op, query, [&](auto tag) {
     using T = typename decltype(tag)::type;
     launch_rotary<T>(launch, data_of<const int64_t>(positions), data_of<T>(query),
