@@ -30,6 +30,7 @@
 namespace {
 
 [[noreturn]] void die(const std::string& message) {
+  std::fflush(stdout);
   std::fprintf(stderr, "gpu_bench: %s\n", message.c_str());
   std::exit(2);
 }

@@ -11,7 +11,7 @@
 # Full logs go to $OUT (default build/gpu-check). Environment:
 #   KD_CHECK_NO_TORCH=1        skip the PyTorch benchmark
 #   KD_CHECK_NO_COMPILE=1      PyTorch eager only, no torch.compile
-#   KD_CHECK_TORCH_TIMEOUT=s   limit of the PyTorch benchmark (default 330 s)
+#   KD_CHECK_TORCH_TIMEOUT=s   limit of the PyTorch benchmark (default 300 s)
 # Exit status: 0 when the build and every correctness check passed.
 set -uo pipefail
 
@@ -75,8 +75,8 @@ if cmake --preset cuda -DKDISPATCH_DLPACK_INCLUDE_DIR="$dlpack_dir" -DKDISPATCH_
    cmake --build --preset cuda -j "$jobs" >> "$OUT/build.log" 2>&1; then
   note "build: project, preset cuda, $(( $(date +%s) - started )) s"
 else
-  note "build: the whole project did not build (last lines of build.log below); building the GPU plugins alone"
-  tail -n 5 "$OUT/build.log" | sed 's/^/  | /' | tee -a "$summary"
+  note "build: the whole project did not build (first errors of build.log below); building the GPU plugins alone"
+  grep -m 3 -A 2 -E "CMake Error|error:|FAILED" "$OUT/build.log" | sed 's/^/  | /' | tee -a "$summary"
   started=$(date +%s)
   only="$root/build/gpu-plugin-only"
   plugin="$only/lib/kdispatch/plugins/libkdispatch-cuda.so"
@@ -134,7 +134,7 @@ timeout 300 "$bench" bench "$plugin" --csv "$OUT/kdispatch_bench.csv" > "$OUT/kd
 if [[ "${KD_CHECK_NO_TORCH:-0}" != 1 ]]; then
   torch_args=(--csv "$OUT/torch_bench.csv")
   [[ "${KD_CHECK_NO_COMPILE:-0}" == 1 ]] && torch_args+=(--no-compile)
-  timeout "${KD_CHECK_TORCH_TIMEOUT:-330}" python3 tools/gpu/torch_bench.py "${torch_args[@]}" \
+  timeout "${KD_CHECK_TORCH_TIMEOUT:-300}" python3 tools/gpu/torch_bench.py "${torch_args[@]}" \
       > "$OUT/torch_bench.txt" 2>&1 ||
     note "PyTorch benchmark failed or timed out; rows it finished are kept (torch_bench.txt)"
 fi
