@@ -95,9 +95,7 @@ void launch_act(const Launch& launch, T* out, const T* x, int64_t rows, int d) {
 // Tensors: out [*, D], x [*, 2*D].
 template <class Act>
 kd_status run_act(const kd_call_args* args, const char* op) {
-  DeviceScope scope;
-  Launch launch;
-  if (kd_status s = begin_call(args, op, 2, 0, &scope, &launch); s != KD_STATUS_OK) return s;
+  if (kd_status s = check_call(args, op, 2, 0); s != KD_STATUS_OK) return s;
   const DLTensor& out = args->tensors[0];
   const DLTensor& x = args->tensors[1];
   if (out.ndim < 1 || x.ndim != out.ndim) return invalid_shapes(args, op);
@@ -111,7 +109,7 @@ kd_status run_act(const kd_call_args* args, const char* op) {
     return kd_plugin::fail(args, KD_STATUS_UNSUPPORTED, "%s: rows longer than 2^30-1", op);
   }
   if (rows == 0 || d == 0) return KD_STATUS_OK;
-  return dispatch_float_dtype(args, op, out, [&](auto tag) {
+  return launch_for_dtype(args, op, out, [&](auto tag, const Launch& launch) {
     using T = typename decltype(tag)::type;
     constexpr int kVec = 16 / sizeof(T);
     T* o = data_of<T>(out);
@@ -121,7 +119,6 @@ kd_status run_act(const kd_call_args* args, const char* op) {
     } else {
       launch_act<T, 1, Act>(launch, o, in, rows, static_cast<int>(d));
     }
-    return launched(args, op);
   });
 }
 

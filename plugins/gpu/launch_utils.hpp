@@ -155,10 +155,20 @@ inline bool on_this_backend(const DLDevice& d) {
 #endif
 }
 
+// Reports an error of the kernel launch just made.
+inline kd_status launched(const kd_call_args* args, const char* op) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return kd_plugin::fail(args, KD_STATUS_DEVICE_ERROR, "%s: kernel launch failed: %s", op,
+                           cudaGetErrorString(err));
+  }
+  return KD_STATUS_OK;
+}
+
 // Checks the counts of tensors and attributes and that every tensor lives on
-// one device of this backend, makes that device current and fills `launch`.
-inline kd_status begin_call(const kd_call_args* args, const char* op, int num_tensors,
-                            int num_attrs, DeviceScope* scope, Launch* launch) {
+// one device of this backend. Touches no device.
+inline kd_status check_call(const kd_call_args* args, const char* op, int num_tensors,
+                            int num_attrs) {
   if (args == nullptr) return KD_STATUS_INVALID_ARGUMENT;
   if (args->tensors == nullptr || args->num_tensors != num_tensors) {
     return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: expected %d tensors, got %d",
@@ -179,15 +189,29 @@ inline kd_status begin_call(const kd_call_args* args, const char* op, int num_te
                              KD_GPU_BACKEND);
     }
   }
-  cudaError_t err = scope->enter(device.device_id);
-  if (err == cudaSuccess) err = device_limits(device.device_id, &launch->sm_count,
-                                              &launch->warp_size);
-  if (err != cudaSuccess) {
-    return kd_plugin::fail(args, KD_STATUS_DEVICE_ERROR, "%s: device %d: %s", op,
-                           device.device_id, cudaGetErrorString(err));
-  }
-  launch->stream = static_cast<cudaStream_t>(args->stream);
   return KD_STATUS_OK;
+}
+
+// For the element type T of `t` (float, half_t or bf16_t): makes the tensors'
+// device current, calls launch_fn(TypeTag<T>{}, launch) to launch the
+// kernels on the caller's stream, and reports a launch error.
+template <class F>
+kd_status launch_for_dtype(const kd_call_args* args, const char* op, const DLTensor& t,
+                           F&& launch_fn) {
+  return dispatch_float_dtype(args, op, t, [&](auto tag) {
+    DeviceScope scope;
+    Launch launch;
+    const int device = args->tensors[0].device.device_id;
+    cudaError_t err = scope.enter(device);
+    if (err == cudaSuccess) err = device_limits(device, &launch.sm_count, &launch.warp_size);
+    if (err != cudaSuccess) {
+      return kd_plugin::fail(args, KD_STATUS_DEVICE_ERROR, "%s: device %d: %s", op, device,
+                             cudaGetErrorString(err));
+    }
+    launch.stream = static_cast<cudaStream_t>(args->stream);
+    launch_fn(tag, launch);
+    return launched(args, op);
+  });
 }
 
 inline kd_status attr_float(const kd_call_args* args, const char* op, int index, float* out) {
@@ -213,16 +237,6 @@ inline kd_status attr_bool(const kd_call_args* args, const char* op, int index, 
 inline kd_status invalid_shapes(const kd_call_args* args, const char* op) {
   return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensor shapes do not match",
                          op);
-}
-
-// Reports an error of the kernel launch just made.
-inline kd_status launched(const kd_call_args* args, const char* op) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    return kd_plugin::fail(args, KD_STATUS_DEVICE_ERROR, "%s: kernel launch failed: %s", op,
-                           cudaGetErrorString(err));
-  }
-  return KD_STATUS_OK;
 }
 
 }  // namespace kd_gpu

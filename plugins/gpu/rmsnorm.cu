@@ -194,9 +194,7 @@ void launch_norm(const Launch& launch, T* out, T* residual, const T* x, const T*
 // Tensors: rmsnorm (out, x, weight); fused_add_rmsnorm (x, residual, weight).
 template <bool kFused>
 kd_status run_norm(const kd_call_args* args, const char* op) {
-  DeviceScope scope;
-  Launch launch;
-  if (kd_status s = begin_call(args, op, 3, 1, &scope, &launch); s != KD_STATUS_OK) return s;
+  if (kd_status s = check_call(args, op, 3, 1); s != KD_STATUS_OK) return s;
   const DLTensor& a = args->tensors[0];  // out | x
   const DLTensor& b = args->tensors[1];  // x | residual
   const DLTensor& weight = args->tensors[2];
@@ -215,7 +213,7 @@ kd_status run_norm(const kd_call_args* args, const char* op) {
   float eps = 0.f;
   if (kd_status s = attr_float(args, op, 0, &eps); s != KD_STATUS_OK) return s;
   if (rows == 0 || hidden == 0) return KD_STATUS_OK;
-  return dispatch_float_dtype(args, op, a, [&](auto tag) {
+  return launch_for_dtype(args, op, a, [&](auto tag, const Launch& launch) {
     using T = typename decltype(tag)::type;
     if constexpr (kFused) {
       T* x = data_of<T>(a);
@@ -225,7 +223,6 @@ kd_status run_norm(const kd_call_args* args, const char* op) {
       launch_norm<T, false>(launch, data_of<T>(a), nullptr, data_of<T>(b), data_of<T>(weight),
                             rows, static_cast<int>(hidden), eps);
     }
-    return launched(args, op);
   });
 }
 

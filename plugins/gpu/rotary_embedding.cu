@@ -119,9 +119,7 @@ void launch_rotary(const Launch& launch, const int64_t* positions, T* query, T* 
 // cos_sin_cache [P, 2R]; attribute is_neox.
 kd_status run_rotary(const kd_call_args* args) {
   constexpr const char* op = "rotary_embedding";
-  DeviceScope scope;
-  Launch launch;
-  if (kd_status s = begin_call(args, op, 4, 1, &scope, &launch); s != KD_STATUS_OK) return s;
+  if (kd_status s = check_call(args, op, 4, 1); s != KD_STATUS_OK) return s;
   const DLTensor& positions = args->tensors[0];
   const DLTensor& query = args->tensors[1];
   const DLTensor& key = args->tensors[2];
@@ -154,13 +152,12 @@ kd_status run_rotary(const kd_call_args* args) {
   if (tokens == 0 || dim == 0 || q_heads + k_heads == 0 || cache.shape[0] == 0) {
     return KD_STATUS_OK;
   }
-  return dispatch_float_dtype(args, op, query, [&](auto tag) {
+  return launch_for_dtype(args, op, query, [&](auto tag, const Launch& launch) {
     using T = typename decltype(tag)::type;
     launch_rotary<T>(launch, data_of<const int64_t>(positions), data_of<T>(query),
                      data_of<T>(key), data_of<const T>(cache), tokens, cache.shape[0],
                      static_cast<int>(q_heads), static_cast<int>(k_heads),
                      static_cast<int>(dim / 2), neox);
-    return launched(args, op);
   });
 }
 

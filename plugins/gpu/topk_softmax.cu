@@ -199,9 +199,7 @@ void launch_topk(const Launch& launch, const TopkArgs& a, const T* gating) {
 // [*, E]; attribute renormalize.
 kd_status run_topk(const kd_call_args* args) {
   constexpr const char* op = "topk_softmax";
-  DeviceScope scope;
-  Launch launch;
-  if (kd_status s = begin_call(args, op, 3, 1, &scope, &launch); s != KD_STATUS_OK) return s;
+  if (kd_status s = check_call(args, op, 3, 1); s != KD_STATUS_OK) return s;
   const DLTensor& weights = args->tensors[0];
   const DLTensor& ids = args->tensors[1];
   const DLTensor& gating = args->tensors[2];
@@ -230,12 +228,11 @@ kd_status run_topk(const kd_call_args* args) {
   bool renormalize = false;
   if (kd_status s = attr_bool(args, op, 0, &renormalize); s != KD_STATUS_OK) return s;
   if (rows == 0 || k == 0) return KD_STATUS_OK;
-  return dispatch_float_dtype(args, op, gating, [&](auto tag) {
+  return launch_for_dtype(args, op, gating, [&](auto tag, const Launch& launch) {
     using T = typename decltype(tag)::type;
     const TopkArgs a{data_of<float>(weights), data_of<int32_t>(ids), rows,
                      static_cast<int>(experts), static_cast<int>(k), renormalize};
     launch_topk<T>(launch, a, data_of<const T>(gating));
-    return launched(args, op);
   });
 }
 
