@@ -1,0 +1,128 @@
+// The vendor switch of the GPU kernels. The sources of plugins/gpu are written
+// against the CUDA runtime; nvcc compiles them as CUDA (plugins/cuda) and
+// hipcc compiles the same text as HIP (plugins/hip). This header is the only
+// place that knows which: runtime names, warp shuffles, the warp size and the
+// 16-bit float types.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__HIP__)
+#include <hip/hip_fp16.h>
+#include <hip/hip_runtime.h>
+
+#define KD_GPU_BACKEND "hip"
+
+// The CUDA runtime names the sources use, mapped to their HIP equivalents.
+#define cudaDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#define cudaDevAttrWarpSize hipDeviceAttributeWarpSize
+#define cudaDeviceGetAttribute hipDeviceGetAttribute
+#define cudaDeviceProp hipDeviceProp_t
+#define cudaErrorInsufficientDriver hipErrorInsufficientDriver
+#define cudaErrorNoDevice hipErrorNoDevice
+#define cudaError_t hipError_t
+#define cudaGetDevice hipGetDevice
+#define cudaGetDeviceCount hipGetDeviceCount
+#define cudaGetDeviceProperties hipGetDeviceProperties
+#define cudaGetErrorString hipGetErrorString
+#define cudaGetLastError hipGetLastError
+#define cudaOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
+#define cudaSetDevice hipSetDevice
+#define cudaStream_t hipStream_t
+#define cudaSuccess hipSuccess
+#else
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#define KD_GPU_BACKEND "cuda"
+#endif
+
+namespace kd_gpu {
+
+// Threads per warp (wavefront) in device code: 32 on NVIDIA, 64 on CDNA
+// (gfx9, e.g. gfx90a), 32 on RDNA (gfx10 and later, e.g. gfx1030). hipcc
+// compiles device code once per --offload-arch with __AMDGCN_WAVEFRONT_SIZE
+// set for that target, so every reduction is unrolled for the right width.
+// The host pass also sees a value (64) that says nothing about the device:
+// host code asks the device instead (Launch::warp_size).
+#if defined(__HIP__)
+#if defined(__AMDGCN_WAVEFRONT_SIZE)
+inline constexpr int kWarpSize = __AMDGCN_WAVEFRONT_SIZE;
+#else
+inline constexpr int kWarpSize = 64;
+#endif
+#else
+inline constexpr int kWarpSize = 32;
+#endif
+
+// Block sizes are multiples of this, so a block is whole warps on every target.
+inline constexpr int kMaxWarpSize = 64;
+
+__device__ __forceinline__ float shfl_xor(float v, int lane_mask) {
+#if defined(__HIP__)
+  return __shfl_xor(v, lane_mask);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+#endif
+}
+
+__device__ __forceinline__ int shfl_xor(int v, int lane_mask) {
+#if defined(__HIP__)
+  return __shfl_xor(v, lane_mask);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+#endif
+}
+
+// 16-bit float storage types. ROCm 5.2 has no bfloat16 type with device
+// conversion intrinsics (hip_bfloat16.h is a host/device class without
+// them), so HIP gets a plain 16-bit struct converted by bit operations.
+using half_t = __half;
+#if defined(__HIP__)
+struct bf16_t {
+  uint16_t bits;
+};
+#else
+using bf16_t = __nv_bfloat16;
+#endif
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(half_t v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(bf16_t v) {
+#if defined(__HIP__)
+  return __uint_as_float(static_cast<uint32_t>(v.bits) << 16);
+#else
+  return __bfloat162float(v);
+#endif
+}
+
+// Round to nearest even, as PyTorch's .to(dtype) does.
+template <class T>
+__device__ T from_float(float v);
+
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+
+template <>
+__device__ __forceinline__ half_t from_float<half_t>(float v) {
+  return __float2half_rn(v);
+}
+
+template <>
+__device__ __forceinline__ bf16_t from_float<bf16_t>(float v) {
+#if defined(__HIP__)
+  uint32_t u = __float_as_uint(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    return bf16_t{static_cast<uint16_t>((u >> 16) | 0x0040u)};  // quiet NaN
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16_t{static_cast<uint16_t>(u >> 16)};
+#else
+  return __float2bfloat16_rn(v);
+#endif
+}
+
+}  // namespace kd_gpu

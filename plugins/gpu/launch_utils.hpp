@@ -1,0 +1,242 @@
+// Host-side helpers shared by the kernel entry points: argument checks, the
+// dtype switch, the device of a call and its limits, launch error reporting.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <initializer_list>
+
+#include "gpu_compat.hpp"
+#include "kd_plugin.hpp"
+
+namespace kd_gpu {
+
+template <class T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls f(TypeTag<T>{}) with T the element type of `t`: float, half_t or bf16_t.
+template <class F>
+kd_status dispatch_float_dtype(const kd_call_args* args, const char* op, const DLTensor& t,
+                               F&& f) {
+  if (t.dtype.lanes == 1) {
+    if (t.dtype.code == kDLFloat && t.dtype.bits == 32) return f(TypeTag<float>{});
+    if (t.dtype.code == kDLFloat && t.dtype.bits == 16) return f(TypeTag<half_t>{});
+    if (t.dtype.code == kDLBfloat && t.dtype.bits == 16) return f(TypeTag<bf16_t>{});
+  }
+  return kd_plugin::fail(args, KD_STATUS_UNSUPPORTED,
+                         "%s: dtype (code %d, bits %d, lanes %d) is not float32, float16 or "
+                         "bfloat16",
+                         op, t.dtype.code, t.dtype.bits, t.dtype.lanes);
+}
+
+inline bool same_dtype(const DLTensor& a, const DLTensor& b) {
+  return a.dtype.code == b.dtype.code && a.dtype.bits == b.dtype.bits &&
+         a.dtype.lanes == b.dtype.lanes;
+}
+
+inline bool has_dtype(const DLTensor& t, uint8_t code, uint8_t bits) {
+  return t.dtype.code == code && t.dtype.bits == bits && t.dtype.lanes == 1;
+}
+
+template <class T>
+T* data_of(const DLTensor& t) {
+  return reinterpret_cast<T*>(static_cast<char*>(t.data) + t.byte_offset);
+}
+
+// Product of all dims but the last `trailing` ones: the rows of a ["*", ...]
+// tensor.
+inline int64_t leading_count(const DLTensor& t, int trailing) {
+  int64_t n = 1;
+  for (int i = 0; i < t.ndim - trailing; ++i) n *= t.shape[i];
+  return n;
+}
+
+inline int64_t last_dim(const DLTensor& t) { return t.shape[t.ndim - 1]; }
+
+inline bool all_aligned(size_t bytes, std::initializer_list<const void*> pointers) {
+  for (const void* p : pointers) {
+    if (reinterpret_cast<uintptr_t>(p) % bytes != 0) return false;
+  }
+  return true;
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int round_up(int a, int multiple) { return (a + multiple - 1) / multiple * multiple; }
+
+// Where and how a call launches its kernels.
+struct Launch {
+  cudaStream_t stream = nullptr;
+  int sm_count = 1;
+  int warp_size = 32;
+};
+
+// The grid of a kernel that loops over its rows: as many blocks of kThreads
+// as the device runs at once, so that every block gets the same share and no
+// partial last wave leaves SMs idle. Blocks per SM depend on the kernel's
+// registers and shared memory, asked once per kernel (a process with GPUs of
+// different kinds may get a grid sized for another one: slower, not wrong).
+template <auto kKernel, int kThreads>
+int64_t resident_grid(const Launch& launch) {
+  static const int blocks_per_sm = [] {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, kThreads, 0) != cudaSuccess) {
+      (void)cudaGetLastError();
+      n = 1;
+    }
+    return std::max(n, 1);
+  }();
+  return int64_t{launch.sm_count} * blocks_per_sm;
+}
+
+// Launches kKernel, which loops over `work_blocks` blocks' worth of work, on
+// at most a resident grid.
+template <auto kKernel, int kThreads, class... Args>
+void launch_resident(const Launch& launch, int64_t work_blocks, Args... args) {
+  const int64_t grid = std::min(work_blocks, resident_grid<kKernel, kThreads>(launch));
+  kKernel<<<static_cast<unsigned>(grid), kThreads, 0, launch.stream>>>(args...);
+}
+
+// Makes a device current for the rest of a call and restores the caller's on
+// exit, so a stream of the tensors' device can be used whatever device the
+// calling thread had selected.
+class DeviceScope {
+ public:
+  DeviceScope() = default;
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  ~DeviceScope() {
+    if (previous_ >= 0) (void)cudaSetDevice(previous_);
+  }
+
+  cudaError_t enter(int device) {
+    int current = 0;
+    cudaError_t err = cudaGetDevice(&current);
+    if (err != cudaSuccess || current == device) return err;
+    err = cudaSetDevice(device);
+    if (err == cudaSuccess) previous_ = current;
+    return err;
+  }
+
+ private:
+  int previous_ = -1;
+};
+
+// SM count and warp size of a device, asked once per device.
+inline cudaError_t device_limits(int device, int* sm_count, int* warp_size) {
+  constexpr int kCachedDevices = 64;
+  static std::atomic<uint64_t> cache[kCachedDevices];  // (sm_count << 32) | warp_size
+  const bool cacheable = device >= 0 && device < kCachedDevices;
+  if (cacheable) {
+    const uint64_t packed = cache[device].load(std::memory_order_relaxed);
+    if (packed != 0) {
+      *sm_count = static_cast<int>(packed >> 32);
+      *warp_size = static_cast<int>(packed & 0xffffffffu);
+      return cudaSuccess;
+    }
+  }
+  cudaError_t err = cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(warp_size, cudaDevAttrWarpSize, device);
+  if (err != cudaSuccess) return err;
+  if (cacheable) {
+    cache[device].store((uint64_t(*sm_count) << 32) | uint32_t(*warp_size),
+                        std::memory_order_relaxed);
+  }
+  return cudaSuccess;
+}
+
+inline bool on_this_backend(const DLDevice& d) {
+#if defined(__HIP__)
+  return d.device_type == kDLROCM;
+#else
+  return d.device_type == kDLCUDA || d.device_type == kDLCUDAManaged;
+#endif
+}
+
+// Reports an error of the kernel launch just made.
+inline kd_status launched(const kd_call_args* args, const char* op) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return kd_plugin::fail(args, KD_STATUS_DEVICE_ERROR, "%s: kernel launch failed: %s", op,
+                           cudaGetErrorString(err));
+  }
+  return KD_STATUS_OK;
+}
+
+// Checks the counts of tensors and attributes and that every tensor lives on
+// one device of this backend. Touches no device.
+inline kd_status check_call(const kd_call_args* args, const char* op, int num_tensors,
+                            int num_attrs) {
+  if (args == nullptr) return KD_STATUS_INVALID_ARGUMENT;
+  if (args->tensors == nullptr || args->num_tensors != num_tensors) {
+    return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: expected %d tensors, got %d",
+                           op, num_tensors, args->num_tensors);
+  }
+  if (args->num_attrs < num_attrs || (num_attrs > 0 && args->attrs == nullptr)) {
+    return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT,
+                           "%s: expected %d attributes, got %d", op, num_attrs, args->num_attrs);
+  }
+  const DLDevice device = args->tensors[0].device;
+  for (int i = 0; i < num_tensors; ++i) {
+    const DLDevice d = args->tensors[i].device;
+    if (!on_this_backend(d) || d.device_id != device.device_id) {
+      return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT,
+                             "%s: tensor %d is on device type %d id %d, expected one %s device "
+                             "for all tensors",
+                             op, i, static_cast<int>(d.device_type), d.device_id,
+                             KD_GPU_BACKEND);
+    }
+  }
+  return KD_STATUS_OK;
+}
+
+// For the element type T of `t` (float, half_t or bf16_t): makes the tensors'
+// device current, calls launch_fn(TypeTag<T>{}, launch) to launch the
+// kernels on the caller's stream, and reports a launch error.
+template <class F>
+kd_status launch_for_dtype(const kd_call_args* args, const char* op, const DLTensor& t,
+                           F&& launch_fn) {
+  return dispatch_float_dtype(args, op, t, [&](auto tag) {
+    DeviceScope scope;
+    Launch launch;
+    const int device = args->tensors[0].device.device_id;
+    cudaError_t err = scope.enter(device);
+    if (err == cudaSuccess) err = device_limits(device, &launch.sm_count, &launch.warp_size);
+    if (err != cudaSuccess) {
+      return kd_plugin::fail(args, KD_STATUS_DEVICE_ERROR, "%s: device %d: %s", op, device,
+                             cudaGetErrorString(err));
+    }
+    launch.stream = static_cast<cudaStream_t>(args->stream);
+    launch_fn(tag, launch);
+    return launched(args, op);
+  });
+}
+
+inline kd_status attr_float(const kd_call_args* args, const char* op, int index, float* out) {
+  const kd_attr& a = args->attrs[index];
+  if (a.type != KD_ATTR_TYPE_FLOAT) {
+    return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: attribute %d is not a float",
+                           op, index);
+  }
+  *out = static_cast<float>(a.value.f);
+  return KD_STATUS_OK;
+}
+
+inline kd_status attr_bool(const kd_call_args* args, const char* op, int index, bool* out) {
+  const kd_attr& a = args->attrs[index];
+  if (a.type != KD_ATTR_TYPE_BOOL) {
+    return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: attribute %d is not a bool",
+                           op, index);
+  }
+  *out = a.value.b != 0;
+  return KD_STATUS_OK;
+}
+
+inline kd_status invalid_shapes(const kd_call_args* args, const char* op) {
+  return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensor shapes do not match",
+                         op);
+}
+
+}  // namespace kd_gpu

@@ -1,0 +1,107 @@
+// The plugin table of the GPU backends: probe, the kernels under their
+// manifest symbols (kd_cuda_<name> or kd_hip_<name>) and the entry point.
+#include <cstdio>
+#include <cstring>
+
+#include "launch_utils.hpp"
+#include "ops.hpp"
+
+namespace kd_gpu {
+namespace {
+
+#define KD_GPU_SYMBOL(name) "kd_" KD_GPU_BACKEND "_" name
+
+constexpr kd_plugin::KernelEntry kKernels[] = {
+    {KD_GPU_SYMBOL("rmsnorm"), rmsnorm},
+    {KD_GPU_SYMBOL("fused_add_rmsnorm"), fused_add_rmsnorm},
+    {KD_GPU_SYMBOL("silu_and_mul"), silu_and_mul},
+    {KD_GPU_SYMBOL("gelu_and_mul"), gelu_and_mul},
+    {KD_GPU_SYMBOL("gelu_tanh_and_mul"), gelu_tanh_and_mul},
+    {KD_GPU_SYMBOL("rotary_embedding"), rotary_embedding},
+    {KD_GPU_SYMBOL("topk_softmax"), topk_softmax},
+};
+
+kd_kernel_fn find_kernel(const char* symbol) { return kd_plugin::find_kernel(kKernels, symbol); }
+
+// The runtime's answers that mean "this machine has no usable device" rather
+// than a failure: no driver, a driver too old for the runtime, no device.
+bool means_no_device(cudaError_t err) {
+  if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) return true;
+#if !defined(__HIP__)
+  if (err == cudaErrorStubLibrary) return true;  // the driver is only a stub library
+#endif
+  return false;
+}
+
+// The arch string the manifests use: "9.0" for CUDA, "gfx90a" for HIP.
+void describe_arch(const cudaDeviceProp& prop, char* arch, size_t arch_capacity) {
+#if defined(__HIP__)
+  // "gfx90a:sramecc+:xnack-" -> "gfx90a", the name manifests use.
+  std::snprintf(arch, arch_capacity, "%.*s", static_cast<int>(arch_capacity - 1),
+                prop.gcnArchName);
+  if (char* colon = std::strchr(arch, ':')) *colon = '\0';
+#else
+  std::snprintf(arch, arch_capacity, "%d.%d", prop.major, prop.minor);
+#endif
+}
+
+// Writes each device into the caller's array, whose element size is the
+// caller's struct_size (a host of another ABI minor may have a longer or
+// shorter kd_device_info); fields beyond it are left alone.
+kd_status probe(kd_device_info* devices, size_t capacity, size_t* count, char* error,
+                size_t error_capacity) {
+  if (count == nullptr || (capacity > 0 && devices == nullptr)) {
+    if (error != nullptr) kd_plugin::copy_string(error, error_capacity, "probe: null argument");
+    return KD_STATUS_INVALID_ARGUMENT;
+  }
+  *count = 0;
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // do not leave the error for the next call to find
+    if (means_no_device(err)) return KD_STATUS_OK;
+    if (error != nullptr) {
+      std::snprintf(error, error_capacity, KD_GPU_BACKEND ": counting devices: %s",
+                    cudaGetErrorString(err));
+    }
+    return KD_STATUS_DEVICE_ERROR;
+  }
+  const size_t stride = capacity > 0 ? devices[0].struct_size : 0;
+  if (capacity > 0 && stride < KD_STRUCT_SIZE(kd_device_info, device_id)) {
+    if (error != nullptr) {
+      kd_plugin::copy_string(error, error_capacity, "probe: kd_device_info.struct_size too small");
+    }
+    return KD_STATUS_INVALID_ARGUMENT;
+  }
+  for (int i = 0; i < n && static_cast<size_t>(i) < capacity; ++i) {
+    auto* d = reinterpret_cast<kd_device_info*>(reinterpret_cast<char*>(devices) + i * stride);
+#if defined(__HIP__)
+    d->device_type = kDLROCM;
+#else
+    d->device_type = kDLCUDA;
+#endif
+    d->device_id = i;
+    cudaDeviceProp prop;
+    const cudaError_t prop_err = cudaGetDeviceProperties(&prop, i);
+    if (prop_err != cudaSuccess) {
+      if (error != nullptr) {
+        std::snprintf(error, error_capacity, "device %d: %s", i, cudaGetErrorString(prop_err));
+      }
+      return KD_STATUS_DEVICE_ERROR;
+    }
+    if (KD_STRUCT_HAS_FIELD(kd_device_info, arch, stride)) {
+      describe_arch(prop, d->arch, sizeof d->arch);
+    }
+    if (KD_STRUCT_HAS_FIELD(kd_device_info, name, stride)) {
+      std::snprintf(d->name, sizeof d->name, "%.*s", static_cast<int>(sizeof d->name - 1),
+                    prop.name);
+    }
+  }
+  *count = static_cast<size_t>(n);
+  return KD_STATUS_OK;
+}
+
+}  // namespace
+}  // namespace kd_gpu
+
+KD_DEFINE_PLUGIN(KD_GPU_BACKEND, "0.1.0", KD_GPU_BACKEND, kd_gpu::probe, kd_gpu::find_kernel)

@@ -1,0 +1,16 @@
+# The GPU kernel sources shared by plugins/cuda (nvcc) and plugins/hip (hipcc).
+# Paths are relative to this file, so that tools/gpu/plugin_only can build the
+# GPU plugins without the rest of the project.
+set(KDISPATCH_GPU_DIR "${CMAKE_CURRENT_LIST_DIR}")
+set(KDISPATCH_GPU_SOURCES
+  "${CMAKE_CURRENT_LIST_DIR}/activation.cu"
+  "${CMAKE_CURRENT_LIST_DIR}/plugin.cu"
+  "${CMAKE_CURRENT_LIST_DIR}/rmsnorm.cu"
+  "${CMAKE_CURRENT_LIST_DIR}/rotary_embedding.cu"
+  "${CMAKE_CURRENT_LIST_DIR}/topk_softmax.cu")
+set(KDISPATCH_GPU_HEADERS
+  "${CMAKE_CURRENT_LIST_DIR}/device_utils.cuh"
+  "${CMAKE_CURRENT_LIST_DIR}/gpu_compat.hpp"
+  "${CMAKE_CURRENT_LIST_DIR}/launch_utils.hpp"
+  "${CMAKE_CURRENT_LIST_DIR}/ops.hpp"
+  "${CMAKE_CURRENT_LIST_DIR}/../common/kd_plugin.hpp")

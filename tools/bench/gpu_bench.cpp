@@ -1,0 +1,826 @@
+// GPU check and benchmark of a kdispatch GPU plugin, driven only through the
+// plugin's C ABI (dlopen -> kdispatch_plugin_api -> find_kernel), as the core
+// would drive it. Host code only: links the CUDA runtime, launches no kernel
+// of its own.
+//
+//   gpu_bench check PLUGIN.so            every op x dtype against a float64
+//                                        host reference of the op's formula
+//   gpu_bench bench PLUGIN.so [--csv F]  time large and small shapes; prints
+//                                        us, GB/s and % of the device-to-device
+//                                        copy bandwidth measured in the same run
+//
+// Exit status: 0 when every check passed, 1 on a failed check, 2 on a usage or
+// setup error.
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+#include <kdispatch/plugin_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+[[noreturn]] void die(const std::string& message) {
+  std::fflush(stdout);
+  std::fprintf(stderr, "gpu_bench: %s\n", message.c_str());
+  std::exit(2);
+}
+
+void cuda_ok(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) die(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+// --- element types ------------------------------------------------------------
+
+enum class DType { kFloat32, kFloat16, kBFloat16 };
+const DType kAllDTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::kFloat32: return "float32";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+  }
+  return "?";
+}
+
+size_t dtype_size(DType t) { return t == DType::kFloat32 ? 4 : 2; }
+
+DLDataType dl_dtype(DType t) {
+  switch (t) {
+    case DType::kFloat32: return {kDLFloat, 32, 1};
+    case DType::kFloat16: return {kDLFloat, 16, 1};
+    case DType::kBFloat16: return {kDLBfloat, 16, 1};
+  }
+  return {};
+}
+
+uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float bf16_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Host values are doubles holding exactly what the device holds.
+void encode(DType t, const std::vector<double>& values, std::vector<uint8_t>* bytes) {
+  bytes->resize(values.size() * dtype_size(t));
+  for (size_t i = 0; i < values.size(); ++i) {
+    const float f = static_cast<float>(values[i]);
+    if (t == DType::kFloat32) {
+      std::memcpy(bytes->data() + 4 * i, &f, 4);
+    } else if (t == DType::kFloat16) {
+      const _Float16 h = static_cast<_Float16>(f);
+      std::memcpy(bytes->data() + 2 * i, &h, 2);
+    } else {
+      const uint16_t b = float_to_bf16(f);
+      std::memcpy(bytes->data() + 2 * i, &b, 2);
+    }
+  }
+}
+
+std::vector<double> decode(DType t, const std::vector<uint8_t>& bytes) {
+  std::vector<double> out(bytes.size() / dtype_size(t));
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (t == DType::kFloat32) {
+      float f;
+      std::memcpy(&f, bytes.data() + 4 * i, 4);
+      out[i] = f;
+    } else if (t == DType::kFloat16) {
+      _Float16 h;
+      std::memcpy(&h, bytes.data() + 2 * i, 2);
+      out[i] = static_cast<float>(h);
+    } else {
+      uint16_t b;
+      std::memcpy(&b, bytes.data() + 2 * i, 2);
+      out[i] = bf16_to_float(b);
+    }
+  }
+  return out;
+}
+
+// v rounded to the nearest value of type t (through float32, as the device does).
+double round_to(DType t, double v) {
+  std::vector<uint8_t> bytes;
+  encode(t, {v}, &bytes);
+  return decode(t, bytes)[0];
+}
+
+// Largest relative rounding error of one result, with headroom for float32
+// accumulation order and fast exp/rsqrt on the device.
+struct Tolerance {
+  double rtol;
+  double atol;
+};
+Tolerance tolerance(DType t) {
+  switch (t) {
+    case DType::kFloat32: return {1e-4, 1e-5};
+    case DType::kFloat16: return {2e-3, 1e-4};
+    case DType::kBFloat16: return {8e-3, 1e-3};
+  }
+  return {0, 0};
+}
+
+// --- device tensors -----------------------------------------------------------
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t n) : bytes(n) { cuda_ok(cudaMalloc(&ptr, std::max<size_t>(n, 1)), "cudaMalloc"); }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+// A tensor in device memory; `offset` bytes before its data are allocated
+// too, to test pointers that are not 16-byte aligned.
+struct Tensor {
+  std::vector<int64_t> shape;
+  DLDataType dtype{};
+  size_t offset = 0;
+  std::unique_ptr<DeviceBuffer> buffer;
+
+  Tensor(std::vector<int64_t> s, DLDataType t, size_t off = 0) : shape(std::move(s)), dtype(t), offset(off) {
+    buffer = std::make_unique<DeviceBuffer>(offset + bytes());
+  }
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return n;
+  }
+  size_t bytes() const { return static_cast<size_t>(numel()) * dtype.bits / 8; }
+  void* data() const { return static_cast<char*>(buffer->ptr) + offset; }
+  DLTensor dl() const {
+    DLTensor t{};
+    t.data = buffer->ptr;
+    t.byte_offset = offset;
+    t.device = {kDLCUDA, 0};
+    t.ndim = static_cast<int32_t>(shape.size());
+    t.dtype = dtype;
+    t.shape = const_cast<int64_t*>(shape.data());
+    t.strides = nullptr;
+    return t;
+  }
+  void upload(const void* src) const { cuda_ok(cudaMemcpy(data(), src, bytes(), cudaMemcpyHostToDevice), "upload"); }
+  void download(void* dst) const { cuda_ok(cudaMemcpy(dst, data(), bytes(), cudaMemcpyDeviceToHost), "download"); }
+  // All bits set: NaN in every float type, -1 in int32.
+  void poison() const { cuda_ok(cudaMemset(data(), 0xff, bytes()), "poison"); }
+};
+
+Tensor float_tensor(DType t, std::vector<int64_t> shape, const std::vector<double>& values, size_t offset = 0) {
+  Tensor out(std::move(shape), dl_dtype(t), offset);
+  std::vector<uint8_t> bytes;
+  encode(t, values, &bytes);
+  out.upload(bytes.data());
+  return out;
+}
+
+std::vector<double> read_floats(DType t, const Tensor& tensor) {
+  std::vector<uint8_t> bytes(tensor.bytes());
+  tensor.download(bytes.data());
+  return decode(t, bytes);
+}
+
+// --- the plugin -----------------------------------------------------------------
+
+struct Plugin {
+  const kd_plugin_api* api = nullptr;
+  std::string backend;
+
+  explicit Plugin(const char* path) {
+    void* handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (handle == nullptr) die(std::string("dlopen: ") + dlerror());
+    auto entry = reinterpret_cast<kd_plugin_entry_fn>(dlsym(handle, KDISPATCH_PLUGIN_ENTRY_SYMBOL));
+    if (entry == nullptr) die("no kdispatch_plugin_api in " + std::string(path));
+    api = entry();
+    if (api == nullptr || api->abi_major != KDISPATCH_ABI_MAJOR) die("plugin ABI mismatch");
+    backend = api->backend;
+  }
+
+  kd_kernel_fn kernel(const char* op) const {
+    const std::string symbol = "kd_" + backend + "_" + op;
+    kd_kernel_fn fn = api->find_kernel(symbol.c_str());
+    if (fn == nullptr) die("plugin has no kernel " + symbol);
+    return fn;
+  }
+};
+
+// One prepared call: tensors and attributes kept alive with it.
+struct Call {
+  kd_kernel_fn fn = nullptr;
+  std::vector<DLTensor> tensors;
+  std::vector<kd_attr> attrs;
+  char error[512] = "";
+
+  kd_status run(cudaStream_t stream) {
+    kd_call_args args{};
+    args.struct_size = sizeof args;
+    args.tensors = tensors.data();
+    args.num_tensors = static_cast<int32_t>(tensors.size());
+    args.attrs = attrs.data();
+    args.num_attrs = static_cast<int32_t>(attrs.size());
+    args.stream = stream;
+    args.error = error;
+    args.error_capacity = sizeof error;
+    return fn(&args);
+  }
+};
+
+kd_attr float_attr(const char* name, double v) {
+  kd_attr a{};
+  a.name = name;
+  a.type = KD_ATTR_TYPE_FLOAT;
+  a.value.f = v;
+  return a;
+}
+
+kd_attr bool_attr(const char* name, bool v) {
+  kd_attr a{};
+  a.name = name;
+  a.type = KD_ATTR_TYPE_BOOL;
+  a.value.b = v ? 1 : 0;
+  return a;
+}
+
+// --- references (float64, the formulas of manifests/ops) --------------------------
+
+double silu(double a) { return a / (1 + std::exp(-a)); }
+double gelu(double a) { return 0.5 * a * (1 + std::erf(a / std::sqrt(2.0))); }
+double gelu_tanh(double a) {
+  return 0.5 * a * (1 + std::tanh(std::sqrt(2 / M_PI) * (a + 0.044715 * a * a * a)));
+}
+
+struct ActOp {
+  const char* name;
+  double (*act)(double);
+};
+const ActOp kActOps[] = {{"silu_and_mul", silu}, {"gelu_and_mul", gelu}, {"gelu_tanh_and_mul", gelu_tanh}};
+
+// --- checking ---------------------------------------------------------------------
+
+struct Comparison {
+  double max_abs = 0;
+  int64_t bad = 0;
+  int64_t first_bad = -1;
+  double first_got = 0, first_ref = 0;
+
+  void add(int64_t i, double got, double ref, Tolerance tol) {
+    const double err = std::fabs(got - ref);
+    if (!(err <= tol.atol + tol.rtol * std::fabs(ref))) {  // NaN fails too
+      if (bad++ == 0) {
+        first_bad = i;
+        first_got = got;
+        first_ref = ref;
+      }
+    }
+    if (err > max_abs || std::isnan(err)) max_abs = std::isnan(err) ? INFINITY : err;
+  }
+};
+
+struct Checker {
+  int passed = 0;
+  int failed = 0;
+
+  void status(const std::string& name, kd_status s, const Call& call) {
+    ++failed;
+    std::printf("FAIL %-58s status %d: %s\n", name.c_str(), static_cast<int>(s), call.error);
+  }
+  void result(const std::string& name, const Comparison& c) {
+    if (c.bad == 0) {
+      ++passed;
+      std::printf("ok   %-58s max abs err %.3g\n", name.c_str(), c.max_abs);
+    } else {
+      ++failed;
+      std::printf("FAIL %-58s %lld bad values; first at %lld: got %.9g want %.9g\n", name.c_str(),
+                  static_cast<long long>(c.bad), static_cast<long long>(c.first_bad), c.first_got,
+                  c.first_ref);
+    }
+  }
+  void expect(const std::string& name, bool ok, const std::string& detail) {
+    if (ok) {
+      ++passed;
+      std::printf("ok   %-58s %s\n", name.c_str(), detail.c_str());
+    } else {
+      ++failed;
+      std::printf("FAIL %-58s %s\n", name.c_str(), detail.c_str());
+    }
+  }
+};
+
+std::vector<double> random_values(std::mt19937_64& rng, DType t, int64_t n, double mean = 0, double stddev = 1) {
+  std::normal_distribution<double> dist(mean, stddev);
+  std::vector<double> v(static_cast<size_t>(n));
+  for (double& x : v) x = round_to(t, dist(rng));
+  return v;
+}
+
+std::string label(const char* op, DType t, const std::string& shape, size_t offset) {
+  std::string s = std::string(op) + " " + dtype_name(t) + " " + shape;
+  if (offset != 0) s += " (unaligned)";
+  return s;
+}
+
+void check_norm(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, bool fused, DType t,
+                int64_t rows, int64_t hidden, size_t offset) {
+  const char* op = fused ? "fused_add_rmsnorm" : "rmsnorm";
+  const double eps = 1e-6;
+  const std::vector<double> x = random_values(rng, t, rows * hidden);
+  const std::vector<double> r = random_values(rng, t, rows * hidden);
+  const std::vector<double> w = random_values(rng, t, hidden, 1.0, 0.25);
+  const Tensor tx = float_tensor(t, {rows, hidden}, x, offset);
+  const Tensor tr = float_tensor(t, {rows, hidden}, r, offset);
+  const Tensor tw = float_tensor(t, {hidden}, w, offset);
+  Tensor tout({rows, hidden}, dl_dtype(t), offset);
+  tout.poison();
+  Call call;
+  call.fn = plugin.kernel(op);
+  call.tensors = fused ? std::vector<DLTensor>{tx.dl(), tr.dl(), tw.dl()}
+                       : std::vector<DLTensor>{tout.dl(), tx.dl(), tw.dl()};
+  call.attrs = {float_attr("eps", eps)};
+  const std::string name = label(op, t, std::to_string(rows) + "x" + std::to_string(hidden), offset);
+  if (kd_status s = call.run(nullptr); s != KD_STATUS_OK) return checker.status(name, s, call);
+  cuda_ok(cudaDeviceSynchronize(), op);
+  const std::vector<double> got = read_floats(t, fused ? tx : tout);
+  const std::vector<double> got_res = fused ? read_floats(t, tr) : std::vector<double>{};
+  Comparison c;
+  Comparison c_res;
+  const Tolerance tol = tolerance(t);
+  for (int64_t row = 0; row < rows; ++row) {
+    std::vector<double> v(static_cast<size_t>(hidden));
+    double sum_sq = 0;
+    for (int64_t i = 0; i < hidden; ++i) {
+      const int64_t at = row * hidden + i;
+      v[i] = fused ? round_to(t, x[at] + r[at]) : x[at];
+      if (fused) c_res.add(at, got_res[at], v[i], {tolerance(t).rtol, 0});  // one rounding
+      sum_sq += v[i] * v[i];
+    }
+    const double inv_rms = 1 / std::sqrt(sum_sq / static_cast<double>(hidden) + eps);
+    for (int64_t i = 0; i < hidden; ++i) c.add(row * hidden + i, got[row * hidden + i], v[i] * inv_rms * w[i], tol);
+  }
+  checker.result(name, c);
+  if (fused) checker.result(name + " residual", c_res);
+}
+
+void check_act(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, const ActOp& op, DType t,
+               int64_t rows, int64_t d, size_t offset) {
+  const std::vector<double> x = random_values(rng, t, rows * 2 * d, 0, 2);
+  const Tensor tx = float_tensor(t, {rows, 2 * d}, x, offset);
+  Tensor tout({rows, d}, dl_dtype(t), offset);
+  tout.poison();
+  Call call;
+  call.fn = plugin.kernel(op.name);
+  call.tensors = {tout.dl(), tx.dl()};
+  const std::string name = label(op.name, t, std::to_string(rows) + "x" + std::to_string(d), offset);
+  if (kd_status s = call.run(nullptr); s != KD_STATUS_OK) return checker.status(name, s, call);
+  cuda_ok(cudaDeviceSynchronize(), op.name);
+  const std::vector<double> got = read_floats(t, tout);
+  Comparison c;
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t i = 0; i < d; ++i) {
+      const double a = x[row * 2 * d + i];
+      const double b = x[row * 2 * d + d + i];
+      c.add(row * d + i, got[row * d + i], op.act(a) * b, tolerance(t));
+    }
+  }
+  checker.result(name, c);
+}
+
+void check_rotary(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, DType t, int64_t tokens,
+                  int64_t q_heads, int64_t k_heads, int64_t dim, bool neox, size_t offset) {
+  const int64_t rot = dim / 2;
+  const int64_t max_pos = 100;
+  std::uniform_int_distribution<int64_t> pick(0, max_pos - 1);
+  std::vector<int64_t> pos(static_cast<size_t>(tokens));
+  for (int64_t& p : pos) p = pick(rng);
+  if (tokens > 2) {
+    pos[1] = -1;       // out of range: the token must stay unchanged
+    pos[2] = max_pos;
+  }
+  const std::vector<double> q = random_values(rng, t, tokens * q_heads * dim);
+  const std::vector<double> k = random_values(rng, t, tokens * k_heads * dim);
+  std::vector<double> cache(static_cast<size_t>(max_pos * dim));
+  for (int64_t p = 0; p < max_pos; ++p) {
+    for (int64_t i = 0; i < rot; ++i) {
+      const double angle = static_cast<double>(p) * std::pow(10000.0, -2.0 * static_cast<double>(i) / static_cast<double>(dim));
+      cache[p * dim + i] = round_to(t, std::cos(angle));
+      cache[p * dim + rot + i] = round_to(t, std::sin(angle));
+    }
+  }
+  Tensor tpos({tokens}, {kDLInt, 64, 1}, offset ? 8 : 0);
+  tpos.upload(pos.data());
+  const Tensor tq = float_tensor(t, {tokens, q_heads, dim}, q, offset);
+  const Tensor tk = float_tensor(t, {tokens, k_heads, dim}, k, offset);
+  const Tensor tc = float_tensor(t, {max_pos, dim}, cache, offset);
+  Call call;
+  call.fn = plugin.kernel("rotary_embedding");
+  call.tensors = {tpos.dl(), tq.dl(), tk.dl(), tc.dl()};
+  call.attrs = {bool_attr("is_neox", neox)};
+  const std::string name = label("rotary_embedding", t,
+                                 std::string(neox ? "neox " : "gptj ") + std::to_string(tokens) + "x" +
+                                     std::to_string(q_heads) + "x" + std::to_string(k_heads) + "x" +
+                                     std::to_string(dim),
+                                 offset);
+  if (kd_status s = call.run(nullptr); s != KD_STATUS_OK) return checker.status(name, s, call);
+  cuda_ok(cudaDeviceSynchronize(), "rotary_embedding");
+  Comparison c;
+  auto verify = [&](const std::vector<double>& in, const Tensor& tensor, int64_t heads) {
+    const std::vector<double> got = read_floats(t, tensor);
+    for (int64_t tok = 0; tok < tokens; ++tok) {
+      const int64_t p = pos[tok];
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t base = (tok * heads + h) * dim;
+        for (int64_t i = 0; i < rot; ++i) {
+          const int64_t ia = base + (neox ? i : 2 * i);
+          const int64_t ib = base + (neox ? i + rot : 2 * i + 1);
+          if (p < 0 || p >= max_pos) {
+            c.add(ia, got[ia], in[ia], {0, 0});
+            c.add(ib, got[ib], in[ib], {0, 0});
+            continue;
+          }
+          const double cs = cache[p * dim + i];
+          const double sn = cache[p * dim + rot + i];
+          c.add(ia, got[ia], in[ia] * cs - in[ib] * sn, tolerance(t));
+          c.add(ib, got[ib], in[ib] * cs + in[ia] * sn, tolerance(t));
+        }
+      }
+    }
+  };
+  verify(q, tq, q_heads);
+  verify(k, tk, k_heads);
+  checker.result(name, c);
+}
+
+void check_topk(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, DType t, int64_t rows,
+                int64_t experts, int64_t k, bool renormalize, size_t offset) {
+  const std::vector<double> g = random_values(rng, t, rows * experts, 0, 2);
+  const Tensor tg = float_tensor(t, {rows, experts}, g, offset);
+  Tensor tw({rows, k}, {kDLFloat, 32, 1});
+  Tensor tid({rows, k}, {kDLInt, 32, 1});
+  tw.poison();
+  tid.poison();
+  Call call;
+  call.fn = plugin.kernel("topk_softmax");
+  call.tensors = {tw.dl(), tid.dl(), tg.dl()};
+  call.attrs = {bool_attr("renormalize", renormalize)};
+  const std::string name = label("topk_softmax", t,
+                                 std::to_string(rows) + "x" + std::to_string(experts) + " k" + std::to_string(k) +
+                                     (renormalize ? " renorm" : ""),
+                                 offset);
+  if (kd_status s = call.run(nullptr); s != KD_STATUS_OK) return checker.status(name, s, call);
+  cuda_ok(cudaDeviceSynchronize(), "topk_softmax");
+  std::vector<float> w(static_cast<size_t>(rows * k));
+  std::vector<int32_t> ids(static_cast<size_t>(rows * k));
+  tw.download(w.data());
+  tid.download(ids.data());
+  Comparison c;
+  int64_t bad_ids = 0;
+  const Tolerance tol{1e-4, 1e-7};
+  for (int64_t row = 0; row < rows; ++row) {
+    std::vector<double> p(static_cast<size_t>(experts));
+    double m = -INFINITY;
+    for (int64_t e = 0; e < experts; ++e) m = std::max(m, g[row * experts + e]);
+    double sum = 0;
+    for (int64_t e = 0; e < experts; ++e) sum += p[e] = std::exp(g[row * experts + e] - m);
+    for (double& v : p) v /= sum;
+    std::vector<int64_t> order(static_cast<size_t>(experts));
+    for (int64_t e = 0; e < experts; ++e) order[e] = e;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return p[a] > p[b]; });
+    double selected = 0;
+    for (int64_t r = 0; r < k; ++r) selected += p[order[r]];
+    std::vector<bool> seen(static_cast<size_t>(experts), false);
+    for (int64_t r = 0; r < k; ++r) {
+      const int32_t id = ids[row * k + r];
+      const double want = p[order[r]];
+      // An id is right when it is unused, in range and its probability is the
+      // r-th largest (equal up to rounding: near-ties may swap).
+      if (id < 0 || id >= experts || seen[id] || std::fabs(p[id] - want) > 1e-5 * want + 1e-9) {
+        ++bad_ids;
+        continue;
+      }
+      seen[id] = true;
+      c.add(row * k + r, w[row * k + r], renormalize ? want / selected : want, tol);
+    }
+  }
+  checker.result(name, c);
+  if (bad_ids != 0) checker.expect(name + " ids", false, std::to_string(bad_ids) + " wrong expert ids");
+  // K > E is refused before any launch.
+  Tensor tw_big({rows, experts + 1}, {kDLFloat, 32, 1});
+  Tensor tid_big({rows, experts + 1}, {kDLInt, 32, 1});
+  Call bad;
+  bad.fn = call.fn;
+  bad.tensors = {tw_big.dl(), tid_big.dl(), tg.dl()};
+  bad.attrs = call.attrs;
+  if (offset == 0 && k == 1) {
+    const kd_status s = bad.run(nullptr);
+    checker.expect(label("topk_softmax", t, "k > E", 0), s == KD_STATUS_INVALID_ARGUMENT,
+                   std::string("status ") + std::to_string(static_cast<int>(s)) + ": " + bad.error);
+  }
+}
+
+int run_check(const Plugin& plugin) {
+  Checker checker;
+  std::mt19937_64 rng(20261129);
+  for (DType t : kAllDTypes) {
+    const size_t unaligned = dtype_size(t);
+    for (bool fused : {false, true}) {
+      for (int64_t hidden : {1, 7, 64, 1024, 4096, 4097, 8192, 16384, 20000}) {
+        for (int64_t rows : {1, 37}) check_norm(plugin, checker, rng, fused, t, rows, hidden, 0);
+      }
+      check_norm(plugin, checker, rng, fused, t, 5, 4096, unaligned);
+    }
+    for (const ActOp& op : kActOps) {
+      for (int64_t d : {1, 7, 8, 128, 4097, 8192}) {
+        for (int64_t rows : {1, 37}) check_act(plugin, checker, rng, op, t, rows, d, 0);
+      }
+      check_act(plugin, checker, rng, op, t, 5, 4096, unaligned);
+    }
+    for (bool neox : {true, false}) {
+      for (int64_t dim : {2, 6, 36, 64, 80, 128, 256}) {
+        check_rotary(plugin, checker, rng, t, 1, 4, 2, dim, neox, 0);
+        check_rotary(plugin, checker, rng, t, 37, 3, 1, dim, neox, 0);
+      }
+      check_rotary(plugin, checker, rng, t, 7, 4, 2, 128, neox, unaligned);
+    }
+    for (int64_t experts : {1, 7, 8, 64, 256, 257, 512, 1000, 4097}) {
+      for (int64_t k : {1, 2, 8, 40}) {
+        if (k > experts) continue;
+        for (bool renorm : {false, true}) check_topk(plugin, checker, rng, t, 37, experts, k, renorm, 0);
+      }
+    }
+    check_topk(plugin, checker, rng, t, 5, 256, 8, true, unaligned);
+  }
+  std::printf("\ncheck: %d passed, %d failed\n", checker.passed, checker.failed);
+  return checker.failed == 0 ? 0 : 1;
+}
+
+// --- benchmark ---------------------------------------------------------------------
+
+constexpr double kL2Bytes = 60e6;  // H200
+
+// Fills a device buffer with random values of type t: a random block made on
+// the host, repeated (benchmarks never time zeros).
+void fill_random(void* dst, size_t count, DType t, std::mt19937_64& rng, double mean = 0, double stddev = 1) {
+  const size_t block = std::min<size_t>(count, size_t{1} << 22);
+  std::normal_distribution<double> dist(mean, stddev);
+  std::vector<double> values(block);
+  for (double& v : values) v = dist(rng);
+  std::vector<uint8_t> bytes;
+  encode(t, values, &bytes);
+  const size_t esize = dtype_size(t);
+  for (size_t at = 0; at < count; at += block) {
+    const size_t n = std::min(block, count - at);
+    cuda_ok(cudaMemcpy(static_cast<char*>(dst) + at * esize, bytes.data(), n * esize, cudaMemcpyHostToDevice), "fill");
+  }
+}
+
+struct BenchCase {
+  std::string op;
+  DType dtype;
+  std::string shape;
+  double bytes = 0;                            // read + written per call
+  std::function<std::vector<Tensor>(std::mt19937_64&)> make;  // one input set
+  std::vector<kd_attr> attrs;
+};
+
+double median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Median time of one call in microseconds, rotating among input sets.
+double time_calls(std::vector<Call>& calls, cudaStream_t stream, int iterations) {
+  cudaEvent_t start, stop;
+  cuda_ok(cudaEventCreate(&start), "event");
+  cuda_ok(cudaEventCreate(&stop), "event");
+  for (int i = 0; i < 5; ++i) {
+    Call& c = calls[i % calls.size()];
+    if (kd_status s = c.run(stream); s != KD_STATUS_OK) die(std::string("kernel failed: ") + c.error);
+  }
+  cuda_ok(cudaStreamSynchronize(stream), "warm-up");
+  std::vector<float> times;
+  for (int i = 0; i < iterations; ++i) {
+    Call& c = calls[i % calls.size()];
+    cuda_ok(cudaEventRecord(start, stream), "record");
+    c.run(stream);
+    cuda_ok(cudaEventRecord(stop, stream), "record");
+    cuda_ok(cudaEventSynchronize(stop), "sync");
+    float ms = 0;
+    cuda_ok(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+    times.push_back(ms * 1000.f);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return median(times);
+}
+
+// Device-to-device copy bandwidth, counting bytes read plus bytes written.
+double copy_bandwidth(cudaStream_t stream) {
+  const size_t bytes = size_t{1} << 30;
+  DeviceBuffer a(bytes), b(bytes);
+  cuda_ok(cudaMemset(a.ptr, 1, bytes), "memset");
+  cudaEvent_t start, stop;
+  cuda_ok(cudaEventCreate(&start), "event");
+  cuda_ok(cudaEventCreate(&stop), "event");
+  std::vector<float> times;
+  for (int i = 0; i < 23; ++i) {
+    cuda_ok(cudaEventRecord(start, stream), "record");
+    cuda_ok(cudaMemcpyAsync(b.ptr, a.ptr, bytes, cudaMemcpyDeviceToDevice, stream), "copy");
+    cuda_ok(cudaEventRecord(stop, stream), "record");
+    cuda_ok(cudaEventSynchronize(stop), "sync");
+    float ms = 0;
+    cuda_ok(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+    if (i >= 3) times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return 2.0 * static_cast<double>(bytes) / (median(times) * 1e-3) / 1e9;
+}
+
+std::vector<BenchCase> bench_cases() {
+  std::vector<BenchCase> cases;
+  auto norm = [&](bool fused, DType t, int64_t rows, int64_t hidden) {
+    BenchCase c;
+    c.op = fused ? "fused_add_rmsnorm" : "rmsnorm";
+    c.dtype = t;
+    c.shape = std::to_string(rows) + "x" + std::to_string(hidden);
+    c.bytes = static_cast<double>(dtype_size(t)) * (static_cast<double>(rows * hidden) * (fused ? 4 : 2) + hidden);
+    c.attrs = {float_attr("eps", 1e-6)};
+    c.make = [=](std::mt19937_64& rng) {
+      std::vector<Tensor> ts;
+      ts.emplace_back(std::vector<int64_t>{rows, hidden}, dl_dtype(t));  // out | x
+      ts.emplace_back(std::vector<int64_t>{rows, hidden}, dl_dtype(t));  // x | residual
+      ts.emplace_back(std::vector<int64_t>{hidden}, dl_dtype(t));
+      fill_random(ts[0].data(), rows * hidden, t, rng);
+      fill_random(ts[1].data(), rows * hidden, t, rng);
+      fill_random(ts[2].data(), hidden, t, rng, 1.0, 0.25);
+      return ts;
+    };
+    cases.push_back(c);
+  };
+  auto act = [&](const char* op, DType t, int64_t rows, int64_t d) {
+    BenchCase c;
+    c.op = op;
+    c.dtype = t;
+    c.shape = std::to_string(rows) + "x" + std::to_string(d);
+    c.bytes = static_cast<double>(dtype_size(t)) * static_cast<double>(rows * d) * 3;
+    c.make = [=](std::mt19937_64& rng) {
+      std::vector<Tensor> ts;
+      ts.emplace_back(std::vector<int64_t>{rows, d}, dl_dtype(t));
+      ts.emplace_back(std::vector<int64_t>{rows, 2 * d}, dl_dtype(t));
+      fill_random(ts[0].data(), rows * d, t, rng);
+      fill_random(ts[1].data(), rows * 2 * d, t, rng);
+      return ts;
+    };
+    cases.push_back(c);
+  };
+  auto rotary = [&](DType t, bool neox, int64_t tokens, int64_t hq, int64_t hk, int64_t dim) {
+    const int64_t max_pos = 8192;
+    BenchCase c;
+    c.op = "rotary_embedding";
+    c.dtype = t;
+    c.shape = std::string(neox ? "neox " : "gptj ") + std::to_string(tokens) + "x" + std::to_string(hq) + "x" +
+              std::to_string(hk) + "x" + std::to_string(dim);
+    c.bytes = static_cast<double>(dtype_size(t)) * static_cast<double>(tokens * (hq + hk) * dim * 2 + tokens * dim) +
+              8.0 * static_cast<double>(tokens);
+    c.attrs = {bool_attr("is_neox", neox)};
+    c.make = [=](std::mt19937_64& rng) {
+      std::vector<Tensor> ts;
+      ts.emplace_back(std::vector<int64_t>{tokens}, DLDataType{kDLInt, 64, 1});
+      ts.emplace_back(std::vector<int64_t>{tokens, hq, dim}, dl_dtype(t));
+      ts.emplace_back(std::vector<int64_t>{tokens, hk, dim}, dl_dtype(t));
+      ts.emplace_back(std::vector<int64_t>{max_pos, dim}, dl_dtype(t));
+      std::uniform_int_distribution<int64_t> pick(0, max_pos - 1);
+      std::vector<int64_t> pos(static_cast<size_t>(tokens));
+      for (int64_t& p : pos) p = pick(rng);
+      ts[0].upload(pos.data());
+      fill_random(ts[1].data(), tokens * hq * dim, t, rng);
+      fill_random(ts[2].data(), tokens * hk * dim, t, rng);
+      fill_random(ts[3].data(), max_pos * dim, t, rng, 0, 0.7);
+      return ts;
+    };
+    cases.push_back(c);
+  };
+  auto topk = [&](DType t, int64_t rows, int64_t experts, int64_t k) {
+    BenchCase c;
+    c.op = "topk_softmax";
+    c.dtype = t;
+    c.shape = std::to_string(rows) + "x" + std::to_string(experts) + " k" + std::to_string(k);
+    c.bytes = static_cast<double>(dtype_size(t) * rows * experts + rows * k * 8);
+    c.attrs = {bool_attr("renormalize", true)};
+    c.make = [=](std::mt19937_64& rng) {
+      std::vector<Tensor> ts;
+      ts.emplace_back(std::vector<int64_t>{rows, k}, DLDataType{kDLFloat, 32, 1});
+      ts.emplace_back(std::vector<int64_t>{rows, k}, DLDataType{kDLInt, 32, 1});
+      ts.emplace_back(std::vector<int64_t>{rows, experts}, dl_dtype(t));
+      fill_random(ts[2].data(), rows * experts, t, rng, 0, 2);
+      return ts;
+    };
+    cases.push_back(c);
+  };
+  for (DType t : kAllDTypes) norm(false, t, 32768, 8192);
+  norm(false, DType::kBFloat16, 1, 4096);
+  norm(true, DType::kBFloat16, 32768, 8192);
+  norm(true, DType::kBFloat16, 1, 4096);
+  for (const ActOp& op : kActOps) {
+    act(op.name, DType::kBFloat16, 32768, 8192);
+    act(op.name, DType::kBFloat16, 1, 4096);
+  }
+  rotary(DType::kBFloat16, true, 32768, 32, 8, 128);
+  rotary(DType::kBFloat16, false, 32768, 32, 8, 128);
+  rotary(DType::kBFloat16, true, 1, 32, 8, 128);
+  topk(DType::kBFloat16, 32768, 256, 8);
+  topk(DType::kFloat32, 32768, 256, 8);
+  topk(DType::kBFloat16, 1, 256, 8);
+  return cases;
+}
+
+int run_bench(const Plugin& plugin, const char* csv_path) {
+  cudaStream_t stream;
+  cuda_ok(cudaStreamCreate(&stream), "stream");
+  cudaDeviceProp prop;
+  cuda_ok(cudaGetDeviceProperties(&prop, 0), "properties");
+  const double copy_gbps = copy_bandwidth(stream);
+  std::printf("device: %s (%d SMs), device-to-device copy: %.0f GB/s (read + write)\n\n", prop.name,
+              prop.multiProcessorCount, copy_gbps);
+  FILE* csv = csv_path ? std::fopen(csv_path, "w") : nullptr;
+  if (csv_path && !csv) die(std::string("cannot write ") + csv_path);
+  if (csv) std::fprintf(csv, "op,dtype,shape,us,gbps,copy_gbps\n");
+  std::printf("%-20s %-9s %-26s %10s %9s %7s\n", "op", "dtype", "shape", "us", "GB/s", "%copy");
+  std::mt19937_64 rng(7);
+  for (const BenchCase& bc : bench_cases()) {
+    // Enough input sets that the working set exceeds 3x L2, so that timed
+    // calls read from HBM as they would in a model.
+    const int sets = static_cast<int>(std::clamp(std::ceil(3 * kL2Bytes / bc.bytes), 1.0, 64.0));
+    std::vector<std::vector<Tensor>> inputs;
+    std::vector<Call> calls;
+    for (int s = 0; s < sets; ++s) inputs.push_back(bc.make(rng));
+    for (const std::vector<Tensor>& ts : inputs) {
+      Call c;
+      c.fn = plugin.kernel(bc.op.c_str());
+      for (const Tensor& t : ts) c.tensors.push_back(t.dl());
+      c.attrs = bc.attrs;
+      calls.push_back(std::move(c));
+    }
+    const int iterations = bc.bytes > 1e8 ? 50 : 400;
+    const double us = time_calls(calls, stream, iterations);
+    const double gbps = bc.bytes / (us * 1e-6) / 1e9;
+    std::printf("%-20s %-9s %-26s %10.2f %9.0f %6.1f%%\n", bc.op.c_str(), dtype_name(bc.dtype), bc.shape.c_str(), us,
+                gbps, 100 * gbps / copy_gbps);
+    if (csv) {
+      std::fprintf(csv, "%s,%s,%s,%.3f,%.1f,%.1f\n", bc.op.c_str(), dtype_name(bc.dtype), bc.shape.c_str(), us, gbps,
+                   copy_gbps);
+    }
+    inputs.clear();
+  }
+  if (csv) std::fclose(csv);
+  cudaStreamDestroy(stream);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: %s check|bench PLUGIN.so [--csv FILE]\n", argv[0]);
+    return 2;
+  }
+  const std::string mode = argv[1];
+  const char* csv = nullptr;
+  for (int i = 3; i + 1 < argc; ++i) {
+    if (std::strcmp(argv[i], "--csv") == 0) csv = argv[i + 1];
+  }
+  const Plugin plugin(argv[2]);
+  kd_device_info devices[8];
+  for (kd_device_info& d : devices) {
+    std::memset(&d, 0, sizeof d);
+    d.struct_size = sizeof d;
+  }
+  size_t count = 0;
+  char error[256] = "";
+  const kd_status s = plugin.api->probe(devices, 8, &count, error, sizeof error);
+  std::printf("plugin %s %s: probe status %d, %zu device(s)", plugin.api->plugin_name, plugin.api->plugin_version,
+              static_cast<int>(s), count);
+  for (size_t i = 0; i < count && i < 8; ++i) std::printf("; %s (arch %s)", devices[i].name, devices[i].arch);
+  std::printf("\n");
+  if (s != KD_STATUS_OK || count == 0) die("no device to run on");
+  if (mode == "check") return run_check(plugin);
+  if (mode == "bench") return run_bench(plugin, csv);
+  die("unknown mode " + mode);
+}
