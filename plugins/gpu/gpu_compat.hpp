@@ -30,6 +30,14 @@
 #define cudaSetDevice hipSetDevice
 #define cudaStream_t hipStream_t
 #define cudaSuccess hipSuccess
+#define cudaMalloc hipMalloc
+#define cudaFree hipFree
+#define cudaMemcpy hipMemcpy
+#define cudaMemcpyKind hipMemcpyKind
+#define cudaMemcpyHostToDevice hipMemcpyHostToDevice
+#define cudaMemcpyDeviceToHost hipMemcpyDeviceToHost
+#define cudaMemcpyDeviceToDevice hipMemcpyDeviceToDevice
+#define cudaDeviceSynchronize hipDeviceSynchronize
 #else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

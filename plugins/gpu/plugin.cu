@@ -101,7 +101,59 @@ kd_status probe(kd_device_info* devices, size_t capacity, size_t* count, char* e
   return KD_STATUS_OK;
 }
 
+// --- device memory, for hosts that place tensors without linking the runtime ---
+
+kd_status memory_error(cudaError_t err, const char* what, char* error, size_t error_capacity) {
+  (void)cudaGetLastError();
+  if (error != nullptr && error_capacity > 0) {
+    std::snprintf(error, error_capacity, KD_GPU_BACKEND ": %s: %s", what, cudaGetErrorString(err));
+  }
+  return KD_STATUS_DEVICE_ERROR;
+}
+
+kd_status memory_alloc(int32_t device_id, size_t bytes, void** ptr, char* error, size_t error_capacity) {
+  if (ptr == nullptr) return KD_STATUS_INVALID_ARGUMENT;
+  *ptr = nullptr;
+  cudaError_t err = cudaSetDevice(device_id);
+  if (err == cudaSuccess) err = cudaMalloc(ptr, bytes);
+  return err == cudaSuccess ? KD_STATUS_OK : memory_error(err, "allocation", error, error_capacity);
+}
+
+kd_status memory_free(int32_t device_id, void* ptr, char* error, size_t error_capacity) {
+  if (ptr == nullptr) return KD_STATUS_OK;
+  cudaError_t err = cudaSetDevice(device_id);
+  if (err == cudaSuccess) err = cudaFree(ptr);
+  return err == cudaSuccess ? KD_STATUS_OK : memory_error(err, "free", error, error_capacity);
+}
+
+kd_status memory_copy(int32_t device_id, void* dst, const void* src, size_t bytes, int32_t kind, char* error,
+                      size_t error_capacity) {
+  cudaMemcpyKind direction;
+  switch (kind) {
+    case KD_COPY_HOST_TO_DEVICE: direction = cudaMemcpyHostToDevice; break;
+    case KD_COPY_DEVICE_TO_HOST: direction = cudaMemcpyDeviceToHost; break;
+    case KD_COPY_DEVICE_TO_DEVICE: direction = cudaMemcpyDeviceToDevice; break;
+    default:
+      if (error != nullptr) std::snprintf(error, error_capacity, "copy: unknown kind %d", static_cast<int>(kind));
+      return KD_STATUS_INVALID_ARGUMENT;
+  }
+  cudaError_t err = cudaSetDevice(device_id);
+  if (err == cudaSuccess) err = cudaMemcpy(dst, src, bytes, direction);
+  return err == cudaSuccess ? KD_STATUS_OK : memory_error(err, "copy", error, error_capacity);
+}
+
+kd_status memory_synchronize(int32_t device_id, char* error, size_t error_capacity) {
+  cudaError_t err = cudaSetDevice(device_id);
+  if (err == cudaSuccess) err = cudaDeviceSynchronize();
+  return err == cudaSuccess ? KD_STATUS_OK : memory_error(err, "synchronize", error, error_capacity);
+}
+
+// Internal linkage: only the host-side entry point refers to it (a global
+// with external linkage would be emitted in HIP's device pass too).
+constexpr kd_memory_api kMemory = {KD_MEMORY_API_STRUCT_SIZE, memory_alloc, memory_free, memory_copy,
+                                   memory_synchronize};
+
 }  // namespace
 }  // namespace kd_gpu
 
-KD_DEFINE_PLUGIN(KD_GPU_BACKEND, "0.1.0", KD_GPU_BACKEND, kd_gpu::probe, kd_gpu::find_kernel)
+KD_DEFINE_PLUGIN(KD_GPU_BACKEND, "0.1.0", KD_GPU_BACKEND, kd_gpu::probe, kd_gpu::find_kernel, &kd_gpu::kMemory)

@@ -395,3 +395,53 @@ TEST_CASE("broken manifests beside a good one do not stop it from loading") {
   CHECK(json_of(sel)["backend"] == "cpu");
   fs::remove_all(dir);
 }
+
+#ifndef KDISPATCH_HAVE_CUDA_PLUGIN
+#define KDISPATCH_HAVE_CUDA_PLUGIN 0
+#endif
+#ifndef KDISPATCH_HAVE_HIP_PLUGIN
+#define KDISPATCH_HAVE_HIP_PLUGIN 0
+#endif
+
+// The GPU plugins are built here (nvcc, hipcc) but this machine has no GPU:
+// they load, probe zero devices, and their ops are registered but not usable
+// on cpu, with the reason.
+void check_gpu_plugin_without_device(const std::string& backend) {
+  const Json doctor = json_of(run_tool({"doctor", "--json"}));
+  bool seen = false;
+  for (const auto& p : doctor["plugins"]) {
+    if (p["name"] != backend) continue;
+    seen = true;
+    CHECK(p["loaded"] == true);
+    CHECK(p["status"] == "ok");
+    CHECK(p["devices"].empty());
+  }
+  CHECK(seen);
+  const Json list = json_of(run_tool({"list", "--json", "--device", "cpu"}));
+  int ops = 0;
+  for (const auto& op : list["ops"]) {
+    for (const auto& b : op["backends"]) {
+      if (b["backend"] != backend) continue;
+      ++ops;
+      CHECK(b["eligible"] == false);
+      CHECK(b["reason"] == "targets " + backend + ", not cpu");
+    }
+  }
+  CHECK(ops == 7);
+  // Only the GPU plugin on the path: KD-E003 naming the device mismatch.
+  const ToolResult r = run_tool({"select", "layernorm.rmsnorm", "--device", "cpu", "--plugin-path", kPluginDir},
+                                {{"KDISPATCH_PLUGINS_SELECT", backend}});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("error[KD-E003]: op 'layernorm.rmsnorm' has no backend usable on device 'cpu' (registered: [" +
+                   backend + "]): " + backend + ": targets " + backend + ", not cpu") == 0);
+}
+
+TEST_CASE("the cuda plugin here: loads, probes no device, registered but not usable on cpu" *
+          doctest::skip(!KDISPATCH_HAVE_CUDA_PLUGIN)) {
+  check_gpu_plugin_without_device("cuda");
+}
+
+TEST_CASE("the hip plugin here: loads, probes no device, registered but not usable on cpu" *
+          doctest::skip(!KDISPATCH_HAVE_HIP_PLUGIN)) {
+  check_gpu_plugin_without_device("hip");
+}
