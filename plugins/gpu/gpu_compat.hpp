@@ -64,9 +64,6 @@ inline constexpr int kWarpSize = 64;
 inline constexpr int kWarpSize = 32;
 #endif
 
-// Block sizes are multiples of this, so a block is whole warps on every target.
-inline constexpr int kMaxWarpSize = 64;
-
 __device__ __forceinline__ float shfl_xor(float v, int lane_mask) {
 #if defined(__HIP__)
   return __shfl_xor(v, lane_mask);
