@@ -6,7 +6,14 @@
 # dtype, the kdispatch benchmark and the PyTorch eager / torch.compile
 # benchmark, and prints one joined table last.
 #
-#   tools/gpu/check.sh
+#   tools/gpu/check.sh [build|test|bench|all]     (default: all)
+#
+# Stages, so that each fits one call of the device runner:
+#   build  configure + build the whole project (preset cuda, tests on)
+#   test   the conformance suite on the cuda backend, `kdispatch run --all`
+#          (cuda checked against cpu), ctest, the dispatch benchmark
+#   bench  the plugin check and benchmark with CUDA events, PyTorch eager
+#          and torch.compile, the joined table
 #
 # Full logs go to $OUT (default build/gpu-check). Environment:
 #   KD_CHECK_NO_TORCH=1        skip the PyTorch benchmark
@@ -14,6 +21,7 @@
 #   KD_CHECK_TORCH_TIMEOUT=s   limit of the PyTorch benchmark (default 300 s)
 # Exit status: 0 when the build and every correctness check passed.
 set -uo pipefail
+stage=${1:-all}
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root" || exit 2
@@ -39,6 +47,12 @@ export CUDACXX=${CUDACXX:-$nvcc}
 
 # --- dlpack/dlpack.h: the system's, or the copy a Python package ships --------------
 dlpack_dir=${KDISPATCH_DLPACK_INCLUDE_DIR:-}
+# Headers carried from a Debian machine (tools/gpu/prepare-carry.sh): dlpack,
+# libelf and libcrypto, whose -dev packages the GPU machine lacks.
+carry="$root/.gpu-carry/include"
+if [[ -z "$dlpack_dir" && -f "$carry/dlpack/dlpack.h" ]]; then
+  dlpack_dir=$carry
+fi
 if [[ -z "$dlpack_dir" && -f /usr/include/dlpack/dlpack.h ]]; then
   dlpack_dir=/usr/include
 fi
@@ -67,40 +81,47 @@ EOF
 fi
 
 # --- build ------------------------------------------------------------------------
-started=$(date +%s)
 plugin="$root/build/cuda/lib/kdispatch/plugins/libkdispatch-cuda.so"
 bench="$root/build/cuda/bin/kdispatch-gpu-bench"
-if cmake --preset cuda -DKDISPATCH_DLPACK_INCLUDE_DIR="$dlpack_dir" -DKDISPATCH_BUILD_TESTS=OFF \
-      > "$OUT/build.log" 2>&1 &&
-   cmake --build --preset cuda -j "$jobs" >> "$OUT/build.log" 2>&1; then
-  note "build: project, preset cuda, $(( $(date +%s) - started )) s"
-else
-  note "build: the whole project did not build (first errors of build.log below); building the GPU plugins alone"
-  grep -m 3 -A 2 -E "CMake Error|error:|FAILED" "$OUT/build.log" | sed 's/^/  | /' | tee -a "$summary"
+bin="$root/build/cuda/bin"
+if [[ "$stage" == build || "$stage" == all ]]; then
   started=$(date +%s)
-  only="$root/build/gpu-plugin-only"
-  plugin="$only/lib/kdispatch/plugins/libkdispatch-cuda.so"
-  bench="$only/gpu_bench"
-  if cmake -S tools/gpu/plugin_only -B "$only" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-        -DKDISPATCH_WITH_CUDA=ON -DKDISPATCH_WITH_HIP=OFF \
-        -DKDISPATCH_DLPACK_INCLUDE_DIR="$dlpack_dir" > "$OUT/build-plugin-only.log" 2>&1 &&
-     cmake --build "$only" -j "$jobs" >> "$OUT/build-plugin-only.log" 2>&1; then
-    note "build: GPU plugins alone, $(( $(date +%s) - started )) s"
+  if cmake --preset cuda -DKDISPATCH_DLPACK_INCLUDE_DIR="$dlpack_dir" -DCMAKE_INCLUDE_PATH="$carry" \
+        > "$OUT/build.log" 2>&1 &&
+     cmake --build --preset cuda -j "$jobs" >> "$OUT/build.log" 2>&1; then
+    note "build: project, preset cuda, $(( $(date +%s) - started )) s"
   else
-    note "FAIL: the CUDA plugin did not build (build-plugin-only.log):"
-    tail -n 20 "$OUT/build-plugin-only.log" | tee -a "$summary"
+    note "FAIL: the project did not build (first errors of build.log below)"
+    grep -m 5 -A 3 -E "CMake Error|error:|FAILED" "$OUT/build.log" | sed 's/^/  | /' | tee -a "$summary"
     exit 1
   fi
 fi
-if [[ ! -x "$bench" ]]; then
-  bench="$root/build/gpu-check-bench/gpu_bench"
-  mkdir -p "$(dirname "$bench")"
-  g++ -std=c++20 -O2 -I core/include -I "$dlpack_dir" -I "$cuda_home/include" \
-      tools/bench/gpu_bench.cpp -o "$bench" \
-      -L "$cuda_home/lib64" -L "$cuda_home/targets/x86_64-linux/lib" \
-      -lcudart_static -ldl -lpthread -lrt >> "$OUT/build.log" 2>&1 ||
-    { note "FAIL: gpu_bench did not build (build.log)"; exit 1; }
+
+# --- tests on the GPU --------------------------------------------------------------
+if [[ "$stage" == test || "$stage" == all ]]; then
+  export KDISPATCH_PLUGIN_PATH="$root/build/cuda/lib/kdispatch/plugins"
+  "$bin/kdispatch" doctor > "$OUT/doctor.txt" 2>&1
+  note "doctor: $(grep -A1 'cuda \[' "$OUT/doctor.txt" | head -5 | tr -s ' ' | tr '\n' ' ')"
+  grep "device:" "$OUT/doctor.txt" | tee -a "$summary"
+  KDISPATCH_CONFORMANCE_BACKEND=cuda "$bin/kdispatch-conformance" > "$OUT/conformance-cuda.txt" 2>&1
+  rc=$?
+  note "conformance (cuda vs float64 reference): exit $rc"
+  grep -E "calls checked|test cases|assertions|ERROR" "$OUT/conformance-cuda.txt" | head -20 | tee -a "$summary"
+  [[ $rc == 0 ]] || status=1
+  "$bin/kdispatch" run --all --device cuda > "$OUT/run-all-cuda.txt" 2>&1
+  rc=$?
+  note "kdispatch run --all --device cuda (checked against the cpu backend): exit $rc"
+  cat "$OUT/run-all-cuda.txt" | tee -a "$summary"
+  [[ $rc == 0 ]] || status=1
+  (cd "$root/build/cuda" && ctest -j "$jobs" > "$OUT/ctest.txt" 2>&1)
+  note "ctest: $(grep -E 'tests passed|tests failed' "$OUT/ctest.txt")"
+  grep -E "Failed|Skipped|Not Run" "$OUT/ctest.txt" | head -20 | tee -a "$summary"
+  "$bin/kdispatch-bench-dispatch" --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
+      > "$OUT/bench-dispatch.txt" 2>&1
+  note "dispatch overhead (host time per call; BM_CudaLaunch*: a 1x128 bf16 rmsnorm launch):"
+  grep -E "_median" "$OUT/bench-dispatch.txt" | tee -a "$summary"
 fi
+[[ "$stage" == bench || "$stage" == all ]] || { echo; cat "$summary"; exit $status; }
 
 # --- the binary --------------------------------------------------------------------
 {
