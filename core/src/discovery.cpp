@@ -105,10 +105,14 @@ std::vector<fs::path> manifests_in(const fs::path& dir) {
 DiscoveryResult discover_plugins(const SearchPathOptions& options) {
   DiscoveryResult result;
   result.search_path = resolve_search_path(options);
-  NameFilter filter;
+  NameFilter filter{options.disable, options.select};
   if (options.use_environment) {
-    if (auto env = get_env("KDISPATCH_PLUGINS_DISABLE")) filter.disable = split_list(*env, ',');
-    if (auto env = get_env("KDISPATCH_PLUGINS_SELECT")) filter.select = split_list(*env, ',');
+    if (auto env = get_env("KDISPATCH_PLUGINS_DISABLE")) {
+      for (auto& g : split_list(*env, ',')) filter.disable.push_back(std::move(g));
+    }
+    if (auto env = get_env("KDISPATCH_PLUGINS_SELECT")) {
+      for (auto& g : split_list(*env, ',')) filter.select.push_back(std::move(g));
+    }
   }
   std::map<std::string, std::string> first_manifest;  // plugin name -> manifest path
 

@@ -54,7 +54,7 @@ uint64_t hash_bytes(uint64_t h, std::string_view s) {
     h ^= h >> 29;
   }
   uint64_t tail = 0;
-  std::memcpy(&tail, s.data() + i, s.size() - i);
+  for (size_t k = i; k < s.size(); ++k) tail = tail << 8 | static_cast<unsigned char>(s[k]);
   h = (h ^ tail ^ s.size()) * 0x9e3779b97f4a7c15ull;
   return h ^ (h >> 32);
 }
@@ -161,7 +161,9 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
   const CompiledSchema::CallInfo info = state_->compiled->check(tensors);
   const KernelHandle kernel = state_->dispatcher->resolve(*state_, info.device_type, info.device_id, info.dtype);
   std::array<kd_attr, kMaxSchemaAttrs> storage;
-  const std::span<const kd_attr> packed = pack_attrs(attrs, storage);
+  const std::span<const kd_attr> packed = attrs.empty() && state_->defaults_complete
+                                              ? std::span<const kd_attr>(state_->defaults)
+                                              : pack_attrs(attrs, storage);
   if (state_->dispatcher->trace_file_ == nullptr) [[likely]] {
     kernel(tensors, packed, stream);
     return;
@@ -205,7 +207,9 @@ OpState* Dispatcher::intern(std::string_view op, std::string_view backend) {
   for (size_t i = 0; i < kInternSlots; ++i) {
     OpState* s = intern_slots_[(hash + i) & (kInternSlots - 1)].load(std::memory_order_acquire);
     if (s == nullptr) break;
-    if (s->hash == hash && s->op == op && s->backend == backend) return s;
+    if (s->hash == hash && std::string_view(s->op) == op && std::string_view(s->backend) == backend) [[likely]] {
+      return s;
+    }
   }
   std::lock_guard lock(mutex_);
   // Another thread may have added it meanwhile.

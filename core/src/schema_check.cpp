@@ -75,6 +75,8 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
     for (Dtype d : allowed) var.codes.push_back(pack_dtype(to_dlpack(d)));
     vars_.push_back(std::move(var));
   }
+  bool seen_leading = false;
+  uint32_t bound_vars = 0;
   for (const TensorArg& arg : schema.tensors) {
     Tensor t;
     t.strided = arg.strided;
@@ -90,13 +92,26 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
       limit(t.num_dims + 1, kMaxSchemaDims, "dims in one shape pattern");
       t.dims[t.num_dims++] = d;
     };
+    const auto symbol_dim = [&](Dim::Kind kind, const std::string& name, int64_t factor) {
+      const size_t before = symbols_.size();
+      const uint8_t slot = symbol_slot(name);
+      push({kind, symbols_.size() > before, slot, factor});
+    };
     for (const ShapeToken& tok : arg.shape) {
       switch (tok.kind) {
-        case ShapeToken::Kind::leading: t.leading = true; break;
-        case ShapeToken::Kind::symbol: push({Dim::Kind::symbol, symbol_slot(tok.symbol), 0}); break;
-        case ShapeToken::Kind::constant: push({Dim::Kind::constant, 0, tok.value}); break;
-        case ShapeToken::Kind::multiple: push({Dim::Kind::multiple, symbol_slot(tok.symbol), tok.value}); break;
+        case ShapeToken::Kind::leading:
+          t.leading = true;
+          t.binds_leading = !seen_leading;
+          seen_leading = true;
+          break;
+        case ShapeToken::Kind::symbol: symbol_dim(Dim::Kind::symbol, tok.symbol, 1); break;
+        case ShapeToken::Kind::constant: push({Dim::Kind::constant, false, 0, tok.value}); break;
+        case ShapeToken::Kind::multiple: symbol_dim(Dim::Kind::multiple, tok.symbol, tok.value); break;
       }
+    }
+    if (t.dtype_var >= 0) {
+      t.binds_var = !(bound_vars & (1u << t.dtype_var));
+      bound_vars |= 1u << t.dtype_var;
     }
     tensors_.push_back(t);
   }
@@ -106,42 +121,37 @@ bool CompiledSchema::check_fast(std::span<const DLTensor> tensors, CallInfo* inf
   const size_t n = tensors_.size();
   if (tensors.size() != n || n == 0) return false;
   const DLDevice device = tensors[0].device;
-  std::array<int64_t, kMaxSchemaSymbols> bound;  // valid where symbol_bound has the bit
-  uint32_t symbol_bound = 0;
+  std::array<int64_t, kMaxSchemaSymbols> bound;
   std::array<uint32_t, kMaxSchemaDtypeVars> var_code;
-  uint32_t var_bound = 0;  // bit per dtype variable
   const int64_t* leading = nullptr;
-  int64_t leading_count = -1;
+  int64_t leading_count = 0;
 
   for (size_t i = 0; i < n; ++i) {
     const Tensor& spec = tensors_[i];
     const DLTensor& t = tensors[i];
     if (t.device.device_type != device.device_type || t.device.device_id != device.device_id) return false;
     const uint32_t code = pack_dtype(t.dtype);
-    if (spec.dtype_var >= 0) {
-      const auto v = static_cast<uint32_t>(spec.dtype_var);
-      if (var_bound & (1u << v)) {
-        if (code != var_code[v]) return false;
-      } else {
-        const auto& codes = vars_[v].codes;
-        if (std::find(codes.begin(), codes.end(), code) == codes.end()) return false;
-        var_code[v] = code;
-        var_bound |= 1u << v;
-      }
-    } else if (code != spec.dtype_code) {
-      return false;
+    if (spec.dtype_var < 0) {
+      if (code != spec.dtype_code) return false;
+    } else if (!spec.binds_var) {
+      if (code != var_code[static_cast<size_t>(spec.dtype_var)]) return false;
+    } else {
+      const auto& codes = vars_[static_cast<size_t>(spec.dtype_var)].codes;
+      if (std::find(codes.begin(), codes.end(), code) == codes.end()) return false;
+      var_code[static_cast<size_t>(spec.dtype_var)] = code;
     }
     const int64_t lead = t.ndim - static_cast<int64_t>(spec.num_dims);
-    if (lead < 0 || (!spec.leading && lead != 0) || (t.ndim > 0 && t.shape == nullptr)) return false;
-    if (spec.leading) {
-      if (leading == nullptr) {
-        leading = t.shape;
-        leading_count = lead;
-      } else {
-        if (lead != leading_count) return false;
-        for (int64_t k = 0; k < lead; ++k) {
-          if (t.shape[k] != leading[k]) return false;
-        }
+    if (lead < 0 || (lead != 0 && !spec.leading) || (t.shape == nullptr && t.ndim > 0)) return false;
+    if (spec.binds_leading) {
+      leading = t.shape;
+      leading_count = lead;
+      for (int64_t k = 0; k < lead; ++k) {
+        if (t.shape[k] < 0) return false;
+      }
+    } else if (spec.leading) {
+      if (lead != leading_count) return false;
+      for (int64_t k = 0; k < lead; ++k) {
+        if (t.shape[k] != leading[k]) return false;
       }
     }
     const int64_t* dims = t.shape + lead;
@@ -150,26 +160,16 @@ bool CompiledSchema::check_fast(std::span<const DLTensor> tensors, CallInfo* inf
       const int64_t size = dims[k];
       if (d.kind == Dim::Kind::constant) {
         if (size != d.value) return false;
-        continue;
-      }
-      const int64_t factor = d.kind == Dim::Kind::multiple ? d.value : 1;
-      const uint32_t bit = 1u << d.symbol;
-      if (symbol_bound & bit) {
-        if (size != factor * bound[d.symbol]) return false;
+      } else if (!d.binds) {
+        if (size != d.value * bound[d.symbol]) return false;
       } else {
-        if (size < 0 || size % factor != 0) return false;
-        bound[d.symbol] = size / factor;
-        symbol_bound |= bit;
+        if (size < 0 || size % d.value != 0) return false;
+        bound[d.symbol] = size / d.value;
       }
     }
-    // Null data is fine only for an empty tensor; counting elements is only
-    // needed then.
+    // Null data is fine only for an empty tensor: count elements only then.
     if (t.data == nullptr && numel(t) != 0) return false;
     if (t.strides != nullptr && !spec.strided && !is_contiguous(t)) return false;
-  }
-  // Leading dims are not matched against a symbol, so check their sign here.
-  for (int64_t k = 0; k < leading_count; ++k) {
-    if (leading[k] < 0) return false;
   }
   info->device_type = static_cast<int32_t>(device.device_type);
   info->device_id = device.device_id;

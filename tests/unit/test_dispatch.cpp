@@ -20,6 +20,7 @@ std::unique_ptr<Context> cpu_context() {
   ContextOptions options;
   options.search.replace = {KDISPATCH_PLUGIN_DIR};
   options.search.use_environment = false;
+  options.search.select = {"cpu"};  // a GPU backend, where present, must not serve these calls
   return std::make_unique<Context>(options);
 }
 

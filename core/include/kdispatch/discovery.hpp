@@ -23,6 +23,10 @@ struct SearchPathOptions {
   bool use_environment = true;
   // Include the default directories (beside the binary, install prefix).
   bool use_default_path = true;
+  // Plugin-name globs, as KDISPATCH_PLUGINS_DISABLE / _SELECT (which apply
+  // too when use_environment): disabled first, then only selected ones.
+  std::vector<std::string> disable;
+  std::vector<std::string> select;
 };
 
 struct SearchDir {

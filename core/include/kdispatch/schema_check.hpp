@@ -50,15 +50,21 @@ class CompiledSchema {
  private:
   struct Dim {
     enum class Kind : uint8_t { symbol, constant, multiple } kind;
+    // Whether this is the symbol's first appearance in call order (it binds
+    // the symbol) or a later one (it must match): known when compiling, so
+    // the per-call check needs no bookkeeping.
+    bool binds;
     uint8_t symbol;  // slot
-    int64_t value;   // constant size or factor
+    int64_t value;   // constant size or factor (1 for a plain symbol)
   };
   struct Tensor {
-    bool leading = false;  // starts with "*"
+    bool leading = false;        // starts with "*"
+    bool binds_leading = false;  // the first tensor with "*": later ones match it
     bool strided = false;
-    int dtype_var = -1;    // slot in var_allowed_, or -1 for a concrete dtype
+    bool binds_var = false;      // first tensor of its dtype variable
+    int dtype_var = -1;          // slot in vars_, or -1 for a concrete dtype
     Dtype dtype = Dtype::float32;
-    uint32_t dtype_code = 0;  // packed DLDataType of a concrete dtype
+    uint32_t dtype_code = 0;     // packed DLDataType of a concrete dtype
     uint32_t num_dims = 0;
     std::array<Dim, kMaxSchemaDims> dims{};  // after "*"
   };
