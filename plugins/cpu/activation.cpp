@@ -20,7 +20,7 @@ namespace {
 // silu(a) = a / (1 + exp(-a))
 struct Silu {
   static constexpr const char* kOp = "activation.silu_and_mul";
-  [[gnu::always_inline]] static float apply(float a) { return a / (1.0f + fast_exp(-a)); }
+  [[gnu::always_inline]] static float apply(float a) { return a / (1.0f + quick_exp(-a)); }
 };
 
 // gelu(a) = 0.5 a (1 + erf(a / sqrt(2))) = a * Phi(a)
@@ -37,7 +37,7 @@ struct GeluTanh {
   [[gnu::always_inline]] static float apply(float a) {
     constexpr float kTwoSqrt2OverPi = 1.5957691216057308f;  // 2 sqrt(2/pi)
     const float two_y = kTwoSqrt2OverPi * (a + 0.044715f * a * a * a);
-    return a / (1.0f + fast_exp(-two_y));
+    return a / (1.0f + quick_exp(-two_y));
   }
 };
 
