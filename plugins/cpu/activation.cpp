@@ -1,9 +1,11 @@
 // activation.silu_and_mul, activation.gelu_and_mul and
 // activation.gelu_tanh_and_mul: out[..., j] = act(x[..., j]) * x[..., D + j],
-// computed in float and rounded to T once (SGLang semantics).
+// computed in float and rounded to T once (SGLang semantics), a block of
+// widened elements at a time (see convert.hpp).
 
 #include <cstdint>
 
+#include "convert.hpp"
 #include "fast_math.hpp"
 #include "half_float.hpp"
 #include "kd_plugin.hpp"
@@ -18,7 +20,7 @@ namespace {
 // silu(a) = a / (1 + exp(-a))
 struct Silu {
   static constexpr const char* kOp = "activation.silu_and_mul";
-  [[gnu::always_inline]] static float apply(float a) { return a / (1.0f + fast_exp(-a)); }
+  [[gnu::always_inline]] static float apply(float a) { return a / (1.0f + quick_exp(-a)); }
 };
 
 // gelu(a) = 0.5 a (1 + erf(a / sqrt(2))) = a * Phi(a)
@@ -35,20 +37,33 @@ struct GeluTanh {
   [[gnu::always_inline]] static float apply(float a) {
     constexpr float kTwoSqrt2OverPi = 1.5957691216057308f;  // 2 sqrt(2/pi)
     const float two_y = kTwoSqrt2OverPi * (a + 0.044715f * a * a * a);
-    return a / (1.0f + fast_exp(-two_y));
+    return a / (1.0f + quick_exp(-two_y));
   }
 };
 
+// Elements per block: the widened inputs and the float results of one block
+// stay in L1.
+constexpr int64_t kBlock = 512;
+
 template <class Act, class T>
-KD_CPU_MULTIVERSION void gated_rows(T* out, const T* x, int64_t d, int64_t begin, int64_t end) {
+KD_CPU_MULTIVERSION void gated_rows(T* out, const T* x, int64_t d, Store store, int64_t begin,
+                                   int64_t end) {
+  float gate_block[kBlock];
+  float up_block[kBlock];
+  float result[kBlock];
   for (int64_t r = begin; r < end; ++r) {
     const T* gate = x + r * 2 * d;
     const T* up = gate + d;
     T* o = out + r * d;
-    for (int64_t j = 0; j < d; ++j) {
-      o[j] = from_float<T>(Act::apply(to_float(gate[j])) * to_float(up[j]));
+    for (int64_t j0 = 0; j0 < d; j0 += kBlock) {
+      const int64_t n = d - j0 < kBlock ? d - j0 : kBlock;
+      const float* g = as_float(gate + j0, gate_block, n);
+      const float* u = as_float(up + j0, up_block, n);
+      for (int64_t j = 0; j < n; ++j) result[j] = Act::apply(g[j]) * u[j];
+      narrow(result, o + j0, n, store);
     }
   }
+  if (store == Store::kStreaming) store_fence();
 }
 
 template <class Act>
@@ -72,8 +87,9 @@ kd_status gated_activation(const kd_call_args* args) noexcept {
       using T = typename decltype(tag)::type;
       T* o = data_as<T>(out);
       const T* xd = data_as<T>(x);
+      const Store store = store_for(rows * d * static_cast<int64_t>(sizeof(T)));
       parallel_for(rows, 3 * d, [&](int64_t begin, int64_t end) noexcept {
-        gated_rows<Act, T>(o, xd, d, begin, end);
+        gated_rows<Act, T>(o, xd, d, store, begin, end);
       });
       return KD_STATUS_OK;
     });

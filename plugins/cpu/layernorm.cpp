@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "convert.hpp"
 #include "half_float.hpp"
 #include "kd_plugin.hpp"
 #include "kernels.hpp"
@@ -50,36 +51,56 @@ template <class T>
   return 1.0f / std::sqrt(sum_sq / static_cast<float>(h) + eps);
 }
 
-// `weight` is already float: converted once per call rather than once per row.
+// Elements per block of results: they stay in L1 until narrowed.
+constexpr int64_t kBlock = 512;
+
+// `weight` is already float: converted once per call rather than once per
+// row. `row` is scratch for h floats: the widened input row, read twice.
 template <class T>
 KD_CPU_MULTIVERSION void rmsnorm_rows(T* out, const T* x, const float* weight, int64_t h,
-                                      float eps, int64_t begin, int64_t end) {
+                                      float eps, float* row, Store store, int64_t begin,
+                                      int64_t end) {
+  float result[kBlock];
   for (int64_t r = begin; r < end; ++r) {
-    const T* xr = x + r * h;
+    const float* xr = as_float(x + r * h, row, h);
     T* outr = out + r * h;
     const float inv = inverse_rms(sum_of_squares(xr, h), h, eps);
-    for (int64_t j = 0; j < h; ++j) {
-      outr[j] = from_float<T>(to_float(xr[j]) * inv * weight[j]);
+    for (int64_t j0 = 0; j0 < h; j0 += kBlock) {
+      const int64_t n = h - j0 < kBlock ? h - j0 : kBlock;
+      for (int64_t j = 0; j < n; ++j) result[j] = xr[j0 + j] * inv * weight[j0 + j];
+      narrow(result, outr + j0, n, store);
     }
   }
+  if (store == Store::kStreaming) store_fence();
 }
 
 // `row` is scratch for h floats: the rounded residual row, widened once and
-// read back from cache by the second pass.
+// read back from cache by the second pass. Both outputs overwrite inputs
+// that were just read, so they are in cache and stored the ordinary way.
 template <class T>
 KD_CPU_MULTIVERSION void fused_add_rmsnorm_rows(T* x, T* residual, const float* weight,
                                                 int64_t h, float eps, float* row, int64_t begin,
                                                 int64_t end) {
+  float x_block[kBlock];
+  float r_block[kBlock];
   for (int64_t r = begin; r < end; ++r) {
     T* xr = x + r * h;
     T* rr = residual + r * h;
-    for (int64_t j = 0; j < h; ++j) {
-      rr[j] = from_float<T>(to_float(xr[j]) + to_float(rr[j]));
-      row[j] = to_float(rr[j]);
+    for (int64_t j0 = 0; j0 < h; j0 += kBlock) {
+      const int64_t n = h - j0 < kBlock ? h - j0 : kBlock;
+      const float* xf = as_float(xr + j0, x_block, n);
+      const float* rf = as_float(rr + j0, r_block, n);
+      float* sum = row + j0;
+      for (int64_t j = 0; j < n; ++j) sum[j] = xf[j] + rf[j];
+      narrow(sum, rr + j0, n, Store::kCached);
+      // Normalise the residual as stored, rounded to T.
+      if constexpr (!std::is_same_v<T, float>) widen(rr + j0, sum, n);
     }
     const float inv = inverse_rms(sum_of_squares(row, h), h, eps);
-    for (int64_t j = 0; j < h; ++j) {
-      xr[j] = from_float<T>(row[j] * inv * weight[j]);
+    for (int64_t j0 = 0; j0 < h; j0 += kBlock) {
+      const int64_t n = h - j0 < kBlock ? h - j0 : kBlock;
+      for (int64_t j = 0; j < n; ++j) x_block[j] = row[j0 + j] * inv * weight[j0 + j];
+      narrow(x_block, xr + j0, n, Store::kCached);
     }
   }
 }
@@ -91,7 +112,7 @@ const float* weight_as_float(const T* weight, int64_t h, std::vector<float>& sto
     return weight;
   } else {
     storage.resize(static_cast<size_t>(h));
-    for (int64_t j = 0; j < h; ++j) storage[j] = to_float(weight[j]);
+    widen(weight, storage.data(), h);
     return storage.data();
   }
 }
@@ -137,9 +158,22 @@ kd_status rmsnorm(const kd_call_args* args) noexcept {
       const T* xd = data_as<T>(x);
       std::vector<float> weight_storage;
       const float* w = weight_as_float(data_as<T>(weight), h, weight_storage);
+      const Store store = store_for(rows * h * static_cast<int64_t>(sizeof(T)));
+      std::atomic<bool> out_of_memory{false};
       parallel_for(rows, h, [&](int64_t begin, int64_t end) noexcept {
-        rmsnorm_rows<T>(o, xd, w, h, eps, begin, end);
+        std::unique_ptr<float[]> row;
+        if constexpr (!std::is_same_v<T, float>) {
+          row.reset(new (std::nothrow) float[h]);
+          if (!row) {
+            out_of_memory.store(true, std::memory_order_relaxed);
+            return;
+          }
+        }
+        rmsnorm_rows<T>(o, xd, w, h, eps, row.get(), store, begin, end);
       });
+      if (out_of_memory.load()) {
+        return kd_plugin::fail(args, KD_STATUS_INTERNAL, "%s: out of host memory", kOp);
+      }
       return KD_STATUS_OK;
     });
   });

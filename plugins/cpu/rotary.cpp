@@ -4,9 +4,14 @@
 // (a, b) -> (a cos - b sin, b cos + a sin), in float, rounded to T once.
 
 #include <algorithm>
+#include <atomic>
 #include <cinttypes>
 #include <cstdint>
+#include <memory>
+#include <new>
+#include <type_traits>
 
+#include "convert.hpp"
 #include "half_float.hpp"
 #include "kd_plugin.hpp"
 #include "kernels.hpp"
@@ -19,63 +24,68 @@ namespace {
 
 constexpr const char* kOp = "embeddings.rotary_embedding";
 
-// cos/sin are converted to float once per token and block of pairs, then
-// reused for every head of that token.
-constexpr int64_t kPairBlock = 256;
-
 struct RotaryShape {
   int64_t heads_q;
   int64_t heads_k;
   int64_t half;  // R: pairs per head
 };
 
-template <bool kNeox, class T>
-[[gnu::always_inline]] inline void rotate_head_block(T* head, const float* cos, const float* sin,
-                                                     int64_t half, int64_t i0, int64_t n) {
-  if constexpr (kNeox) {
-    T* a = head + i0;
-    T* b = head + half + i0;
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = to_float(a[i]);
-      const float y = to_float(b[i]);
-      a[i] = from_float<T>(x * cos[i] - y * sin[i]);
-      b[i] = from_float<T>(y * cos[i] + x * sin[i]);
-    }
-  } else {
-    T* p = head + 2 * i0;
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = to_float(p[2 * i]);
-      const float y = to_float(p[2 * i + 1]);
-      p[2 * i] = from_float<T>(x * cos[i] - y * sin[i]);
-      p[2 * i + 1] = from_float<T>(y * cos[i] + x * sin[i]);
+// Rotates `heads` heads of 2 * half floats each, in place.
+template <bool kNeox>
+[[gnu::always_inline]] inline void rotate_heads(float* v, const float* cos, const float* sin,
+                                                int64_t heads, int64_t half) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* head = v + h * 2 * half;
+    if constexpr (kNeox) {
+      float* a = head;
+      float* b = head + half;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x = a[i];
+        const float y = b[i];
+        a[i] = x * cos[i] - y * sin[i];
+        b[i] = y * cos[i] + x * sin[i];
+      }
+    } else {
+      for (int64_t i = 0; i < half; ++i) {
+        const float x = head[2 * i];
+        const float y = head[2 * i + 1];
+        head[2 * i] = x * cos[i] - y * sin[i];
+        head[2 * i + 1] = y * cos[i] + x * sin[i];
+      }
     }
   }
 }
 
+// All heads of one token are contiguous: float data is rotated where it is,
+// 16-bit data is widened into `scratch` (room for the larger of q and k of one
+// token), rotated, and narrowed back.
+template <bool kNeox, class T>
+[[gnu::always_inline]] inline void rotate_token(T* v, const float* cos, const float* sin,
+                                                int64_t heads, int64_t half, float* scratch) {
+  if constexpr (std::is_same_v<T, float>) {
+    rotate_heads<kNeox>(v, cos, sin, heads, half);
+  } else {
+    const int64_t n = heads * 2 * half;
+    widen(v, scratch, n);
+    rotate_heads<kNeox>(scratch, cos, sin, heads, half);
+    narrow(scratch, v, n, Store::kCached);
+  }
+}
+
+// `scratch` holds 2 * half floats for the token's cos and sin, then room for
+// the token's query or key heads (16-bit types only).
 template <bool kNeox, class T>
 KD_CPU_MULTIVERSION void rotary_tokens(const int64_t* positions, T* query, T* key,
-                                       const T* cache, RotaryShape s, int64_t begin,
-                                       int64_t end) {
+                                       const T* cache, RotaryShape s, float* scratch,
+                                       int64_t begin, int64_t end) {
   const int64_t width = 2 * s.half;
-  float cos[kPairBlock];
-  float sin[kPairBlock];
   for (int64_t t = begin; t < end; ++t) {
-    const T* cs = cache + positions[t] * width;
-    T* q = query + t * s.heads_q * width;
-    T* k = key + t * s.heads_k * width;
-    for (int64_t i0 = 0; i0 < s.half; i0 += kPairBlock) {
-      const int64_t n = std::min(kPairBlock, s.half - i0);
-      for (int64_t i = 0; i < n; ++i) {
-        cos[i] = to_float(cs[i0 + i]);
-        sin[i] = to_float(cs[s.half + i0 + i]);
-      }
-      for (int64_t h = 0; h < s.heads_q; ++h) {
-        rotate_head_block<kNeox>(q + h * width, cos, sin, s.half, i0, n);
-      }
-      for (int64_t h = 0; h < s.heads_k; ++h) {
-        rotate_head_block<kNeox>(k + h * width, cos, sin, s.half, i0, n);
-      }
-    }
+    const float* cos_sin = as_float(cache + positions[t] * width, scratch, width);
+    const float* cos = cos_sin;
+    const float* sin = cos_sin + s.half;
+    float* heads = scratch + width;
+    rotate_token<kNeox>(query + t * s.heads_q * width, cos, sin, s.heads_q, s.half, heads);
+    rotate_token<kNeox>(key + t * s.heads_k * width, cos, sin, s.heads_k, s.half, heads);
   }
 }
 
@@ -129,13 +139,27 @@ kd_status rotary_embedding(const kd_call_args* args) noexcept {
       T* q = data_as<T>(query);
       T* k = data_as<T>(key);
       const T* c = data_as<T>(cache);
+      const int64_t scratch_floats =
+          std::is_same_v<T, float> ? 0 : (1 + std::max(shape.heads_q, shape.heads_k)) * width;
+      std::atomic<bool> out_of_memory{false};
       parallel_for(tokens, work_per_token, [&](int64_t begin, int64_t end) noexcept {
+        std::unique_ptr<float[]> scratch;
+        if (scratch_floats > 0) {
+          scratch.reset(new (std::nothrow) float[scratch_floats]);
+          if (!scratch) {
+            out_of_memory.store(true, std::memory_order_relaxed);
+            return;
+          }
+        }
         if (neox) {
-          rotary_tokens<true, T>(pos, q, k, c, shape, begin, end);
+          rotary_tokens<true, T>(pos, q, k, c, shape, scratch.get(), begin, end);
         } else {
-          rotary_tokens<false, T>(pos, q, k, c, shape, begin, end);
+          rotary_tokens<false, T>(pos, q, k, c, shape, scratch.get(), begin, end);
         }
       });
+      if (out_of_memory.load()) {
+        return kd_plugin::fail(args, KD_STATUS_INTERNAL, "%s: out of host memory", kOp);
+      }
       return KD_STATUS_OK;
     });
   });

@@ -8,7 +8,9 @@
 #include <cstdint>
 #include <memory>
 #include <new>
+#include <utility>
 
+#include "convert.hpp"
 #include "fast_math.hpp"
 #include "half_float.hpp"
 #include "kd_plugin.hpp"
@@ -22,77 +24,105 @@ namespace {
 
 constexpr const char* kOp = "moe.topk_softmax";
 
-// Writes softmax(row[0, e)) to p. Max and sum use kReductionLanes partial
-// results so that they vectorise and round the same in every clone.
-template <class T>
-KD_CPU_MULTIVERSION void softmax_row(const T* row, int64_t e, float* p) {
+// What one row's selection needs from its logits: the max, the sum of
+// e^(logit - max), and a threshold that at least K logits reach.
+struct RowStats {
+  float max;
+  float sum;
+  float threshold;
+};
+
+// Softmax is monotonic, so the K most probable experts are the K largest
+// logits: only the K winners need their probability (fast_exp, 1.3 ulp), the
+// rest only count towards the sum, where quick_exp's 6e-7 relative error
+// (for logits within 10 of the max; the terms further down are below 5e-5)
+// stays well inside the weights' tolerance and costs half as much.
+//
+// Max and sum use kReductionLanes partial results so that they vectorise and
+// round the same in every clone; the lane maxima also give the threshold: the K-th largest of them is reached by at least K logits (one
+// per lane), so nothing below it can be among the K largest. (-Inf, no
+// filtering, when e < kReductionLanes or k > kReductionLanes.)
+KD_CPU_MULTIVERSION RowStats row_stats(const float* logits, int64_t e, int64_t k) {
   constexpr float kNegInf = -__builtin_inff();
-  float partial[kReductionLanes];
-  for (float& v : partial) v = kNegInf;
+  float lane_max[kReductionLanes];
+  for (float& v : lane_max) v = kNegInf;
   int64_t j = 0;
   for (; j + kReductionLanes <= e; j += kReductionLanes) {
     for (int l = 0; l < kReductionLanes; ++l) {
-      const float v = to_float(row[j + l]);
-      p[j + l] = v;
-      partial[l] = v > partial[l] ? v : partial[l];
+      const float v = logits[j + l];
+      lane_max[l] = v > lane_max[l] ? v : lane_max[l];
     }
   }
   for (int l = 0; j < e; ++j, ++l) {
-    const float v = to_float(row[j]);
-    p[j] = v;
-    partial[l] = v > partial[l] ? v : partial[l];
+    const float v = logits[j];
+    lane_max[l] = v > lane_max[l] ? v : lane_max[l];
   }
   float max = kNegInf;
-  for (float v : partial) max = v > max ? v : max;
+  for (float v : lane_max) max = v > max ? v : max;
 
   float sums[kReductionLanes] = {};
   j = 0;
   for (; j + kReductionLanes <= e; j += kReductionLanes) {
-    for (int l = 0; l < kReductionLanes; ++l) {
-      const float v = fast_exp(p[j + l] - max);
-      p[j + l] = v;
-      sums[l] += v;
-    }
+    for (int l = 0; l < kReductionLanes; ++l) sums[l] += quick_exp(logits[j + l] - max);
   }
-  for (int l = 0; j < e; ++j, ++l) {
-    const float v = fast_exp(p[j] - max);
-    p[j] = v;
-    sums[l] += v;
-  }
+  for (int l = 0; j < e; ++j, ++l) sums[l] += quick_exp(logits[j] - max);
   for (int width = kReductionLanes / 2; width > 0; width /= 2) {
     for (int l = 0; l < width; ++l) sums[l] += sums[l + width];
   }
-  const float inv_sum = 1.0f / sums[0];
-  for (j = 0; j < e; ++j) p[j] *= inv_sum;
+
+  if (e < kReductionLanes || k > kReductionLanes) return {max, sums[0], kNegInf};
+  // K-th largest lane maximum: a partial selection sort of 16 values.
+  for (int64_t i = 0; i < k; ++i) {
+    for (int l = static_cast<int>(i) + 1; l < kReductionLanes; ++l) {
+      if (lane_max[l] > lane_max[i]) std::swap(lane_max[l], lane_max[i]);
+    }
+  }
+  return {max, sums[0], lane_max[k - 1]};
 }
 
-// Descending by probability, ties to the lower index; NaN sorts last so that
-// the order stays a strict weak ordering whatever the input holds.
-struct HigherProbability {
-  const float* p;
+// Up to this K, selection keeps a sorted list of the best K: after the first
+// few candidates almost every one fails a single compare against the K-th
+// best, which beats a heap (partial_sort) by a wide margin.
+constexpr int64_t kInsertionMaxK = 32;
+
+// Descending logit, ties to the lower index, NaN last: the order of the
+// partial_sort used for larger K (a strict weak ordering whatever the input).
+struct HigherLogit {
+  const float* logits;
   bool operator()(int32_t a, int32_t b) const {
-    const float pa = p[a];
-    const float pb = p[b];
-    const bool a_nan = pa != pa;
-    const bool b_nan = pb != pb;
+    const float la = logits[a];
+    const float lb = logits[b];
+    const bool a_nan = la != la;
+    const bool b_nan = lb != lb;
     if (a_nan != b_nan) return b_nan;
-    if (!a_nan && pa != pb) return pa > pb;
+    if (!a_nan && la != lb) return la > lb;
     return a < b;
   }
 };
 
-// Up to this K, selection keeps a sorted list of the best K and scans the row
-// once: after the first few elements almost every one fails a single compare
-// against the K-th best, which beats a heap (partial_sort) by a wide margin.
-constexpr int64_t kInsertionMaxK = 32;
-
-// Writes the indices of the k largest p[0, e) to ids, in HigherProbability
-// order. `keys` is scratch for k floats.
-void select_top_k(const float* p, int64_t e, int64_t k, float* keys, int32_t* ids) {
-  int64_t filled = 0;
+// Writes the indices of the k largest logits[0, e) to ids: descending, ties
+// to the lower index, NaN as -Inf. Only logits >= threshold are considered (all
+// of them when fewer than k reach it, as with NaN in the row). `keys` is
+// scratch for k floats, `candidates` for e indices.
+void select_top_k(const float* logits, int64_t e, int64_t k, float threshold, float* keys,
+                  int32_t* candidates, int32_t* ids) {
+  // Branch-free compaction of the indices that reach the threshold.
+  int64_t count = 0;
   for (int64_t j = 0; j < e; ++j) {
-    // Probabilities are in [0, 1]; NaN ranks below all of them.
-    const float v = p[j] != p[j] ? -1.0f : p[j];
+    candidates[count] = static_cast<int32_t>(j);
+    count += logits[j] >= threshold ? 1 : 0;
+  }
+  if (count < k) {
+    for (int64_t j = 0; j < e; ++j) candidates[j] = static_cast<int32_t>(j);
+    count = e;
+  }
+  // Insertion into a sorted list of the best k, in index order.
+  constexpr float kNegInf = -__builtin_inff();
+  int64_t filled = 0;
+  for (int64_t c = 0; c < count; ++c) {
+    const int32_t j = candidates[c];
+    // NaN ranks as -Inf.
+    const float v = logits[j] != logits[j] ? kNegInf : logits[j];
     int64_t pos = 0;
     if (filled == k) {
       // Strictly greater: an equal, later element never displaces.
@@ -108,15 +138,16 @@ void select_top_k(const float* p, int64_t e, int64_t k, float* keys, int32_t* id
       --pos;
     }
     keys[pos] = v;
-    ids[pos] = static_cast<int32_t>(j);
+    ids[pos] = j;
   }
 }
 
-// Scratch of one parallel range: the row's probabilities (e floats) then the
-// selection keys (k floats), and an index array of e entries.
+// Scratch of one parallel range: the widened row (e floats, 16-bit types
+// only) then the selection keys (k floats); candidate indices (e) then the
+// selected ids (k).
 struct Scratch {
   std::unique_ptr<float[]> floats;
-  std::unique_ptr<int32_t[]> order;
+  std::unique_ptr<int32_t[]> indices;
 };
 
 }  // namespace
@@ -166,27 +197,33 @@ kd_status topk_softmax(const kd_call_args* args) noexcept {
       std::atomic<bool> out_of_memory{false};
       parallel_for(rows, e, [&](int64_t begin, int64_t end) noexcept {
         Scratch s{std::unique_ptr<float[]>(new (std::nothrow) float[e + k]),
-                  std::unique_ptr<int32_t[]>(new (std::nothrow) int32_t[e])};
-        if (!s.floats || !s.order) {
+                  std::unique_ptr<int32_t[]>(new (std::nothrow) int32_t[e + k])};
+        if (!s.floats || !s.indices) {
           out_of_memory.store(true, std::memory_order_relaxed);
           return;
         }
+        float* keys = s.floats.get() + e;
+        int32_t* order = s.indices.get();
+        int32_t* selected = order + e;
         for (int64_t r = begin; r < end; ++r) {
-          float* p = s.floats.get();
-          softmax_row(g + r * e, e, p);
+          const float* logits = as_float(g + r * e, s.floats.get(), e);
+          const RowStats st = row_stats(logits, e, k);
           if (k <= kInsertionMaxK) {
-            select_top_k(p, e, k, p + e, s.order.get());
+            select_top_k(logits, e, k, st.threshold, keys, order, selected);
           } else {
-            for (int64_t j = 0; j < e; ++j) s.order[j] = static_cast<int32_t>(j);
-            std::partial_sort(s.order.get(), s.order.get() + k, s.order.get() + e,
-                              HigherProbability{p});
+            for (int64_t j = 0; j < e; ++j) order[j] = static_cast<int32_t>(j);
+            std::partial_sort(order, order + k, order + e, HigherLogit{logits});
+            std::copy(order, order + k, selected);
           }
+          // Only the winners are exponentiated, each as the full softmax
+          // would.
+          const float inv_sum = 1.0f / st.sum;
           float* wr = w + r * k;
           int32_t* idr = id + r * k;
           float selected_sum = 0.0f;
           for (int64_t i = 0; i < k; ++i) {
-            idr[i] = s.order[i];
-            wr[i] = p[s.order[i]];
+            idr[i] = selected[i];
+            wr[i] = fast_exp(logits[selected[i]] - st.max) * inv_sum;
             selected_sum += wr[i];
           }
           if (renormalize && selected_sum > 0.0f) {
