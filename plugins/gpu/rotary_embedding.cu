@@ -94,7 +94,10 @@ void launch_rotary(const Launch& launch, const int64_t* positions, T* query, T* 
   // Without vectors: neox moves single elements, GPT-J single pairs.
   const int n = vectorized ? kVec : (neox ? 1 : 2);
   const int units = (q_heads + k_heads) * (neox ? rot / n : 2 * rot / n);
-  const int threads = std::min(kMaxThreads, round_up(units, launch.warp_size));
+  // As many rounds as needed, each thread taking the same number of units
+  // (GPT-J with 40 heads of 128 has 640 units: 2 x 320 threads, not 512 + 128).
+  const int rounds = (units + kMaxThreads - 1) / kMaxThreads;
+  const int threads = std::min(kMaxThreads, round_up((units + rounds - 1) / rounds, launch.warp_size));
   const int64_t grid = std::min<int64_t>(tokens, INT32_MAX);
   auto run = [&](auto kernel) {
     kernel<<<static_cast<unsigned>(grid), threads, 0, launch.stream>>>(

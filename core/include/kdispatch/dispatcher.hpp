@@ -46,7 +46,8 @@ class KernelHandle {
   // `attrs` are every schema attribute in schema order (OpHandle::pack_attrs).
   // Throws KernelError when the kernel reports a failure. Inline: this is
   // the whole cost of an unchecked call.
-  void operator()(std::span<DLTensor> tensors, std::span<const kd_attr> attrs, void* stream = nullptr) const {
+  [[gnu::always_inline]] void operator()(std::span<DLTensor> tensors, std::span<const kd_attr> attrs,
+                                         void* stream = nullptr) const {
     char error[512];
     error[0] = '\0';
     const kd_call_args args{sizeof(kd_call_args), tensors.data(), static_cast<int32_t>(tensors.size()),
