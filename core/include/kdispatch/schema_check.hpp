@@ -5,6 +5,7 @@
 
 #include <dlpack/dlpack.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <span>
@@ -93,5 +94,75 @@ inline uint32_t pack_dtype(DLDataType t) {
 // matching; dims of size 1 may have any stride).
 bool is_contiguous(const DLTensor& t);
 int64_t numel(const DLTensor& t);
+
+// Inline: the whole per-call cost of a checked call's validation.
+inline bool CompiledSchema::check_fast(std::span<const DLTensor> tensors, CallInfo* info) const noexcept {
+  const size_t n = tensors_.size();
+  if (tensors.size() != n || n == 0) return false;
+  const DLDevice device = tensors[0].device;
+  std::array<int64_t, kMaxSchemaSymbols> bound;
+  std::array<uint32_t, kMaxSchemaDtypeVars> var_code;
+  const int64_t* leading = nullptr;
+  int64_t leading_count = 0;
+
+  for (size_t i = 0; i < n; ++i) {
+    const Tensor& spec = tensors_[i];
+    const DLTensor& t = tensors[i];
+    if (t.device.device_type != device.device_type || t.device.device_id != device.device_id) return false;
+    const uint32_t code = pack_dtype(t.dtype);
+    if (spec.dtype_var < 0) {
+      if (code != spec.dtype_code) return false;
+    } else if (!spec.binds_var) {
+      if (code != var_code[static_cast<size_t>(spec.dtype_var)]) return false;
+    } else {
+      const auto& codes = vars_[static_cast<size_t>(spec.dtype_var)].codes;
+      if (std::find(codes.begin(), codes.end(), code) == codes.end()) return false;
+      var_code[static_cast<size_t>(spec.dtype_var)] = code;
+    }
+    const int64_t lead = t.ndim - static_cast<int64_t>(spec.num_dims);
+    if (lead < 0 || (lead != 0 && !spec.leading) || (t.shape == nullptr && t.ndim > 0)) return false;
+    if (spec.binds_leading) {
+      leading = t.shape;
+      leading_count = lead;
+      for (int64_t k = 0; k < lead; ++k) {
+        if (t.shape[k] < 0) return false;
+      }
+    } else if (spec.leading) {
+      if (lead != leading_count) return false;
+      for (int64_t k = 0; k < lead; ++k) {
+        if (t.shape[k] != leading[k]) return false;
+      }
+    }
+    const int64_t* dims = t.shape + lead;
+    for (uint32_t k = 0; k < spec.num_dims; ++k) {
+      const Dim& d = spec.dims[k];
+      const int64_t size = dims[k];
+      if (d.kind == Dim::Kind::constant) {
+        if (size != d.value) return false;
+      } else if (!d.binds) {
+        if (size != d.value * bound[d.symbol]) return false;
+      } else if (d.value == 1) {  // a plain symbol: no division (tens of cycles)
+        if (size < 0) return false;
+        bound[d.symbol] = size;
+      } else {
+        if (size < 0 || size % d.value != 0) return false;
+        bound[d.symbol] = size / d.value;
+      }
+    }
+    // Null data is fine only for an empty tensor: count elements only then.
+    if (t.data == nullptr && numel(t) != 0) return false;
+    if (t.strides != nullptr && !spec.strided && !is_contiguous(t)) return false;
+  }
+  info->device_type = static_cast<int32_t>(device.device_type);
+  info->device_id = device.device_id;
+  if (selecting_var_ >= 0) {
+    const DtypeVar& var = vars_[static_cast<size_t>(selecting_var_)];
+    const uint32_t code = var_code[static_cast<size_t>(selecting_var_)];
+    info->dtype = var.allowed[static_cast<size_t>(std::find(var.codes.begin(), var.codes.end(), code) - var.codes.begin())];
+  } else {
+    info->dtype = tensors_[0].dtype;
+  }
+  return true;
+}
 
 }  // namespace kdispatch
