@@ -208,7 +208,8 @@ TEST_CASE("a disabled plugin: KD-E002 says it is disabled") {
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("disabled by KDISPATCH_PLUGINS_DISABLE (matches 'cu*')") != std::string::npos);
   const ToolResult s = run_tool({"list", "--json", "--plugin-path", dir}, {{"KDISPATCH_PLUGINS_SELECT", "cuda"}});
-  for (const auto& p : json_of(s)["plugins"]) CHECK((p["name"] == "cuda") == (p["state"] == "found"));
+  const Json selected = json_of(s);  // a range-for over a temporary's member would dangle
+  for (const auto& p : selected["plugins"]) CHECK((p["name"] == "cuda") == (p["state"] == "found"));
   fs::remove_all(dir);
 }
 
