@@ -51,9 +51,12 @@ class RatioReporter : public benchmark::ConsoleReporter {
       const std::string rest = name.substr(7);
       auto it = times_.find("memcpy/" + rest);
       if (it == times_.end()) continue;
+      // "<op>/<dtype>/min_time:.../real_time": the dtype is the second part.
       const auto slash = rest.find('/');
-      fmt::print("{:<30} {:<9} {:>12.1f} {:>12.1f} {:>7.2f}\n", rest.substr(0, slash), rest.substr(slash + 1), t,
-                 it->second, t / it->second);
+      const auto end = rest.find('/', slash + 1);
+      fmt::print("{:<30} {:<9} {:>12.1f} {:>12.1f} {:>7.2f}\n", rest.substr(0, slash),
+                 rest.substr(slash + 1, end == std::string::npos ? std::string::npos : end - slash - 1), t, it->second,
+                 t / it->second);
     }
   }
 
