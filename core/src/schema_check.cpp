@@ -238,25 +238,4 @@ void CompiledSchema::diagnose(std::span<const DLTensor> tensors) const {
   throw CallError(ErrorCode::bad_arguments, fmt::format("op '{}': arguments refused (no detail found)", schema_.op));
 }
 
-std::vector<std::pair<std::string, int64_t>> CompiledSchema::bind_symbols(std::span<const DLTensor> tensors) const {
-  std::vector<std::pair<std::string, int64_t>> out;
-  for (size_t s = 0; s < symbols_.size(); ++s) {
-    for (size_t i = 0; i < tensors_.size() && i < tensors.size(); ++i) {
-      const Tensor& spec = tensors_[i];
-      const int64_t lead = tensors[i].ndim - static_cast<int64_t>(spec.num_dims);
-      bool found = false;
-      for (size_t k = 0; k < spec.num_dims; ++k) {
-        if (spec.dims[k].kind != Dim::Kind::constant && spec.dims[k].symbol == s) {
-          const int64_t factor = spec.dims[k].kind == Dim::Kind::multiple ? spec.dims[k].value : 1;
-          out.emplace_back(symbols_[s], tensors[i].shape[lead + static_cast<int64_t>(k)] / factor);
-          found = true;
-          break;
-        }
-      }
-      if (found) break;
-    }
-  }
-  return out;
-}
-
 }  // namespace kdispatch

@@ -99,12 +99,6 @@ void store(void* data, Dtype dtype, size_t i, double v) {
   }
 }
 
-double round_to(Dtype dtype, double v) {
-  unsigned char tmp[8];
-  store(tmp, dtype, 0, v);
-  return load(tmp, dtype, 0);
-}
-
 // --- shapes ---------------------------------------------------------------------
 
 namespace {

@@ -27,8 +27,6 @@ float bf16_to_float(uint16_t b);
 uint16_t float_to_bf16(float f);  // round to nearest even
 double load(const void* data, Dtype dtype, size_t index);
 void store(void* data, Dtype dtype, size_t index, double value);
-// The value as it survives a round trip through `dtype`.
-double round_to(Dtype dtype, double value);
 
 // --- shapes ---------------------------------------------------------------------
 struct Shapes {

@@ -43,8 +43,6 @@ class CompiledSchema {
     diagnose(tensors);
   }
 
-  // Symbol values implied by `tensors` (after check()), e.g. {"H": 4096}.
-  std::vector<std::pair<std::string, int64_t>> bind_symbols(std::span<const DLTensor> tensors) const;
 
   const OpSchema& schema() const { return schema_; }
 
