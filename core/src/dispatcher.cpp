@@ -18,8 +18,7 @@ namespace kdispatch {
 // never freed before it, so handles and readers of the cache stay valid.
 struct OpState {
   struct Resolved {
-    int32_t device_type;
-    int32_t device_id;
+    uint64_t device;  // DLDevice as one word (device_type, device_id)
     Dtype dtype;
     uint64_t generation;
     kd_kernel_fn fn;
@@ -28,6 +27,8 @@ struct OpState {
   static constexpr size_t kSlots = 8;
 
   Dispatcher* dispatcher = nullptr;
+  const KernelRegistry* registry = nullptr;  // its generation invalidates the cache
+  std::FILE* trace_file = nullptr;           // the dispatcher's, copied for the call path
   std::string op;
   std::string backend;
   uint64_t hash = 0;
@@ -36,9 +37,21 @@ struct OpState {
   // attribute has a default (then a call without attributes copies nothing).
   std::vector<kd_attr> defaults;
   bool defaults_complete = true;
+  bool plain_calls = false;  // defaults_complete and no trace file: a call without attributes packs nothing
   std::array<std::atomic<const Resolved*>, kSlots> cache{};
   std::vector<std::unique_ptr<Resolved>> owned;  // guarded by the dispatcher's mutex
   size_t next_victim = 0;
+
+  // The kernel for a checked call's device and dtype when cached and current.
+  const Resolved* find_cached(uint64_t device, Dtype dtype) const {
+    const uint64_t generation = registry->generation();
+    for (const auto& slot : cache) {
+      const Resolved* r = slot.load(std::memory_order_acquire);
+      if (r == nullptr) break;  // slots fill in order and are never emptied
+      if (r->device == device && r->dtype == dtype && r->generation == generation) return r;
+    }
+    return nullptr;
+  }
 };
 
 namespace {
@@ -154,24 +167,38 @@ std::span<const kd_attr> OpHandle::pack_attrs(std::span<const NamedAttr> attrs, 
 
 KernelHandle OpHandle::resolve(std::span<const DLTensor> tensors) const {
   const CompiledSchema::CallInfo info = state_->compiled->check(tensors);
-  return state_->dispatcher->resolve(*state_, info.device_type, info.device_id, info.dtype);
+  return state_->dispatcher->resolve(*state_, info.device, info.dtype);
 }
 
 void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream) const {
-  const CompiledSchema::CallInfo info = state_->compiled->check(tensors);
-  const KernelHandle kernel = state_->dispatcher->resolve(*state_, info.device_type, info.device_id, info.dtype);
+  // The common call, kept small so that it needs few registers: no
+  // attributes given, a repeat of the last accepted signature, a cached
+  // kernel, no tracing. Everything else goes through call_general().
+  const OpState& state = *state_;
+  CompiledSchema::CallInfo info;
+  if (attrs.empty() && state.plain_calls && state.compiled->matches_last(tensors, &info)) [[likely]] {
+    if (const OpState::Resolved* r = state.find_cached(device_word(info.device), info.dtype)) [[likely]] {
+      KernelHandle(r->fn, r->spec)(tensors, state.defaults, stream);
+      return;
+    }
+  }
+  call_general(tensors, attrs, stream);
+}
+
+void OpHandle::call_general(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream) const {
+  OpState& state = *state_;
+  const CompiledSchema::CallInfo info = state.compiled->check(tensors);
+  const KernelHandle kernel = state.dispatcher->resolve(state, info.device, info.dtype);
   std::array<kd_attr, kMaxSchemaAttrs> storage;
-  const std::span<const kd_attr> packed = attrs.empty() && state_->defaults_complete
-                                              ? std::span<const kd_attr>(state_->defaults)
-                                              : pack_attrs(attrs, storage);
-  if (state_->dispatcher->trace_file_ == nullptr) [[likely]] {
+  const std::span<const kd_attr> packed = pack_attrs(attrs, storage);
+  if (state.trace_file == nullptr) {
     kernel(tensors, packed, stream);
     return;
   }
   const auto start = std::chrono::steady_clock::now();
   kernel(tensors, packed, stream);
   const std::chrono::duration<double, std::micro> us = std::chrono::steady_clock::now() - start;
-  state_->dispatcher->trace(*state_, kernel, tensors, us.count());
+  state.dispatcher->trace(state, kernel, tensors, us.count());
 }
 
 void OpHandle::operator()(std::initializer_list<DLTensor> tensors, std::initializer_list<NamedAttr> attrs,
@@ -240,6 +267,8 @@ OpState* Dispatcher::intern(std::string_view op, std::string_view backend) {
   }
   auto state = std::make_unique<OpState>();
   state->dispatcher = this;
+  state->registry = &context_.registry();
+  state->trace_file = trace_file_;
   state->op = std::string(op);
   state->backend = std::string(backend);
   state->hash = hash;
@@ -253,6 +282,7 @@ OpState* Dispatcher::intern(std::string_view op, std::string_view backend) {
     }
     state->defaults.push_back(a);
   }
+  state->plain_calls = state->defaults_complete && state->trace_file == nullptr;
   OpState* raw = state.get();
   states_.push_back(std::move(state));
   // A full table still works, through the mutex-guarded list.
@@ -262,34 +292,26 @@ OpState* Dispatcher::intern(std::string_view op, std::string_view backend) {
 
 OpHandle Dispatcher::op(std::string_view op, std::string_view backend) { return OpHandle(intern(op, backend)); }
 
-KernelHandle Dispatcher::resolve(OpState& state, int32_t device_type, int32_t device_id, Dtype dtype) {
-  const uint64_t generation = context_.registry().generation();
-  for (const auto& slot : state.cache) {
-    const OpState::Resolved* r = slot.load(std::memory_order_acquire);
-    if (r != nullptr && r->generation == generation && r->device_type == device_type && r->device_id == device_id &&
-        r->dtype == dtype) {
-      return KernelHandle(r->fn, r->spec);
-    }
-  }
-  return resolve_slow(state, device_type, device_id, dtype);
+KernelHandle Dispatcher::resolve(OpState& state, DLDevice device, Dtype dtype) {
+  if (const OpState::Resolved* r = state.find_cached(device_word(device), dtype)) return KernelHandle(r->fn, r->spec);
+  return resolve_slow(state, device, dtype);
 }
 
-KernelHandle Dispatcher::resolve_slow(OpState& state, int32_t device_type, int32_t device_id, Dtype dtype) {
-  const auto type = from_dlpack_device_type(device_type);
+KernelHandle Dispatcher::resolve_slow(OpState& state, DLDevice device, Dtype dtype) {
+  const auto type = from_dlpack_device_type(device.device_type);
   if (!type) {
     throw CallError(ErrorCode::bad_arguments,
                     fmt::format("op '{}': tensors are on DLPack device type {}, which no backend kind supports "
                                 "(cpu = {}, cuda = {}, rocm = {})",
-                                state.op, device_type, static_cast<int>(kDLCPU), static_cast<int>(kDLCUDA),
-                                static_cast<int>(kDLROCM)));
+                                state.op, static_cast<int>(device.device_type), static_cast<int>(kDLCPU),
+                                static_cast<int>(kDLCUDA), static_cast<int>(kDLROCM)));
   }
   const uint64_t generation = context_.registry().generation();
-  const Device device = device_of(*type, device_id);
-  const KernelSpec& spec = context_.select({state.op, state.backend, device, dtype});
+  const KernelSpec& spec = context_.select({state.op, state.backend, device_of(*type, device.device_id), dtype});
   const kd_kernel_fn fn = context_.kernel(spec);
   std::lock_guard lock(mutex_);
-  auto resolved = std::make_unique<OpState::Resolved>(
-      OpState::Resolved{device_type, device_id, dtype, generation, fn, &spec});
+  auto resolved =
+      std::make_unique<OpState::Resolved>(OpState::Resolved{device_word(device), dtype, generation, fn, &spec});
   // Prefer an empty or stale slot; else evict round-robin. Old entries stay
   // owned, so a reader holding one is safe.
   size_t slot = OpState::kSlots;
@@ -312,7 +334,7 @@ void Dispatcher::call(std::string_view op, std::span<DLTensor> tensors, std::spa
 }
 
 KernelHandle Dispatcher::find_kernel(std::string_view op, DLDevice device, Dtype dtype, std::string_view backend) {
-  return resolve(*intern(op, backend), static_cast<int32_t>(device.device_type), device.device_id, dtype);
+  return resolve(*intern(op, backend), device, dtype);
 }
 
 void Dispatcher::trace(const OpState& state, const KernelHandle& kernel, std::span<const DLTensor> tensors, double us) {

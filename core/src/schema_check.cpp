@@ -42,16 +42,6 @@ int64_t numel(const DLTensor& t) {
   return n;
 }
 
-bool is_contiguous(const DLTensor& t) {
-  if (t.strides == nullptr) return true;
-  int64_t expected = 1;
-  for (int i = t.ndim - 1; i >= 0; --i) {
-    if (t.shape[i] != 1 && t.strides[i] != expected) return false;
-    expected *= t.shape[i];
-  }
-  return true;
-}
-
 CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
   const auto limit = [&](size_t n, size_t max, const char* what) {
     if (n > max) {
@@ -70,51 +60,178 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
     return static_cast<uint8_t>(symbols_.size() - 1);
   };
   limit(schema.dtype_vars.size(), kMaxSchemaDtypeVars, "dtype variables");
-  for (const auto& [name, allowed] : schema.dtype_vars) {
-    DtypeVar var{name, allowed, {}};
-    for (Dtype d : allowed) var.codes.push_back(pack_dtype(to_dlpack(d)));
-    vars_.push_back(std::move(var));
-  }
+  // Variables get slots in the order tensors use them; the first one used
+  // selects the kernel. Declared but unused ones constrain nothing.
+  const auto var_slot = [&](const std::string& name) -> std::optional<uint8_t> {
+    for (size_t v = 0; v < vars_.size(); ++v) {
+      if (vars_[v].name == name) return static_cast<uint8_t>(v);
+    }
+    auto it = std::find_if(schema.dtype_vars.begin(), schema.dtype_vars.end(),
+                           [&](const auto& var) { return var.first == name; });
+    if (it == schema.dtype_vars.end()) return std::nullopt;
+    VarCodes& codes = var_codes_[vars_.size()];
+    for (Dtype d : it->second) {
+      const auto end = codes.dtypes.begin() + codes.count;
+      if (std::find(codes.dtypes.begin(), end, d) != end) continue;
+      codes.codes[codes.count] = pack_dtype(to_dlpack(d));
+      codes.dtypes[codes.count] = d;
+      ++codes.count;
+    }
+    vars_.push_back({name, it->second});
+    return static_cast<uint8_t>(vars_.size() - 1);
+  };
   bool seen_leading = false;
-  uint32_t bound_vars = 0;
+  uint64_t bound_symbols = 0;
   for (const TensorArg& arg : schema.tensors) {
-    Tensor t;
-    t.strided = arg.strided;
-    auto var = std::find_if(vars_.begin(), vars_.end(), [&](const DtypeVar& v) { return v.name == arg.dtype; });
-    if (var != vars_.end()) {
-      t.dtype_var = static_cast<int>(var - vars_.begin());
-      if (selecting_var_ < 0) selecting_var_ = t.dtype_var;
+    Tensor t{};
+    t.header_mask = ~uint64_t{0};
+    t.var = kZeroVar;
+    t.bind_var = kScratchVar;
+    t.first_dim = static_cast<uint8_t>(dims_.size());
+    if (arg.strided) t.flags |= kStrided;
+    const size_t vars_before = vars_.size();
+    if (auto slot = var_slot(arg.dtype)) {
+      t.var = *slot;
+      if (vars_.size() > vars_before) t.bind_var = *slot;  // the variable's first tensor
     } else if (auto d = parse_dtype(arg.dtype)) {
-      t.dtype = *d;
-      t.dtype_code = pack_dtype(to_dlpack(*d));
+      t.header = uint64_t{pack_dtype(to_dlpack(*d))} << 32;
+      if (plan_.empty()) fixed_dtype_ = *d;
     }
     const auto push = [&](Dim d) {
-      limit(t.num_dims + 1, kMaxSchemaDims, "dims in one shape pattern");
-      t.dims[t.num_dims++] = d;
+      limit(t.num_dims + 1u, kMaxSchemaDims, "dims in one shape pattern");
+      dims_.push_back(d);
+      ++t.num_dims;
     };
-    const auto symbol_dim = [&](Dim::Kind kind, const std::string& name, int64_t factor) {
-      const size_t before = symbols_.size();
+    const auto symbol_dim = [&](const std::string& name, int64_t factor) {
       const uint8_t slot = symbol_slot(name);
-      push({kind, symbols_.size() > before, slot, factor});
+      if (bound_symbols & (uint64_t{1} << slot)) {
+        push({0, factor, kScratchSymbol, slot, 1});
+        return;
+      }
+      bound_symbols |= uint64_t{1} << slot;
+      if (factor != 1) t.flags |= kDivides;
+      push({0, factor, slot, slot, factor});
     };
     for (const ShapeToken& tok : arg.shape) {
       switch (tok.kind) {
         case ShapeToken::Kind::leading:
-          t.leading = true;
-          t.binds_leading = !seen_leading;
+          t.flags |= kLeading;
+          if (!seen_leading) t.flags |= kBindsLeading;
           seen_leading = true;
           break;
-        case ShapeToken::Kind::symbol: symbol_dim(Dim::Kind::symbol, tok.symbol, 1); break;
-        case ShapeToken::Kind::constant: push({Dim::Kind::constant, false, 0, tok.value}); break;
-        case ShapeToken::Kind::multiple: symbol_dim(Dim::Kind::multiple, tok.symbol, tok.value); break;
+        case ShapeToken::Kind::symbol: symbol_dim(tok.symbol, 1); break;
+        case ShapeToken::Kind::constant: push({tok.value, 0, kScratchSymbol, kZeroSymbol, 1}); break;
+        case ShapeToken::Kind::multiple: symbol_dim(tok.symbol, tok.value); break;
       }
     }
-    if (t.dtype_var >= 0) {
-      t.binds_var = !(bound_vars & (1u << t.dtype_var));
-      bound_vars |= 1u << t.dtype_var;
+    if (t.flags & kLeading) {
+      t.header_mask = ~uint64_t{0} << 32;  // ndim varies; checked against num_dims apart
+    } else {
+      t.header |= t.num_dims;
     }
-    tensors_.push_back(t);
+    plan_.push_back(t);
   }
+  num_vars_ = static_cast<uint32_t>(vars_.size());
+  if (!vars_.empty()) selecting_var_ = 0;
+}
+
+CompiledSchema::CallInfo CompiledSchema::check_plan(std::span<const DLTensor> tensors) const {
+  CallInfo info;
+  if (!check_fast(tensors, &info)) diagnose(tensors);
+  remember(tensors, info.dtype);
+  return info;
+}
+
+// Records an accepted call for matches_last(). A writer that finds another
+// one at work leaves it be: the record is a cache, and either call is fine.
+void CompiledSchema::remember(std::span<const DLTensor> tensors, Dtype dtype) const noexcept {
+  size_t words = 0;
+  for (const DLTensor& t : tensors) words += 2 + static_cast<size_t>(t.ndim);
+  if (words > LastCall::kWords) return;
+  uint32_t seq = last_.seq.load(std::memory_order_relaxed);
+  if ((seq & 1) != 0 || !last_.seq.compare_exchange_strong(seq, seq + 1, std::memory_order_relaxed)) return;
+  std::atomic_thread_fence(std::memory_order_release);
+  std::atomic<uint64_t>* w = last_.words.data();
+  for (const DLTensor& t : tensors) {
+    w[0].store(read_word(t, offsetof(DLTensor, device)), std::memory_order_relaxed);
+    w[1].store(read_word(t, offsetof(DLTensor, ndim)), std::memory_order_relaxed);
+    for (int k = 0; k < t.ndim; ++k) w[2 + k].store(static_cast<uint64_t>(t.shape[k]), std::memory_order_relaxed);
+    w += 2 + t.ndim;
+  }
+  last_.dtype.store(dtype, std::memory_order_relaxed);
+  last_.seq.store(seq + 2, std::memory_order_release);
+}
+
+// The compiled plan: see the comment on Dim.
+bool CompiledSchema::check_fast(std::span<const DLTensor> tensors, CallInfo* info) const noexcept {
+  const size_t n = plan_.size();
+  if (tensors.size() != n || n == 0) return false;
+  const Tensor* plan = plan_.data();
+  const uint64_t device = read_word(tensors[0], offsetof(DLTensor, device));
+  std::array<int64_t, kMaxSchemaSymbols + 2> value;
+  std::array<uint32_t, kMaxSchemaDtypeVars + 2> code;
+  value[kZeroSymbol] = 0;
+  code[kZeroVar] = 0;
+  const int64_t* leading = nullptr;
+  int64_t leading_count = 0;
+
+  for (size_t i = 0; i < n; ++i) {
+    const Tensor& spec = plan[i];
+    const DLTensor& t = tensors[i];
+    if (read_word(t, offsetof(DLTensor, device)) != device) return false;
+    const uint64_t header = read_word(t, offsetof(DLTensor, ndim));
+    code[spec.bind_var] = static_cast<uint32_t>(header >> 32);
+    if (((header ^ (spec.header | uint64_t{code[spec.var]} << 32)) & spec.header_mask) != 0) return false;
+    const int64_t* sizes = t.shape;
+    if (sizes == nullptr && t.ndim != 0) return false;
+    if (spec.flags & kLeading) {
+      const int64_t lead = static_cast<int64_t>(t.ndim) - spec.num_dims;
+      if (spec.flags & kBindsLeading) {
+        if (lead < 0) return false;
+        leading = sizes;
+        leading_count = lead;
+        for (int64_t k = 0; k < lead; ++k) {
+          if (sizes[k] < 0) return false;
+        }
+      } else {
+        if (lead != leading_count) return false;
+        for (int64_t k = 0; k < lead; ++k) {
+          if (sizes[k] != leading[k]) return false;
+        }
+      }
+      sizes += lead;
+    }
+    const Dim* dims = dims_.data() + spec.first_dim;
+    if (!(spec.flags & kDivides)) [[likely]] {
+      for (uint32_t k = 0; k < spec.num_dims; ++k) {
+        const int64_t size = sizes[k];
+        value[dims[k].bind] = size;
+        if (size < 0 || size != dims[k].constant + dims[k].factor * value[dims[k].match]) return false;
+      }
+    } else {
+      for (uint32_t k = 0; k < spec.num_dims; ++k) {
+        const int64_t size = sizes[k];
+        if (size < 0 || size % dims[k].divisor != 0) return false;
+        value[dims[k].bind] = size / dims[k].divisor;
+        if (size != dims[k].constant + dims[k].factor * value[dims[k].match]) return false;
+      }
+    }
+    // Null data is fine only for an empty tensor: count elements only then.
+    if (t.data == nullptr && numel(t) != 0) return false;
+    if (t.strides != nullptr && !(spec.flags & kStrided) && !is_contiguous(t)) return false;
+  }
+  // Each dtype variable's code (bound by its first tensor) must be allowed.
+  Dtype dtype = fixed_dtype_;
+  for (uint32_t v = 0; v < num_vars_; ++v) {
+    const VarCodes& var = var_codes_[v];
+    uint32_t j = 0;
+    while (j < var.count && var.codes[j] != code[v]) ++j;
+    if (j == var.count) return false;
+    if (static_cast<int>(v) == selecting_var_) dtype = var.dtypes[j];
+  }
+  info->dtype = dtype;
+  info->device = tensors[0].device;
+  return true;
 }
 
 void CompiledSchema::fail(size_t tensor, const std::string& what) const {
@@ -123,11 +240,11 @@ void CompiledSchema::fail(size_t tensor, const std::string& what) const {
 }
 
 void CompiledSchema::diagnose(std::span<const DLTensor> tensors) const {
-  if (tensors.size() != tensors_.size() || tensors.empty()) {
+  if (tensors.size() != plan_.size() || tensors.empty()) {
     std::vector<std::string_view> names;
     for (const auto& a : schema_.tensors) names.push_back(a.name);
     throw CallError(ErrorCode::bad_arguments,
-                    fmt::format("op '{}' takes {} tensors ({}), got {}", schema_.op, tensors_.size(),
+                    fmt::format("op '{}' takes {} tensors ({}), got {}", schema_.op, plan_.size(),
                                 fmt::join(names, ", "), tensors.size()));
   }
   std::array<int64_t, kMaxSchemaSymbols> bound;
@@ -140,8 +257,9 @@ void CompiledSchema::diagnose(std::span<const DLTensor> tensors) const {
   int leading_index = -1;
   int64_t leading_count = 0;
 
-  for (size_t i = 0; i < tensors_.size(); ++i) {
-    const Tensor& spec = tensors_[i];
+  for (size_t i = 0; i < plan_.size(); ++i) {
+    const Tensor& spec = plan_[i];
+    const bool leading = spec.flags & kLeading;
     const DLTensor& t = tensors[i];
     // Device: one for the whole call.
     if (t.device.device_type != tensors[0].device.device_type || t.device.device_id != tensors[0].device.device_id) {
@@ -149,8 +267,8 @@ void CompiledSchema::diagnose(std::span<const DLTensor> tensors) const {
                           device_str(t.device), schema_.tensors[0].name, device_str(tensors[0].device)));
     }
     // Dtype.
-    if (spec.dtype_var >= 0) {
-      const auto v = static_cast<size_t>(spec.dtype_var);
+    if (spec.var != kZeroVar) {
+      const auto v = static_cast<size_t>(spec.var);
       if (var_by[v] < 0) {
         const auto d = from_dlpack(t.dtype);
         const auto& allowed = vars_[v].allowed;
@@ -168,21 +286,20 @@ void CompiledSchema::diagnose(std::span<const DLTensor> tensors) const {
                             schema_.tensors[static_cast<size_t>(var_by[v])].name, dtype_str(t.dtype)));
       }
     } else {
-      const DLDataType want = to_dlpack(spec.dtype);
-      if (t.dtype.code != want.code || t.dtype.bits != want.bits || t.dtype.lanes != want.lanes) {
-        fail(i, fmt::format("expected dtype {}, got {}", dtype_name(spec.dtype), dtype_str(t.dtype)));
+      if (pack_dtype(t.dtype) != static_cast<uint32_t>(spec.header >> 32)) {
+        fail(i, fmt::format("expected dtype {}, got {}", schema_.tensors[i].dtype, dtype_str(t.dtype)));
       }
     }
     // Rank.
     const int64_t fixed = static_cast<int64_t>(spec.num_dims);
     if (t.ndim < 0 || (t.ndim > 0 && t.shape == nullptr)) fail(i, "has a null shape");
-    if (spec.leading ? t.ndim < fixed : t.ndim != fixed) {
+    if (leading ? t.ndim < fixed : t.ndim != fixed) {
       fail(i, fmt::format("expected shape {} ({}{} dims), got {}", pattern_str(schema_.tensors[i]),
-                          spec.leading ? "at least " : "", fixed, shape_str(t)));
+                          leading ? "at least " : "", fixed, shape_str(t)));
     }
     // Leading dims: the same for every tensor that has them.
     const int64_t lead = t.ndim - fixed;
-    if (spec.leading) {
+    if (leading) {
       if (leading_owner == nullptr) {
         leading_owner = &t;
         leading_index = static_cast<int>(i);
@@ -194,41 +311,36 @@ void CompiledSchema::diagnose(std::span<const DLTensor> tensors) const {
     }
     // Named and constant dims.
     for (size_t k = 0; k < spec.num_dims; ++k) {
-      const Dim& d = spec.dims[k];
+      const Dim& d = dims_[spec.first_dim + k];
       const int64_t size = t.shape[lead + static_cast<int64_t>(k)];
       if (size < 0) fail(i, fmt::format("has a negative dim in {}", shape_str(t)));
-      switch (d.kind) {
-        case Dim::Kind::constant:
-          if (size != d.value) {
-            fail(i, fmt::format("dim {} must be {}, got {} (shape {})", lead + static_cast<int64_t>(k), d.value, size,
-                                shape_str(t)));
-          }
-          break;
-        case Dim::Kind::symbol:
-        case Dim::Kind::multiple: {
-          const int64_t factor = d.kind == Dim::Kind::multiple ? d.value : 1;
-          int64_t& value = bound[d.symbol];
-          if (value < 0) {
-            if (size % factor != 0) {
-              fail(i, fmt::format("dim {} must be a multiple of {} ({}*{}), got {}", lead + static_cast<int64_t>(k),
-                                  factor, factor, symbols_[d.symbol], size));
-            }
-            value = size / factor;
-            bound_by[d.symbol] = static_cast<int>(i);
-          } else if (size != factor * value) {
-            const std::string token =
-                factor == 1 ? symbols_[d.symbol] : fmt::format("{}*{}", factor, symbols_[d.symbol]);
-            fail(i, fmt::format("dim {} is {} = {} (from '{}'), got {} (shape {})", lead + static_cast<int64_t>(k),
-                                token, factor * value, schema_.tensors[static_cast<size_t>(bound_by[d.symbol])].name,
-                                size, shape_str(t)));
-          }
-          break;
+      if (d.match == kZeroSymbol) {
+        if (size != d.constant) {
+          fail(i, fmt::format("dim {} must be {}, got {} (shape {})", lead + static_cast<int64_t>(k), d.constant, size,
+                              shape_str(t)));
         }
+        continue;
+      }
+      const int64_t factor = d.factor;
+      const uint8_t symbol = d.match;
+      int64_t& value = bound[symbol];
+      if (value < 0) {
+        if (size % factor != 0) {
+          fail(i, fmt::format("dim {} must be a multiple of {} ({}*{}), got {}", lead + static_cast<int64_t>(k),
+                              factor, factor, symbols_[symbol], size));
+        }
+        value = size / factor;
+        bound_by[symbol] = static_cast<int>(i);
+      } else if (size != factor * value) {
+        const std::string token = factor == 1 ? symbols_[symbol] : fmt::format("{}*{}", factor, symbols_[symbol]);
+        fail(i, fmt::format("dim {} is {} = {} (from '{}'), got {} (shape {})", lead + static_cast<int64_t>(k), token,
+                            factor * value, schema_.tensors[static_cast<size_t>(bound_by[symbol])].name, size,
+                            shape_str(t)));
       }
     }
     // Memory.
     if (t.data == nullptr && numel(t) > 0) fail(i, "has null data");
-    if (!spec.strided && !is_contiguous(t)) {
+    if (!(spec.flags & kStrided) && !is_contiguous(t)) {
       std::vector<int64_t> strides(t.strides, t.strides + t.ndim);
       fail(i, fmt::format("must be contiguous, got strides [{}] for shape {}", fmt::join(strides, ", "), shape_str(t)));
     }

@@ -3,11 +3,13 @@
 // poisoned); plugins open lazily, on the first call; tracing.
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "kdispatch/context.hpp"
 #include "kdispatch/dispatcher.hpp"
@@ -85,10 +87,9 @@ TEST_CASE("dispatch: a good call runs the cpu kernel and opens its plugin on fir
   CHECK(call.out[2] == doctest::Approx(call.x[2] * inv * call.weight[2]).epsilon(1e-5));
 }
 
-TEST_CASE("dispatch: bad arguments are KD-E030 naming the argument, and never reach the kernel") {
-  auto ctx = cpu_context();
-  Dispatcher dispatch(*ctx);
-  const OpHandle op = dispatch.op("layernorm.rmsnorm");
+// Every bad call, either on a fresh op or after an accepted call of the same
+// shapes (which the check remembers: a bad call must not pass for it).
+void bad_argument_cases(const OpHandle& op) {
   SUBCASE("wrong arity") {
     RmsnormCall call;
     call.tensors.pop_back();
@@ -148,6 +149,98 @@ TEST_CASE("dispatch: bad arguments are KD-E030 naming the argument, and never re
     const NamedAttr attrs[] = {{"eps", std::string("small")}};
     expect_bad_call(op, call, {"attribute 'eps': expected float, got string"}, attrs);
   }
+}
+
+TEST_CASE("dispatch: bad arguments are KD-E030 naming the argument, and never reach the kernel") {
+  auto ctx = cpu_context();
+  Dispatcher dispatch(*ctx);
+  bad_argument_cases(dispatch.op("layernorm.rmsnorm"));
+}
+
+TEST_CASE("dispatch: bad arguments after an accepted call of the same shapes are still KD-E030") {
+  auto ctx = cpu_context();
+  Dispatcher dispatch(*ctx);
+  const OpHandle op = dispatch.op("layernorm.rmsnorm");
+  RmsnormCall good;
+  op(good.tensors);
+  op(good.tensors);  // the second one takes the remembered signature
+  CHECK_FALSE(good.output_untouched());
+  CompiledSchema::CallInfo info;
+  CHECK(op.compiled().matches_last(good.tensors, &info));
+  CHECK(info.dtype == Dtype::float32);
+  bad_argument_cases(op);
+}
+
+TEST_CASE("dispatch: calls alternating between shapes each get their own result") {
+  auto ctx = cpu_context();
+  Dispatcher dispatch(*ctx);
+  const OpHandle op = dispatch.op("layernorm.rmsnorm");
+  RmsnormCall small;
+  RmsnormCall large;
+  large.h = 9;
+  large.shape2 = {2, 9};
+  large.shape1 = {9};
+  large.out.assign(18, std::nanf(""));
+  large.x.resize(18);
+  for (size_t i = 0; i < large.x.size(); ++i) large.x[i] = 0.1f * static_cast<float>(i) - 0.7f;
+  large.weight.assign(9, 1.5f);
+  large.tensors[0].data = large.out.data();
+  large.tensors[1].data = large.x.data();
+  large.tensors[2].data = large.weight.data();
+  for (int round = 0; round < 3; ++round) {
+    for (RmsnormCall* call : {&small, &large}) {
+      call->out.assign(call->out.size(), std::nanf(""));
+      op(call->tensors);
+      for (int64_t r = 0; r < call->shape2[0]; ++r) {
+        double sum = 0;
+        for (int64_t j = 0; j < call->h; ++j) sum += double(call->x[r * call->h + j]) * call->x[r * call->h + j];
+        const double inv = 1.0 / std::sqrt(sum / double(call->h) + 1e-6);
+        for (int64_t j = 0; j < call->h; ++j) {
+          const size_t i = static_cast<size_t>(r * call->h + j);
+          CHECK(call->out[i] == doctest::Approx(call->x[i] * inv * call->weight[j]).epsilon(1e-5));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("dispatch: threads calling one op with different shapes (the remembered signature is shared)") {
+  auto ctx = cpu_context();
+  Dispatcher dispatch(*ctx);
+  const OpHandle op = dispatch.op("layernorm.rmsnorm");
+  constexpr int kThreads = 4;
+  std::vector<std::thread> threads;
+  std::atomic<int> wrong{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      const int64_t rows = 1 + t, h = 5 + 2 * t;
+      std::vector<float> out(static_cast<size_t>(rows * h)), x(out.size()), weight(static_cast<size_t>(h), 1.0f);
+      for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 7 + static_cast<size_t>(t)) % 11) - 5.0f;
+      std::vector<int64_t> shape2{rows, h}, shape1{h};
+      const DLDevice cpu{kDLCPU, 0};
+      const DLDataType f32{kDLFloat, 32, 1};
+      std::vector<DLTensor> tensors{DLTensor{out.data(), cpu, 2, f32, shape2.data(), nullptr, 0},
+                                    DLTensor{x.data(), cpu, 2, f32, shape2.data(), nullptr, 0},
+                                    DLTensor{weight.data(), cpu, 1, f32, shape1.data(), nullptr, 0}};
+      std::vector<DLTensor> bad = tensors;
+      bad[2].shape = &shape2[0];  // weight of size rows, not h
+      for (int i = 0; i < 300; ++i) {
+        out.assign(out.size(), std::nanf(""));
+        op(tensors);
+        double sum = 0;
+        for (int64_t j = 0; j < h; ++j) sum += double(x[j]) * x[j];
+        const double expected = x[0] / std::sqrt(sum / double(h) + 1e-6);
+        if (std::abs(out[0] - expected) > 1e-5 * std::abs(expected) + 1e-6) ++wrong;
+        try {
+          op(bad);
+          ++wrong;  // accepted a weight of the wrong size
+        } catch (const CallError&) {
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  CHECK(wrong.load() == 0);
 }
 
 TEST_CASE("dispatch: unknown ops and devices") {

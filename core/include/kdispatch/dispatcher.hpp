@@ -90,6 +90,7 @@ class OpHandle {
  private:
   friend class Dispatcher;
   explicit OpHandle(OpState* state) : state_(state) {}
+  void call_general(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream) const;
   OpState* state_;
 };
 
@@ -114,8 +115,8 @@ class Dispatcher {
  private:
   friend class OpHandle;
   OpState* intern(std::string_view op, std::string_view backend);
-  KernelHandle resolve_slow(OpState& state, int32_t device_type, int32_t device_id, Dtype dtype);
-  KernelHandle resolve(OpState& state, int32_t device_type, int32_t device_id, Dtype dtype);
+  KernelHandle resolve(OpState& state, DLDevice device, Dtype dtype);
+  KernelHandle resolve_slow(OpState& state, DLDevice device, Dtype dtype);
   void trace(const OpState& state, const KernelHandle& kernel, std::span<const DLTensor> tensors, double us);
 
   Context& context_;

@@ -7,7 +7,10 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 #include <vector>
@@ -29,59 +32,117 @@ class CompiledSchema {
   explicit CompiledSchema(const OpSchema& schema);
 
   struct CallInfo {
-    Dtype dtype;            // the dtype that selects a kernel (first dtype variable)
-    int32_t device_type;    // DLDeviceType shared by all tensors
-    int32_t device_id;
+    Dtype dtype;      // the dtype that selects a kernel (first dtype variable)
+    DLDevice device;  // shared by all tensors
   };
   // Checks count, dtypes, shapes, one device, non-null data and layout.
   // Throws CallError KD-E030 naming the argument, what was expected and what
-  // was given. The common case (all good) runs a lean pass over flat data;
+  // was given. Three tiers: a call whose devices, dtypes and shapes equal
+  // those of the last accepted call only has its data and layout checked;
+  // any other runs the compiled plan (and becomes the last accepted call);
   // only a failing call pays for the detailed diagnosis.
   CallInfo check(std::span<const DLTensor> tensors) const {
     CallInfo info;
-    if (check_fast(tensors, &info)) [[likely]] return info;
-    diagnose(tensors);
+    if (matches_last(tensors, &info)) [[likely]] return info;
+    return check_plan(tensors);
   }
-
+  // The first tier alone: true (and `info` set) when the call passes by
+  // equality with the last accepted one; false says nothing, run check().
+  bool matches_last(std::span<const DLTensor> tensors, CallInfo* info) const noexcept;
 
   const OpSchema& schema() const { return schema_; }
 
  private:
+  // The check is compiled into a plan that the per-call pass follows
+  // without branching on what a dim or dtype is: every step reads and writes
+  // value slots, and whether it binds a symbol (its first appearance in call
+  // order) or matches a bound one is encoded in which slots it uses. Two
+  // extra slots of each kind hold 0 and take writes that nobody reads.
+  static constexpr uint8_t kZeroSymbol = kMaxSchemaSymbols;
+  static constexpr uint8_t kScratchSymbol = kMaxSchemaSymbols + 1;
+  static constexpr uint8_t kZeroVar = kMaxSchemaDtypeVars;
+  static constexpr uint8_t kScratchVar = kMaxSchemaDtypeVars + 1;
+
+  // A dim after "*": its size goes to slot `bind`, then must equal
+  // constant + factor * value[match]. A binding dim reads back its own slot
+  // (factor 1), a constant reads the zero slot (factor 0).
   struct Dim {
-    enum class Kind : uint8_t { symbol, constant, multiple } kind;
-    // Whether this is the symbol's first appearance in call order (it binds
-    // the symbol) or a later one (it must match): known when compiling, so
-    // the per-call check needs no bookkeeping.
-    bool binds;
-    uint8_t symbol;  // slot
-    int64_t value;   // constant size or factor (1 for a plain symbol)
+    int64_t constant;
+    int64_t factor;
+    uint8_t bind;
+    uint8_t match;
+    int64_t divisor;  // binds size / divisor (only for a first "2*D"-style dim; else 1)
+  };
+  enum TensorFlags : uint8_t {
+    kLeading = 1,       // the pattern starts with "*"
+    kBindsLeading = 2,  // the first tensor with "*": later ones match it
+    kStrided = 4,       // any layout allowed
+    kDivides = 8,       // one of its dims binds a symbol through a factor
   };
   struct Tensor {
-    bool leading = false;        // starts with "*"
-    bool binds_leading = false;  // the first tensor with "*": later ones match it
-    bool strided = false;
-    bool binds_var = false;      // first tensor of its dtype variable
-    int dtype_var = -1;          // slot in vars_, or -1 for a concrete dtype
-    Dtype dtype = Dtype::float32;
-    uint32_t dtype_code = 0;     // packed DLDataType of a concrete dtype
-    uint32_t num_dims = 0;
-    std::array<Dim, kMaxSchemaDims> dims{};  // after "*"
+    // ndim and the packed DLDataType as they lie in a DLTensor, with ndim 0
+    // (masked out) after "*" and the dtype 0 when a variable gives it.
+    uint64_t header;
+    uint64_t header_mask;
+    uint8_t var;       // slot whose code is the expected dtype (kZeroVar: concrete)
+    uint8_t bind_var;  // slot this tensor's dtype is written to (kScratchVar: none)
+    uint8_t flags;
+    uint8_t num_dims;  // dims after "*"
+    uint8_t first_dim; // index of the first in dims_
+  };
+  // A dtype variable's allowed dtypes, flat for the per-call check.
+  struct VarCodes {
+    std::array<uint32_t, std::size(kAllDtypes)> codes;  // packed DLDataType
+    std::array<Dtype, std::size(kAllDtypes)> dtypes;
+    uint32_t count = 0;
   };
   struct DtypeVar {
     std::string name;
     std::vector<Dtype> allowed;
-    std::vector<uint32_t> codes;  // packed DLDataType of each allowed dtype
   };
+  // The last accepted call, as the words the verdict on devices, dtypes and
+  // shapes depends on: per tensor its device, then ndim and dtype, then its
+  // shape. Calls of an op mostly repeat (every layer of a model calls it with
+  // the same shapes), so comparing with these words replaces the plan for
+  // most calls. A seqlock keeps readers lock-free: a reader that overlaps a
+  // writer sees the sequence change and takes the plan instead.
+  struct LastCall {
+    static constexpr size_t kWords = 64;
+    std::atomic<uint32_t> seq{0};  // odd: being written; 0: nothing recorded
+    std::atomic<Dtype> dtype{Dtype::float32};
+    std::array<std::atomic<uint64_t>, kWords> words{};
+  };
+  // Two 64-bit words of a DLTensor: its device, or its ndim and dtype.
+  static uint64_t read_word(const DLTensor& t, size_t offset) {
+    static_assert(offsetof(DLTensor, device) + sizeof(DLDevice) == offsetof(DLTensor, ndim) &&
+                  offsetof(DLTensor, ndim) + 4 == offsetof(DLTensor, dtype) && sizeof(DLDevice) == 8 &&
+                  sizeof(DLDataType) == 4);
+    uint64_t w;
+    std::memcpy(&w, reinterpret_cast<const char*>(&t) + offset, sizeof w);
+    return w;
+  }
+  CallInfo check_plan(std::span<const DLTensor> tensors) const;
+  void remember(std::span<const DLTensor> tensors, Dtype dtype) const noexcept;
   bool check_fast(std::span<const DLTensor> tensors, CallInfo* info) const noexcept;
   [[noreturn]] void diagnose(std::span<const DLTensor> tensors) const;
   [[noreturn]] void fail(size_t tensor, const std::string& what) const;
 
   OpSchema schema_;
-  std::vector<Tensor> tensors_;
+  std::vector<Tensor> plan_;
+  std::vector<Dim> dims_;
+  std::array<VarCodes, kMaxSchemaDtypeVars> var_codes_{};
+  uint32_t num_vars_ = 0;
+  int selecting_var_ = -1;              // the variable that selects the kernel, if any
+  Dtype fixed_dtype_ = Dtype::float32;  // the call's dtype when no variable selects it
   std::vector<std::string> symbols_;
   std::vector<DtypeVar> vars_;
-  int selecting_var_ = -1;  // dtype variable that selects the kernel
+  mutable LastCall last_;
 };
+
+// DLDevice as one word (type in the low half), for cheap comparisons.
+inline uint64_t device_word(DLDevice d) {
+  return static_cast<uint32_t>(d.device_type) | uint64_t{static_cast<uint32_t>(d.device_id)} << 32;
+}
 
 // DLDataType packed into one word, for cheap comparisons.
 inline uint32_t pack_dtype(DLDataType t) {
@@ -90,77 +151,42 @@ inline uint32_t pack_dtype(DLDataType t) {
 
 // True when `t` is laid out densely in row-major order (strides NULL or
 // matching; dims of size 1 may have any stride).
-bool is_contiguous(const DLTensor& t);
+inline bool is_contiguous(const DLTensor& t) {
+  if (t.strides == nullptr) return true;
+  int64_t expected = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    if (t.shape[i] != 1 && t.strides[i] != expected) return false;
+    expected *= t.shape[i];
+  }
+  return true;
+}
 int64_t numel(const DLTensor& t);
 
 // Inline: the whole per-call cost of a checked call's validation.
-inline bool CompiledSchema::check_fast(std::span<const DLTensor> tensors, CallInfo* info) const noexcept {
-  const size_t n = tensors_.size();
-  if (tensors.size() != n || n == 0) return false;
-  const DLDevice device = tensors[0].device;
-  std::array<int64_t, kMaxSchemaSymbols> bound;
-  std::array<uint32_t, kMaxSchemaDtypeVars> var_code;
-  const int64_t* leading = nullptr;
-  int64_t leading_count = 0;
-
-  for (size_t i = 0; i < n; ++i) {
-    const Tensor& spec = tensors_[i];
+inline bool CompiledSchema::matches_last(std::span<const DLTensor> tensors, CallInfo* info) const noexcept {
+  const uint32_t seq = last_.seq.load(std::memory_order_acquire);
+  if ((seq & 1) != 0 || seq == 0 || tensors.size() != plan_.size()) return false;
+  const std::atomic<uint64_t>* w = last_.words.data();
+  const std::atomic<uint64_t>* const end = w + LastCall::kWords;
+  for (size_t i = 0; i < tensors.size(); ++i) {
     const DLTensor& t = tensors[i];
-    if (t.device.device_type != device.device_type || t.device.device_id != device.device_id) return false;
-    const uint32_t code = pack_dtype(t.dtype);
-    if (spec.dtype_var < 0) {
-      if (code != spec.dtype_code) return false;
-    } else if (!spec.binds_var) {
-      if (code != var_code[static_cast<size_t>(spec.dtype_var)]) return false;
-    } else {
-      const auto& codes = vars_[static_cast<size_t>(spec.dtype_var)].codes;
-      if (std::find(codes.begin(), codes.end(), code) == codes.end()) return false;
-      var_code[static_cast<size_t>(spec.dtype_var)] = code;
+    if (read_word(t, offsetof(DLTensor, device)) != w[0].load(std::memory_order_relaxed)) return false;
+    if (read_word(t, offsetof(DLTensor, ndim)) != w[1].load(std::memory_order_relaxed)) return false;
+    // ndim equals an accepted call's, but the words may be torn: bound it.
+    const auto ndim = static_cast<uint32_t>(t.ndim);
+    if (ndim > static_cast<size_t>(end - w) - 2 || (t.shape == nullptr && ndim != 0)) return false;
+    for (uint32_t k = 0; k < ndim; ++k) {
+      if (static_cast<uint64_t>(t.shape[k]) != w[2 + k].load(std::memory_order_relaxed)) return false;
     }
-    const int64_t lead = t.ndim - static_cast<int64_t>(spec.num_dims);
-    if (lead < 0 || (lead != 0 && !spec.leading) || (t.shape == nullptr && t.ndim > 0)) return false;
-    if (spec.binds_leading) {
-      leading = t.shape;
-      leading_count = lead;
-      for (int64_t k = 0; k < lead; ++k) {
-        if (t.shape[k] < 0) return false;
-      }
-    } else if (spec.leading) {
-      if (lead != leading_count) return false;
-      for (int64_t k = 0; k < lead; ++k) {
-        if (t.shape[k] != leading[k]) return false;
-      }
-    }
-    const int64_t* dims = t.shape + lead;
-    for (uint32_t k = 0; k < spec.num_dims; ++k) {
-      const Dim& d = spec.dims[k];
-      const int64_t size = dims[k];
-      if (d.kind == Dim::Kind::constant) {
-        if (size != d.value) return false;
-      } else if (!d.binds) {
-        if (size != d.value * bound[d.symbol]) return false;
-      } else if (d.value == 1) {  // a plain symbol: no division (tens of cycles)
-        if (size < 0) return false;
-        bound[d.symbol] = size;
-      } else {
-        if (size < 0 || size % d.value != 0) return false;
-        bound[d.symbol] = size / d.value;
-      }
-    }
-    // Null data is fine only for an empty tensor: count elements only then.
-    if (t.data == nullptr && numel(t) != 0) return false;
-    if (t.strides != nullptr && !spec.strided && !is_contiguous(t)) return false;
+    w += 2 + ndim;
+    // What the words do not cover is checked as in the plan.
+    if (t.data == nullptr) return false;
+    if (t.strides != nullptr && !(plan_[i].flags & kStrided) && !is_contiguous(t)) return false;
   }
-  info->device_type = static_cast<int32_t>(device.device_type);
-  info->device_id = device.device_id;
-  if (selecting_var_ >= 0) {
-    const DtypeVar& var = vars_[static_cast<size_t>(selecting_var_)];
-    const uint32_t code = var_code[static_cast<size_t>(selecting_var_)];
-    info->dtype = var.allowed[static_cast<size_t>(std::find(var.codes.begin(), var.codes.end(), code) - var.codes.begin())];
-  } else {
-    info->dtype = tensors_[0].dtype;
-  }
-  return true;
+  info->dtype = last_.dtype.load(std::memory_order_relaxed);
+  info->device = tensors[0].device;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  return last_.seq.load(std::memory_order_relaxed) == seq;
 }
 
 }  // namespace kdispatch
