@@ -38,6 +38,7 @@ struct OpState {
   std::vector<kd_attr> defaults;
   bool defaults_complete = true;
   bool plain_calls = false;  // defaults_complete and no trace file: a call without attributes packs nothing
+  std::span<const kd_attr> plain_attrs;  // `defaults`, for plain calls
   std::array<std::atomic<const Resolved*>, kSlots> cache{};
   std::vector<std::unique_ptr<Resolved>> owned;  // guarded by the dispatcher's mutex
   size_t next_victim = 0;
@@ -178,7 +179,7 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
   CompiledSchema::CallInfo info;
   if (attrs.empty() && state.plain_calls && state.compiled->matches_last(tensors, &info)) [[likely]] {
     if (const OpState::Resolved* r = state.find_cached(device_word(info.device), info.dtype)) [[likely]] {
-      KernelHandle(r->fn, r->spec)(tensors, state.defaults, stream);
+      KernelHandle(r->fn, r->spec)(tensors, state.plain_attrs, stream);
       return;
     }
   }
@@ -283,6 +284,7 @@ OpState* Dispatcher::intern(std::string_view op, std::string_view backend) {
     state->defaults.push_back(a);
   }
   state->plain_calls = state->defaults_complete && state->trace_file == nullptr;
+  state->plain_attrs = state->defaults;
   OpState* raw = state.get();
   states_.push_back(std::move(state));
   // A full table still works, through the mutex-guarded list.

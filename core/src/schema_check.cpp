@@ -131,6 +131,7 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
     }
     plan_.push_back(t);
   }
+  num_tensors_ = plan_.size();
   num_vars_ = static_cast<uint32_t>(vars_.size());
   if (!vars_.empty()) selecting_var_ = 0;
 }
@@ -145,20 +146,22 @@ CompiledSchema::CallInfo CompiledSchema::check_plan(std::span<const DLTensor> te
 // Records an accepted call for matches_last(). A writer that finds another
 // one at work leaves it be: the record is a cache, and either call is fine.
 void CompiledSchema::remember(std::span<const DLTensor> tensors, Dtype dtype) const noexcept {
-  size_t words = 0;
-  for (const DLTensor& t : tensors) words += 2 + static_cast<size_t>(t.ndim);
-  if (words > LastCall::kWords) return;
+  if (tensors.size() > LastCall::kTensors) return;
+  for (const DLTensor& t : tensors) {
+    if (static_cast<uint32_t>(t.ndim) > LastCall::kDims) return;
+  }
   uint32_t seq = last_.seq.load(std::memory_order_relaxed);
   if ((seq & 1) != 0 || !last_.seq.compare_exchange_strong(seq, seq + 1, std::memory_order_relaxed)) return;
   std::atomic_thread_fence(std::memory_order_release);
-  std::atomic<uint64_t>* w = last_.words.data();
-  for (const DLTensor& t : tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const DLTensor& t = tensors[i];
+    std::atomic<uint64_t>* w = last_.rows[i].data();
     w[0].store(read_word(t, offsetof(DLTensor, device)), std::memory_order_relaxed);
     w[1].store(read_word(t, offsetof(DLTensor, ndim)), std::memory_order_relaxed);
     for (int k = 0; k < t.ndim; ++k) w[2 + k].store(static_cast<uint64_t>(t.shape[k]), std::memory_order_relaxed);
-    w += 2 + t.ndim;
   }
   last_.dtype.store(dtype, std::memory_order_relaxed);
+  // seq + 2 wraps to 0 ("nothing recorded") once in 2^31 writes: harmless.
   last_.seq.store(seq + 2, std::memory_order_release);
 }
 

@@ -102,15 +102,18 @@ class CompiledSchema {
   };
   // The last accepted call, as the words the verdict on devices, dtypes and
   // shapes depends on: per tensor its device, then ndim and dtype, then its
-  // shape. Calls of an op mostly repeat (every layer of a model calls it with
-  // the same shapes), so comparing with these words replaces the plan for
-  // most calls. A seqlock keeps readers lock-free: a reader that overlaps a
-  // writer sees the sequence change and takes the plan instead.
+  // shape, each tensor in a row of its own. Calls of an op mostly repeat
+  // (every layer of a model calls it with the same shapes), so comparing
+  // with these words replaces the plan for most calls. A seqlock keeps
+  // readers lock-free: a reader that overlaps a writer sees the sequence
+  // change and takes the plan instead. Calls with more tensors or dims than
+  // a row holds are not remembered.
   struct LastCall {
-    static constexpr size_t kWords = 64;
+    static constexpr size_t kTensors = 16;
+    static constexpr size_t kDims = 6;
     std::atomic<uint32_t> seq{0};  // odd: being written; 0: nothing recorded
     std::atomic<Dtype> dtype{Dtype::float32};
-    std::array<std::atomic<uint64_t>, kWords> words{};
+    std::array<std::array<std::atomic<uint64_t>, 2 + kDims>, kTensors> rows{};
   };
   // Two 64-bit words of a DLTensor: its device, or its ndim and dtype.
   static uint64_t read_word(const DLTensor& t, size_t offset) {
@@ -129,6 +132,7 @@ class CompiledSchema {
 
   OpSchema schema_;
   std::vector<Tensor> plan_;
+  size_t num_tensors_ = 0;  // plan_.size()
   std::vector<Dim> dims_;
   std::array<VarCodes, kMaxSchemaDtypeVars> var_codes_{};
   uint32_t num_vars_ = 0;
@@ -165,20 +169,18 @@ int64_t numel(const DLTensor& t);
 // Inline: the whole per-call cost of a checked call's validation.
 inline bool CompiledSchema::matches_last(std::span<const DLTensor> tensors, CallInfo* info) const noexcept {
   const uint32_t seq = last_.seq.load(std::memory_order_acquire);
-  if ((seq & 1) != 0 || seq == 0 || tensors.size() != plan_.size()) return false;
-  const std::atomic<uint64_t>* w = last_.words.data();
-  const std::atomic<uint64_t>* const end = w + LastCall::kWords;
+  if ((seq & 1) != 0 || seq == 0 || tensors.size() != num_tensors_) return false;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const DLTensor& t = tensors[i];
+    const std::atomic<uint64_t>* w = last_.rows[i].data();
     if (read_word(t, offsetof(DLTensor, device)) != w[0].load(std::memory_order_relaxed)) return false;
     if (read_word(t, offsetof(DLTensor, ndim)) != w[1].load(std::memory_order_relaxed)) return false;
     // ndim equals an accepted call's, but the words may be torn: bound it.
     const auto ndim = static_cast<uint32_t>(t.ndim);
-    if (ndim > static_cast<size_t>(end - w) - 2 || (t.shape == nullptr && ndim != 0)) return false;
-    for (uint32_t k = 0; k < ndim; ++k) {
+    if (ndim > LastCall::kDims || (t.shape == nullptr && ndim != 0)) return false;
+    for (size_t k = 0; k < ndim; ++k) {
       if (static_cast<uint64_t>(t.shape[k]) != w[2 + k].load(std::memory_order_relaxed)) return false;
     }
-    w += 2 + ndim;
     // What the words do not cover is checked as in the plan.
     if (t.data == nullptr) return false;
     if (t.strides != nullptr && !(plan_[i].flags & kStrided) && !is_contiguous(t)) return false;
