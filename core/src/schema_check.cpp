@@ -143,26 +143,30 @@ CompiledSchema::CallInfo CompiledSchema::check_plan(std::span<const DLTensor> te
   return info;
 }
 
-// Records an accepted call for matches_last(). A writer that finds another
-// one at work leaves it be: the record is a cache, and either call is fine.
+// Records an accepted call for matches_last(), over the oldest entry. A
+// writer that finds another one at work on that entry leaves it be: the
+// entries are a cache, and either call is fine.
 void CompiledSchema::remember(std::span<const DLTensor> tensors, Dtype dtype) const noexcept {
-  if (tensors.size() > LastCall::kTensors) return;
+  if (tensors.size() > Accepted::kTensors) return;
   for (const DLTensor& t : tensors) {
-    if (static_cast<uint32_t>(t.ndim) > LastCall::kDims) return;
+    if (static_cast<uint32_t>(t.ndim) > Accepted::kDims) return;
   }
-  uint32_t seq = last_.seq.load(std::memory_order_relaxed);
-  if ((seq & 1) != 0 || !last_.seq.compare_exchange_strong(seq, seq + 1, std::memory_order_relaxed)) return;
+  const uint32_t entry = next_accepted_.load(std::memory_order_relaxed);
+  next_accepted_.store((entry + 1) % kRemembered, std::memory_order_relaxed);
+  Accepted& accepted = accepted_[entry % kRemembered];
+  uint32_t seq = accepted.seq.load(std::memory_order_relaxed);
+  if ((seq & 1) != 0 || !accepted.seq.compare_exchange_strong(seq, seq + 1, std::memory_order_relaxed)) return;
   std::atomic_thread_fence(std::memory_order_release);
   for (size_t i = 0; i < tensors.size(); ++i) {
     const DLTensor& t = tensors[i];
-    std::atomic<uint64_t>* w = last_.rows[i].data();
+    std::atomic<uint64_t>* w = accepted.rows[i].data();
     w[0].store(read_word(t, offsetof(DLTensor, device)), std::memory_order_relaxed);
     w[1].store(read_word(t, offsetof(DLTensor, ndim)), std::memory_order_relaxed);
     for (int k = 0; k < t.ndim; ++k) w[2 + k].store(static_cast<uint64_t>(t.shape[k]), std::memory_order_relaxed);
   }
-  last_.dtype.store(dtype, std::memory_order_relaxed);
+  accepted.dtype.store(dtype, std::memory_order_relaxed);
   // seq + 2 wraps to 0 ("nothing recorded") once in 2^31 writes: harmless.
-  last_.seq.store(seq + 2, std::memory_order_release);
+  accepted.seq.store(seq + 2, std::memory_order_release);
 }
 
 // The compiled plan: see the comment on Dim.

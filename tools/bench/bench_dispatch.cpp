@@ -17,7 +17,7 @@ namespace {
 struct Fixture {
   std::unique_ptr<Context> context;
   std::unique_ptr<Dispatcher> dispatch;
-  std::array<float, 4 * 64> out{}, x{}, weight{};
+  std::array<float, 5 * 64> out{}, x{}, weight{};  // room for the [5, 64] calls
   std::array<int64_t, 2> shape2{4, 64};
   std::array<int64_t, 1> shape1{64};
   std::array<DLTensor, 3> tensors{};
@@ -80,6 +80,24 @@ void BM_CheckedCall(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_CheckedCall);
+
+// Checked calls whose shapes change on every call ([4, 64] and [5, 64]
+// alternately): none repeats the last accepted signature, so each runs the
+// whole compiled plan and records its signature. The worst case of the check.
+void BM_CheckedCallNewShape(benchmark::State& state) {
+  Fixture& f = fixture();
+  const OpHandle op = f.dispatch->op("bench.noop");
+  std::array<int64_t, 2> other{5, 64};
+  std::array<DLTensor, 3> tensors = f.tensors;
+  bool flip = false;
+  for (auto _ : state) {
+    flip = !flip;
+    tensors[0].shape = tensors[1].shape = flip ? other.data() : f.shape2.data();
+    op(tensors);
+    benchmark::ClobberMemory();
+  }
+}
+BENCHMARK(BM_CheckedCallNewShape);
 
 void BM_CheckedCallWithAttr(benchmark::State& state) {
   Fixture& f = fixture();

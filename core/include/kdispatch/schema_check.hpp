@@ -38,7 +38,7 @@ class CompiledSchema {
   // Checks count, dtypes, shapes, one device, non-null data and layout.
   // Throws CallError KD-E030 naming the argument, what was expected and what
   // was given. Three tiers: a call whose devices, dtypes and shapes equal
-  // those of the last accepted call only has its data and layout checked;
+  // those of a recently accepted call only has its data and layout checked;
   // any other runs the compiled plan (and becomes the last accepted call);
   // only a failing call pays for the detailed diagnosis.
   CallInfo check(std::span<const DLTensor> tensors) const {
@@ -47,7 +47,8 @@ class CompiledSchema {
     return check_plan(tensors);
   }
   // The first tier alone: true (and `info` set) when the call passes by
-  // equality with the last accepted one; false says nothing, run check().
+  // equality with one of the last accepted ones; false says nothing, run
+  // check().
   bool matches_last(std::span<const DLTensor> tensors, CallInfo* info) const noexcept;
 
   const OpSchema& schema() const { return schema_; }
@@ -100,21 +101,24 @@ class CompiledSchema {
     std::string name;
     std::vector<Dtype> allowed;
   };
-  // The last accepted call, as the words the verdict on devices, dtypes and
+  // An accepted call, as the words the verdict on devices, dtypes and
   // shapes depends on: per tensor its device, then ndim and dtype, then its
   // shape, each tensor in a row of its own. Calls of an op mostly repeat
-  // (every layer of a model calls it with the same shapes), so comparing
-  // with these words replaces the plan for most calls. A seqlock keeps
-  // readers lock-free: a reader that overlaps a writer sees the sequence
-  // change and takes the plan instead. Calls with more tensors or dims than
-  // a row holds are not remembered.
-  struct LastCall {
-    static constexpr size_t kTensors = 16;
+  // (every layer of a model calls it with the same shapes, or alternates a
+  // few, as q and k norms do), so comparing with the last few accepted calls
+  // replaces the plan for most calls. A seqlock keeps readers lock-free: a
+  // reader that overlaps a writer sees the sequence change and takes the plan
+  // instead. Calls with more tensors or dims than the rows hold are not
+  // remembered.
+  struct Accepted {
+    static constexpr size_t kTensors = 8;
     static constexpr size_t kDims = 6;
     std::atomic<uint32_t> seq{0};  // odd: being written; 0: nothing recorded
     std::atomic<Dtype> dtype{Dtype::float32};
     std::array<std::array<std::atomic<uint64_t>, 2 + kDims>, kTensors> rows{};
   };
+  static constexpr size_t kRemembered = 4;
+  bool matches(const Accepted& accepted, std::span<const DLTensor> tensors, CallInfo* info) const noexcept;
   // Two 64-bit words of a DLTensor: its device, or its ndim and dtype.
   static uint64_t read_word(const DLTensor& t, size_t offset) {
     static_assert(offsetof(DLTensor, device) + sizeof(DLDevice) == offsetof(DLTensor, ndim) &&
@@ -140,7 +144,8 @@ class CompiledSchema {
   Dtype fixed_dtype_ = Dtype::float32;  // the call's dtype when no variable selects it
   std::vector<std::string> symbols_;
   std::vector<DtypeVar> vars_;
-  mutable LastCall last_;
+  mutable std::array<Accepted, kRemembered> accepted_;
+  mutable std::atomic<uint32_t> next_accepted_{0};  // the entry the next new signature replaces
 };
 
 // DLDevice as one word (type in the low half), for cheap comparisons.
@@ -167,17 +172,18 @@ inline bool is_contiguous(const DLTensor& t) {
 int64_t numel(const DLTensor& t);
 
 // Inline: the whole per-call cost of a checked call's validation.
-inline bool CompiledSchema::matches_last(std::span<const DLTensor> tensors, CallInfo* info) const noexcept {
-  const uint32_t seq = last_.seq.load(std::memory_order_acquire);
-  if ((seq & 1) != 0 || seq == 0 || tensors.size() != num_tensors_) return false;
+inline bool CompiledSchema::matches(const Accepted& accepted, std::span<const DLTensor> tensors,
+                                    CallInfo* info) const noexcept {
+  const uint32_t seq = accepted.seq.load(std::memory_order_acquire);
+  if ((seq & 1) != 0 || seq == 0) return false;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const DLTensor& t = tensors[i];
-    const std::atomic<uint64_t>* w = last_.rows[i].data();
+    const std::atomic<uint64_t>* w = accepted.rows[i].data();
     if (read_word(t, offsetof(DLTensor, device)) != w[0].load(std::memory_order_relaxed)) return false;
     if (read_word(t, offsetof(DLTensor, ndim)) != w[1].load(std::memory_order_relaxed)) return false;
     // ndim equals an accepted call's, but the words may be torn: bound it.
     const auto ndim = static_cast<uint32_t>(t.ndim);
-    if (ndim > LastCall::kDims || (t.shape == nullptr && ndim != 0)) return false;
+    if (ndim > Accepted::kDims || (t.shape == nullptr && ndim != 0)) return false;
     for (size_t k = 0; k < ndim; ++k) {
       if (static_cast<uint64_t>(t.shape[k]) != w[2 + k].load(std::memory_order_relaxed)) return false;
     }
@@ -185,10 +191,18 @@ inline bool CompiledSchema::matches_last(std::span<const DLTensor> tensors, Call
     if (t.data == nullptr) return false;
     if (t.strides != nullptr && !(plan_[i].flags & kStrided) && !is_contiguous(t)) return false;
   }
-  info->dtype = last_.dtype.load(std::memory_order_relaxed);
+  info->dtype = accepted.dtype.load(std::memory_order_relaxed);
   info->device = tensors[0].device;
   std::atomic_thread_fence(std::memory_order_acquire);
-  return last_.seq.load(std::memory_order_relaxed) == seq;
+  return accepted.seq.load(std::memory_order_relaxed) == seq;
+}
+
+inline bool CompiledSchema::matches_last(std::span<const DLTensor> tensors, CallInfo* info) const noexcept {
+  if (tensors.size() != num_tensors_ || tensors.size() > Accepted::kTensors) return false;
+  for (const Accepted& accepted : accepted_) {
+    if (matches(accepted, tensors, info)) return true;
+  }
+  return false;
 }
 
 }  // namespace kdispatch
