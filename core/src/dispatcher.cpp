@@ -173,22 +173,29 @@ KernelHandle OpHandle::resolve(std::span<const DLTensor> tensors) const {
 
 void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream) const {
   // The common call, kept small so that it needs few registers: no
-  // attributes given, a repeat of the last accepted signature, a cached
-  // kernel, no tracing. Everything else goes through call_general().
+  // attributes given, a repeat of a recently accepted signature, a cached
+  // kernel, no tracing. Everything else goes through call_checked(), each
+  // tier of the check run at most once.
   const OpState& state = *state_;
   CompiledSchema::CallInfo info;
-  if (attrs.empty() && state.plain_calls && state.compiled->matches_last(tensors, &info)) [[likely]] {
-    if (const OpState::Resolved* r = state.find_cached(device_word(info.device), info.dtype)) [[likely]] {
-      KernelHandle(r->fn, r->spec)(tensors, state.plain_attrs, stream);
-      return;
+  if (attrs.empty() && state.plain_calls) [[likely]] {
+    if (state.compiled->matches_last(tensors, &info)) [[likely]] {
+      if (const OpState::Resolved* r = state.find_cached(device_word(info.device), info.dtype)) [[likely]] {
+        KernelHandle(r->fn, r->spec)(tensors, state.plain_attrs, stream);
+        return;
+      }
+    } else {
+      info = state.compiled->check_plan(tensors);
     }
+    call_checked(tensors, attrs, stream, info);
+    return;
   }
-  call_general(tensors, attrs, stream);
+  call_checked(tensors, attrs, stream, state.compiled->check(tensors));
 }
 
-void OpHandle::call_general(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream) const {
+void OpHandle::call_checked(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream,
+                            const CompiledSchema::CallInfo& info) const {
   OpState& state = *state_;
-  const CompiledSchema::CallInfo info = state.compiled->check(tensors);
   const KernelHandle kernel = state.dispatcher->resolve(state, info.device, info.dtype);
   std::array<kd_attr, kMaxSchemaAttrs> storage;
   const std::span<const kd_attr> packed = pack_attrs(attrs, storage);

@@ -17,7 +17,7 @@ namespace {
 struct Fixture {
   std::unique_ptr<Context> context;
   std::unique_ptr<Dispatcher> dispatch;
-  std::array<float, 5 * 64> out{}, x{}, weight{};  // room for the [5, 64] calls
+  std::array<float, 8 * 64> out{}, x{}, weight{};  // room for the [8, 64] calls
   std::array<int64_t, 2> shape2{4, 64};
   std::array<int64_t, 1> shape1{64};
   std::array<DLTensor, 3> tensors{};
@@ -81,18 +81,19 @@ void BM_CheckedCall(benchmark::State& state) {
 }
 BENCHMARK(BM_CheckedCall);
 
-// Checked calls whose shapes change on every call ([4, 64] and [5, 64]
-// alternately): none repeats the last accepted signature, so each runs the
-// whole compiled plan and records its signature. The worst case of the check.
+// Checked calls whose shapes change on every call, cycling through five
+// ([4..8, 64]), one more than the check remembers: none repeats a recent
+// signature, so each runs the whole compiled plan and records its own. The
+// worst case of the check.
 void BM_CheckedCallNewShape(benchmark::State& state) {
   Fixture& f = fixture();
   const OpHandle op = f.dispatch->op("bench.noop");
-  std::array<int64_t, 2> other{5, 64};
+  std::array<std::array<int64_t, 2>, 5> shapes{{{4, 64}, {5, 64}, {6, 64}, {7, 64}, {8, 64}}};
   std::array<DLTensor, 3> tensors = f.tensors;
-  bool flip = false;
+  size_t next = 0;
   for (auto _ : state) {
-    flip = !flip;
-    tensors[0].shape = tensors[1].shape = flip ? other.data() : f.shape2.data();
+    tensors[0].shape = tensors[1].shape = shapes[next].data();
+    next = next == shapes.size() - 1 ? 0 : next + 1;
     op(tensors);
     benchmark::ClobberMemory();
   }

@@ -90,7 +90,9 @@ class OpHandle {
  private:
   friend class Dispatcher;
   explicit OpHandle(OpState* state) : state_(state) {}
-  void call_general(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream) const;
+  // The rest of a call whose tensors passed the check.
+  void call_checked(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream,
+                    const CompiledSchema::CallInfo& info) const;
   OpState* state_;
 };
 

@@ -50,6 +50,8 @@ class CompiledSchema {
   // equality with one of the last accepted ones; false says nothing, run
   // check().
   bool matches_last(std::span<const DLTensor> tensors, CallInfo* info) const noexcept;
+  // check() without the first tier, for a call that matches_last() refused.
+  CallInfo check_plan(std::span<const DLTensor> tensors) const;
 
   const OpSchema& schema() const { return schema_; }
 
@@ -128,7 +130,6 @@ class CompiledSchema {
     std::memcpy(&w, reinterpret_cast<const char*>(&t) + offset, sizeof w);
     return w;
   }
-  CallInfo check_plan(std::span<const DLTensor> tensors) const;
   void remember(std::span<const DLTensor> tensors, Dtype dtype) const noexcept;
   bool check_fast(std::span<const DLTensor> tensors, CallInfo* info) const noexcept;
   [[noreturn]] void diagnose(std::span<const DLTensor> tensors) const;
