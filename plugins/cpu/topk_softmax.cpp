@@ -63,9 +63,9 @@ KD_CPU_MULTIVERSION RowStats row_stats(const float* logits, int64_t e, int64_t k
   float sums[kReductionLanes] = {};
   j = 0;
   for (; j + kReductionLanes <= e; j += kReductionLanes) {
-    for (int l = 0; l < kReductionLanes; ++l) sums[l] += quick_exp(logits[j + l] - max);
+    for (int l = 0; l < kReductionLanes; ++l) sums[l] += quick_exp<Precision::kFloat32>(logits[j + l] - max);
   }
-  for (int l = 0; j < e; ++j, ++l) sums[l] += quick_exp(logits[j] - max);
+  for (int l = 0; j < e; ++j, ++l) sums[l] += quick_exp<Precision::kFloat32>(logits[j] - max);
   for (int width = kReductionLanes / 2; width > 0; width /= 2) {
     for (int l = 0; l < width; ++l) sums[l] += sums[l + width];
   }
