@@ -20,13 +20,19 @@ namespace {
 // silu(a) = a / (1 + exp(-a))
 struct Silu {
   static constexpr const char* kOp = "activation.silu_and_mul";
-  [[gnu::always_inline]] static float apply(float a) { return a / (1.0f + quick_exp(-a)); }
+  template <Precision P>
+  [[gnu::always_inline]] static float apply(float a) {
+    return a / (1.0f + quick_exp<P>(-a));
+  }
 };
 
 // gelu(a) = 0.5 a (1 + erf(a / sqrt(2))) = a * Phi(a)
 struct GeluErf {
   static constexpr const char* kOp = "activation.gelu_and_mul";
-  [[gnu::always_inline]] static float apply(float a) { return a * normal_cdf(a); }
+  template <Precision P>
+  [[gnu::always_inline]] static float apply(float a) {
+    return a * normal_cdf<P>(a);
+  }
 };
 
 // gelu_tanh(a) = 0.5 a (1 + tanh(y)), y = sqrt(2/pi) (a + 0.044715 a^3).
@@ -34,10 +40,11 @@ struct GeluErf {
 // and loses nothing where tanh(y) is close to -1.
 struct GeluTanh {
   static constexpr const char* kOp = "activation.gelu_tanh_and_mul";
+  template <Precision P>
   [[gnu::always_inline]] static float apply(float a) {
     constexpr float kTwoSqrt2OverPi = 1.5957691216057308f;  // 2 sqrt(2/pi)
     const float two_y = kTwoSqrt2OverPi * (a + 0.044715f * a * a * a);
-    return a / (1.0f + quick_exp(-two_y));
+    return a / (1.0f + quick_exp<P>(-two_y));
   }
 };
 
@@ -48,9 +55,10 @@ constexpr int64_t kBlock = 512;
 template <class Act, class T>
 KD_CPU_MULTIVERSION void gated_rows(T* out, const T* x, int64_t d, Store store, int64_t begin,
                                    int64_t end) {
-  float gate_block[kBlock];
-  float up_block[kBlock];
-  float result[kBlock];
+  // Cache-line aligned: no 256-bit store of the widening splits a line.
+  alignas(64) float gate_block[kBlock];
+  alignas(64) float up_block[kBlock];
+  alignas(64) float result[kBlock];
   for (int64_t r = begin; r < end; ++r) {
     const T* gate = x + r * 2 * d;
     const T* up = gate + d;
@@ -59,7 +67,9 @@ KD_CPU_MULTIVERSION void gated_rows(T* out, const T* x, int64_t d, Store store, 
       const int64_t n = d - j0 < kBlock ? d - j0 : kBlock;
       const float* g = as_float(gate + j0, gate_block, n);
       const float* u = as_float(up + j0, up_block, n);
-      for (int64_t j = 0; j < n; ++j) result[j] = Act::apply(g[j]) * u[j];
+      for (int64_t j = 0; j < n; ++j) {
+        result[j] = Act::template apply<kPrecisionFor<T>>(g[j]) * u[j];
+      }
       narrow(result, o + j0, n, store);
     }
   }

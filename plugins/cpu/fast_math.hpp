@@ -4,14 +4,13 @@
 // element a scalar call per element costs more than the memory traffic.
 //
 // Accuracy (checked against float64): fast_exp within 1.3 ulp over the whole
-// float range; quick_exp, for the activations, within 6e-7 relative for
-// |x| <= 10; normal_cdf within 1.6e-6 relative for a >= -4 and 1e-5 for
-// a >= -10 (the rounding of z^2 inside exp(-z^2) dominates in the far tail),
-// so that gelu(a) = a * normal_cdf(a) stays accurate for negative a too.
+// float range; the activations' quick_exp and normal_cdf come in two
+// precisions (see Precision), with their errors given below.
 #pragma once
 
 #include <bit>
 #include <cstdint>
+#include <type_traits>
 
 namespace kdispatch::cpu {
 
@@ -55,15 +54,75 @@ namespace kdispatch::cpu {
   return result;
 }
 
-// e^x for the activations, whose float32 tolerance (1e-4 relative) leaves
-// room for a cheaper exp than fast_exp: the exponent is formed in base 2 from
-// the rounded x log2(e) (no split ln2), and a degree 5 polynomial gives 2^f,
-// about half the operations of fast_exp. Relative error: 1.7e-7 from the
-// polynomial plus up to |x| 9e-8 from rounding x log2(e), so 1e-6 for
-// |x| <= 10 and 4e-6 at worst. Above about 88.72 (and at +Inf) the result is
-// +Inf; between 88.03 and 88.72 it stays at 2^127; below about -87.3 it stays
-// at 2^-126 instead of going to 0 (both only matter next to results that are
-// far below the tolerance). NaN propagates.
+// How accurate the float math before a result's rounding needs to be. A
+// float32 result is checked to 1e-4 relative; a result rounded to a 16-bit
+// type resolves at best 2^-12 (float16; bfloat16 2^-9), so errors of a few
+// 1e-6 there change a rounded result only now and then, by one unit, and
+// cost fewer polynomial terms.
+enum class Precision { kFloat32, kHalf };
+
+template <class T>
+inline constexpr Precision kPrecisionFor =
+    std::is_same_v<T, float> ? Precision::kFloat32 : Precision::kHalf;
+
+// x^P for P a power of two, by squaring.
+template <int P>
+[[gnu::always_inline]] inline float power_of(float x) {
+  static_assert(P >= 1 && (P & (P - 1)) == 0);
+  if constexpr (P == 1) {
+    return x;
+  } else {
+    const float half = power_of<P / 2>(x);
+    return half * half;
+  }
+}
+
+// c[0] + c[1] x + ... + c[N-1] x^(N-1) by Estrin's scheme: the low and high
+// halves are evaluated independently and joined by a power of x, so the
+// dependency chain is log2(N) multiply-adds long rather than Horner's N - 1.
+// The element-wise loops are otherwise bound by that latency (a few
+// iterations fit in the out-of-order window), not by the arithmetic.
+template <int N>
+[[gnu::always_inline]] inline float polynomial(float x, const float* c) {
+  static_assert(N >= 1 && N <= 16);
+  if constexpr (N == 1) {
+    return c[0];
+  } else {
+    // Split at the largest power of two below N.
+    constexpr int kLow = N > 8 ? 8 : (N > 4 ? 4 : (N > 2 ? 2 : 1));
+    return polynomial<kLow>(x, c) + polynomial<N - kLow>(x, c + kLow) * power_of<kLow>(x);
+  }
+}
+
+template <int N>
+[[gnu::always_inline]] inline float polynomial(float x, const float (&c)[N]) {
+  return polynomial<N>(x, &c[0]);
+}
+
+// 2^f for f in [-0.5, 0.5]: least squares (relative) on Chebyshev nodes,
+// 1 + f (...) so that 2^0 is exact. Relative error 1.1e-7 (degree 5, float32)
+// and 2.9e-6 (degree 4, 16-bit results).
+template <Precision P>
+[[gnu::always_inline]] inline float exp2_reduced(float f) {
+  if constexpr (P == Precision::kFloat32) {
+    constexpr float kC[] = {1.0f,          0.693147004f,  0.240222424f,
+                            0.0555073358f, 0.00967151299f, 0.00132647238f};
+    return polynomial(f, kC);
+  } else {
+    constexpr float kC[] = {1.0f, 0.693124175f, 0.240240991f, 0.0559064299f, 0.00958285108f};
+    return polynomial(f, kC);
+  }
+}
+
+// e^x for the activations, whose tolerances leave room for a cheaper exp than
+// fast_exp: the exponent is formed in base 2 from the rounded x log2(e) (no
+// split ln2), and a short polynomial gives 2^f. Relative error: that of
+// exp2_reduced plus up to |x| 9e-8 from rounding x log2(e), so 7e-7 (float32)
+// and 3.4e-6 (16-bit) for |x| <= 10, 1e-5 at worst. Above about 88.72 (and at
+// +Inf) the result is +Inf; between 88.03 and 88.72 it stays at 2^127; below
+// about -87.3 it stays at 2^-126 instead of going to 0 (both only matter next
+// to results that are far below the tolerance). NaN propagates.
+template <Precision P>
 [[gnu::always_inline]] inline float quick_exp(float x) {
   constexpr float kLog2e = 1.44269504088896341f;
   const float t0 = x * kLog2e;
@@ -75,48 +134,47 @@ namespace kdispatch::cpu {
   constexpr float kShift = 12582912.0f;
   const float shifted = t + kShift;
   const float f = t - (shifted - kShift);  // in [-0.5, 0.5]
-  // 2^f, least squares (relative) on Chebyshev nodes of [-0.5, 0.5].
-  float p = 0.0013218672247603536f;
-  p = p * f + 0.009671698324382305f;
-  p = p * f + 0.05550893023610115f;
-  p = p * f + 0.24022237956523895f;
-  p = p * f + 0.6931468844413757f;
-  p = p * f + 1.0f;
   // (n + 127) << 23 is 2^n; the shift drops the 1.5 * 2^23 above n.
   const uint32_t scale_bits = (std::bit_cast<uint32_t>(shifted) + 127u) << 23;
-  const float result = p * std::bit_cast<float>(scale_bits);
+  const float result = exp2_reduced<P>(f) * std::bit_cast<float>(scale_bits);
   return t0 >= 128.0f ? std::bit_cast<float>(0x7f800000u) : result;
 }
 
-// 1 / (1 + e^-x), the logistic function.
-[[gnu::always_inline]] inline float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
+// erfc(z) for z >= 0, as exp(-z^2) g(u) / (z + K) with u = (z - K) / (z + K)
+// in [-1, 1): g is smooth there, and a polynomial fits it (least squares,
+// relative, on Chebyshev nodes, z in [0, 10]; beyond 10 erfc is below the
+// smallest float). Degree 7 with K = 3 fits to 1.5e-7 (float32), degree 6
+// with K = 2 to 1.4e-6 (16-bit). The coefficients include erfc's factor 1/2
+// in Phi below. One division: u and the quotient share 1 / (z + K).
+template <Precision P>
+[[gnu::always_inline]] inline float half_erfc(float z) {
+  constexpr float kK = P == Precision::kFloat32 ? 3.0f : 2.0f;
+  const float inv = 1.0f / (z + kK);
+  const float u = (z - kK) * inv;
+  float g = 0.0f;
+  if constexpr (P == Precision::kFloat32) {
+    constexpr float kC[] = {0.537003517f,   -0.441697299f,  0.295109212f,
+                            -0.15523088f,   0.0598192848f,  -0.0134203453f,
+                            -0.000814978557f, 0.00146578019f};
+    g = polynomial(u, kC);
+  } else {
+    constexpr float kC[] = {0.510791421f,   -0.343586892f,  0.139736339f,  -0.0181256328f,
+                            -0.0107409265f, 0.00287891179f, 0.00137819571f};
+    g = polynomial(u, kC);
+  }
+  return quick_exp<P>(-z * z) * g * inv;
+}
 
-// Phi(a) = P(N(0,1) <= a) = 0.5 * erfc(-a / sqrt(2)).
-//
-// erfc(z) for z = |a| / sqrt(2) >= 0 is exp(-z^2) * f(u) / (z + 3) with
-// u = (z - 3) / (z + 3) in [-1, 1): f is smooth on that interval and a degree
-// 9 polynomial fits it to 2e-9 relative (least squares on Chebyshev nodes,
-// z in [0, 10]; beyond 10, erfc is below the smallest float). Computing erfc
-// rather than erf keeps the negative tail relatively accurate.
+// Phi(a) = P(N(0,1) <= a) = 0.5 * erfc(-a / sqrt(2)), through erfc of |a| so
+// that the negative tail stays relatively accurate: within 1.8e-6 (float32)
+// and 5e-6 (16-bit) relative for a >= -4, 2e-5 down to the smallest normal
+// result at a = -13 (the rounding of z^2 inside exp(-z^2) dominates in the
+// far tail), so that gelu(a) = a Phi(a) stays accurate for negative a too.
+template <Precision P>
 [[gnu::always_inline]] inline float normal_cdf(float a) {
   constexpr float kRsqrt2 = 0.707106781186547524f;
   const float z0 = (a < 0.0f ? -a : a) * kRsqrt2;
-  const float z = z0 > 10.0f ? 10.0f : z0;
-  // One division: u and the final quotient share 1 / (z + 3).
-  const float inv_z3 = 1.0f / (z + 3.0f);
-  const float u = (z - 3.0f) * inv_z3;
-  float p = -0.0003265773120801896f;
-  p = p * u - 0.00048558120033703744f;
-  p = p * u + 0.003079790621995926f;
-  p = p * u - 0.0012252118904143572f;
-  p = p * u - 0.026839347556233406f;
-  p = p * u + 0.1195288673043251f;
-  p = p * u - 0.31046608090400696f;
-  p = p * u + 0.5902283191680908f;
-  p = p * u - 0.8833944797515869f;
-  p = p * u + 1.0740069150924683f;
-  const float erfc = quick_exp(-z * z) * p * inv_z3;
-  const float tail = 0.5f * erfc;
+  const float tail = half_erfc<P>(z0 > 10.0f ? 10.0f : z0);
   float result = a < 0.0f ? tail : 1.0f - tail;
   result = a != a ? a : result;
   return result;

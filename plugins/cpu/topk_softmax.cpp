@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <new>
 #include <utility>
@@ -34,15 +35,17 @@ struct RowStats {
 
 // Softmax is monotonic, so the K most probable experts are the K largest
 // logits: only the K winners need their probability (fast_exp, 1.3 ulp), the
-// rest only count towards the sum, where quick_exp's 6e-7 relative error
-// (for logits within 10 of the max; the terms further down are below 5e-5)
-// stays well inside the weights' tolerance and costs half as much.
+// rest only count towards the sum, which enters every weight as one factor:
+// quick_exp at 16-bit precision (3.4e-6 relative for logits within 10 of the
+// max; the terms further down are below 5e-5 of the largest) keeps the
+// weights well inside their 1e-4 tolerance for a third of fast_exp's work.
 //
 // Max and sum use kReductionLanes partial results so that they vectorise and
-// round the same in every clone; the lane maxima also give the threshold: the K-th largest of them is reached by at least K logits (one
-// per lane), so nothing below it can be among the K largest. (-Inf, no
-// filtering, when e < kReductionLanes or k > kReductionLanes.)
-KD_CPU_MULTIVERSION RowStats row_stats(const float* logits, int64_t e, int64_t k) {
+// round the same in every clone; the lane maxima also give the threshold: the
+// K-th largest of them is reached by at least K logits (one per lane), so
+// nothing below it can be among the K largest. For E = 256 and K = 8, about
+// 10 logits reach it. (-Inf, no filtering, when k > kReductionLanes.)
+[[gnu::always_inline]] inline RowStats row_stats(const float* logits, int64_t e, int64_t k) {
   constexpr float kNegInf = -__builtin_inff();
   float lane_max[kReductionLanes];
   for (float& v : lane_max) v = kNegInf;
@@ -63,21 +66,31 @@ KD_CPU_MULTIVERSION RowStats row_stats(const float* logits, int64_t e, int64_t k
   float sums[kReductionLanes] = {};
   j = 0;
   for (; j + kReductionLanes <= e; j += kReductionLanes) {
-    for (int l = 0; l < kReductionLanes; ++l) sums[l] += quick_exp(logits[j + l] - max);
+    for (int l = 0; l < kReductionLanes; ++l) {
+      sums[l] += quick_exp<Precision::kHalf>(logits[j + l] - max);
+    }
   }
-  for (int l = 0; j < e; ++j, ++l) sums[l] += quick_exp(logits[j] - max);
+  for (int l = 0; j < e; ++j, ++l) sums[l] += quick_exp<Precision::kHalf>(logits[j] - max);
   for (int width = kReductionLanes / 2; width > 0; width /= 2) {
     for (int l = 0; l < width; ++l) sums[l] += sums[l + width];
   }
 
-  if (e < kReductionLanes || k > kReductionLanes) return {max, sums[0], kNegInf};
-  // K-th largest lane maximum: a partial selection sort of 16 values.
-  for (int64_t i = 0; i < k; ++i) {
-    for (int l = static_cast<int>(i) + 1; l < kReductionLanes; ++l) {
-      if (lane_max[l] > lane_max[i]) std::swap(lane_max[l], lane_max[i]);
+  if (k > kReductionLanes) return {max, sums[0], kNegInf};
+  // The K-th largest lane maximum is the smallest of those that fewer than K
+  // others exceed. Counting, for every lane at once, how many lanes exceed it
+  // vectorises and does not branch, unlike a partial sort.
+  int32_t exceeded_by[kReductionLanes] = {};
+  for (int other = 0; other < kReductionLanes; ++other) {
+    for (int l = 0; l < kReductionLanes; ++l) {
+      exceeded_by[l] += lane_max[other] > lane_max[l] ? 1 : 0;
     }
   }
-  return {max, sums[0], lane_max[k - 1]};
+  float threshold = __builtin_inff();
+  for (int l = 0; l < kReductionLanes; ++l) {
+    const bool in_top_k = exceeded_by[l] < k;
+    threshold = in_top_k && lane_max[l] < threshold ? lane_max[l] : threshold;
+  }
+  return {max, sums[0], threshold};
 }
 
 // Up to this K, selection keeps a sorted list of the best K: after the first
@@ -100,51 +113,96 @@ struct HigherLogit {
   }
 };
 
-// Writes the indices of the k largest logits[0, e) to ids: descending, ties
-// to the lower index, NaN as -Inf. Only logits >= threshold are considered (all
-// of them when fewer than k reach it, as with NaN in the row). `keys` is
-// scratch for k floats, `candidates` for e indices.
-void select_top_k(const float* logits, int64_t e, int64_t k, float threshold, float* keys,
-                  int32_t* candidates, int32_t* ids) {
-  // Branch-free compaction of the indices that reach the threshold.
-  int64_t count = 0;
-  for (int64_t j = 0; j < e; ++j) {
-    candidates[count] = static_cast<int32_t>(j);
-    count += logits[j] >= threshold ? 1 : 0;
-  }
-  if (count < k) {
-    for (int64_t j = 0; j < e; ++j) candidates[j] = static_cast<int32_t>(j);
-    count = e;
-  }
-  // Insertion into a sorted list of the best k, in index order.
-  constexpr float kNegInf = -__builtin_inff();
-  int64_t filled = 0;
-  for (int64_t c = 0; c < count; ++c) {
-    const int32_t j = candidates[c];
-    // NaN ranks as -Inf.
-    const float v = logits[j] != logits[j] ? kNegInf : logits[j];
+// The k largest logits as a sorted list (descending, ties to the lower
+// index, NaN as -Inf), built by insertion in index order.
+class TopList {
+ public:
+  TopList(int64_t k, float* keys, int32_t* ids) : k_(k), keys_(keys), ids_(ids) {}
+
+  bool full() const { return filled_ == k_; }
+  void clear() { filled_ = 0; }
+
+  void insert(float logit, int32_t j) {
+    constexpr float kNegInf = -__builtin_inff();
+    const float v = logit != logit ? kNegInf : logit;
     int64_t pos = 0;
-    if (filled == k) {
+    if (filled_ == k_) {
       // Strictly greater: an equal, later element never displaces.
-      if (!(v > keys[k - 1])) continue;
-      pos = k - 1;
+      if (!(v > keys_[k_ - 1])) return;
+      pos = k_ - 1;
     } else {
-      pos = filled++;
+      pos = filled_++;
     }
     // Equal keys stay in front: ties go to the lower index.
-    while (pos > 0 && keys[pos - 1] < v) {
-      keys[pos] = keys[pos - 1];
-      ids[pos] = ids[pos - 1];
+    while (pos > 0 && keys_[pos - 1] < v) {
+      keys_[pos] = keys_[pos - 1];
+      ids_[pos] = ids_[pos - 1];
       --pos;
     }
-    keys[pos] = v;
-    ids[pos] = j;
+    keys_[pos] = v;
+    ids_[pos] = j;
+  }
+
+ private:
+  int64_t k_;
+  float* keys_;
+  int32_t* ids_;
+  int64_t filled_ = 0;
+};
+
+// Inserts the logits that reach the threshold, in index order; when fewer
+// than k do (NaN in the row), all of them. The compare is one vectorised pass
+// into a byte per logit (`flags`, scratch for e bytes); the scan then tests
+// 8 flags at a time and branches only per candidate, about 10 in 256.
+[[gnu::always_inline]] inline void select_top_k(const float* logits, int64_t e, float threshold,
+                                                uint8_t* flags, TopList& top) {
+  for (int64_t j = 0; j < e; ++j) flags[j] = logits[j] >= threshold ? 1 : 0;
+  int64_t j0 = 0;
+  for (; j0 + 8 <= e; j0 += 8) {
+    uint64_t word = 0;
+    std::memcpy(&word, flags + j0, sizeof word);
+    for (; word != 0; word &= word - 1) {
+      const int64_t j = j0 + __builtin_ctzll(word) / 8;
+      top.insert(logits[j], static_cast<int32_t>(j));
+    }
+  }
+  for (; j0 < e; ++j0) {
+    if (flags[j0] != 0) top.insert(logits[j0], static_cast<int32_t>(j0));
+  }
+  if (!top.full()) {
+    top.clear();
+    for (int64_t j = 0; j < e; ++j) top.insert(logits[j], static_cast<int32_t>(j));
+  }
+}
+
+// One row: ids and weights of the k most probable experts. `keys` is scratch
+// for k floats, `order` for e indices (k > kInsertionMaxK) or e flag bytes.
+KD_CPU_MULTIVERSION void topk_row(const float* logits, int64_t e, int64_t k, bool renormalize,
+                                  float* keys, int32_t* order, float* weights, int32_t* ids) {
+  const RowStats st = row_stats(logits, e, k);
+  if (k <= kInsertionMaxK) {
+    TopList top(k, keys, ids);
+    select_top_k(logits, e, st.threshold, reinterpret_cast<uint8_t*>(order), top);
+  } else {
+    for (int64_t j = 0; j < e; ++j) order[j] = static_cast<int32_t>(j);
+    std::partial_sort(order, order + k, order + e, HigherLogit{logits});
+    std::copy(order, order + k, ids);
+  }
+  // Only the winners are exponentiated, each as the full softmax would.
+  const float inv_sum = 1.0f / st.sum;
+  for (int64_t i = 0; i < k; ++i) keys[i] = logits[ids[i]];
+  float selected_sum = 0.0f;
+  for (int64_t i = 0; i < k; ++i) {
+    weights[i] = fast_exp(keys[i] - st.max) * inv_sum;
+    selected_sum += weights[i];
+  }
+  if (renormalize && selected_sum > 0.0f) {
+    for (int64_t i = 0; i < k; ++i) weights[i] /= selected_sum;
   }
 }
 
 // Scratch of one parallel range: the widened row (e floats, 16-bit types
-// only) then the selection keys (k floats); candidate indices (e) then the
-// selected ids (k).
+// only) then the selection keys (k floats), and e sort indices.
 struct Scratch {
   std::unique_ptr<float[]> floats;
   std::unique_ptr<int32_t[]> indices;
@@ -197,38 +255,15 @@ kd_status topk_softmax(const kd_call_args* args) noexcept {
       std::atomic<bool> out_of_memory{false};
       parallel_for(rows, e, [&](int64_t begin, int64_t end) noexcept {
         Scratch s{std::unique_ptr<float[]>(new (std::nothrow) float[e + k]),
-                  std::unique_ptr<int32_t[]>(new (std::nothrow) int32_t[e + k])};
+                  std::unique_ptr<int32_t[]>(new (std::nothrow) int32_t[e])};
         if (!s.floats || !s.indices) {
           out_of_memory.store(true, std::memory_order_relaxed);
           return;
         }
         float* keys = s.floats.get() + e;
-        int32_t* order = s.indices.get();
-        int32_t* selected = order + e;
         for (int64_t r = begin; r < end; ++r) {
           const float* logits = as_float(g + r * e, s.floats.get(), e);
-          const RowStats st = row_stats(logits, e, k);
-          if (k <= kInsertionMaxK) {
-            select_top_k(logits, e, k, st.threshold, keys, order, selected);
-          } else {
-            for (int64_t j = 0; j < e; ++j) order[j] = static_cast<int32_t>(j);
-            std::partial_sort(order, order + k, order + e, HigherLogit{logits});
-            std::copy(order, order + k, selected);
-          }
-          // Only the winners are exponentiated, each as the full softmax
-          // would.
-          const float inv_sum = 1.0f / st.sum;
-          float* wr = w + r * k;
-          int32_t* idr = id + r * k;
-          float selected_sum = 0.0f;
-          for (int64_t i = 0; i < k; ++i) {
-            idr[i] = selected[i];
-            wr[i] = fast_exp(logits[selected[i]] - st.max) * inv_sum;
-            selected_sum += wr[i];
-          }
-          if (renormalize && selected_sum > 0.0f) {
-            for (int64_t i = 0; i < k; ++i) wr[i] /= selected_sum;
-          }
+          topk_row(logits, e, k, renormalize, keys, s.indices.get(), w + r * k, id + r * k);
         }
       });
       if (out_of_memory.load()) {
