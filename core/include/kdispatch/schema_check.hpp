@@ -182,12 +182,27 @@ inline bool CompiledSchema::matches(const Accepted& accepted, std::span<const DL
     const std::atomic<uint64_t>* w = accepted.rows[i].data();
     if (read_word(t, offsetof(DLTensor, device)) != w[0].load(std::memory_order_relaxed)) return false;
     if (read_word(t, offsetof(DLTensor, ndim)) != w[1].load(std::memory_order_relaxed)) return false;
-    // ndim equals an accepted call's, but the words may be torn: bound it.
-    const auto ndim = static_cast<uint32_t>(t.ndim);
-    if (ndim > Accepted::kDims || (t.shape == nullptr && ndim != 0)) return false;
-    for (size_t k = 0; k < ndim; ++k) {
-      if (static_cast<uint64_t>(t.shape[k]) != w[2 + k].load(std::memory_order_relaxed)) return false;
+    // ndim now equals one that remember() stored (each word is stored whole),
+    // so it is at most kDims even when the words are torn.
+    const int64_t* shape = t.shape;
+    if (shape == nullptr && t.ndim != 0) return false;
+    // Unrolled: a loop whose trip count changes from tensor to tensor
+    // costs branch mispredictions on every call.
+    static_assert(Accepted::kDims == 6);
+    const auto dim = [&](int k) {
+      return static_cast<uint64_t>(shape[k]) ^ w[2 + k].load(std::memory_order_relaxed);
+    };
+    uint64_t diff = 0;
+    switch (t.ndim) {
+      case 6: diff |= dim(5); [[fallthrough]];
+      case 5: diff |= dim(4); [[fallthrough]];
+      case 4: diff |= dim(3); [[fallthrough]];
+      case 3: diff |= dim(2); [[fallthrough]];
+      case 2: diff |= dim(1); [[fallthrough]];
+      case 1: diff |= dim(0); [[fallthrough]];
+      default: break;
     }
+    if (diff != 0) return false;
     // What the words do not cover is checked as in the plan.
     if (t.data == nullptr) return false;
     if (t.strides != nullptr && !(plan_[i].flags & kStrided) && !is_contiguous(t)) return false;
