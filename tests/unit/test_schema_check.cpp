@@ -1,0 +1,213 @@
+// The schema check's tiers agree: a call gets the same verdict (and the same
+// dtype and device) from a check that remembers accepted calls as from a
+// fresh one that runs the compiled plan, for every single and paired change
+// of a valid call. Covers a concrete dtype, two dtype variables, leading
+// dims, constants, a "2*R" multiple, a strided argument, and calls too big
+// to remember.
+#include <doctest/doctest.h>
+
+#include <array>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kdispatch/error.hpp"
+#include "kdispatch/manifest.hpp"
+#include "kdispatch/schema_check.hpp"
+
+using namespace kdispatch;
+
+namespace {
+
+constexpr const char* kSchemas = R"([
+  {"op": "test.mix",
+   "doc": "every kind of dim and dtype",
+   "tensors": [
+     {"name": "ids", "shape": ["*"],              "dtype": "int32"},
+     {"name": "a",   "shape": ["*", "H", "2*R"],  "dtype": "T"},
+     {"name": "b",   "shape": ["*", 4, "2*R"],    "dtype": "T", "strided": true},
+     {"name": "c",   "shape": ["R"],              "dtype": "U"}],
+   "dtypes": {"T": ["float32", "bfloat16"], "U": ["float16", "float32"]}}
+])";
+
+OpSchema mix_schema() {
+  SchemaFileResult parsed = parse_op_schemas(kSchemas, "<test>");
+  REQUIRE(parsed.errors.empty());
+  REQUIRE(parsed.schemas.size() == 1);
+  return parsed.schemas[0];
+}
+
+// A call whose tensors own their shapes and strides, so it can be copied and
+// changed freely.
+struct Call {
+  std::array<std::vector<int64_t>, 4> shapes{{{3}, {3, 5, 4}, {3, 4, 4}, {2}}};
+  std::array<std::vector<int64_t>, 4> strides;  // empty: NULL
+  std::array<DLTensor, 4> tensors{};
+  std::array<float, 4> storage{};
+
+  Call() {
+    const DLDataType i32{kDLInt, 32, 1}, f32{kDLFloat, 32, 1}, f16{kDLFloat, 16, 1};
+    const DLDataType dtypes[] = {i32, f32, f32, f16};
+    for (size_t i = 0; i < 4; ++i) {
+      tensors[i].data = &storage[i];
+      tensors[i].device = DLDevice{kDLCPU, 0};
+      tensors[i].dtype = dtypes[i];
+    }
+  }
+  std::array<DLTensor, 4> view() {
+    std::array<DLTensor, 4> out = tensors;
+    for (size_t i = 0; i < 4; ++i) {
+      out[i].ndim = static_cast<int32_t>(shapes[i].size());
+      out[i].shape = shapes[i].data();
+      out[i].strides = strides[i].empty() ? nullptr : strides[i].data();
+    }
+    return out;
+  }
+};
+
+
+// Single changes of a valid call; some keep it valid. The last four are
+// valid calls of other shapes or dtypes.
+using Changes = std::vector<std::pair<std::string, std::function<void(Call&)>>>;
+
+Changes changes() {
+  Changes out;
+  for (size_t i = 0; i < 4; ++i) {
+    const std::string t = "tensor " + std::to_string(i);
+    out.emplace_back(t + " on cuda", [i](Call& c) { c.tensors[i].device = DLDevice{kDLCUDA, 0}; });
+    out.emplace_back(t + " on cpu:1", [i](Call& c) { c.tensors[i].device = DLDevice{kDLCPU, 1}; });
+    for (DLDataType d : {DLDataType{kDLFloat, 32, 1}, DLDataType{kDLBfloat, 16, 1}, DLDataType{kDLFloat, 16, 1},
+                         DLDataType{kDLInt, 32, 1}, DLDataType{kDLFloat, 32, 2}}) {
+      out.emplace_back(t + " dtype " + std::to_string(d.code) + "/" + std::to_string(d.bits) + "x" +
+                           std::to_string(d.lanes),
+                       [i, d](Call& c) { c.tensors[i].dtype = d; });
+    }
+    out.emplace_back(t + " null data", [i](Call& c) { c.tensors[i].data = nullptr; });
+    out.emplace_back(t + " one more leading dim", [i](Call& c) { c.shapes[i].insert(c.shapes[i].begin(), 1); });
+    out.emplace_back(t + " one dim less", [i](Call& c) { c.shapes[i].pop_back(); });
+    out.emplace_back(t + " eight dims", [i](Call& c) {
+      c.shapes[i].insert(c.shapes[i].begin(), 8 - c.shapes[i].size(), 1);
+    });
+    for (size_t k = 0; k < 3; ++k) {
+      for (int64_t delta : {-1, 1, 2}) {
+        out.emplace_back(t + " dim " + std::to_string(k) + " + " + std::to_string(delta), [i, k, delta](Call& c) {
+          if (k < c.shapes[i].size()) c.shapes[i][k] += delta;
+        });
+      }
+    }
+    out.emplace_back(t + " contiguous strides", [i](Call& c) {
+      const auto& s = c.shapes[i];
+      c.strides[i].assign(s.size(), 1);
+      for (size_t k = s.size(); k-- > 1;) c.strides[i][k - 1] = c.strides[i][k] * s[k];
+    });
+    out.emplace_back(t + " reversed strides", [i](Call& c) {
+      c.strides[i].assign(c.shapes[i].size(), 1);
+      if (!c.strides[i].empty()) c.strides[i][0] = 1000;
+    });
+  }
+  out.emplace_back("every T bfloat16", [](Call& c) { c.tensors[1].dtype = c.tensors[2].dtype = {kDLBfloat, 16, 1}; });
+  out.emplace_back("leading [3] -> [2, 3]", [](Call& c) {
+    for (size_t i = 0; i < 3; ++i) c.shapes[i].insert(c.shapes[i].begin(), 2);
+  });
+  out.emplace_back("R 2 -> 3", [](Call& c) {
+    c.shapes[1][2] = c.shapes[2][2] = 6;
+    c.shapes[3][0] = 3;
+  });
+  out.emplace_back("empty leading dim, null data", [](Call& c) {
+    for (size_t i = 0; i < 3; ++i) {
+      c.shapes[i][0] = 0;
+      c.tensors[i].data = nullptr;
+    }
+  });
+  return out;
+}
+
+std::optional<CompiledSchema::CallInfo> verdict(const CompiledSchema& schema, std::span<const DLTensor> tensors) {
+  try {
+    return schema.check(tensors);
+  } catch (const CallError& e) {
+    CHECK(e.code() == ErrorCode::bad_arguments);
+    return std::nullopt;
+  }
+}
+
+void same_verdict(const std::optional<CompiledSchema::CallInfo>& a, const std::optional<CompiledSchema::CallInfo>& b,
+                  const std::string& what) {
+  INFO(what);
+  REQUIRE(a.has_value() == b.has_value());
+  if (a) {
+    CHECK(a->dtype == b->dtype);
+    CHECK(a->device.device_type == b->device.device_type);
+    CHECK(a->device.device_id == b->device.device_id);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("schema check: a remembering check and a fresh one agree on every single and paired change") {
+  const OpSchema schema = mix_schema();
+  const auto all = changes();
+  // Warm: remembers the base call and three others (a full set of entries).
+  CompiledSchema warm(schema);
+  {
+    Call base;
+    auto v = base.view();
+    REQUIRE(verdict(warm, v).has_value());
+    for (size_t k : {all.size() - 4, all.size() - 3, all.size() - 2}) {
+      Call other;
+      all[k].second(other);
+      auto o = other.view();
+      REQUIRE_MESSAGE(verdict(warm, o).has_value(), all[k].first);
+    }
+  }
+  size_t accepted = 0, refused = 0;
+  for (size_t x = 0; x < all.size(); ++x) {
+    for (size_t y = x; y < all.size(); ++y) {
+      Call call;
+      all[x].second(call);
+      if (y != x) all[y].second(call);
+      const auto v = call.view();
+      const CompiledSchema fresh(schema);
+      const auto expected = verdict(fresh, v);
+      const std::string what = all[x].first + (y != x ? " + " + all[y].first : "");
+      same_verdict(expected, verdict(warm, v), what);
+      // Once more: an accepted call is now remembered, a refused one is not.
+      same_verdict(expected, verdict(warm, v), what + " (again)");
+      (expected ? accepted : refused) += 1;
+    }
+  }
+  // Both verdicts occur often enough for the comparison to mean something.
+  CHECK(accepted > 100);
+  CHECK(refused > 1000);
+  // The base call, accepted again, is among the remembered ones.
+  Call base;
+  auto v = base.view();
+  CompiledSchema::CallInfo info;
+  REQUIRE(verdict(warm, v).has_value());
+  CHECK(warm.matches_last(v, &info));
+  CHECK(info.dtype == Dtype::float32);
+}
+
+TEST_CASE("schema check: known verdicts of the mixed schema") {
+  const CompiledSchema schema(mix_schema());
+  Call base;
+  auto v = base.view();
+  const auto info = schema.check(v);
+  CHECK(info.dtype == Dtype::float32);  // T, the first variable, selects
+  Call bf16;
+  bf16.tensors[1].dtype = bf16.tensors[2].dtype = {kDLBfloat, 16, 1};
+  auto vb = bf16.view();
+  CHECK(schema.check(vb).dtype == Dtype::bfloat16);
+  Call odd;  // 2*R must be even
+  odd.shapes[1][2] = odd.shapes[2][2] = 5;
+  auto vo = odd.view();
+  CHECK_THROWS_WITH_AS(schema.check(vo), doctest::Contains("must be a multiple of 2 (2*R)"), CallError);
+  Call deep;  // more dims than a remembered row holds: checked by the plan every time
+  for (size_t i = 0; i < 3; ++i) deep.shapes[i].insert(deep.shapes[i].begin(), 6, 1);
+  auto vd = deep.view();
+  CHECK(schema.check(vd).dtype == Dtype::float32);
+  CompiledSchema::CallInfo out;
+  CHECK_FALSE(schema.matches_last(vd, &out));
+  CHECK(schema.check(vd).dtype == Dtype::float32);
+}
