@@ -42,7 +42,10 @@ OpSchema mix_schema() {
 // changed freely.
 struct Call {
   std::array<std::vector<int64_t>, 4> shapes{{{3}, {3, 5, 4}, {3, 4, 4}, {2}}};
-  std::array<std::vector<int64_t>, 4> strides;  // empty: NULL
+  // Strides are made for the final shape, as DLPack requires ndim of them.
+  enum class Layout { none, contiguous, strided };  // NULL, explicit row-major, not row-major
+  std::array<Layout, 4> layouts{};
+  std::array<std::vector<int64_t>, 4> strides;
   std::array<DLTensor, 4> tensors{};
   std::array<float, 4> storage{};
 
@@ -58,9 +61,13 @@ struct Call {
   std::array<DLTensor, 4> view() {
     std::array<DLTensor, 4> out = tensors;
     for (size_t i = 0; i < 4; ++i) {
-      out[i].ndim = static_cast<int32_t>(shapes[i].size());
-      out[i].shape = shapes[i].data();
-      out[i].strides = strides[i].empty() ? nullptr : strides[i].data();
+      auto& s = shapes[i];
+      strides[i].assign(s.size(), 1);
+      for (size_t k = s.size(); k-- > 1;) strides[i][k - 1] = strides[i][k] * s[k];
+      if (layouts[i] == Layout::strided && !s.empty()) strides[i][0] += 1000;
+      out[i].ndim = static_cast<int32_t>(s.size());
+      out[i].shape = s.data();
+      out[i].strides = layouts[i] == Layout::none ? nullptr : strides[i].data();
     }
     return out;
   }
@@ -96,15 +103,8 @@ Changes changes() {
         });
       }
     }
-    out.emplace_back(t + " contiguous strides", [i](Call& c) {
-      const auto& s = c.shapes[i];
-      c.strides[i].assign(s.size(), 1);
-      for (size_t k = s.size(); k-- > 1;) c.strides[i][k - 1] = c.strides[i][k] * s[k];
-    });
-    out.emplace_back(t + " reversed strides", [i](Call& c) {
-      c.strides[i].assign(c.shapes[i].size(), 1);
-      if (!c.strides[i].empty()) c.strides[i][0] = 1000;
-    });
+    out.emplace_back(t + " contiguous strides", [i](Call& c) { c.layouts[i] = Call::Layout::contiguous; });
+    out.emplace_back(t + " padded rows", [i](Call& c) { c.layouts[i] = Call::Layout::strided; });
   }
   out.emplace_back("every T bfloat16", [](Call& c) { c.tensors[1].dtype = c.tensors[2].dtype = {kDLBfloat, 16, 1}; });
   out.emplace_back("leading [3] -> [2, 3]", [](Call& c) {
