@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -99,18 +100,35 @@ struct RowStats {
   return in_top_k[0];
 }
 
+// quick_exp<Precision::kHalf>(x) for the sum's arguments, logit - max: never
+// positive (or NaN), so without quick_exp's overflow handling, whose compares
+// and selects cost a third of the vectorised sum. Same operations, same
+// results.
+[[gnu::always_inline]] inline float exp_non_positive(float x) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  const float t0 = x * kLog2e;
+  // The clamp keeps 2^n a normal float; NaN passes unchanged.
+  const float t = t0 < -126.0f ? -126.0f : t0;
+  // Round to nearest via the 1.5 * 2^23 trick, as in quick_exp.
+  constexpr float kShift = 12582912.0f;
+  const float shifted = t + kShift;
+  const float f = t - (shifted - kShift);  // in [-0.5, 0.5]
+  const uint32_t scale_bits = (std::bit_cast<uint32_t>(shifted) + 127u) << 23;
+  return exp2_reduced<Precision::kHalf>(f) * std::bit_cast<float>(scale_bits);
+}
+
 // sums[l] += e^(block[l] - max) for the lanes of one block of logits ...
 [[gnu::always_inline]] inline void add_exps(const float* block, float max,
                                             float (&sums)[kReductionLanes]) {
   for (int l = 0; l < kReductionLanes; ++l) {
-    sums[l] += quick_exp<Precision::kHalf>(block[l] - max);
+    sums[l] += exp_non_positive(block[l] - max);
   }
 }
 
 // ... and for the first n lanes of the last, partial one.
 [[gnu::always_inline]] inline void add_exps(const float* block, int64_t n, float max,
                                             float (&sums)[kReductionLanes]) {
-  for (int64_t l = 0; l < n; ++l) sums[l] += quick_exp<Precision::kHalf>(block[l] - max);
+  for (int64_t l = 0; l < n; ++l) sums[l] += exp_non_positive(block[l] - max);
 }
 
 [[gnu::always_inline]] inline RowStats row_stats(const float* logits, int64_t e, int64_t k) {
