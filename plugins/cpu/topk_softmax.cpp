@@ -354,6 +354,25 @@ KD_AVX2 inline float threshold_avx2(__m256 lo, __m256 hi, const float (&lanes)[k
   return _mm256_cvtss_f32(m);
 }
 
+// reduce_max and reduce_sum in registers, lanes 0-7 in lo and 8-15 in hi:
+// the same pairwise tree, lane l joined with l + width (maxps(v, m) is
+// v > m ? v : m, the shared select with v the upper lane).
+KD_AVX2 inline float reduce_max_avx2(__m256 lo, __m256 hi) {
+  __m256 m = _mm256_max_ps(hi, lo);
+  m = _mm256_max_ps(_mm256_permute2f128_ps(m, m, 1), m);
+  m = _mm256_max_ps(_mm256_permute_ps(m, 0x4e), m);
+  m = _mm256_max_ps(_mm256_permute_ps(m, 0xb1), m);
+  return _mm256_cvtss_f32(m);
+}
+
+KD_AVX2 inline float reduce_sum_avx2(__m256 lo, __m256 hi) {
+  __m256 m = _mm256_add_ps(lo, hi);
+  m = _mm256_add_ps(m, _mm256_permute2f128_ps(m, m, 1));
+  m = _mm256_add_ps(m, _mm256_permute_ps(m, 0x4e));
+  m = _mm256_add_ps(m, _mm256_permute_ps(m, 0xb1));
+  return _mm256_cvtss_f32(m);
+}
+
 template <class T>
 KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32_t* ids) {
   constexpr float kNegInf = -__builtin_inff();
@@ -396,7 +415,7 @@ KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32
   _mm256_store_ps(lanes + 8, max_hi);
   RowStats st{};
   st.threshold = threshold_avx2(max_lo, max_hi, lanes, a.k);
-  st.max = reduce_max(lanes);
+  st.max = reduce_max_avx2(max_lo, max_hi);
 
   // One pass adds up the exponentials and notes the candidates, 16 bits per
   // block, padded with zeros to whole 64-bit words.
@@ -413,7 +432,7 @@ KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32
     candidates[blocks++] = static_cast<uint16_t>(reaching(tail, threshold) & ((1u << rest) - 1));
   }
   for (int64_t b = blocks; b % 4 != 0; ++b) candidates[b] = 0;
-  st.sum = reduce_sum(sums);
+  st.sum = reduce_sum_avx2(_mm256_loadu_ps(sums), _mm256_loadu_ps(sums + 8));
 
   if (a.k <= kInsertionMaxK) {
     TopList top(a.k, a.keys, ids);
