@@ -53,8 +53,8 @@ struct RowStats {
 // the threshold: the K-th largest of them is reached by at least K logits
 // (one per lane), so nothing below it can be among the K largest. For
 // E = 256 and K = 8, about 10 logits reach it. (-Inf, no filtering, when
-// k > kReductionLanes.) The helpers below finish the lane results the same
-// way for both rows.
+// k > kReductionLanes.) The helpers below finish the lane results of the
+// portable row; the AVX2 row does the same in registers, in the same order.
 
 // The lanes joined pairwise, lane l with l + width for halving widths.
 [[gnu::always_inline]] inline float reduce_max(float (&lane_max)[kReductionLanes]) {
@@ -259,7 +259,7 @@ struct RowArgs {
   bool renormalize;
   float* row;      // the widened row (16-bit types): e floats
   float* keys;     // k floats
-  int32_t* order;  // e + kReductionLanes indices, or as many bytes for flags
+  int32_t* order;  // e + kReductionLanes: sort indices, flag bytes or candidate bits
 };
 
 // Weights of the winners in `ids`: only they are exponentiated, each as the
@@ -294,11 +294,14 @@ void topk_row_portable(const T* src, const RowArgs& a, float* weights, int32_t* 
 }
 
 #if KD_TOPK_AVX2
-// The same row with AVX2 (and F16C for float16): GCC leaves the lane maxima
-// loop scalar (a select it cannot prove to be maxps) and the threshold
-// compare a byte per logit, so those two are written with intrinsics; the
-// rest is the shared code above, which the target attribute vectorises with
-// 256-bit registers. No FMA: every operation rounds as in the portable row.
+// The same row with AVX2 (and F16C for float16), for the hosts that have it:
+// GCC leaves the lane maxima loop scalar (a select it cannot prove to be
+// maxps), writes the threshold compare a byte per logit, and folds the
+// lanes through the stack with branches, so those parts are written with
+// intrinsics, operation for operation as in the portable row; the rest is
+// the shared code above, which the target attribute vectorises with 256-bit
+// registers. No FMA: every operation rounds as in the portable row, and both
+// give the same ids and weights, bit for bit.
 
 #define KD_AVX2 __attribute__((target("avx2,f16c")))
 
@@ -472,7 +475,7 @@ struct RowKernels {
 
 RowKernels pick_row_kernels() {
 #if KD_TOPK_AVX2
-  __builtin_cpu_init();  // may run before the ifunc resolvers have
+  __builtin_cpu_init();  // a static initialiser may run before anything else called it
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
     return {topk_row_avx2<float>, topk_row_avx2<Half>, topk_row_avx2<BFloat16>};
   }
