@@ -5,10 +5,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <new>
+#include <type_traits>
 #include <utility>
 
 #include "convert.hpp"
@@ -19,6 +21,11 @@
 #include "multiversion.hpp"
 #include "parallel_for.hpp"
 #include "tensor_access.hpp"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define KD_TOPK_AVX2 1
+#include <immintrin.h>
+#endif
 
 namespace kdispatch::cpu {
 namespace {
@@ -40,11 +47,90 @@ struct RowStats {
 // max; the terms further down are below 5e-5 of the largest) keeps the
 // weights well inside their 1e-4 tolerance for a third of fast_exp's work.
 //
-// Max and sum use kReductionLanes partial results so that they vectorise and
-// round the same in every clone; the lane maxima also give the threshold: the
-// K-th largest of them is reached by at least K logits (one per lane), so
-// nothing below it can be among the K largest. For E = 256 and K = 8, about
-// 10 logits reach it. (-Inf, no filtering, when k > kReductionLanes.)
+// Max and sum use kReductionLanes partial results (lane l takes the logits
+// j = l mod kReductionLanes, the last partial block in lanes 0, 1, ...) so
+// that the portable and the AVX2 row round alike; the lane maxima also give
+// the threshold: the K-th largest of them is reached by at least K logits
+// (one per lane), so nothing below it can be among the K largest. For
+// E = 256 and K = 8, about 10 logits reach it. (-Inf, no filtering, when
+// k > kReductionLanes.) The helpers below finish the lane results of the
+// portable row; the AVX2 row does the same in registers, in the same order.
+
+// The lanes joined pairwise, lane l with l + width for halving widths.
+[[gnu::always_inline]] inline float reduce_max(float (&lane_max)[kReductionLanes]) {
+  for (int width = kReductionLanes / 2; width > 0; width /= 2) {
+    for (int l = 0; l < width; ++l) {
+      const float v = lane_max[l + width];
+      lane_max[l] = v > lane_max[l] ? v : lane_max[l];
+    }
+  }
+  return lane_max[0];
+}
+
+[[gnu::always_inline]] inline float reduce_sum(float (&sums)[kReductionLanes]) {
+  for (int width = kReductionLanes / 2; width > 0; width /= 2) {
+    for (int l = 0; l < width; ++l) sums[l] += sums[l + width];
+  }
+  return sums[0];
+}
+
+[[gnu::always_inline]] inline float threshold_of(const float (&lane_max)[kReductionLanes],
+                                                 int64_t k) {
+  if (k > kReductionLanes) return -__builtin_inff();
+  // The K-th largest lane maximum is the smallest of those that fewer than K
+  // others exceed. Counting, for every lane at once, how many lanes exceed it
+  // vectorises and does not branch, unlike a partial sort.
+  int32_t exceeded_by[kReductionLanes] = {};
+  for (int other = 0; other < kReductionLanes; ++other) {
+    for (int l = 0; l < kReductionLanes; ++l) {
+      exceeded_by[l] += lane_max[other] > lane_max[l] ? 1 : 0;
+    }
+  }
+  // The smallest of the lanes in the top K, again lane-parallel (a tree).
+  float in_top_k[kReductionLanes];
+  for (int l = 0; l < kReductionLanes; ++l) {
+    in_top_k[l] = exceeded_by[l] < k ? lane_max[l] : __builtin_inff();
+  }
+  for (int width = kReductionLanes / 2; width > 0; width /= 2) {
+    for (int l = 0; l < width; ++l) {
+      const float v = in_top_k[l + width];
+      in_top_k[l] = v < in_top_k[l] ? v : in_top_k[l];
+    }
+  }
+  return in_top_k[0];
+}
+
+// quick_exp<Precision::kHalf>(x) for the sum's arguments, logit - max: never
+// positive (or NaN), so without quick_exp's overflow handling, whose compares
+// and selects cost a third of the vectorised sum. Same operations, same
+// results.
+[[gnu::always_inline]] inline float exp_non_positive(float x) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  const float t0 = x * kLog2e;
+  // The clamp keeps 2^n a normal float; NaN passes unchanged.
+  const float t = t0 < -126.0f ? -126.0f : t0;
+  // Round to nearest via the 1.5 * 2^23 trick, as in quick_exp.
+  constexpr float kShift = 12582912.0f;
+  const float shifted = t + kShift;
+  const float f = t - (shifted - kShift);  // in [-0.5, 0.5]
+  const uint32_t scale_bits = (std::bit_cast<uint32_t>(shifted) + 127u) << 23;
+  return exp2_reduced<Precision::kHalf>(f) * std::bit_cast<float>(scale_bits);
+}
+
+// sums[l] += e^(block[l] - max) for the lanes of one block of logits ...
+[[gnu::always_inline]] inline void add_exps(const float* block, float max,
+                                            float (&sums)[kReductionLanes]) {
+  for (int l = 0; l < kReductionLanes; ++l) {
+    sums[l] += exp_non_positive(block[l] - max);
+  }
+}
+
+// ... and for the first n lanes of the last, partial one.
+[[gnu::always_inline]] inline void add_exps(const float* block, int64_t n, float max,
+                                            float (&sums)[kReductionLanes]) {
+  for (int64_t l = 0; l < n; ++l) sums[l] += exp_non_positive(block[l] - max);
+}
+
 [[gnu::always_inline]] inline RowStats row_stats(const float* logits, int64_t e, int64_t k) {
   constexpr float kNegInf = -__builtin_inff();
   float lane_max[kReductionLanes];
@@ -60,37 +146,14 @@ struct RowStats {
     const float v = logits[j];
     lane_max[l] = v > lane_max[l] ? v : lane_max[l];
   }
-  float max = kNegInf;
-  for (float v : lane_max) max = v > max ? v : max;
+  const float threshold = threshold_of(lane_max, k);
+  const float max = reduce_max(lane_max);
 
   float sums[kReductionLanes] = {};
   j = 0;
-  for (; j + kReductionLanes <= e; j += kReductionLanes) {
-    for (int l = 0; l < kReductionLanes; ++l) {
-      sums[l] += quick_exp<Precision::kHalf>(logits[j + l] - max);
-    }
-  }
-  for (int l = 0; j < e; ++j, ++l) sums[l] += quick_exp<Precision::kHalf>(logits[j] - max);
-  for (int width = kReductionLanes / 2; width > 0; width /= 2) {
-    for (int l = 0; l < width; ++l) sums[l] += sums[l + width];
-  }
-
-  if (k > kReductionLanes) return {max, sums[0], kNegInf};
-  // The K-th largest lane maximum is the smallest of those that fewer than K
-  // others exceed. Counting, for every lane at once, how many lanes exceed it
-  // vectorises and does not branch, unlike a partial sort.
-  int32_t exceeded_by[kReductionLanes] = {};
-  for (int other = 0; other < kReductionLanes; ++other) {
-    for (int l = 0; l < kReductionLanes; ++l) {
-      exceeded_by[l] += lane_max[other] > lane_max[l] ? 1 : 0;
-    }
-  }
-  float threshold = __builtin_inff();
-  for (int l = 0; l < kReductionLanes; ++l) {
-    const bool in_top_k = exceeded_by[l] < k;
-    threshold = in_top_k && lane_max[l] < threshold ? lane_max[l] : threshold;
-  }
-  return {max, sums[0], threshold};
+  for (; j + kReductionLanes <= e; j += kReductionLanes) add_exps(logits + j, max, sums);
+  add_exps(logits + j, e - j, max, sums);
+  return {max, reduce_sum(sums), threshold};
 }
 
 // Up to this K, selection keeps a sorted list of the best K: after the first
@@ -150,10 +213,19 @@ class TopList {
   int64_t filled_ = 0;
 };
 
-// Inserts the logits that reach the threshold, in index order; when fewer
-// than k do (NaN in the row), all of them. The compare is one vectorised pass
-// into a byte per logit (`flags`, scratch for e bytes); the scan then tests
-// 8 flags at a time and branches only per candidate, about 10 in 256.
+// When fewer than k logits reached the threshold (NaN in the row), the
+// selection starts over with all of them.
+[[gnu::always_inline]] inline void insert_all_if_short(const float* logits, int64_t e,
+                                                       TopList& top) {
+  if (top.full()) return;
+  top.clear();
+  for (int64_t j = 0; j < e; ++j) top.insert(logits[j], static_cast<int32_t>(j));
+}
+
+// Inserts the logits that reach the threshold, in index order. The compare
+// is one vectorised pass into a byte per logit (`flags`, scratch for e
+// bytes); the scan then tests 8 flags at a time and branches only per
+// candidate, about 10 in 256.
 [[gnu::always_inline]] inline void select_top_k(const float* logits, int64_t e, float threshold,
                                                 uint8_t* flags, TopList& top) {
   for (int64_t j = 0; j < e; ++j) flags[j] = logits[j] >= threshold ? 1 : 0;
@@ -169,40 +241,252 @@ class TopList {
   for (; j0 < e; ++j0) {
     if (flags[j0] != 0) top.insert(logits[j0], static_cast<int32_t>(j0));
   }
-  if (!top.full()) {
-    top.clear();
-    for (int64_t j = 0; j < e; ++j) top.insert(logits[j], static_cast<int32_t>(j));
-  }
+  insert_all_if_short(logits, e, top);
 }
 
-// One row: ids and weights of the k most probable experts. `keys` is scratch
-// for k floats, `order` for e indices (k > kInsertionMaxK) or e flag bytes.
-KD_CPU_MULTIVERSION void topk_row(const float* logits, int64_t e, int64_t k, bool renormalize,
-                                  float* keys, int32_t* order, float* weights, int32_t* ids) {
-  const RowStats st = row_stats(logits, e, k);
-  if (k <= kInsertionMaxK) {
-    TopList top(k, keys, ids);
-    select_top_k(logits, e, st.threshold, reinterpret_cast<uint8_t*>(order), top);
-  } else {
-    for (int64_t j = 0; j < e; ++j) order[j] = static_cast<int32_t>(j);
-    std::partial_sort(order, order + k, order + e, HigherLogit{logits});
-    std::copy(order, order + k, ids);
-  }
-  // Only the winners are exponentiated, each as the full softmax would.
+// The k largest for k > kInsertionMaxK. `order` is scratch for e indices.
+[[gnu::always_inline]] inline void sort_top_k(const float* logits, int64_t e, int64_t k,
+                                              int32_t* order, int32_t* ids) {
+  for (int64_t j = 0; j < e; ++j) order[j] = static_cast<int32_t>(j);
+  std::partial_sort(order, order + k, order + e, HigherLogit{logits});
+  std::copy(order, order + k, ids);
+}
+
+// Scratch and shape of the rows of one parallel range.
+struct RowArgs {
+  int64_t e;
+  int64_t k;
+  bool renormalize;
+  float* row;      // the widened row (16-bit types): e floats
+  float* keys;     // k floats
+  int32_t* order;  // e + kReductionLanes: sort indices, flag bytes or candidate bits
+};
+
+// Weights of the winners in `ids`: only they are exponentiated, each as the
+// full softmax would.
+[[gnu::always_inline]] inline void write_weights(const float* logits, const RowArgs& a,
+                                                 const RowStats& st, float* weights,
+                                                 const int32_t* ids) {
+  const int64_t k = a.k;
   const float inv_sum = 1.0f / st.sum;
-  for (int64_t i = 0; i < k; ++i) keys[i] = logits[ids[i]];
+  for (int64_t i = 0; i < k; ++i) a.keys[i] = logits[ids[i]];
+  for (int64_t i = 0; i < k; ++i) weights[i] = fast_exp(a.keys[i] - st.max) * inv_sum;
+  if (!a.renormalize) return;
   float selected_sum = 0.0f;
-  for (int64_t i = 0; i < k; ++i) {
-    weights[i] = fast_exp(keys[i] - st.max) * inv_sum;
-    selected_sum += weights[i];
-  }
-  if (renormalize && selected_sum > 0.0f) {
+  for (int64_t i = 0; i < k; ++i) selected_sum += weights[i];
+  if (selected_sum > 0.0f) {
     for (int64_t i = 0; i < k; ++i) weights[i] /= selected_sum;
   }
 }
 
-// Scratch of one parallel range: the widened row (e floats, 16-bit types
-// only) then the selection keys (k floats), and e sort indices.
+// One row, for any CPU: ids and weights of the k most probable experts.
+template <class T>
+void topk_row_portable(const T* src, const RowArgs& a, float* weights, int32_t* ids) {
+  const float* logits = as_float(src, a.row, a.e);
+  const RowStats st = row_stats(logits, a.e, a.k);
+  if (a.k <= kInsertionMaxK) {
+    TopList top(a.k, a.keys, ids);
+    select_top_k(logits, a.e, st.threshold, reinterpret_cast<uint8_t*>(a.order), top);
+  } else {
+    sort_top_k(logits, a.e, a.k, a.order, ids);
+  }
+  write_weights(logits, a, st, weights, ids);
+}
+
+#if KD_TOPK_AVX2
+// The same row with AVX2 (and F16C for float16), for the hosts that have it:
+// GCC leaves the lane maxima loop scalar (a select it cannot prove to be
+// maxps), writes the threshold compare a byte per logit, and folds the
+// lanes through the stack with branches, so those parts are written with
+// intrinsics, operation for operation as in the portable row; the rest is
+// the shared code above, which the target attribute vectorises with 256-bit
+// registers. No FMA: every operation rounds as in the portable row, and both
+// give the same ids and weights, bit for bit.
+
+#define KD_AVX2 __attribute__((target("avx2,f16c")))
+
+KD_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+KD_AVX2 inline __m256 load8(const Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+KD_AVX2 inline __m256 load8(const BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Bit l set where block[l] >= threshold (never for NaN), for 8 ...
+KD_AVX2 inline uint32_t reaching8(const float* block, __m256 threshold) {
+  const __m256 reached = _mm256_cmp_ps(_mm256_loadu_ps(block), threshold, _CMP_GE_OQ);
+  return static_cast<uint32_t>(_mm256_movemask_ps(reached));
+}
+
+// ... and for 16 logits.
+KD_AVX2 inline uint32_t reaching(const float* block, __m256 threshold) {
+  return reaching8(block, threshold) | reaching8(block + 8, threshold) << 8;
+}
+
+static_assert(kReductionLanes == 16, "the AVX2 row keeps the lanes in two 8-float registers");
+
+// threshold_of for the lane maxima in lo (lanes 0-7) and hi (8-15), also
+// stored in `lanes`: the same count of exceeding lanes and the same minimum,
+// in registers. GCC's code for threshold_of took a sixth of the row, mostly
+// in a scalar, branching minimum.
+KD_AVX2 inline float threshold_avx2(__m256 lo, __m256 hi, const float (&lanes)[kReductionLanes],
+                                    int64_t k) {
+  if (k > kReductionLanes) return -__builtin_inff();
+  // A true compare is -1: subtracting it counts.
+  __m256i exceeded_lo = _mm256_setzero_si256();
+  __m256i exceeded_hi = _mm256_setzero_si256();
+  for (int other = 0; other < kReductionLanes; ++other) {
+    const __m256 v = _mm256_broadcast_ss(&lanes[other]);
+    const __m256 above_lo = _mm256_cmp_ps(v, lo, _CMP_GT_OQ);
+    const __m256 above_hi = _mm256_cmp_ps(v, hi, _CMP_GT_OQ);
+    exceeded_lo = _mm256_sub_epi32(exceeded_lo, _mm256_castps_si256(above_lo));
+    exceeded_hi = _mm256_sub_epi32(exceeded_hi, _mm256_castps_si256(above_hi));
+  }
+  const __m256i kk = _mm256_set1_epi32(static_cast<int32_t>(k));
+  const __m256 inf = _mm256_set1_ps(__builtin_inff());
+  const __m256 in_lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(kk, exceeded_lo));
+  const __m256 in_hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(kk, exceeded_hi));
+  __m256 m = _mm256_min_ps(_mm256_blendv_ps(inf, lo, in_lo), _mm256_blendv_ps(inf, hi, in_hi));
+  m = _mm256_min_ps(m, _mm256_permute2f128_ps(m, m, 1));
+  m = _mm256_min_ps(m, _mm256_permute_ps(m, 0x4e));
+  m = _mm256_min_ps(m, _mm256_permute_ps(m, 0xb1));
+  return _mm256_cvtss_f32(m);
+}
+
+// reduce_max and reduce_sum in registers, lanes 0-7 in lo and 8-15 in hi:
+// the same pairwise tree, lane l joined with l + width (maxps(v, m) is
+// v > m ? v : m, the shared select with v the upper lane).
+KD_AVX2 inline float reduce_max_avx2(__m256 lo, __m256 hi) {
+  __m256 m = _mm256_max_ps(hi, lo);
+  m = _mm256_max_ps(_mm256_permute2f128_ps(m, m, 1), m);
+  m = _mm256_max_ps(_mm256_permute_ps(m, 0x4e), m);
+  m = _mm256_max_ps(_mm256_permute_ps(m, 0xb1), m);
+  return _mm256_cvtss_f32(m);
+}
+
+KD_AVX2 inline float reduce_sum_avx2(__m256 lo, __m256 hi) {
+  __m256 m = _mm256_add_ps(lo, hi);
+  m = _mm256_add_ps(m, _mm256_permute2f128_ps(m, m, 1));
+  m = _mm256_add_ps(m, _mm256_permute_ps(m, 0x4e));
+  m = _mm256_add_ps(m, _mm256_permute_ps(m, 0xb1));
+  return _mm256_cvtss_f32(m);
+}
+
+template <class T>
+KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32_t* ids) {
+  constexpr float kNegInf = -__builtin_inff();
+  const int64_t e = a.e;
+  const int64_t full = e - e % kReductionLanes;
+  const int64_t rest = e - full;
+  // 16-bit rows are widened into a.row on the way; the last, partial block
+  // is also kept padded with -Inf (no lane maximum changes) in `tail`, and
+  // joins the lane maxima last, as in row_stats (the order decides which of
+  // +0 and -0 is kept).
+  constexpr bool kWiden = !std::is_same_v<T, float>;
+  const float* logits = nullptr;
+  if constexpr (kWiden) {
+    logits = a.row;
+  } else {
+    logits = src;
+  }
+  alignas(32) float tail[kReductionLanes];
+  for (int64_t l = 0; l < rest; ++l) tail[l] = to_float(src[full + l]);
+  for (int64_t l = rest; l < kReductionLanes; ++l) tail[l] = kNegInf;
+  if constexpr (kWiden) std::copy(tail, tail + rest, a.row + full);
+
+  __m256 max_lo = _mm256_set1_ps(kNegInf);
+  __m256 max_hi = max_lo;
+  for (int64_t j = 0; j < full; j += kReductionLanes) {
+    const __m256 lo = load8(src + j);
+    const __m256 hi = load8(src + j + 8);
+    if constexpr (kWiden) {
+      _mm256_storeu_ps(a.row + j, lo);
+      _mm256_storeu_ps(a.row + j + 8, hi);
+    }
+    // maxps(v, m) is v > m ? v : m, NaN included, as in row_stats.
+    max_lo = _mm256_max_ps(lo, max_lo);
+    max_hi = _mm256_max_ps(hi, max_hi);
+  }
+  max_lo = _mm256_max_ps(_mm256_load_ps(tail), max_lo);
+  max_hi = _mm256_max_ps(_mm256_load_ps(tail + 8), max_hi);
+  alignas(32) float lanes[kReductionLanes];
+  _mm256_store_ps(lanes, max_lo);
+  _mm256_store_ps(lanes + 8, max_hi);
+  RowStats st{};
+  st.threshold = threshold_avx2(max_lo, max_hi, lanes, a.k);
+  st.max = reduce_max_avx2(max_lo, max_hi);
+
+  // One pass adds up the exponentials and notes the candidates, 16 bits per
+  // block, padded with zeros to whole 64-bit words.
+  uint16_t* const candidates = reinterpret_cast<uint16_t*>(a.order);
+  const __m256 threshold = _mm256_set1_ps(st.threshold);
+  float sums[kReductionLanes] = {};
+  for (int64_t j = 0; j < full; j += kReductionLanes) {
+    add_exps(logits + j, st.max, sums);
+    candidates[j / kReductionLanes] = static_cast<uint16_t>(reaching(logits + j, threshold));
+  }
+  add_exps(tail, rest, st.max, sums);
+  int64_t blocks = full / kReductionLanes;
+  if (rest > 0) {
+    candidates[blocks++] = static_cast<uint16_t>(reaching(tail, threshold) & ((1u << rest) - 1));
+  }
+  for (int64_t b = blocks; b % 4 != 0; ++b) candidates[b] = 0;
+  st.sum = reduce_sum_avx2(_mm256_loadu_ps(sums), _mm256_loadu_ps(sums + 8));
+
+  if (a.k <= kInsertionMaxK) {
+    TopList top(a.k, a.keys, ids);
+    for (int64_t w = 0; w * 4 < blocks; ++w) {
+      uint64_t word = 0;
+      std::memcpy(&word, candidates + w * 4, sizeof word);
+      for (; word != 0; word &= word - 1) {
+        const int64_t j = w * 64 + __builtin_ctzll(word);
+        top.insert(logits[j], static_cast<int32_t>(j));
+      }
+    }
+    insert_all_if_short(logits, e, top);
+  } else {
+    sort_top_k(logits, e, a.k, a.order, ids);
+  }
+  write_weights(logits, a, st, weights, ids);
+}
+
+#undef KD_AVX2
+#endif  // KD_TOPK_AVX2
+
+template <class T>
+using RowFn = void (*)(const T*, const RowArgs&, float*, int32_t*);
+
+struct RowKernels {
+  RowFn<float> f32;
+  RowFn<Half> f16;
+  RowFn<BFloat16> bf16;
+
+  template <class T>
+  RowFn<T> get() const {
+    if constexpr (std::is_same_v<T, float>) return f32;
+    if constexpr (std::is_same_v<T, Half>) return f16;
+    if constexpr (std::is_same_v<T, BFloat16>) return bf16;
+  }
+};
+
+RowKernels pick_row_kernels() {
+#if KD_TOPK_AVX2
+  __builtin_cpu_init();  // a static initialiser may run before anything else called it
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
+    return {topk_row_avx2<float>, topk_row_avx2<Half>, topk_row_avx2<BFloat16>};
+  }
+#endif
+  return {topk_row_portable<float>, topk_row_portable<Half>, topk_row_portable<BFloat16>};
+}
+
+// Chosen once, when the plugin is loaded.
+const RowKernels kRowKernels = pick_row_kernels();
+
+// Scratch of one parallel range (see RowArgs).
 struct Scratch {
   std::unique_ptr<float[]> floats;
   std::unique_ptr<int32_t[]> indices;
@@ -253,17 +537,18 @@ kd_status topk_softmax(const kd_call_args* args) noexcept {
       using T = typename decltype(tag)::type;
       const T* g = data_as<T>(gating);
       std::atomic<bool> out_of_memory{false};
+      const RowFn<T> row_kernel = kRowKernels.get<T>();
       parallel_for(rows, e, [&](int64_t begin, int64_t end) noexcept {
         Scratch s{std::unique_ptr<float[]>(new (std::nothrow) float[e + k]),
-                  std::unique_ptr<int32_t[]>(new (std::nothrow) int32_t[e])};
+                  std::unique_ptr<int32_t[]>(new (std::nothrow) int32_t[e + kReductionLanes])};
         if (!s.floats || !s.indices) {
           out_of_memory.store(true, std::memory_order_relaxed);
           return;
         }
-        float* keys = s.floats.get() + e;
+        const RowArgs row_args{e, k, renormalize, s.floats.get(), s.floats.get() + e,
+                               s.indices.get()};
         for (int64_t r = begin; r < end; ++r) {
-          const float* logits = as_float(g + r * e, s.floats.get(), e);
-          topk_row(logits, e, k, renormalize, keys, s.indices.get(), w + r * k, id + r * k);
+          row_kernel(g + r * e, row_args, w + r * k, id + r * k);
         }
       });
       if (out_of_memory.load()) {
