@@ -52,19 +52,6 @@ struct GeluTanh {
 // stay in L1.
 constexpr int64_t kBlock = 512;
 
-// Requests `n` elements from `p` on into the cache. The math takes longer than
-// a block's memory latency, yet the hardware prefetcher alone does not keep
-// ahead of two input streams read a block at a time: asking for the next
-// block while computing this one overlaps the loads with the math.
-template <class T>
-[[gnu::always_inline]] inline void prefetch(const T* p, int64_t n) {
-  constexpr int64_t kLine = 64;
-  const auto* bytes = reinterpret_cast<const char*>(p);
-  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += kLine) {
-    __builtin_prefetch(bytes + i);
-  }
-}
-
 template <class Act, class T>
 KD_CPU_MULTIVERSION void gated_rows(T* out, const T* x, int64_t d, Store store, int64_t begin,
                                    int64_t end) {
@@ -78,15 +65,6 @@ KD_CPU_MULTIVERSION void gated_rows(T* out, const T* x, int64_t d, Store store, 
     T* o = out + r * d;
     for (int64_t j0 = 0; j0 < d; j0 += kBlock) {
       const int64_t n = d - j0 < kBlock ? d - j0 : kBlock;
-      // The next block: further along this row, else the next row's first.
-      const bool row_done = j0 + kBlock >= d;
-      if (!row_done || r + 1 < end) {
-        const T* next_gate = row_done ? gate + 2 * d : gate + j0 + kBlock;
-        const int64_t next_n = row_done ? (d < kBlock ? d : kBlock)
-                                        : (d - j0 - kBlock < kBlock ? d - j0 - kBlock : kBlock);
-        prefetch(next_gate, next_n);
-        prefetch(next_gate + d, next_n);
-      }
       const float* g = as_float(gate + j0, gate_block, n);
       const float* u = as_float(up + j0, up_block, n);
       for (int64_t j = 0; j < n; ++j) {
