@@ -156,15 +156,15 @@ void CompiledSchema::remember(std::span<const DLTensor> tensors, Dtype dtype) co
   Accepted& accepted = accepted_[entry % kRemembered];
   uint32_t seq = accepted.seq.load(std::memory_order_relaxed);
   if ((seq & 1) != 0 || !accepted.seq.compare_exchange_strong(seq, seq + 1, std::memory_order_relaxed)) return;
-  std::atomic_thread_fence(std::memory_order_release);
+  // Release stores: each one publishes the odd sequence before itself.
   for (size_t i = 0; i < tensors.size(); ++i) {
     const DLTensor& t = tensors[i];
     std::atomic<uint64_t>* w = accepted.rows[i].data();
-    w[0].store(read_word(t, offsetof(DLTensor, device)), std::memory_order_relaxed);
-    w[1].store(read_word(t, offsetof(DLTensor, ndim)), std::memory_order_relaxed);
-    for (int k = 0; k < t.ndim; ++k) w[2 + k].store(static_cast<uint64_t>(t.shape[k]), std::memory_order_relaxed);
+    w[0].store(read_word(t, offsetof(DLTensor, device)), std::memory_order_release);
+    w[1].store(read_word(t, offsetof(DLTensor, ndim)), std::memory_order_release);
+    for (int k = 0; k < t.ndim; ++k) w[2 + k].store(static_cast<uint64_t>(t.shape[k]), std::memory_order_release);
   }
-  accepted.dtype.store(dtype, std::memory_order_relaxed);
+  accepted.dtype.store(dtype, std::memory_order_release);
   // seq + 2 wraps to 0 ("nothing recorded") once in 2^31 writes: harmless.
   accepted.seq.store(seq + 2, std::memory_order_release);
 }
