@@ -63,13 +63,13 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
   // Variables get slots in the order tensors use them; the first one used
   // selects the kernel. Declared but unused ones constrain nothing.
   const auto var_slot = [&](const std::string& name) -> std::optional<uint8_t> {
-    for (size_t v = 0; v < vars_.size(); ++v) {
-      if (vars_[v].name == name) return static_cast<uint8_t>(v);
+    for (size_t v = 0; v < var_names_.size(); ++v) {
+      if (var_names_[v] == name) return static_cast<uint8_t>(v);
     }
     auto it = std::find_if(schema.dtype_vars.begin(), schema.dtype_vars.end(),
                            [&](const auto& var) { return var.first == name; });
     if (it == schema.dtype_vars.end()) return std::nullopt;
-    VarCodes& codes = var_codes_[vars_.size()];
+    VarCodes& codes = var_codes_[var_names_.size()];
     for (Dtype d : it->second) {
       const auto end = codes.dtypes.begin() + codes.count;
       if (std::find(codes.dtypes.begin(), end, d) != end) continue;
@@ -77,8 +77,8 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
       codes.dtypes[codes.count] = d;
       ++codes.count;
     }
-    vars_.push_back({name, it->second});
-    return static_cast<uint8_t>(vars_.size() - 1);
+    var_names_.push_back(name);
+    return static_cast<uint8_t>(var_names_.size() - 1);
   };
   bool seen_leading = false;
   uint64_t bound_symbols = 0;
@@ -89,10 +89,10 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
     t.bind_var = kScratchVar;
     t.first_dim = static_cast<uint8_t>(dims_.size());
     if (arg.strided) t.flags |= kStrided;
-    const size_t vars_before = vars_.size();
+    const size_t vars_before = var_names_.size();
     if (auto slot = var_slot(arg.dtype)) {
       t.var = *slot;
-      if (vars_.size() > vars_before) t.bind_var = *slot;  // the variable's first tensor
+      if (var_names_.size() > vars_before) t.bind_var = *slot;  // the variable's first tensor
     } else if (auto d = parse_dtype(arg.dtype)) {
       t.header = uint64_t{pack_dtype(to_dlpack(*d))} << 32;
       if (plan_.empty()) fixed_dtype_ = *d;
@@ -132,8 +132,6 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
     plan_.push_back(t);
   }
   num_tensors_ = plan_.size();
-  num_vars_ = static_cast<uint32_t>(vars_.size());
-  if (!vars_.empty()) selecting_var_ = 0;
 }
 
 CompiledSchema::CallInfo CompiledSchema::check_plan(std::span<const DLTensor> tensors) const {
@@ -229,12 +227,12 @@ bool CompiledSchema::check_fast(std::span<const DLTensor> tensors, CallInfo* inf
   }
   // Each dtype variable's code (bound by its first tensor) must be allowed.
   Dtype dtype = fixed_dtype_;
-  for (uint32_t v = 0; v < num_vars_; ++v) {
+  for (size_t v = 0; v < var_names_.size(); ++v) {
     const VarCodes& var = var_codes_[v];
     uint32_t j = 0;
     while (j < var.count && var.codes[j] != code[v]) ++j;
     if (j == var.count) return false;
-    if (static_cast<int>(v) == selecting_var_) dtype = var.dtypes[j];
+    if (v == 0) dtype = var.dtypes[j];  // the first variable selects the kernel
   }
   info->dtype = dtype;
   info->device = tensors[0].device;
@@ -278,18 +276,18 @@ void CompiledSchema::diagnose(std::span<const DLTensor> tensors) const {
       const auto v = static_cast<size_t>(spec.var);
       if (var_by[v] < 0) {
         const auto d = from_dlpack(t.dtype);
-        const auto& allowed = vars_[v].allowed;
+        const std::span<const Dtype> allowed(var_codes_[v].dtypes.data(), var_codes_[v].count);
         if (!d || std::find(allowed.begin(), allowed.end(), *d) == allowed.end()) {
           std::vector<std::string_view> names;
           for (Dtype a : allowed) names.push_back(dtype_name(a));
-          fail(i, fmt::format("expected dtype {} in [{}], got {}", vars_[v].name, fmt::join(names, ", "),
+          fail(i, fmt::format("expected dtype {} in [{}], got {}", var_names_[v], fmt::join(names, ", "),
                               dtype_str(t.dtype)));
         }
         var_by[v] = static_cast<int>(i);
         var_type[v] = t.dtype;
       } else if (t.dtype.code != var_type[v].code || t.dtype.bits != var_type[v].bits ||
                  t.dtype.lanes != var_type[v].lanes) {
-        fail(i, fmt::format("expected dtype {} = {} (as '{}'), got {}", vars_[v].name, dtype_str(var_type[v]),
+        fail(i, fmt::format("expected dtype {} = {} (as '{}'), got {}", var_names_[v], dtype_str(var_type[v]),
                             schema_.tensors[static_cast<size_t>(var_by[v])].name, dtype_str(t.dtype)));
       }
     } else {

@@ -93,15 +93,13 @@ class CompiledSchema {
     uint8_t num_dims;  // dims after "*"
     uint8_t first_dim; // index of the first in dims_
   };
-  // A dtype variable's allowed dtypes, flat for the per-call check.
+  // A dtype variable's allowed dtypes (each once, in schema order), flat for
+  // the per-call check. Slot 0 is the first variable the tensors use: it
+  // selects the kernel.
   struct VarCodes {
     std::array<uint32_t, std::size(kAllDtypes)> codes;  // packed DLDataType
     std::array<Dtype, std::size(kAllDtypes)> dtypes;
     uint32_t count = 0;
-  };
-  struct DtypeVar {
-    std::string name;
-    std::vector<Dtype> allowed;
   };
   // An accepted call, as the words the verdict on devices, dtypes and
   // shapes depends on: per tensor its device, then ndim and dtype, then its
@@ -140,11 +138,9 @@ class CompiledSchema {
   size_t num_tensors_ = 0;  // plan_.size()
   std::vector<Dim> dims_;
   std::array<VarCodes, kMaxSchemaDtypeVars> var_codes_{};
-  uint32_t num_vars_ = 0;
-  int selecting_var_ = -1;              // the variable that selects the kernel, if any
   Dtype fixed_dtype_ = Dtype::float32;  // the call's dtype when no variable selects it
   std::vector<std::string> symbols_;
-  std::vector<DtypeVar> vars_;
+  std::vector<std::string> var_names_;  // by slot
   mutable std::array<Accepted, kRemembered> accepted_;
   mutable std::atomic<uint32_t> next_accepted_{0};  // the entry the next new signature replaces
 };
