@@ -22,7 +22,7 @@ struct Silu {
   static constexpr const char* kOp = "activation.silu_and_mul";
   template <Precision P>
   [[gnu::always_inline]] static float apply(float a) {
-    return a / (1.0f + quick_exp<P>(-a));
+    return times_sigmoid<P>(a, a);
   }
 };
 
@@ -31,20 +31,20 @@ struct GeluErf {
   static constexpr const char* kOp = "activation.gelu_and_mul";
   template <Precision P>
   [[gnu::always_inline]] static float apply(float a) {
-    return a * normal_cdf<P>(a);
+    return gelu_erf<P>(a);
   }
 };
 
 // gelu_tanh(a) = 0.5 a (1 + tanh(y)), y = sqrt(2/pi) (a + 0.044715 a^3).
-// 0.5 (1 + tanh(y)) is exactly 1 / (1 + exp(-2y)); that form needs one exp
-// and loses nothing where tanh(y) is close to -1.
+// 0.5 (1 + tanh(y)) is exactly 1 / (1 + exp(-2y)), the sigmoid of 2y; that
+// form needs one exp and loses nothing where tanh(y) is close to -1.
 struct GeluTanh {
   static constexpr const char* kOp = "activation.gelu_tanh_and_mul";
   template <Precision P>
   [[gnu::always_inline]] static float apply(float a) {
     constexpr float kTwoSqrt2OverPi = 1.5957691216057308f;  // 2 sqrt(2/pi)
     const float two_y = kTwoSqrt2OverPi * (a + 0.044715f * a * a * a);
-    return a / (1.0f + quick_exp<P>(-two_y));
+    return times_sigmoid<P>(a, two_y);
   }
 };
 

@@ -4,8 +4,8 @@
 // element a scalar call per element costs more than the memory traffic.
 //
 // Accuracy (checked against float64): fast_exp within 1.3 ulp over the whole
-// float range; the activations' quick_exp and normal_cdf come in two
-// precisions (see Precision), with their errors given below.
+// float range; the activations' exp_bounded, times_sigmoid and gelu_erf come
+// in two precisions (see Precision), with their errors given below.
 #pragma once
 
 #include <bit>
@@ -114,21 +114,18 @@ template <Precision P>
   }
 }
 
-// e^x for the activations, whose tolerances leave room for a cheaper exp than
-// fast_exp: the exponent is formed in base 2 from the rounded x log2(e) (no
-// split ln2), and a short polynomial gives 2^f. Relative error: that of
-// exp2_reduced plus up to |x| 9e-8 from rounding x log2(e), so 7e-7 (float32)
-// and 3.4e-6 (16-bit) for |x| <= 10, 1e-5 at worst. Above about 88.72 (and at
-// +Inf) the result is +Inf; between 88.03 and 88.72 it stays at 2^127; below
-// about -87.3 it stays at 2^-126 instead of going to 0 (both only matter next
-// to results that are far below the tolerance). NaN propagates.
+// e^x for x in [-87.3, 0] (x log2(e) >= -126), the range where the
+// activations need it: the exponent is formed in base 2 from the rounded
+// x log2(e) (no split ln2), and a short polynomial gives 2^f. Relative error:
+// that of exp2_reduced plus up to |x| 9e-8 from rounding x log2(e), so 7e-7
+// (float32) and 3.4e-6 (16-bit) for |x| <= 10, 1e-5 at worst. No compares or
+// selects: callers bound the argument, usually once for several uses.
+inline constexpr float kExpBoundedMin = -87.3f;
+
 template <Precision P>
-[[gnu::always_inline]] inline float quick_exp(float x) {
+[[gnu::always_inline]] inline float exp_bounded(float x) {
   constexpr float kLog2e = 1.44269504088896341f;
-  const float t0 = x * kLog2e;
-  // The clamp keeps 2^n a normal float; NaN passes both compares unchanged.
-  float t = t0 < -126.0f ? -126.0f : t0;
-  t = t > 127.0f ? 127.0f : t;
+  const float t = x * kLog2e;
   // Round to nearest via the 1.5 * 2^23 trick: the low bits of `shifted`
   // then hold n as a two's complement integer.
   constexpr float kShift = 12582912.0f;
@@ -136,16 +133,37 @@ template <Precision P>
   const float f = t - (shifted - kShift);  // in [-0.5, 0.5]
   // (n + 127) << 23 is 2^n; the shift drops the 1.5 * 2^23 above n.
   const uint32_t scale_bits = (std::bit_cast<uint32_t>(shifted) + 127u) << 23;
-  const float result = exp2_reduced<P>(f) * std::bit_cast<float>(scale_bits);
-  return t0 >= 128.0f ? std::bit_cast<float>(0x7f800000u) : result;
+  return exp2_reduced<P>(f) * std::bit_cast<float>(scale_bits);
 }
 
-// erfc(z) for z >= 0, as exp(-z^2) g(u) / (z + K) with u = (z - K) / (z + K)
-// in [-1, 1): g is smooth there, and a polynomial fits it (least squares,
-// relative, on Chebyshev nodes, z in [0, 10]; beyond 10 erfc is below the
-// smallest float). Degree 7 with K = 3 fits to 1.5e-7 (float32), degree 6
-// with K = 2 to 1.4e-6 (16-bit). The coefficients include erfc's factor 1/2
-// in Phi below. One division: u and the quotient share 1 / (z + K).
+// min(x, bound) for x >= 0 or NaN (NaN gives bound): one compare and select,
+// which the vectoriser keeps as such.
+[[gnu::always_inline]] inline float at_most(float x, float bound) {
+  return x < bound ? x : bound;
+}
+
+// a / (1 + e^-s), the sigmoid of s scaled by a, through e = e^-|s| in (0, 1]
+// so that no exponential overflows: a / (1 + e) for s >= 0 and a e / (1 + e)
+// below. |s| is bounded by -kExpBoundedMin, where e is already far below the
+// tolerance of any result. Relative error that of exp_bounded plus a few
+// roundings. NaN in a gives NaN; a NaN s alone does not (the callers'
+// s is NaN only where a is).
+template <Precision P>
+[[gnu::always_inline]] inline float times_sigmoid(float a, float s) {
+  const float e = exp_bounded<P>(-at_most(__builtin_fabsf(s), -kExpBoundedMin));
+  const float numerator = s < 0.0f ? a * e : a;
+  return numerator / (1.0f + e);
+}
+
+// erfc(z) / 2 for z in [0, kErfcMaxArg], as exp(-z^2) g(u) / (z + K) with
+// u = (z - K) / (z + K) in [-1, 1): g is smooth there, and a polynomial fits
+// it (least squares, relative, on Chebyshev nodes, z in [0, 10]). Degree 7
+// with K = 3 fits to 1.5e-7 (float32), degree 6 with K = 2 to 1.4e-6
+// (16-bit). The coefficients include the factor 1/2. One division: u and the
+// quotient share 1 / (z + K).
+inline constexpr float kErfcMaxArg = 9.3f;  // z^2 stays inside exp_bounded's range
+static_assert(kErfcMaxArg * kErfcMaxArg < -kExpBoundedMin);
+
 template <Precision P>
 [[gnu::always_inline]] inline float half_erfc(float z) {
   constexpr float kK = P == Precision::kFloat32 ? 3.0f : 2.0f;
@@ -162,22 +180,22 @@ template <Precision P>
                             -0.0107409265f, 0.00287891179f, 0.00137819571f};
     g = polynomial(u, kC);
   }
-  return quick_exp<P>(-z * z) * g * inv;
+  return exp_bounded<P>(-z * z) * g * inv;
 }
 
-// Phi(a) = P(N(0,1) <= a) = 0.5 * erfc(-a / sqrt(2)), through erfc of |a| so
-// that the negative tail stays relatively accurate: within 1.8e-6 (float32)
-// and 5e-6 (16-bit) relative for a >= -4, 2e-5 down to the smallest normal
-// result at a = -13 (the rounding of z^2 inside exp(-z^2) dominates in the
-// far tail), so that gelu(a) = a Phi(a) stays accurate for negative a too.
+// gelu(a) = a Phi(a), Phi(a) = P(N(0,1) <= a) = erfc(-a / sqrt(2)) / 2,
+// through erfc of |a| so that the negative tail stays relatively accurate:
+// Phi within 1.8e-6 (float32) and 5e-6 (16-bit) relative for a >= -4, 2e-5
+// down to a = -13 (the rounding of z^2 inside exp(-z^2) dominates in the far
+// tail). Below a = -13.15 (|a| / sqrt(2) > kErfcMaxArg) Phi stays at its value
+// there, about 1e-39, a tiny non-zero gelu where the exact one is smaller
+// still. NaN propagates through the product.
 template <Precision P>
-[[gnu::always_inline]] inline float normal_cdf(float a) {
+[[gnu::always_inline]] inline float gelu_erf(float a) {
   constexpr float kRsqrt2 = 0.707106781186547524f;
-  const float z0 = (a < 0.0f ? -a : a) * kRsqrt2;
-  const float tail = half_erfc<P>(z0 > 10.0f ? 10.0f : z0);
-  float result = a < 0.0f ? tail : 1.0f - tail;
-  result = a != a ? a : result;
-  return result;
+  const float z = at_most(__builtin_fabsf(a) * kRsqrt2, kErfcMaxArg);
+  const float tail = half_erfc<P>(z);
+  return a * (a < 0.0f ? tail : 1.0f - tail);
 }
 
 }  // namespace kdispatch::cpu
