@@ -140,75 +140,77 @@ kd_status check_norm_arguments(const kd_call_args* args, const char* op, float* 
   return KD_STATUS_OK;
 }
 
+// What the row loops of one call get from run_norm().
+struct NormCall {
+  const float* weight;  // as float
+  int64_t rows;
+  int64_t h;
+  float eps;
+};
+
+// The frame both ops share: argument checks, eps, the weight as float, and
+// the rows split across threads, each range with `row`, scratch for h floats
+// (for float32 inputs only when kFloatNeedsRow; else nullptr), reported as
+// KD_STATUS_INTERNAL when it cannot be allocated. Calls
+// do_rows(tag, call, row, begin, end), tag.type being the element type.
+template <bool kFloatNeedsRow, class DoRows>
+kd_status run_norm(const kd_call_args* args, const char* op, DoRows&& do_rows) {
+  float eps = 0.0f;
+  if (kd_status s = check_norm_arguments(args, op, &eps); s != KD_STATUS_OK) return s;
+  // The tensors agree in shape and dtype (checked above): tensor 1 speaks for all.
+  const DLTensor& x = args->tensors[1];
+  const int64_t h = dim(x, -1);
+  return dispatch_float_dtype(args, op, x, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    constexpr bool kNeedsRow = kFloatNeedsRow || !std::is_same_v<T, float>;
+    std::vector<float> weight_storage;
+    const NormCall call{weight_as_float(data_as<T>(args->tensors[2]), h, weight_storage),
+                        leading_rows(x, 1), h, eps};
+    std::atomic<bool> out_of_memory{false};
+    parallel_for(call.rows, h, [&](int64_t begin, int64_t end) noexcept {
+      std::unique_ptr<float[]> row;
+      if constexpr (kNeedsRow) {
+        row.reset(new (std::nothrow) float[h]);
+        if (!row) {
+          out_of_memory.store(true, std::memory_order_relaxed);
+          return;
+        }
+      }
+      do_rows(tag, call, row.get(), begin, end);
+    });
+    if (out_of_memory.load()) {
+      return kd_plugin::fail(args, KD_STATUS_INTERNAL, "%s: out of host memory", op);
+    }
+    return KD_STATUS_OK;
+  });
+}
+
 }  // namespace
 
 kd_status rmsnorm(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(args, [&]() -> kd_status {
-    constexpr const char* kOp = "layernorm.rmsnorm";
-    float eps = 0.0f;
-    if (kd_status s = check_norm_arguments(args, kOp, &eps); s != KD_STATUS_OK) return s;
-    const DLTensor& out = args->tensors[0];
-    const DLTensor& x = args->tensors[1];
-    const DLTensor& weight = args->tensors[2];
-    const int64_t rows = leading_rows(x, 1);
-    const int64_t h = dim(x, -1);
-    return dispatch_float_dtype(args, kOp, x, [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      T* o = data_as<T>(out);
-      const T* xd = data_as<T>(x);
-      std::vector<float> weight_storage;
-      const float* w = weight_as_float(data_as<T>(weight), h, weight_storage);
-      const Store store = store_for(rows * h * static_cast<int64_t>(sizeof(T)));
-      std::atomic<bool> out_of_memory{false};
-      parallel_for(rows, h, [&](int64_t begin, int64_t end) noexcept {
-        std::unique_ptr<float[]> row;
-        if constexpr (!std::is_same_v<T, float>) {
-          row.reset(new (std::nothrow) float[h]);
-          if (!row) {
-            out_of_memory.store(true, std::memory_order_relaxed);
-            return;
-          }
-        }
-        rmsnorm_rows<T>(o, xd, w, h, eps, row.get(), store, begin, end);
-      });
-      if (out_of_memory.load()) {
-        return kd_plugin::fail(args, KD_STATUS_INTERNAL, "%s: out of host memory", kOp);
-      }
-      return KD_STATUS_OK;
-    });
+    const DLTensor* t = args->tensors;  // out, x, weight
+    return run_norm<false>(args, "layernorm.rmsnorm",
+                           [&](auto tag, const NormCall& c, float* row, int64_t begin,
+                               int64_t end) noexcept {
+                             using T = typename decltype(tag)::type;
+                             const Store store = store_for(c.rows * c.h * int64_t{sizeof(T)});
+                             rmsnorm_rows<T>(data_as<T>(t[0]), data_as<T>(t[1]), c.weight, c.h,
+                                             c.eps, row, store, begin, end);
+                           });
   });
 }
 
 kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(args, [&]() -> kd_status {
-    constexpr const char* kOp = "layernorm.fused_add_rmsnorm";
-    float eps = 0.0f;
-    if (kd_status s = check_norm_arguments(args, kOp, &eps); s != KD_STATUS_OK) return s;
-    const DLTensor& x = args->tensors[0];
-    const DLTensor& residual = args->tensors[1];
-    const DLTensor& weight = args->tensors[2];
-    const int64_t rows = leading_rows(x, 1);
-    const int64_t h = dim(x, -1);
-    return dispatch_float_dtype(args, kOp, x, [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      T* xd = data_as<T>(x);
-      T* rd = data_as<T>(residual);
-      std::vector<float> weight_storage;
-      const float* w = weight_as_float(data_as<T>(weight), h, weight_storage);
-      std::atomic<bool> out_of_memory{false};
-      parallel_for(rows, h, [&](int64_t begin, int64_t end) noexcept {
-        const std::unique_ptr<float[]> row(new (std::nothrow) float[h]);
-        if (!row) {
-          out_of_memory.store(true, std::memory_order_relaxed);
-          return;
-        }
-        fused_add_rmsnorm_rows<T>(xd, rd, w, h, eps, row.get(), begin, end);
-      });
-      if (out_of_memory.load()) {
-        return kd_plugin::fail(args, KD_STATUS_INTERNAL, "%s: out of host memory", kOp);
-      }
-      return KD_STATUS_OK;
-    });
+    const DLTensor* t = args->tensors;  // x, residual, weight
+    return run_norm<true>(args, "layernorm.fused_add_rmsnorm",
+                          [&](auto tag, const NormCall& c, float* row, int64_t begin,
+                              int64_t end) noexcept {
+                            using T = typename decltype(tag)::type;
+                            fused_add_rmsnorm_rows<T>(data_as<T>(t[0]), data_as<T>(t[1]),
+                                                      c.weight, c.h, c.eps, row, begin, end);
+                          });
   });
 }
 
