@@ -27,25 +27,15 @@ using kdispatch::harness::bool_attr;
 using kdispatch::harness::float_attr;
 using kdispatch::harness::RawCall;
 using ref::Dtype;
+using ref::Tolerance;
 
 constexpr Dtype kFloatDtypes[] = {Dtype::kFloat32, Dtype::kFloat16, Dtype::kBFloat16};
 
 // |got - want| <= atol + rtol * |want|, per storage dtype of the output.
 // float16/bfloat16 are dominated by the final rounding (2^-11, 2^-8
 // relative); float32 by float32 accumulation and the kernels' exp/erf.
-struct Tolerance {
-  double rtol;
-  double atol;
-};
-
-Tolerance tolerance_for(Dtype dtype) {
-  switch (dtype) {
-    case Dtype::kFloat32: return {1e-5, 1e-5};
-    case Dtype::kFloat16: return {2e-3, 1e-3};
-    case Dtype::kBFloat16: return {1.6e-2, 1e-2};
-  }
-  return {0.0, 0.0};
-}
+constexpr ref::DtypeTolerances tolerance_for{
+    .float32 = {1e-5, 1e-5}, .float16 = {2e-3, 1e-3}, .bfloat16 = {1.6e-2, 1e-2}};
 
 // topk_weights are float32 whatever the input dtype.
 constexpr Tolerance kTopkWeightTolerance{1e-5, 1e-6};
