@@ -540,7 +540,8 @@ std::vector<BenchCase> bench_cases() {
     c.op = fused ? "fused_add_rmsnorm" : "rmsnorm";
     c.dtype = t;
     c.shape = std::to_string(rows) + "x" + std::to_string(hidden);
-    c.bytes = static_cast<double>(ref::dtype_size(t)) * (static_cast<double>(rows * hidden) * (fused ? 4 : 2) + hidden);
+    c.bytes = static_cast<double>(ref::dtype_size(t)) *
+              (static_cast<double>(rows * hidden) * (fused ? 4 : 2) + static_cast<double>(hidden));
     c.attrs = {harness::float_attr("eps", 1e-6)};
     c.make = [=](std::mt19937_64& rng) {
       std::vector<Tensor> ts;
