@@ -17,31 +17,25 @@
 #include <thread>
 #include <vector>
 
+#include "raw_call.hpp"
 #include "reference_ops.hpp"
 
 namespace {
 
 namespace ref = kdispatch::reference;
+using kdispatch::harness::bool_attr;
+using kdispatch::harness::float_attr;
+using kdispatch::harness::RawCall;
 using ref::Dtype;
+using ref::Tolerance;
 
 constexpr Dtype kFloatDtypes[] = {Dtype::kFloat32, Dtype::kFloat16, Dtype::kBFloat16};
 
 // |got - want| <= atol + rtol * |want|, per storage dtype of the output.
 // float16/bfloat16 are dominated by the final rounding (2^-11, 2^-8
 // relative); float32 by float32 accumulation and the kernels' exp/erf.
-struct Tolerance {
-  double rtol;
-  double atol;
-};
-
-Tolerance tolerance_for(Dtype dtype) {
-  switch (dtype) {
-    case Dtype::kFloat32: return {1e-5, 1e-5};
-    case Dtype::kFloat16: return {2e-3, 1e-3};
-    case Dtype::kBFloat16: return {1.6e-2, 1e-2};
-  }
-  return {0.0, 0.0};
-}
+constexpr ref::DtypeTolerances tolerance_for{
+    .float32 = {1e-5, 1e-5}, .float16 = {2e-3, 1e-3}, .bfloat16 = {1.6e-2, 1e-2}};
 
 // topk_weights are float32 whatever the input dtype.
 constexpr Tolerance kTopkWeightTolerance{1e-5, 1e-6};
@@ -148,41 +142,6 @@ struct FloatTensor {
   }
 };
 
-struct Call {
-  std::vector<DLTensor> tensors;
-  std::vector<kd_attr> attrs;
-  char error[512] = {};
-
-  kd_status run(kd_kernel_fn fn) {
-    std::memset(error, 0, sizeof(error));
-    kd_call_args args{};
-    args.struct_size = sizeof(args);
-    args.tensors = tensors.data();
-    args.num_tensors = static_cast<int32_t>(tensors.size());
-    args.attrs = attrs.empty() ? nullptr : attrs.data();
-    args.num_attrs = static_cast<int32_t>(attrs.size());
-    args.error = error;
-    args.error_capacity = sizeof(error);
-    return fn(&args);
-  }
-};
-
-kd_attr float_attr(const char* name, double v) {
-  kd_attr a{};
-  a.name = name;
-  a.type = KD_ATTR_TYPE_FLOAT;
-  a.value.f = v;
-  return a;
-}
-
-kd_attr bool_attr(const char* name, bool v) {
-  kd_attr a{};
-  a.name = name;
-  a.type = KD_ATTR_TYPE_BOOL;
-  a.value.b = v ? 1 : 0;
-  return a;
-}
-
 // Checks every element; reports the first few mismatches and their count.
 void check_close(const std::vector<double>& got, const std::vector<double>& want, Tolerance tol,
                  const std::string& what) {
@@ -264,8 +223,9 @@ TEST_CASE("cpu layernorm.rmsnorm matches the float64 reference") {
       x.randomize(rng, -3.0, 3.0);
       weight.randomize(rng, 0.5, 1.5);
       out.poison();
-      Call call{{out.tensor.dl(), x.tensor.dl(), weight.tensor.dl()}, {float_attr("eps", eps)}};
-      REQUIRE_MESSAGE(call.run(kernel("kd_cpu_rmsnorm")) == KD_STATUS_OK, call.error);
+      RawCall call{
+          kernel("kd_cpu_rmsnorm"), {out.tensor.dl(), x.tensor.dl(), weight.tensor.dl()}, {float_attr("eps", eps)}};
+      REQUIRE_MESSAGE(call.run() == KD_STATUS_OK, call.error);
       check_close(out.read(), ref::rmsnorm(x.values, weight.values, s.rows, s.cols, eps),
                   tolerance_for(dtype), what);
     }
@@ -280,8 +240,9 @@ TEST_CASE("cpu layernorm.rmsnorm flattens leading dims") {
   x.randomize(rng, -2.0, 2.0);
   weight.randomize(rng, -1.0, 1.0);
   out.poison();
-  Call call{{out.tensor.dl(), x.tensor.dl(), weight.tensor.dl()}, {float_attr("eps", 1e-5)}};
-  REQUIRE(call.run(kernel("kd_cpu_rmsnorm")) == KD_STATUS_OK);
+  RawCall call{
+      kernel("kd_cpu_rmsnorm"), {out.tensor.dl(), x.tensor.dl(), weight.tensor.dl()}, {float_attr("eps", 1e-5)}};
+  REQUIRE(call.run() == KD_STATUS_OK);
   check_close(out.read(), ref::rmsnorm(x.values, weight.values, 6, 33, 1e-5),
               tolerance_for(Dtype::kBFloat16), "rmsnorm [2, 3, 33]");
 }
@@ -308,10 +269,9 @@ TEST_CASE("cpu kernels may be called from several threads at once") {
   std::vector<std::thread> threads;
   for (Job& job : jobs) {
     threads.emplace_back([&job, fn] {
-      Call call{{job.out.tensor.dl(), job.x.tensor.dl(), job.weight.tensor.dl()},
-                {float_attr("eps", 1e-6)}};
+      RawCall call{fn, {job.out.tensor.dl(), job.x.tensor.dl(), job.weight.tensor.dl()}, {float_attr("eps", 1e-6)}};
       for (int repeat = 0; repeat < 5; ++repeat) {
-        job.status = call.run(fn);
+        job.status = call.run();
         if (job.status != KD_STATUS_OK) break;
       }
     });
@@ -338,9 +298,10 @@ TEST_CASE("cpu layernorm.fused_add_rmsnorm matches the float64 reference") {
       weight.randomize(rng, 0.5, 1.5);
       const ref::FusedAddRmsnormResult want = ref::fused_add_rmsnorm(
           x.values, residual.values, weight.values, s.rows, s.cols, eps, dtype);
-      Call call{{x.tensor.dl(), residual.tensor.dl(), weight.tensor.dl()},
-                {float_attr("eps", eps)}};
-      REQUIRE_MESSAGE(call.run(kernel("kd_cpu_fused_add_rmsnorm")) == KD_STATUS_OK, call.error);
+      RawCall call{kernel("kd_cpu_fused_add_rmsnorm"),
+                   {x.tensor.dl(), residual.tensor.dl(), weight.tensor.dl()},
+                   {float_attr("eps", eps)}};
+      REQUIRE_MESSAGE(call.run() == KD_STATUS_OK, call.error);
       // The residual is one correctly rounded addition: exact.
       check_close(residual.read(), want.residual, {0.0, 0.0}, what + " residual");
       check_close(x.read(), want.x, tolerance_for(dtype), what + " x");
@@ -378,9 +339,10 @@ TEST_CASE("cpu layernorm.fused_add_rmsnorm rounds the residual to nearest even")
     }
     const ref::FusedAddRmsnormResult want =
         ref::fused_add_rmsnorm(x.values, residual.values, weight.values, 1, h, 1e-6, dtype);
-    Call call{{x.tensor.dl(), residual.tensor.dl(), weight.tensor.dl()},
-              {float_attr("eps", 1e-6)}};
-    REQUIRE(call.run(kernel("kd_cpu_fused_add_rmsnorm")) == KD_STATUS_OK);
+    RawCall call{kernel("kd_cpu_fused_add_rmsnorm"),
+                 {x.tensor.dl(), residual.tensor.dl(), weight.tensor.dl()},
+                 {float_attr("eps", 1e-6)}};
+    REQUIRE(call.run() == KD_STATUS_OK);
     const std::vector<double> got = residual.read();
     for (int64_t i = 0; i < h; ++i) {
       INFO(ref::dtype_name(dtype) << " " << pairs[i].x << " + " << pairs[i].residual);
@@ -407,8 +369,8 @@ TEST_CASE("cpu activation.*_and_mul match the float64 reference") {
         // Wide enough to reach both saturated tails of the activations.
         x.randomize(rng, -8.0, 8.0);
         out.poison();
-        Call call{{out.tensor.dl(), x.tensor.dl()}, {}};
-        REQUIRE_MESSAGE(call.run(kernel(op.symbol)) == KD_STATUS_OK, call.error);
+        RawCall call{kernel(op.symbol), {out.tensor.dl(), x.tensor.dl()}, {}};
+        REQUIRE_MESSAGE(call.run() == KD_STATUS_OK, call.error);
         check_close(out.read(), op.reference(x.values, s.rows, s.cols), tolerance_for(dtype),
                     what);
       }
@@ -470,9 +432,10 @@ TEST_CASE("cpu embeddings.rotary_embedding matches the float64 reference, both s
         const ref::RotaryResult want =
             ref::rotary_embedding(pos, query.values, key.values, cache.values, tokens, c.heads_q,
                                   c.heads_k, c.half, neox);
-        Call call{{positions.dl(), query.tensor.dl(), key.tensor.dl(), cache.tensor.dl()},
-                  {bool_attr("is_neox", neox)}};
-        REQUIRE_MESSAGE(call.run(kernel("kd_cpu_rotary_embedding")) == KD_STATUS_OK, call.error);
+        RawCall call{kernel("kd_cpu_rotary_embedding"),
+                     {positions.dl(), query.tensor.dl(), key.tensor.dl(), cache.tensor.dl()},
+                     {bool_attr("is_neox", neox)}};
+        REQUIRE_MESSAGE(call.run() == KD_STATUS_OK, call.error);
         check_close(query.read(), want.query, tolerance_for(dtype), what + " query");
         check_close(key.read(), want.key, tolerance_for(dtype), what + " key");
       }
@@ -492,9 +455,10 @@ TEST_CASE("cpu embeddings.rotary_embedding refuses a position outside the cache"
     query.randomize(rng, -1.0, 1.0);
     key.randomize(rng, -1.0, 1.0);
     fill_cos_sin_cache(cache, 16, 4);
-    Call call{{positions.dl(), query.tensor.dl(), key.tensor.dl(), cache.tensor.dl()},
-              {bool_attr("is_neox", true)}};
-    CHECK(call.run(kernel("kd_cpu_rotary_embedding")) == KD_STATUS_INVALID_ARGUMENT);
+    RawCall call{kernel("kd_cpu_rotary_embedding"),
+                 {positions.dl(), query.tensor.dl(), key.tensor.dl(), cache.tensor.dl()},
+                 {bool_attr("is_neox", true)}};
+    CHECK(call.run() == KD_STATUS_INVALID_ARGUMENT);
     const std::string message = call.error;
     CHECK_MESSAGE(message.find("token 2") != std::string::npos, message);
     CHECK_MESSAGE(message.find(std::to_string(bad)) != std::string::npos, message);
@@ -548,8 +512,10 @@ kd_status run_topk(FloatTensor& gating, int64_t rows, int64_t k, bool renormaliz
     w.as<float>()[i] = std::numeric_limits<float>::quiet_NaN();
     id.as<int32_t>()[i] = -7;
   }
-  Call call{{w.dl(), id.dl(), gating.tensor.dl()}, {bool_attr("renormalize", renormalize)}};
-  const kd_status status = call.run(kernel("kd_cpu_topk_softmax"));
+  RawCall call{kernel("kd_cpu_topk_softmax"),
+               {w.dl(), id.dl(), gating.tensor.dl()},
+               {bool_attr("renormalize", renormalize)}};
+  const kd_status status = call.run();
   error = call.error;
   ids.assign(id.as<int32_t>(), id.as<int32_t>() + rows * k);
   weights.assign(w.as<float>(), w.as<float>() + rows * k);
@@ -622,11 +588,11 @@ TEST_CASE("cpu moe.topk_softmax refuses K > E") {
 TEST_CASE("cpu kernels refuse unsupported dtypes and bad argument counts") {
   Tensor out(DLDataType{kDLFloat, 64, 1}, {2, 3});
   Tensor x(DLDataType{kDLFloat, 64, 1}, {2, 6});
-  Call call{{out.dl(), x.dl()}, {}};
-  CHECK(call.run(kernel("kd_cpu_silu_and_mul")) == KD_STATUS_UNSUPPORTED);
+  RawCall call{kernel("kd_cpu_silu_and_mul"), {out.dl(), x.dl()}, {}};
+  CHECK(call.run() == KD_STATUS_UNSUPPORTED);
   CHECK_MESSAGE(std::string(call.error).find("dtype") != std::string::npos, call.error);
 
   call.tensors.pop_back();
-  CHECK(call.run(kernel("kd_cpu_silu_and_mul")) == KD_STATUS_INVALID_ARGUMENT);
+  CHECK(call.run() == KD_STATUS_INVALID_ARGUMENT);
   CHECK(std::strlen(call.error) > 0);
 }

@@ -3,8 +3,9 @@
 // would drive it. Host code only: links the CUDA runtime, launches no kernel
 // of its own.
 //
-//   gpu_bench check PLUGIN.so            every op x dtype against a float64
-//                                        host reference of the op's formula
+//   gpu_bench check PLUGIN.so            every op x dtype against the float64
+//                                        reference of the harness
+//                                        (tools/harness/reference_ops.hpp)
 //   gpu_bench bench PLUGIN.so [--csv F]  time large and small shapes; prints
 //                                        us, GB/s and % of the device-to-device
 //                                        copy bandwidth measured in the same run
@@ -24,10 +25,21 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "dtype_codec.hpp"
+#include "harness.hpp"
+#include "raw_call.hpp"
+#include "reference_ops.hpp"
+
 namespace {
+
+namespace harness = kdispatch::harness;
+namespace ref = kdispatch::reference;
+using ref::Dtype;
+using ref::Tolerance;
 
 [[noreturn]] void die(const std::string& message) {
   std::fflush(stdout);
@@ -41,102 +53,38 @@ void cuda_ok(cudaError_t err, const char* what) {
 
 // --- element types ------------------------------------------------------------
 
-enum class DType { kFloat32, kFloat16, kBFloat16 };
-const DType kAllDTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+const Dtype kAllDtypes[] = {Dtype::kFloat32, Dtype::kFloat16, Dtype::kBFloat16};
 
-const char* dtype_name(DType t) {
+kdispatch::Dtype core_dtype(Dtype t) {
   switch (t) {
-    case DType::kFloat32: return "float32";
-    case DType::kFloat16: return "float16";
-    case DType::kBFloat16: return "bfloat16";
+    case Dtype::kFloat32: return kdispatch::Dtype::float32;
+    case Dtype::kFloat16: return kdispatch::Dtype::float16;
+    case Dtype::kBFloat16: return kdispatch::Dtype::bfloat16;
   }
-  return "?";
+  return kdispatch::Dtype::float32;
 }
 
-size_t dtype_size(DType t) { return t == DType::kFloat32 ? 4 : 2; }
+DLDataType dl_dtype(Dtype t) { return kdispatch::to_dlpack(core_dtype(t)); }
 
-DLDataType dl_dtype(DType t) {
-  switch (t) {
-    case DType::kFloat32: return {kDLFloat, 32, 1};
-    case DType::kFloat16: return {kDLFloat, 16, 1};
-    case DType::kBFloat16: return {kDLBfloat, 16, 1};
-  }
-  return {};
+// `values` stored as type t (through float32, as the device converts; the
+// fast conversions of the harness, as the benchmark fills gigabytes), and the
+// values such bytes hold.
+std::vector<uint8_t> to_bytes(Dtype t, const std::vector<double>& values) {
+  std::vector<uint8_t> bytes(values.size() * static_cast<size_t>(ref::dtype_size(t)));
+  for (size_t i = 0; i < values.size(); ++i) harness::store(bytes.data(), core_dtype(t), i, values[i]);
+  return bytes;
 }
 
-uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-float bf16_to_float(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// Host values are doubles holding exactly what the device holds.
-void encode(DType t, const std::vector<double>& values, std::vector<uint8_t>* bytes) {
-  bytes->resize(values.size() * dtype_size(t));
-  for (size_t i = 0; i < values.size(); ++i) {
-    const float f = static_cast<float>(values[i]);
-    if (t == DType::kFloat32) {
-      std::memcpy(bytes->data() + 4 * i, &f, 4);
-    } else if (t == DType::kFloat16) {
-      const _Float16 h = static_cast<_Float16>(f);
-      std::memcpy(bytes->data() + 2 * i, &h, 2);
-    } else {
-      const uint16_t b = float_to_bf16(f);
-      std::memcpy(bytes->data() + 2 * i, &b, 2);
-    }
-  }
-}
-
-std::vector<double> decode(DType t, const std::vector<uint8_t>& bytes) {
-  std::vector<double> out(bytes.size() / dtype_size(t));
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (t == DType::kFloat32) {
-      float f;
-      std::memcpy(&f, bytes.data() + 4 * i, 4);
-      out[i] = f;
-    } else if (t == DType::kFloat16) {
-      _Float16 h;
-      std::memcpy(&h, bytes.data() + 2 * i, 2);
-      out[i] = static_cast<float>(h);
-    } else {
-      uint16_t b;
-      std::memcpy(&b, bytes.data() + 2 * i, 2);
-      out[i] = bf16_to_float(b);
-    }
-  }
-  return out;
-}
-
-// v rounded to the nearest value of type t (through float32, as the device does).
-double round_to(DType t, double v) {
-  std::vector<uint8_t> bytes;
-  encode(t, {v}, &bytes);
-  return decode(t, bytes)[0];
+std::vector<double> from_bytes(Dtype t, const std::vector<uint8_t>& bytes) {
+  std::vector<double> values(bytes.size() / static_cast<size_t>(ref::dtype_size(t)));
+  for (size_t i = 0; i < values.size(); ++i) values[i] = harness::load(bytes.data(), core_dtype(t), i);
+  return values;
 }
 
 // Largest relative rounding error of one result, with headroom for float32
 // accumulation order and fast exp/rsqrt on the device.
-struct Tolerance {
-  double rtol;
-  double atol;
-};
-Tolerance tolerance(DType t) {
-  switch (t) {
-    case DType::kFloat32: return {1e-4, 1e-5};
-    case DType::kFloat16: return {2e-3, 1e-4};
-    case DType::kBFloat16: return {8e-3, 1e-3};
-  }
-  return {0, 0};
-}
+constexpr ref::DtypeTolerances tolerance{
+    .float32 = {1e-4, 1e-5}, .float16 = {2e-3, 1e-4}, .bfloat16 = {8e-3, 1e-3}};
 
 // --- device tensors -----------------------------------------------------------
 
@@ -184,18 +132,16 @@ struct Tensor {
   void poison() const { cuda_ok(cudaMemset(data(), 0xff, bytes()), "poison"); }
 };
 
-Tensor float_tensor(DType t, std::vector<int64_t> shape, const std::vector<double>& values, size_t offset = 0) {
+Tensor float_tensor(Dtype t, std::vector<int64_t> shape, const std::vector<double>& values, size_t offset = 0) {
   Tensor out(std::move(shape), dl_dtype(t), offset);
-  std::vector<uint8_t> bytes;
-  encode(t, values, &bytes);
-  out.upload(bytes.data());
+  out.upload(to_bytes(t, values).data());
   return out;
 }
 
-std::vector<double> read_floats(DType t, const Tensor& tensor) {
+std::vector<double> read_floats(Dtype t, const Tensor& tensor) {
   std::vector<uint8_t> bytes(tensor.bytes());
   tensor.download(bytes.data());
-  return decode(t, bytes);
+  return from_bytes(t, bytes);
 }
 
 // --- the plugin -----------------------------------------------------------------
@@ -222,56 +168,14 @@ struct Plugin {
   }
 };
 
-// One prepared call: tensors and attributes kept alive with it.
-struct Call {
-  kd_kernel_fn fn = nullptr;
-  std::vector<DLTensor> tensors;
-  std::vector<kd_attr> attrs;
-  char error[512] = "";
-
-  kd_status run(cudaStream_t stream) {
-    kd_call_args args{};
-    args.struct_size = sizeof args;
-    args.tensors = tensors.data();
-    args.num_tensors = static_cast<int32_t>(tensors.size());
-    args.attrs = attrs.data();
-    args.num_attrs = static_cast<int32_t>(attrs.size());
-    args.stream = stream;
-    args.error = error;
-    args.error_capacity = sizeof error;
-    return fn(&args);
-  }
-};
-
-kd_attr float_attr(const char* name, double v) {
-  kd_attr a{};
-  a.name = name;
-  a.type = KD_ATTR_TYPE_FLOAT;
-  a.value.f = v;
-  return a;
-}
-
-kd_attr bool_attr(const char* name, bool v) {
-  kd_attr a{};
-  a.name = name;
-  a.type = KD_ATTR_TYPE_BOOL;
-  a.value.b = v ? 1 : 0;
-  return a;
-}
-
-// --- references (float64, the formulas of manifests/ops) --------------------------
-
-double silu(double a) { return a / (1 + std::exp(-a)); }
-double gelu(double a) { return 0.5 * a * (1 + std::erf(a / std::sqrt(2.0))); }
-double gelu_tanh(double a) {
-  return 0.5 * a * (1 + std::tanh(std::sqrt(2 / M_PI) * (a + 0.044715 * a * a * a)));
-}
-
+// The activation ops and their float64 references (reference_ops.hpp).
 struct ActOp {
   const char* name;
-  double (*act)(double);
+  std::vector<double> (*reference)(std::span<const double> x, int64_t rows, int64_t d);
 };
-const ActOp kActOps[] = {{"silu_and_mul", silu}, {"gelu_and_mul", gelu}, {"gelu_tanh_and_mul", gelu_tanh}};
+const ActOp kActOps[] = {{"silu_and_mul", ref::silu_and_mul},
+                         {"gelu_and_mul", ref::gelu_and_mul},
+                         {"gelu_tanh_and_mul", ref::gelu_tanh_and_mul}};
 
 // --- checking ---------------------------------------------------------------------
 
@@ -294,11 +198,18 @@ struct Comparison {
   }
 };
 
+// Every element of `got` against the same one of `want`.
+Comparison compare(const std::vector<double>& got, const std::vector<double>& want, Tolerance tol) {
+  Comparison c;
+  for (size_t i = 0; i < got.size(); ++i) c.add(static_cast<int64_t>(i), got[i], want[i], tol);
+  return c;
+}
+
 struct Checker {
   int passed = 0;
   int failed = 0;
 
-  void status(const std::string& name, kd_status s, const Call& call) {
+  void status(const std::string& name, kd_status s, const harness::RawCall& call) {
     ++failed;
     std::printf("FAIL %-58s status %d: %s\n", name.c_str(), static_cast<int>(s), call.error);
   }
@@ -324,20 +235,20 @@ struct Checker {
   }
 };
 
-std::vector<double> random_values(std::mt19937_64& rng, DType t, int64_t n, double mean = 0, double stddev = 1) {
+std::vector<double> random_values(std::mt19937_64& rng, Dtype t, int64_t n, double mean = 0, double stddev = 1) {
   std::normal_distribution<double> dist(mean, stddev);
   std::vector<double> v(static_cast<size_t>(n));
-  for (double& x : v) x = round_to(t, dist(rng));
+  for (double& x : v) x = ref::round_to(t, dist(rng));
   return v;
 }
 
-std::string label(const char* op, DType t, const std::string& shape, size_t offset) {
-  std::string s = std::string(op) + " " + dtype_name(t) + " " + shape;
+std::string label(const char* op, Dtype t, const std::string& shape, size_t offset) {
+  std::string s = std::string(op) + " " + ref::dtype_name(t) + " " + shape;
   if (offset != 0) s += " (unaligned)";
   return s;
 }
 
-void check_norm(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, bool fused, DType t,
+void check_norm(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, bool fused, Dtype t,
                 int64_t rows, int64_t hidden, size_t offset) {
   const char* op = fused ? "fused_add_rmsnorm" : "rmsnorm";
   const double eps = 1e-6;
@@ -349,60 +260,40 @@ void check_norm(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, bo
   const Tensor tw = float_tensor(t, {hidden}, w, offset);
   Tensor tout({rows, hidden}, dl_dtype(t), offset);
   tout.poison();
-  Call call;
+  harness::RawCall call;
   call.fn = plugin.kernel(op);
   call.tensors = fused ? std::vector<DLTensor>{tx.dl(), tr.dl(), tw.dl()}
                        : std::vector<DLTensor>{tout.dl(), tx.dl(), tw.dl()};
-  call.attrs = {float_attr("eps", eps)};
+  call.attrs = {harness::float_attr("eps", eps)};
   const std::string name = label(op, t, std::to_string(rows) + "x" + std::to_string(hidden), offset);
   if (kd_status s = call.run(nullptr); s != KD_STATUS_OK) return checker.status(name, s, call);
   cuda_ok(cudaDeviceSynchronize(), op);
-  const std::vector<double> got = read_floats(t, fused ? tx : tout);
-  const std::vector<double> got_res = fused ? read_floats(t, tr) : std::vector<double>{};
-  Comparison c;
-  Comparison c_res;
   const Tolerance tol = tolerance(t);
-  for (int64_t row = 0; row < rows; ++row) {
-    std::vector<double> v(static_cast<size_t>(hidden));
-    double sum_sq = 0;
-    for (int64_t i = 0; i < hidden; ++i) {
-      const int64_t at = row * hidden + i;
-      v[i] = fused ? round_to(t, x[at] + r[at]) : x[at];
-      if (fused) c_res.add(at, got_res[at], v[i], {tolerance(t).rtol, 0});  // one rounding
-      sum_sq += v[i] * v[i];
-    }
-    const double inv_rms = 1 / std::sqrt(sum_sq / static_cast<double>(hidden) + eps);
-    for (int64_t i = 0; i < hidden; ++i) c.add(row * hidden + i, got[row * hidden + i], v[i] * inv_rms * w[i], tol);
+  if (!fused) {
+    checker.result(name, compare(read_floats(t, tout), ref::rmsnorm(x, w, rows, hidden, eps), tol));
+    return;
   }
-  checker.result(name, c);
-  if (fused) checker.result(name + " residual", c_res);
+  const ref::FusedAddRmsnormResult want = ref::fused_add_rmsnorm(x, r, w, rows, hidden, eps, t);
+  checker.result(name, compare(read_floats(t, tx), want.x, tol));
+  checker.result(name + " residual", compare(read_floats(t, tr), want.residual, {tol.rtol, 0}));  // one rounding
 }
 
-void check_act(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, const ActOp& op, DType t,
+void check_act(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, const ActOp& op, Dtype t,
                int64_t rows, int64_t d, size_t offset) {
   const std::vector<double> x = random_values(rng, t, rows * 2 * d, 0, 2);
   const Tensor tx = float_tensor(t, {rows, 2 * d}, x, offset);
   Tensor tout({rows, d}, dl_dtype(t), offset);
   tout.poison();
-  Call call;
+  harness::RawCall call;
   call.fn = plugin.kernel(op.name);
   call.tensors = {tout.dl(), tx.dl()};
   const std::string name = label(op.name, t, std::to_string(rows) + "x" + std::to_string(d), offset);
   if (kd_status s = call.run(nullptr); s != KD_STATUS_OK) return checker.status(name, s, call);
   cuda_ok(cudaDeviceSynchronize(), op.name);
-  const std::vector<double> got = read_floats(t, tout);
-  Comparison c;
-  for (int64_t row = 0; row < rows; ++row) {
-    for (int64_t i = 0; i < d; ++i) {
-      const double a = x[row * 2 * d + i];
-      const double b = x[row * 2 * d + d + i];
-      c.add(row * d + i, got[row * d + i], op.act(a) * b, tolerance(t));
-    }
-  }
-  checker.result(name, c);
+  checker.result(name, compare(read_floats(t, tout), op.reference(x, rows, d), tolerance(t)));
 }
 
-void check_rotary(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, DType t, int64_t tokens,
+void check_rotary(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, Dtype t, int64_t tokens,
                   int64_t q_heads, int64_t k_heads, int64_t dim, bool neox, size_t offset) {
   const int64_t rot = dim / 2;
   const int64_t max_pos = 100;
@@ -419,8 +310,8 @@ void check_rotary(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, 
   for (int64_t p = 0; p < max_pos; ++p) {
     for (int64_t i = 0; i < rot; ++i) {
       const double angle = static_cast<double>(p) * std::pow(10000.0, -2.0 * static_cast<double>(i) / static_cast<double>(dim));
-      cache[p * dim + i] = round_to(t, std::cos(angle));
-      cache[p * dim + rot + i] = round_to(t, std::sin(angle));
+      cache[p * dim + i] = ref::round_to(t, std::cos(angle));
+      cache[p * dim + rot + i] = ref::round_to(t, std::sin(angle));
     }
   }
   Tensor tpos({tokens}, {kDLInt, 64, 1}, offset ? 8 : 0);
@@ -428,10 +319,10 @@ void check_rotary(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, 
   const Tensor tq = float_tensor(t, {tokens, q_heads, dim}, q, offset);
   const Tensor tk = float_tensor(t, {tokens, k_heads, dim}, k, offset);
   const Tensor tc = float_tensor(t, {max_pos, dim}, cache, offset);
-  Call call;
+  harness::RawCall call;
   call.fn = plugin.kernel("rotary_embedding");
   call.tensors = {tpos.dl(), tq.dl(), tk.dl(), tc.dl()};
-  call.attrs = {bool_attr("is_neox", neox)};
+  call.attrs = {harness::bool_attr("is_neox", neox)};
   const std::string name = label("rotary_embedding", t,
                                  std::string(neox ? "neox " : "gptj ") + std::to_string(tokens) + "x" +
                                      std::to_string(q_heads) + "x" + std::to_string(k_heads) + "x" +
@@ -439,35 +330,34 @@ void check_rotary(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, 
                                  offset);
   if (kd_status s = call.run(nullptr); s != KD_STATUS_OK) return checker.status(name, s, call);
   cuda_ok(cudaDeviceSynchronize(), "rotary_embedding");
+  // A token whose position is outside the cache must stay unchanged: exactly
+  // its input. The reference refuses such positions; it rotates the others.
+  const auto outside = [&](int64_t tok) { return pos[tok] < 0 || pos[tok] >= max_pos; };
+  std::vector<int64_t> in_cache = pos;
+  for (int64_t tok = 0; tok < tokens; ++tok) {
+    if (outside(tok)) in_cache[tok] = 0;
+  }
+  const ref::RotaryResult want = ref::rotary_embedding(in_cache, q, k, cache, tokens, q_heads, k_heads, rot, neox);
   Comparison c;
-  auto verify = [&](const std::vector<double>& in, const Tensor& tensor, int64_t heads) {
+  auto verify = [&](const std::vector<double>& in, const std::vector<double>& rotated, const Tensor& tensor,
+                    int64_t heads) {
     const std::vector<double> got = read_floats(t, tensor);
     for (int64_t tok = 0; tok < tokens; ++tok) {
-      const int64_t p = pos[tok];
-      for (int64_t h = 0; h < heads; ++h) {
-        const int64_t base = (tok * heads + h) * dim;
-        for (int64_t i = 0; i < rot; ++i) {
-          const int64_t ia = base + (neox ? i : 2 * i);
-          const int64_t ib = base + (neox ? i + rot : 2 * i + 1);
-          if (p < 0 || p >= max_pos) {
-            c.add(ia, got[ia], in[ia], {0, 0});
-            c.add(ib, got[ib], in[ib], {0, 0});
-            continue;
-          }
-          const double cs = cache[p * dim + i];
-          const double sn = cache[p * dim + rot + i];
-          c.add(ia, got[ia], in[ia] * cs - in[ib] * sn, tolerance(t));
-          c.add(ib, got[ib], in[ib] * cs + in[ia] * sn, tolerance(t));
+      for (int64_t i = tok * heads * dim; i < (tok + 1) * heads * dim; ++i) {
+        if (outside(tok)) {
+          c.add(i, got[i], in[i], {0, 0});
+        } else {
+          c.add(i, got[i], rotated[i], tolerance(t));
         }
       }
     }
   };
-  verify(q, tq, q_heads);
-  verify(k, tk, k_heads);
+  verify(q, want.query, tq, q_heads);
+  verify(k, want.key, tk, k_heads);
   checker.result(name, c);
 }
 
-void check_topk(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, DType t, int64_t rows,
+void check_topk(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, Dtype t, int64_t rows,
                 int64_t experts, int64_t k, bool renormalize, size_t offset) {
   const std::vector<double> g = random_values(rng, t, rows * experts, 0, 2);
   const Tensor tg = float_tensor(t, {rows, experts}, g, offset);
@@ -475,10 +365,10 @@ void check_topk(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, DT
   Tensor tid({rows, k}, {kDLInt, 32, 1});
   tw.poison();
   tid.poison();
-  Call call;
+  harness::RawCall call;
   call.fn = plugin.kernel("topk_softmax");
   call.tensors = {tw.dl(), tid.dl(), tg.dl()};
-  call.attrs = {bool_attr("renormalize", renormalize)};
+  call.attrs = {harness::bool_attr("renormalize", renormalize)};
   const std::string name = label("topk_softmax", t,
                                  std::to_string(rows) + "x" + std::to_string(experts) + " k" + std::to_string(k) +
                                      (renormalize ? " renorm" : ""),
@@ -492,30 +382,21 @@ void check_topk(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, DT
   Comparison c;
   int64_t bad_ids = 0;
   const Tolerance tol{1e-4, 1e-7};
+  const ref::TopkSoftmaxResult want = ref::topk_softmax(g, rows, experts, k, renormalize);
   for (int64_t row = 0; row < rows; ++row) {
-    std::vector<double> p(static_cast<size_t>(experts));
-    double m = -INFINITY;
-    for (int64_t e = 0; e < experts; ++e) m = std::max(m, g[row * experts + e]);
-    double sum = 0;
-    for (int64_t e = 0; e < experts; ++e) sum += p[e] = std::exp(g[row * experts + e] - m);
-    for (double& v : p) v /= sum;
-    std::vector<int64_t> order(static_cast<size_t>(experts));
-    for (int64_t e = 0; e < experts; ++e) order[e] = e;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return p[a] > p[b]; });
-    double selected = 0;
-    for (int64_t r = 0; r < k; ++r) selected += p[order[r]];
+    const double* p = want.probabilities.data() + row * experts;
     std::vector<bool> seen(static_cast<size_t>(experts), false);
     for (int64_t r = 0; r < k; ++r) {
       const int32_t id = ids[row * k + r];
-      const double want = p[order[r]];
+      const double p_r = p[want.ids[row * k + r]];  // the r-th largest probability
       // An id is right when it is unused, in range and its probability is the
       // r-th largest (equal up to rounding: near-ties may swap).
-      if (id < 0 || id >= experts || seen[id] || std::fabs(p[id] - want) > 1e-5 * want + 1e-9) {
+      if (id < 0 || id >= experts || seen[id] || std::fabs(p[id] - p_r) > 1e-5 * p_r + 1e-9) {
         ++bad_ids;
         continue;
       }
       seen[id] = true;
-      c.add(row * k + r, w[row * k + r], renormalize ? want / selected : want, tol);
+      c.add(row * k + r, w[row * k + r], want.weights[row * k + r], tol);
     }
   }
   checker.result(name, c);
@@ -523,7 +404,7 @@ void check_topk(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, DT
   // K > E is refused before any launch.
   Tensor tw_big({rows, experts + 1}, {kDLFloat, 32, 1});
   Tensor tid_big({rows, experts + 1}, {kDLInt, 32, 1});
-  Call bad;
+  harness::RawCall bad;
   bad.fn = call.fn;
   bad.tensors = {tw_big.dl(), tid_big.dl(), tg.dl()};
   bad.attrs = call.attrs;
@@ -537,8 +418,8 @@ void check_topk(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, DT
 int run_check(const Plugin& plugin) {
   Checker checker;
   std::mt19937_64 rng(20261129);
-  for (DType t : kAllDTypes) {
-    const size_t unaligned = dtype_size(t);
+  for (Dtype t : kAllDtypes) {
+    const size_t unaligned = ref::dtype_size(t);
     for (bool fused : {false, true}) {
       for (int64_t hidden : {1, 7, 64, 1024, 4096, 4097, 8192, 16384, 20000}) {
         for (int64_t rows : {1, 37}) check_norm(plugin, checker, rng, fused, t, rows, hidden, 0);
@@ -576,14 +457,13 @@ constexpr double kL2Bytes = 60e6;  // H200
 
 // Fills a device buffer with random values of type t: a random block made on
 // the host, repeated (benchmarks never time zeros).
-void fill_random(void* dst, size_t count, DType t, std::mt19937_64& rng, double mean = 0, double stddev = 1) {
+void fill_random(void* dst, size_t count, Dtype t, std::mt19937_64& rng, double mean = 0, double stddev = 1) {
   const size_t block = std::min<size_t>(count, size_t{1} << 22);
   std::normal_distribution<double> dist(mean, stddev);
   std::vector<double> values(block);
   for (double& v : values) v = dist(rng);
-  std::vector<uint8_t> bytes;
-  encode(t, values, &bytes);
-  const size_t esize = dtype_size(t);
+  const std::vector<uint8_t> bytes = to_bytes(t, values);
+  const size_t esize = ref::dtype_size(t);
   for (size_t at = 0; at < count; at += block) {
     const size_t n = std::min(block, count - at);
     cuda_ok(cudaMemcpy(static_cast<char*>(dst) + at * esize, bytes.data(), n * esize, cudaMemcpyHostToDevice), "fill");
@@ -592,7 +472,7 @@ void fill_random(void* dst, size_t count, DType t, std::mt19937_64& rng, double 
 
 struct BenchCase {
   std::string op;
-  DType dtype;
+  Dtype dtype;
   std::string shape;
   double bytes = 0;                            // read + written per call
   std::function<std::vector<Tensor>(std::mt19937_64&)> make;  // one input set
@@ -605,18 +485,18 @@ double median(std::vector<float> v) {
 }
 
 // Median time of one call in microseconds, rotating among input sets.
-double time_calls(std::vector<Call>& calls, cudaStream_t stream, int iterations) {
+double time_calls(std::vector<harness::RawCall>& calls, cudaStream_t stream, int iterations) {
   cudaEvent_t start, stop;
   cuda_ok(cudaEventCreate(&start), "event");
   cuda_ok(cudaEventCreate(&stop), "event");
   for (int i = 0; i < 5; ++i) {
-    Call& c = calls[i % calls.size()];
+    harness::RawCall& c = calls[i % calls.size()];
     if (kd_status s = c.run(stream); s != KD_STATUS_OK) die(std::string("kernel failed: ") + c.error);
   }
   cuda_ok(cudaStreamSynchronize(stream), "warm-up");
   std::vector<float> times;
   for (int i = 0; i < iterations; ++i) {
-    Call& c = calls[i % calls.size()];
+    harness::RawCall& c = calls[i % calls.size()];
     cuda_ok(cudaEventRecord(start, stream), "record");
     c.run(stream);
     cuda_ok(cudaEventRecord(stop, stream), "record");
@@ -655,13 +535,14 @@ double copy_bandwidth(cudaStream_t stream) {
 
 std::vector<BenchCase> bench_cases() {
   std::vector<BenchCase> cases;
-  auto norm = [&](bool fused, DType t, int64_t rows, int64_t hidden) {
+  auto norm = [&](bool fused, Dtype t, int64_t rows, int64_t hidden) {
     BenchCase c;
     c.op = fused ? "fused_add_rmsnorm" : "rmsnorm";
     c.dtype = t;
     c.shape = std::to_string(rows) + "x" + std::to_string(hidden);
-    c.bytes = static_cast<double>(dtype_size(t)) * (static_cast<double>(rows * hidden) * (fused ? 4 : 2) + hidden);
-    c.attrs = {float_attr("eps", 1e-6)};
+    c.bytes = static_cast<double>(ref::dtype_size(t)) *
+              (static_cast<double>(rows * hidden) * (fused ? 4 : 2) + static_cast<double>(hidden));
+    c.attrs = {harness::float_attr("eps", 1e-6)};
     c.make = [=](std::mt19937_64& rng) {
       std::vector<Tensor> ts;
       ts.emplace_back(std::vector<int64_t>{rows, hidden}, dl_dtype(t));  // out | x
@@ -674,12 +555,12 @@ std::vector<BenchCase> bench_cases() {
     };
     cases.push_back(c);
   };
-  auto act = [&](const char* op, DType t, int64_t rows, int64_t d) {
+  auto act = [&](const char* op, Dtype t, int64_t rows, int64_t d) {
     BenchCase c;
     c.op = op;
     c.dtype = t;
     c.shape = std::to_string(rows) + "x" + std::to_string(d);
-    c.bytes = static_cast<double>(dtype_size(t)) * static_cast<double>(rows * d) * 3;
+    c.bytes = static_cast<double>(ref::dtype_size(t)) * static_cast<double>(rows * d) * 3;
     c.make = [=](std::mt19937_64& rng) {
       std::vector<Tensor> ts;
       ts.emplace_back(std::vector<int64_t>{rows, d}, dl_dtype(t));
@@ -690,16 +571,17 @@ std::vector<BenchCase> bench_cases() {
     };
     cases.push_back(c);
   };
-  auto rotary = [&](DType t, bool neox, int64_t tokens, int64_t hq, int64_t hk, int64_t dim) {
+  auto rotary = [&](Dtype t, bool neox, int64_t tokens, int64_t hq, int64_t hk, int64_t dim) {
     const int64_t max_pos = 8192;
     BenchCase c;
     c.op = "rotary_embedding";
     c.dtype = t;
     c.shape = std::string(neox ? "neox " : "gptj ") + std::to_string(tokens) + "x" + std::to_string(hq) + "x" +
               std::to_string(hk) + "x" + std::to_string(dim);
-    c.bytes = static_cast<double>(dtype_size(t)) * static_cast<double>(tokens * (hq + hk) * dim * 2 + tokens * dim) +
-              8.0 * static_cast<double>(tokens);
-    c.attrs = {bool_attr("is_neox", neox)};
+    c.bytes =
+        static_cast<double>(ref::dtype_size(t)) * static_cast<double>(tokens * (hq + hk) * dim * 2 + tokens * dim) +
+        8.0 * static_cast<double>(tokens);
+    c.attrs = {harness::bool_attr("is_neox", neox)};
     c.make = [=](std::mt19937_64& rng) {
       std::vector<Tensor> ts;
       ts.emplace_back(std::vector<int64_t>{tokens}, DLDataType{kDLInt, 64, 1});
@@ -717,13 +599,13 @@ std::vector<BenchCase> bench_cases() {
     };
     cases.push_back(c);
   };
-  auto topk = [&](DType t, int64_t rows, int64_t experts, int64_t k) {
+  auto topk = [&](Dtype t, int64_t rows, int64_t experts, int64_t k) {
     BenchCase c;
     c.op = "topk_softmax";
     c.dtype = t;
     c.shape = std::to_string(rows) + "x" + std::to_string(experts) + " k" + std::to_string(k);
-    c.bytes = static_cast<double>(dtype_size(t) * rows * experts + rows * k * 8);
-    c.attrs = {bool_attr("renormalize", true)};
+    c.bytes = static_cast<double>(ref::dtype_size(t) * rows * experts + rows * k * 8);
+    c.attrs = {harness::bool_attr("renormalize", true)};
     c.make = [=](std::mt19937_64& rng) {
       std::vector<Tensor> ts;
       ts.emplace_back(std::vector<int64_t>{rows, k}, DLDataType{kDLFloat, 32, 1});
@@ -734,20 +616,20 @@ std::vector<BenchCase> bench_cases() {
     };
     cases.push_back(c);
   };
-  for (DType t : kAllDTypes) norm(false, t, 32768, 8192);
-  norm(false, DType::kBFloat16, 1, 4096);
-  norm(true, DType::kBFloat16, 32768, 8192);
-  norm(true, DType::kBFloat16, 1, 4096);
+  for (Dtype t : kAllDtypes) norm(false, t, 32768, 8192);
+  norm(false, Dtype::kBFloat16, 1, 4096);
+  norm(true, Dtype::kBFloat16, 32768, 8192);
+  norm(true, Dtype::kBFloat16, 1, 4096);
   for (const ActOp& op : kActOps) {
-    act(op.name, DType::kBFloat16, 32768, 8192);
-    act(op.name, DType::kBFloat16, 1, 4096);
+    act(op.name, Dtype::kBFloat16, 32768, 8192);
+    act(op.name, Dtype::kBFloat16, 1, 4096);
   }
-  rotary(DType::kBFloat16, true, 32768, 32, 8, 128);
-  rotary(DType::kBFloat16, false, 32768, 32, 8, 128);
-  rotary(DType::kBFloat16, true, 1, 32, 8, 128);
-  topk(DType::kBFloat16, 32768, 256, 8);
-  topk(DType::kFloat32, 32768, 256, 8);
-  topk(DType::kBFloat16, 1, 256, 8);
+  rotary(Dtype::kBFloat16, true, 32768, 32, 8, 128);
+  rotary(Dtype::kBFloat16, false, 32768, 32, 8, 128);
+  rotary(Dtype::kBFloat16, true, 1, 32, 8, 128);
+  topk(Dtype::kBFloat16, 32768, 256, 8);
+  topk(Dtype::kFloat32, 32768, 256, 8);
+  topk(Dtype::kBFloat16, 1, 256, 8);
   return cases;
 }
 
@@ -769,10 +651,10 @@ int run_bench(const Plugin& plugin, const char* csv_path) {
     // calls read from HBM as they would in a model.
     const int sets = static_cast<int>(std::clamp(std::ceil(3 * kL2Bytes / bc.bytes), 1.0, 64.0));
     std::vector<std::vector<Tensor>> inputs;
-    std::vector<Call> calls;
+    std::vector<harness::RawCall> calls;
     for (int s = 0; s < sets; ++s) inputs.push_back(bc.make(rng));
     for (const std::vector<Tensor>& ts : inputs) {
-      Call c;
+      harness::RawCall c;
       c.fn = plugin.kernel(bc.op.c_str());
       for (const Tensor& t : ts) c.tensors.push_back(t.dl());
       c.attrs = bc.attrs;
@@ -781,11 +663,11 @@ int run_bench(const Plugin& plugin, const char* csv_path) {
     const int iterations = bc.bytes > 1e8 ? 50 : 400;
     const double us = time_calls(calls, stream, iterations);
     const double gbps = bc.bytes / (us * 1e-6) / 1e9;
-    std::printf("%-20s %-9s %-26s %10.2f %9.0f %6.1f%%\n", bc.op.c_str(), dtype_name(bc.dtype), bc.shape.c_str(), us,
-                gbps, 100 * gbps / copy_gbps);
+    std::printf("%-20s %-9s %-26s %10.2f %9.0f %6.1f%%\n", bc.op.c_str(), ref::dtype_name(bc.dtype), bc.shape.c_str(),
+                us, gbps, 100 * gbps / copy_gbps);
     if (csv) {
-      std::fprintf(csv, "%s,%s,%s,%.3f,%.1f,%.1f\n", bc.op.c_str(), dtype_name(bc.dtype), bc.shape.c_str(), us, gbps,
-                   copy_gbps);
+      std::fprintf(csv, "%s,%s,%s,%.3f,%.1f,%.1f\n", bc.op.c_str(), ref::dtype_name(bc.dtype), bc.shape.c_str(), us,
+                   gbps, copy_gbps);
     }
     inputs.clear();
   }
