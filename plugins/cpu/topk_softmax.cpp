@@ -376,6 +376,111 @@ KD_AVX2 inline float reduce_sum_avx2(__m256 lo, __m256 hi) {
   return _mm256_cvtss_f32(m);
 }
 
+// Up to this K, the AVX2 row keeps the best K in registers (TopInRegisters).
+constexpr int64_t kRegisterMaxK = 8;
+
+// The best logits so far, as TopList keeps them, one per lane: keys
+// descending, their ids alongside. Lanes past those filled hold the key
+// kEmptyKey, below that of any logit, and id 0. All 8 lanes are kept
+// whatever K: the best K are the first K lanes of the best 8.
+//
+// Insertion does not branch: with about 10 candidates a row arriving in
+// random places, TopList's compares mispredict several times a row, which
+// made up much of the row's time once the rows no longer fit the branch
+// predictor's memory (large batches).
+struct TopInRegisters {
+  __m256i keys;
+  __m256i ids;
+};
+
+constexpr int32_t kEmptyKey = INT32_MIN;
+
+KD_AVX2 inline TopInRegisters empty_top() {
+  return {_mm256_set1_epi32(kEmptyKey), _mm256_setzero_si256()};
+}
+
+// The logit in every lane as an int32 whose signed order is TopList's order
+// of keys: NaN as -Inf (maxps returns its second operand for NaN), -0 as +0
+// (equal keys, adding +0 makes them equal bits), then the float's sign and
+// magnitude turned into two's complement. -Inf becomes 0x807fffff, above
+// kEmptyKey.
+KD_AVX2 inline __m256i ordered_key(__m256 logit) {
+  const __m256 not_nan = _mm256_max_ps(logit, _mm256_set1_ps(-__builtin_inff()));
+  const __m256i bits = _mm256_castps_si256(_mm256_add_ps(not_nan, _mm256_setzero_ps()));
+  const __m256i magnitude_mask = _mm256_srli_epi32(_mm256_srai_epi32(bits, 31), 1);
+  return _mm256_xor_si256(bits, magnitude_mask);
+}
+
+// TopList::insert in registers (key and id broadcast to every lane): the
+// lanes whose key is below the new one (strictly, so that an equal key stays
+// in front, as the lower index) move one lane up, the last dropping out, and
+// the new key takes the first of them. Keys need no masks: lane l becomes
+// min(key[l - 1], max(key[l], new)).
+KD_AVX2 inline void insert(TopInRegisters& top, __m256i key, __m256i id) {
+  const __m256i one_lane_up = _mm256_setr_epi32(0, 0, 1, 2, 3, 4, 5, 6);
+  const __m256i not_lane_0 = _mm256_setr_epi32(0, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i keys_up = _mm256_permutevar8x32_epi32(top.keys, one_lane_up);
+  const __m256i ids_up = _mm256_permutevar8x32_epi32(top.ids, one_lane_up);
+  // below: lanes l with key[l] < new; below_before: those with key[l - 1] < new.
+  const __m256i below = _mm256_cmpgt_epi32(key, top.keys);
+  const __m256i below_before = _mm256_and_si256(_mm256_cmpgt_epi32(key, keys_up), not_lane_0);
+  const __m256i raised = _mm256_max_epi32(top.keys, key);
+  top.keys = _mm256_blend_epi32(_mm256_min_epi32(keys_up, raised), raised, 1);
+  top.ids = _mm256_blendv_epi8(_mm256_blendv_epi8(top.ids, id, below), ids_up, below_before);
+}
+
+KD_AVX2 inline void insert_logit(TopInRegisters& top, const float* logits, int64_t j) {
+  insert(top, ordered_key(_mm256_broadcast_ss(logits + j)),
+         _mm256_set1_epi32(static_cast<int32_t>(j)));
+}
+
+// select_top_k for k <= kRegisterMaxK, from the candidate bits (a 16-bit word
+// per block of 16 logits, `blocks` of them padded to whole 64-bit words):
+// the candidates in index order, then all logits if fewer than k were
+// candidates (insert_all_if_short).
+KD_AVX2 inline TopInRegisters select_in_registers(const float* logits, int64_t e, int64_t k,
+                                                  const uint16_t* candidates, int64_t blocks) {
+  TopInRegisters top = empty_top();
+  int64_t inserted = 0;
+  for (int64_t w = 0; w * 4 < blocks; ++w) {
+    uint64_t word = 0;
+    std::memcpy(&word, candidates + w * 4, sizeof word);
+    inserted += __builtin_popcountll(word);
+    for (; word != 0; word &= word - 1) insert_logit(top, logits, w * 64 + __builtin_ctzll(word));
+  }
+  if (inserted < k) {
+    top = empty_top();
+    for (int64_t j = 0; j < e; ++j) insert_logit(top, logits, j);
+  }
+  return top;
+}
+
+// write_weights for the first k lanes of `top`: the same operations on 8
+// lanes at once (the lanes past k compute, with valid ids, and are not
+// stored); the sum of the selected weights in the same order as there.
+KD_AVX2 inline void write_top_in_registers(const float* logits, const RowArgs& a,
+                                           const RowStats& st, const TopInRegisters& top,
+                                           float* weights, int32_t* ids) {
+  const int64_t k = a.k;
+  alignas(32) int32_t lane_ids[8];
+  alignas(32) float w[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane_ids), top.ids);
+  const float inv_sum = 1.0f / st.sum;
+  for (int l = 0; l < 8; ++l) w[l] = fast_exp(logits[lane_ids[l]] - st.max) * inv_sum;
+  if (a.renormalize) {
+    float selected_sum = 0.0f;
+    for (int64_t i = 0; i < k; ++i) selected_sum += w[i];
+    if (selected_sum > 0.0f) {
+      for (int l = 0; l < 8; ++l) w[l] /= selected_sum;
+    }
+  }
+  const __m256i first_k =
+      _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(k)),
+                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  _mm256_maskstore_epi32(ids, first_k, top.ids);
+  _mm256_maskstore_ps(weights, first_k, _mm256_load_ps(w));
+}
+
 template <class T>
 KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32_t* ids) {
   constexpr float kNegInf = -__builtin_inff();
@@ -437,6 +542,11 @@ KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32
   for (int64_t b = blocks; b % 4 != 0; ++b) candidates[b] = 0;
   st.sum = reduce_sum_avx2(_mm256_loadu_ps(sums), _mm256_loadu_ps(sums + 8));
 
+  if (a.k <= kRegisterMaxK) {
+    const TopInRegisters top = select_in_registers(logits, e, a.k, candidates, blocks);
+    write_top_in_registers(logits, a, st, top, weights, ids);
+    return;
+  }
   if (a.k <= kInsertionMaxK) {
     TopList top(a.k, a.keys, ids);
     for (int64_t w = 0; w * 4 < blocks; ++w) {
