@@ -460,30 +460,43 @@ KD_AVX2 inline TopInRegisters select_in_registers(const float* logits, int64_t e
   return top;
 }
 
+// The logits of the keys in `top`: ordered_key undone (the map is its own
+// inverse), with NaN come back as -Inf and -0 as +0. Their weights are those
+// of the logits themselves: x - max rounds alike for +0 and -0 (or gives
+// +-0, whose e^ is 1 either way), and a NaN in the row makes its sum and so
+// every weight NaN all the same (only which NaN may differ).
+KD_AVX2 inline __m256 logits_of(const TopInRegisters& top) {
+  const __m256i magnitude_mask = _mm256_srli_epi32(_mm256_srai_epi32(top.keys, 31), 1);
+  return _mm256_castsi256_ps(_mm256_xor_si256(top.keys, magnitude_mask));
+}
+
 // write_weights for the first k lanes of `top`: the same operations on 8
-// lanes at once (the lanes past k compute, with valid ids, and are not
-// stored); the sum of the selected weights in the same order as there.
-KD_AVX2 inline void write_top_in_registers(const float* logits, const RowArgs& a,
-                                           const RowStats& st, const TopInRegisters& top,
-                                           float* weights, int32_t* ids) {
+// lanes at once (the lanes past k are computed but not stored), the sum of
+// the selected weights in the same order as there.
+KD_AVX2 inline void write_top_in_registers(const RowArgs& a, const RowStats& st,
+                                           const TopInRegisters& top, float* weights,
+                                           int32_t* ids) {
   const int64_t k = a.k;
-  alignas(32) int32_t lane_ids[8];
   alignas(32) float w[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lane_ids), top.ids);
+  _mm256_store_ps(w, logits_of(top));
   const float inv_sum = 1.0f / st.sum;
-  for (int l = 0; l < 8; ++l) w[l] = fast_exp(logits[lane_ids[l]] - st.max) * inv_sum;
+  for (float& v : w) v = fast_exp(v - st.max) * inv_sum;
   if (a.renormalize) {
     float selected_sum = 0.0f;
     for (int64_t i = 0; i < k; ++i) selected_sum += w[i];
     if (selected_sum > 0.0f) {
-      for (int l = 0; l < 8; ++l) w[l] /= selected_sum;
+      for (float& v : w) v /= selected_sum;
     }
   }
-  const __m256i first_k =
-      _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(k)),
-                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  _mm256_maskstore_epi32(ids, first_k, top.ids);
-  _mm256_maskstore_ps(weights, first_k, _mm256_load_ps(w));
+  if (k == kRegisterMaxK) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ids), top.ids);
+    _mm256_storeu_ps(weights, _mm256_load_ps(w));
+  } else {
+    alignas(32) int32_t lane_ids[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lane_ids), top.ids);
+    for (int64_t i = 0; i < k; ++i) ids[i] = lane_ids[i];
+    for (int64_t i = 0; i < k; ++i) weights[i] = w[i];
+  }
 }
 
 // exp_for_sum on 8 lanes, operation for operation.
@@ -647,7 +660,7 @@ KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32
 
   if (k <= kRegisterMaxK) {
     const TopInRegisters top = select_in_registers(logits, e, k, candidates, blocks);
-    write_top_in_registers(logits, a, st, top, weights, ids);
+    write_top_in_registers(a, st, top, weights, ids);
   } else {
     select_in_memory(logits, a, candidates, blocks, ids);
     write_weights(logits, a, st, weights, ids);
