@@ -43,9 +43,10 @@ struct RowStats {
 // Softmax is monotonic, so the K most probable experts are the K largest
 // logits: only the K winners need their probability (fast_exp, 1.3 ulp), the
 // rest only count towards the sum, which enters every weight as one factor:
-// quick_exp at 16-bit precision (3.4e-6 relative for logits within 10 of the
-// max; the terms further down are below 5e-5 of the largest) keeps the
-// weights well inside their 1e-4 tolerance for a third of fast_exp's work.
+// an exp at 16-bit precision (exp_for_sum, as quick_exp<kHalf>: 3.4e-6
+// relative for logits within 10 of the max; the terms further down are below
+// 5e-5 of the largest) keeps the weights well inside their 1e-4 tolerance
+// for a third of fast_exp's work.
 //
 // Max and sum use kReductionLanes partial results (lane l takes the logits
 // j = l mod kReductionLanes, the last partial block in lanes 0, 1, ...) so
@@ -310,14 +311,16 @@ void topk_row_portable(const T* src, const RowArgs& a, float* weights, int32_t* 
 }
 
 #if KD_TOPK_AVX2
-// The same row with AVX2 (and F16C for float16), for the hosts that have it:
-// GCC leaves the lane maxima loop scalar (a select it cannot prove to be
-// maxps), writes the threshold compare a byte per logit, and folds the
-// lanes through the stack with branches, so those parts are written with
-// intrinsics, operation for operation as in the portable row; the rest is
-// the shared code above, which the target attribute vectorises with 256-bit
+// The same row with AVX2 (and F16C for float16), for the hosts that have it.
+// GCC leaves much of the portable row scalar or branching (the lane maxima,
+// a select it cannot prove to be maxps; the threshold compare, a byte per
+// logit; the lane folds, through the stack; the insertion), so the AVX2 row
+// is written with intrinsics: the same passes, operation for operation
+// wherever the results depend on the order, and for K <= 8 the selection in
 // registers. No FMA: every operation rounds as in the portable row, and both
-// give the same ids and weights, bit for bit.
+// give the same ids and weights, bit for bit (but for which NaN a NaN weight
+// is: x86 keeps an operand's NaN, and the rows order some operands
+// differently).
 
 #define KD_AVX2 __attribute__((target("avx2,f16c")))
 
