@@ -388,35 +388,25 @@ KD_AVX2 inline float reduce_sum_avx2(__m256 lo, __m256 hi) {
 constexpr int64_t kRegisterMaxK = 8;
 
 // The best logits so far, as TopList keeps them, one per lane: keys
-// descending, their ids alongside. Lanes past those filled hold the key
-// kEmptyKey, below that of any logit, and id 0. All 8 lanes are kept
-// whatever K: the best K are the first K lanes of the best 8.
+// descending, their ids alongside. Lanes past those filled hold the key -Inf
+// and id 0. All 8 lanes are kept whatever K: the best K are the first K
+// lanes of the best 8. Only for rows whose candidates are all above -Inf
+// (see select_in_registers), so that an empty lane's key is below every
+// candidate's, and no key is NaN; +0 and -0 compare equal, as in TopList
+// (which of the two a lane keeps does not change its weight: x - max rounds
+// alike for both or gives +-0, whose e^ is 1 either way).
 //
 // Insertion does not branch: with about 10 candidates a row arriving in
 // random places, TopList's compares mispredict several times a row, which
 // made up much of the row's time once the rows no longer fit the branch
 // predictor's memory (large batches).
 struct TopInRegisters {
-  __m256i keys;
+  __m256 keys;
   __m256i ids;
 };
 
-constexpr int32_t kEmptyKey = INT32_MIN;
-
 KD_AVX2 inline TopInRegisters empty_top() {
-  return {_mm256_set1_epi32(kEmptyKey), _mm256_setzero_si256()};
-}
-
-// The logit in every lane as an int32 whose signed order is TopList's order
-// of keys: NaN as -Inf (maxps returns its second operand for NaN), -0 as +0
-// (equal keys, adding +0 makes them equal bits), then the float's sign and
-// magnitude turned into two's complement. -Inf becomes 0x807fffff, above
-// kEmptyKey.
-KD_AVX2 inline __m256i ordered_key(__m256 logit) {
-  const __m256 not_nan = _mm256_max_ps(logit, _mm256_set1_ps(-__builtin_inff()));
-  const __m256i bits = _mm256_castps_si256(_mm256_add_ps(not_nan, _mm256_setzero_ps()));
-  const __m256i magnitude_mask = _mm256_srli_epi32(_mm256_srai_epi32(bits, 31), 1);
-  return _mm256_xor_si256(bits, magnitude_mask);
+  return {_mm256_set1_ps(-__builtin_inff()), _mm256_setzero_si256()};
 }
 
 // TopList::insert in registers (key and id broadcast to every lane): the
@@ -424,53 +414,42 @@ KD_AVX2 inline __m256i ordered_key(__m256 logit) {
 // in front, as the lower index) move one lane up, the last dropping out, and
 // the new key takes the first of them. Keys need no masks: lane l becomes
 // min(key[l - 1], max(key[l], new)).
-KD_AVX2 inline void insert(TopInRegisters& top, __m256i key, __m256i id) {
+KD_AVX2 inline void insert(TopInRegisters& top, __m256 key, __m256i id) {
   const __m256i one_lane_up = _mm256_setr_epi32(0, 0, 1, 2, 3, 4, 5, 6);
-  const __m256i not_lane_0 = _mm256_setr_epi32(0, -1, -1, -1, -1, -1, -1, -1);
-  const __m256i keys_up = _mm256_permutevar8x32_epi32(top.keys, one_lane_up);
+  const __m256 not_lane_0 = _mm256_castsi256_ps(_mm256_setr_epi32(0, -1, -1, -1, -1, -1, -1, -1));
+  const __m256 keys_up = _mm256_permutevar8x32_ps(top.keys, one_lane_up);
   const __m256i ids_up = _mm256_permutevar8x32_epi32(top.ids, one_lane_up);
   // below: lanes l with key[l] < new; below_before: those with key[l - 1] < new.
-  const __m256i below = _mm256_cmpgt_epi32(key, top.keys);
-  const __m256i below_before = _mm256_and_si256(_mm256_cmpgt_epi32(key, keys_up), not_lane_0);
-  const __m256i raised = _mm256_max_epi32(top.keys, key);
-  top.keys = _mm256_blend_epi32(_mm256_min_epi32(keys_up, raised), raised, 1);
-  top.ids = _mm256_blendv_epi8(_mm256_blendv_epi8(top.ids, id, below), ids_up, below_before);
-}
-
-KD_AVX2 inline void insert_logit(TopInRegisters& top, const float* logits, int64_t j) {
-  insert(top, ordered_key(_mm256_broadcast_ss(logits + j)),
-         _mm256_set1_epi32(static_cast<int32_t>(j)));
+  const __m256 below = _mm256_cmp_ps(top.keys, key, _CMP_LT_OQ);
+  const __m256 below_before = _mm256_and_ps(_mm256_cmp_ps(keys_up, key, _CMP_LT_OQ), not_lane_0);
+  const __m256 raised = _mm256_max_ps(top.keys, key);
+  top.keys = _mm256_blend_ps(_mm256_min_ps(keys_up, raised), raised, 1);
+  top.ids = _mm256_castps_si256(_mm256_blendv_ps(
+      _mm256_blendv_ps(_mm256_castsi256_ps(top.ids), _mm256_castsi256_ps(id), below),
+      _mm256_castsi256_ps(ids_up), below_before));
 }
 
 // select_top_k for k <= kRegisterMaxK, from the candidate bits (a 16-bit word
-// per block of 16 logits, `blocks` of them padded to whole 64-bit words):
-// the candidates in index order, then all logits if fewer than k were
-// candidates (insert_all_if_short).
-KD_AVX2 inline TopInRegisters select_in_registers(const float* logits, int64_t e, int64_t k,
-                                                  const uint16_t* candidates, int64_t blocks) {
-  TopInRegisters top = empty_top();
+// per block of 16 logits, `blocks` of them padded to whole 64-bit words), for
+// a row whose threshold is above -Inf: then so is every candidate (NaN never
+// reaches a threshold). Returns false, leaving the row to TopList, when fewer
+// than k logits were candidates (insert_all_if_short: it inserts NaN and
+// -Inf too).
+KD_AVX2 inline bool select_in_registers(const float* logits, int64_t k,
+                                        const uint16_t* candidates, int64_t blocks,
+                                        TopInRegisters& top) {
+  top = empty_top();
   int64_t inserted = 0;
   for (int64_t w = 0; w * 4 < blocks; ++w) {
     uint64_t word = 0;
     std::memcpy(&word, candidates + w * 4, sizeof word);
     inserted += __builtin_popcountll(word);
-    for (; word != 0; word &= word - 1) insert_logit(top, logits, w * 64 + __builtin_ctzll(word));
+    for (; word != 0; word &= word - 1) {
+      const int64_t j = w * 64 + __builtin_ctzll(word);
+      insert(top, _mm256_broadcast_ss(logits + j), _mm256_set1_epi32(static_cast<int32_t>(j)));
+    }
   }
-  if (inserted < k) {
-    top = empty_top();
-    for (int64_t j = 0; j < e; ++j) insert_logit(top, logits, j);
-  }
-  return top;
-}
-
-// The logits of the keys in `top`: ordered_key undone (the map is its own
-// inverse), with NaN come back as -Inf and -0 as +0. Their weights are those
-// of the logits themselves: x - max rounds alike for +0 and -0 (or gives
-// +-0, whose e^ is 1 either way), and a NaN in the row makes its sum and so
-// every weight NaN all the same (only which NaN may differ).
-KD_AVX2 inline __m256 logits_of(const TopInRegisters& top) {
-  const __m256i magnitude_mask = _mm256_srli_epi32(_mm256_srai_epi32(top.keys, 31), 1);
-  return _mm256_castsi256_ps(_mm256_xor_si256(top.keys, magnitude_mask));
+  return inserted >= k;
 }
 
 // write_weights for the first k lanes of `top`: the same operations on 8
@@ -481,7 +460,7 @@ KD_AVX2 inline void write_top_in_registers(const RowArgs& a, const RowStats& st,
                                            int32_t* ids) {
   const int64_t k = a.k;
   alignas(32) float w[8];
-  _mm256_store_ps(w, logits_of(top));
+  _mm256_store_ps(w, top.keys);
   const float inv_sum = 1.0f / st.sum;
   for (float& v : w) v = fast_exp(v - st.max) * inv_sum;
   if (a.renormalize) {
@@ -608,8 +587,9 @@ KD_AVX2 inline int64_t exp_sum_and_candidates(const float* logits, int64_t full,
   return blocks;
 }
 
-// The selection for k > kRegisterMaxK, as in the portable row, from the
-// candidate bits for k <= kInsertionMaxK.
+// The selection as in the portable row (from the candidate bits for
+// k <= kInsertionMaxK): for k > kRegisterMaxK, and for the rows that
+// select_in_registers leaves.
 KD_AVX2 inline void select_in_memory(const float* logits, const RowArgs& a,
                                      const uint16_t* candidates, int64_t blocks, int32_t* ids) {
   if (a.k <= kInsertionMaxK) {
@@ -664,13 +644,15 @@ KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32
   uint16_t* const candidates = reinterpret_cast<uint16_t*>(a.order);
   const int64_t blocks = exp_sum_and_candidates(logits, full, tail, rest, src, e, st, candidates);
 
-  if (k <= kRegisterMaxK) {
-    const TopInRegisters top = select_in_registers(logits, e, k, candidates, blocks);
-    write_top_in_registers(a, st, top, weights, ids);
-  } else {
-    select_in_memory(logits, a, candidates, blocks, ids);
-    write_weights(logits, a, st, weights, ids);
+  if (k <= kRegisterMaxK && st.threshold > -__builtin_inff()) {
+    TopInRegisters top;
+    if (select_in_registers(logits, k, candidates, blocks, top)) {
+      write_top_in_registers(a, st, top, weights, ids);
+      return;
+    }
   }
+  select_in_memory(logits, a, candidates, blocks, ids);
+  write_weights(logits, a, st, weights, ids);
 }
 
 #undef KD_AVX2
