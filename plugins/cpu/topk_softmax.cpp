@@ -43,9 +43,10 @@ struct RowStats {
 // Softmax is monotonic, so the K most probable experts are the K largest
 // logits: only the K winners need their probability (fast_exp, 1.3 ulp), the
 // rest only count towards the sum, which enters every weight as one factor:
-// quick_exp at 16-bit precision (3.4e-6 relative for logits within 10 of the
-// max; the terms further down are below 5e-5 of the largest) keeps the
-// weights well inside their 1e-4 tolerance for a third of fast_exp's work.
+// an exp at 16-bit precision (exp_for_sum, as quick_exp<kHalf>: 3.4e-6
+// relative for logits within 10 of the max; the terms further down are below
+// 5e-5 of the largest) keeps the weights well inside their 1e-4 tolerance
+// for a third of fast_exp's work.
 //
 // Max and sum use kReductionLanes partial results (lane l takes the logits
 // j = l mod kReductionLanes, the last partial block in lanes 0, 1, ...) so
@@ -100,35 +101,51 @@ struct RowStats {
   return in_top_k[0];
 }
 
-// quick_exp<Precision::kHalf>(x) for the sum's arguments, logit - max: never
-// positive (or NaN), so without quick_exp's overflow handling, whose compares
-// and selects cost a third of the vectorised sum. Same operations, same
-// results.
-[[gnu::always_inline]] inline float exp_non_positive(float x) {
-  constexpr float kLog2e = 1.44269504088896341f;
+// e^x for the sum's arguments, logit - max: never positive (or NaN), and only
+// needed to 16-bit precision (see above), as in quick_exp<Precision::kHalf>
+// but with fewer operations, since this is most of the row's arithmetic:
+// no overflow handling; the polynomial for 2^f by Horner's rule (eight
+// operations to Estrin's ten; the loop overlaps many blocks, so the longer
+// dependency chain did not show); and 127 folded into the rounding constant,
+// so that the low bits of `shifted` are n + 127 outright. Within 3.8e-6 of
+// e^x on [-20, 0], as quick_exp. The AVX2 row has the same operations in
+// exp_for_sum8.
+constexpr float kLog2e = 1.44269504088896341f;
+// 1.5 * 2^23 + 127: adding it rounds to an integer (ties to odd rather than
+// even, which is as good), leaving n + 127 in the low mantissa bits.
+constexpr float kShiftBiased = 12583039.0f;
+constexpr float kExpSumC1 = 0.693124175f;
+constexpr float kExpSumC2 = 0.240240991f;
+constexpr float kExpSumC3 = 0.0559064299f;
+constexpr float kExpSumC4 = 0.00958285108f;
+
+[[gnu::always_inline]] inline float exp_for_sum(float x) {
   const float t0 = x * kLog2e;
   // The clamp keeps 2^n a normal float; NaN passes unchanged.
-  const float t = t0 < -126.0f ? -126.0f : t0;
-  // Round to nearest via the 1.5 * 2^23 trick, as in quick_exp.
-  constexpr float kShift = 12582912.0f;
-  const float shifted = t + kShift;
-  const float f = t - (shifted - kShift);  // in [-0.5, 0.5]
-  const uint32_t scale_bits = (std::bit_cast<uint32_t>(shifted) + 127u) << 23;
-  return exp2_reduced<Precision::kHalf>(f) * std::bit_cast<float>(scale_bits);
+  const float t = -126.0f > t0 ? -126.0f : t0;
+  const float shifted = t + kShiftBiased;
+  const float f = t - (shifted - kShiftBiased);  // in [-0.5, 0.5]
+  const float scale = std::bit_cast<float>(std::bit_cast<uint32_t>(shifted) << 23);
+  float p = kExpSumC4;
+  p = p * f + kExpSumC3;
+  p = p * f + kExpSumC2;
+  p = p * f + kExpSumC1;
+  p = p * f + 1.0f;
+  return p * scale;
 }
 
 // sums[l] += e^(block[l] - max) for the lanes of one block of logits ...
 [[gnu::always_inline]] inline void add_exps(const float* block, float max,
                                             float (&sums)[kReductionLanes]) {
   for (int l = 0; l < kReductionLanes; ++l) {
-    sums[l] += exp_non_positive(block[l] - max);
+    sums[l] += exp_for_sum(block[l] - max);
   }
 }
 
 // ... and for the first n lanes of the last, partial one.
 [[gnu::always_inline]] inline void add_exps(const float* block, int64_t n, float max,
                                             float (&sums)[kReductionLanes]) {
-  for (int64_t l = 0; l < n; ++l) sums[l] += exp_non_positive(block[l] - max);
+  for (int64_t l = 0; l < n; ++l) sums[l] += exp_for_sum(block[l] - max);
 }
 
 [[gnu::always_inline]] inline RowStats row_stats(const float* logits, int64_t e, int64_t k) {
@@ -294,14 +311,16 @@ void topk_row_portable(const T* src, const RowArgs& a, float* weights, int32_t* 
 }
 
 #if KD_TOPK_AVX2
-// The same row with AVX2 (and F16C for float16), for the hosts that have it:
-// GCC leaves the lane maxima loop scalar (a select it cannot prove to be
-// maxps), writes the threshold compare a byte per logit, and folds the
-// lanes through the stack with branches, so those parts are written with
-// intrinsics, operation for operation as in the portable row; the rest is
-// the shared code above, which the target attribute vectorises with 256-bit
+// The same row with AVX2 (and F16C for float16), for the hosts that have it.
+// GCC leaves much of the portable row scalar or branching (the lane maxima,
+// a select it cannot prove to be maxps; the threshold compare, a byte per
+// logit; the lane folds, through the stack; the insertion), so the AVX2 row
+// is written with intrinsics: the same passes, operation for operation
+// wherever the results depend on the order, and for K <= 8 the selection in
 // registers. No FMA: every operation rounds as in the portable row, and both
-// give the same ids and weights, bit for bit.
+// give the same ids and weights, bit for bit (but for which NaN a NaN weight
+// is: x86 keeps an operand's NaN, and the rows order some operands
+// differently).
 
 #define KD_AVX2 __attribute__((target("avx2,f16c")))
 
@@ -314,17 +333,6 @@ KD_AVX2 inline __m256 load8(const Half* p) {
 KD_AVX2 inline __m256 load8(const BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-// Bit l set where block[l] >= threshold (never for NaN), for 8 ...
-KD_AVX2 inline uint32_t reaching8(const float* block, __m256 threshold) {
-  const __m256 reached = _mm256_cmp_ps(_mm256_loadu_ps(block), threshold, _CMP_GE_OQ);
-  return static_cast<uint32_t>(_mm256_movemask_ps(reached));
-}
-
-// ... and for 16 logits.
-KD_AVX2 inline uint32_t reaching(const float* block, __m256 threshold) {
-  return reaching8(block, threshold) | reaching8(block + 8, threshold) << 8;
 }
 
 static_assert(kReductionLanes == 16, "the AVX2 row keeps the lanes in two 8-float registers");
@@ -376,36 +384,146 @@ KD_AVX2 inline float reduce_sum_avx2(__m256 lo, __m256 hi) {
   return _mm256_cvtss_f32(m);
 }
 
-template <class T>
-KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32_t* ids) {
-  constexpr float kNegInf = -__builtin_inff();
-  const int64_t e = a.e;
-  const int64_t full = e - e % kReductionLanes;
-  const int64_t rest = e - full;
-  // 16-bit rows are widened into a.row on the way; the last, partial block
-  // is also kept padded with -Inf (no lane maximum changes) in `tail`, and
-  // joins the lane maxima last, as in row_stats (the order decides which of
-  // +0 and -0 is kept).
-  constexpr bool kWiden = !std::is_same_v<T, float>;
-  const float* logits = nullptr;
-  if constexpr (kWiden) {
-    logits = a.row;
-  } else {
-    logits = src;
-  }
-  alignas(32) float tail[kReductionLanes];
-  for (int64_t l = 0; l < rest; ++l) tail[l] = to_float(src[full + l]);
-  for (int64_t l = rest; l < kReductionLanes; ++l) tail[l] = kNegInf;
-  if constexpr (kWiden) std::copy(tail, tail + rest, a.row + full);
+// Up to this K, the AVX2 row keeps the best K in registers (TopInRegisters).
+constexpr int64_t kRegisterMaxK = 8;
 
-  __m256 max_lo = _mm256_set1_ps(kNegInf);
+// The best logits so far, as TopList keeps them, one per lane: keys
+// descending, their ids alongside. Lanes past those filled hold the key -Inf
+// and id 0. All 8 lanes are kept whatever K: the best K are the first K
+// lanes of the best 8. Only for rows whose candidates are all above -Inf
+// (see select_in_registers), so that an empty lane's key is below every
+// candidate's, and no key is NaN; +0 and -0 compare equal, as in TopList
+// (which of the two a lane keeps does not change its weight: x - max rounds
+// alike for both or gives +-0, whose e^ is 1 either way).
+//
+// Insertion does not branch: with about 10 candidates a row arriving in
+// random places, TopList's compares mispredict several times a row, which
+// made up much of the row's time once the rows no longer fit the branch
+// predictor's memory (large batches).
+struct TopInRegisters {
+  __m256 keys;
+  __m256i ids;
+};
+
+KD_AVX2 inline TopInRegisters empty_top() {
+  return {_mm256_set1_ps(-__builtin_inff()), _mm256_setzero_si256()};
+}
+
+// TopList::insert in registers (key and id broadcast to every lane): the
+// lanes whose key is below the new one (strictly, so that an equal key stays
+// in front, as the lower index) move one lane up, the last dropping out, and
+// the new key takes the first of them. Keys need no masks: lane l becomes
+// min(key[l - 1], max(key[l], new)).
+KD_AVX2 inline void insert(TopInRegisters& top, __m256 key, __m256i id) {
+  const __m256i one_lane_up = _mm256_setr_epi32(0, 0, 1, 2, 3, 4, 5, 6);
+  const __m256 not_lane_0 = _mm256_castsi256_ps(_mm256_setr_epi32(0, -1, -1, -1, -1, -1, -1, -1));
+  const __m256 keys_up = _mm256_permutevar8x32_ps(top.keys, one_lane_up);
+  const __m256i ids_up = _mm256_permutevar8x32_epi32(top.ids, one_lane_up);
+  // below: lanes l with key[l] < new; below_before: those with key[l - 1] < new.
+  const __m256 below = _mm256_cmp_ps(top.keys, key, _CMP_LT_OQ);
+  const __m256 below_before = _mm256_and_ps(_mm256_cmp_ps(keys_up, key, _CMP_LT_OQ), not_lane_0);
+  const __m256 raised = _mm256_max_ps(top.keys, key);
+  top.keys = _mm256_blend_ps(_mm256_min_ps(keys_up, raised), raised, 1);
+  top.ids = _mm256_castps_si256(_mm256_blendv_ps(
+      _mm256_blendv_ps(_mm256_castsi256_ps(top.ids), _mm256_castsi256_ps(id), below),
+      _mm256_castsi256_ps(ids_up), below_before));
+}
+
+// select_top_k for k <= kRegisterMaxK, from the candidate bits (a 16-bit word
+// per block of 16 logits, `blocks` of them padded to whole 64-bit words), for
+// a row whose threshold is above -Inf: then so is every candidate (NaN never
+// reaches a threshold). Returns false, leaving the row to TopList, when fewer
+// than k logits were candidates (insert_all_if_short: it inserts NaN and
+// -Inf too).
+KD_AVX2 inline bool select_in_registers(const float* logits, int64_t k,
+                                        const uint16_t* candidates, int64_t blocks,
+                                        TopInRegisters& top) {
+  top = empty_top();
+  int64_t inserted = 0;
+  for (int64_t w = 0; w * 4 < blocks; ++w) {
+    uint64_t word = 0;
+    std::memcpy(&word, candidates + w * 4, sizeof word);
+    inserted += __builtin_popcountll(word);
+    for (; word != 0; word &= word - 1) {
+      const int64_t j = w * 64 + __builtin_ctzll(word);
+      insert(top, _mm256_broadcast_ss(logits + j), _mm256_set1_epi32(static_cast<int32_t>(j)));
+    }
+  }
+  return inserted >= k;
+}
+
+// write_weights for the first k lanes of `top`: the same operations on 8
+// lanes at once (the lanes past k are computed but not stored), the sum of
+// the selected weights in the same order as there.
+KD_AVX2 inline void write_top_in_registers(const RowArgs& a, const RowStats& st,
+                                           const TopInRegisters& top, float* weights,
+                                           int32_t* ids) {
+  const int64_t k = a.k;
+  alignas(32) float w[8];
+  _mm256_store_ps(w, top.keys);
+  const float inv_sum = 1.0f / st.sum;
+  for (float& v : w) v = fast_exp(v - st.max) * inv_sum;
+  if (a.renormalize) {
+    float selected_sum = 0.0f;
+    for (int64_t i = 0; i < k; ++i) selected_sum += w[i];
+    if (selected_sum > 0.0f) {
+      for (float& v : w) v /= selected_sum;
+    }
+  }
+  if (k == kRegisterMaxK) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ids), top.ids);
+    _mm256_storeu_ps(weights, _mm256_load_ps(w));
+  } else {
+    alignas(32) int32_t lane_ids[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lane_ids), top.ids);
+    for (int64_t i = 0; i < k; ++i) ids[i] = lane_ids[i];
+    for (int64_t i = 0; i < k; ++i) weights[i] = w[i];
+  }
+}
+
+// exp_for_sum on 8 lanes, operation for operation.
+KD_AVX2 inline __m256 exp_for_sum8(__m256 x) {
+  const __m256 t0 = _mm256_mul_ps(x, _mm256_set1_ps(kLog2e));
+  // maxps(a, b) is a > b ? a : b, so NaN passes as there.
+  const __m256 t = _mm256_max_ps(_mm256_set1_ps(-126.0f), t0);
+  const __m256 shifted = _mm256_add_ps(t, _mm256_set1_ps(kShiftBiased));
+  const __m256 f = _mm256_sub_ps(t, _mm256_sub_ps(shifted, _mm256_set1_ps(kShiftBiased)));
+  const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(shifted), 23));
+  __m256 p = _mm256_set1_ps(kExpSumC4);
+  p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(kExpSumC3));
+  p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(kExpSumC2));
+  p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(kExpSumC1));
+  p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(1.0f));
+  return _mm256_mul_ps(p, scale);
+}
+
+// Bits l set where v[l] >= threshold (never for NaN).
+KD_AVX2 inline uint32_t reaching(__m256 v, __m256 threshold) {
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v, threshold, _CMP_GE_OQ)));
+}
+
+// The lane maxima of row_stats, lanes 0-7 in lo and 8-15 in hi.
+struct LaneMaxima {
+  __m256 lo;
+  __m256 hi;
+};
+
+// The first pass: the lane maxima, and for the 16-bit types the row widened
+// into `row` (the logits the later passes read). The last, partial block
+// comes padded with -Inf (no lane maximum changes) in `tail` and joins the
+// lane maxima last, as in row_stats: the order decides which of +0 and -0
+// is kept.
+template <class T>
+KD_AVX2 inline LaneMaxima widen_and_max(const T* src, int64_t full, const float* tail, float* row) {
+  constexpr bool kWiden = !std::is_same_v<T, float>;
+  __m256 max_lo = _mm256_set1_ps(-__builtin_inff());
   __m256 max_hi = max_lo;
   for (int64_t j = 0; j < full; j += kReductionLanes) {
     const __m256 lo = load8(src + j);
     const __m256 hi = load8(src + j + 8);
     if constexpr (kWiden) {
-      _mm256_storeu_ps(a.row + j, lo);
-      _mm256_storeu_ps(a.row + j + 8, hi);
+      _mm256_storeu_ps(row + j, lo);
+      _mm256_storeu_ps(row + j + 8, hi);
     }
     // maxps(v, m) is v > m ? v : m, NaN included, as in row_stats.
     max_lo = _mm256_max_ps(lo, max_lo);
@@ -413,30 +531,67 @@ KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32
   }
   max_lo = _mm256_max_ps(_mm256_load_ps(tail), max_lo);
   max_hi = _mm256_max_ps(_mm256_load_ps(tail + 8), max_hi);
-  alignas(32) float lanes[kReductionLanes];
-  _mm256_store_ps(lanes, max_lo);
-  _mm256_store_ps(lanes + 8, max_hi);
-  RowStats st{};
-  st.threshold = threshold_avx2(max_lo, max_hi, lanes, a.k);
-  st.max = reduce_max_avx2(max_lo, max_hi);
+  return {max_lo, max_hi};
+}
 
-  // One pass adds up the exponentials and notes the candidates, 16 bits per
-  // block, padded with zeros to whole 64-bit words.
-  uint16_t* const candidates = reinterpret_cast<uint16_t*>(a.order);
+// The second pass: the sum of e^(logit - max), in the lanes of row_stats,
+// and the candidates, a 16-bit word per block of 16 logits (the bits of the
+// logits that reach the threshold), padded with zeros to whole 64-bit words.
+// Returns the number of words written. Meanwhile it asks for the next row of
+// `src` (the row's input, `e` elements).
+template <class T>
+KD_AVX2 inline int64_t exp_sum_and_candidates(const float* logits, int64_t full,
+                                              const float* tail, int64_t rest,
+                                              const T* src, int64_t e, RowStats& st,
+                                              uint16_t* candidates) {
+  const __m256 max = _mm256_set1_ps(st.max);
   const __m256 threshold = _mm256_set1_ps(st.threshold);
-  float sums[kReductionLanes] = {};
+  __m256 sum_lo = _mm256_setzero_ps();
+  __m256 sum_hi = _mm256_setzero_ps();
+  int64_t blocks = 0;
+  // Two blocks an iteration: 4-5% off the row (loop overhead, and more
+  // independent work between the loop's branches); four were slower.
+#pragma GCC unroll 2
   for (int64_t j = 0; j < full; j += kReductionLanes) {
-    add_exps(logits + j, st.max, sums);
-    candidates[j / kReductionLanes] = static_cast<uint16_t>(reaching(logits + j, threshold));
+    // The same block of the next row: a cache line for float32, half of one
+    // (asked for twice) for the 16-bit types. The hardware prefetcher alone
+    // left the first pass waiting for memory on large batches. A prefetch
+    // past the end of the input is harmless: it never faults.
+    _mm_prefetch(reinterpret_cast<const char*>(src + e + j), _MM_HINT_T0);
+    const __m256 lo = _mm256_loadu_ps(logits + j);
+    const __m256 hi = _mm256_loadu_ps(logits + j + 8);
+    sum_lo = _mm256_add_ps(sum_lo, exp_for_sum8(_mm256_sub_ps(lo, max)));
+    sum_hi = _mm256_add_ps(sum_hi, exp_for_sum8(_mm256_sub_ps(hi, max)));
+    candidates[blocks++] = static_cast<uint16_t>(reaching(lo, threshold) |
+                                                 reaching(hi, threshold) << 8);
   }
-  add_exps(tail, rest, st.max, sums);
-  int64_t blocks = full / kReductionLanes;
   if (rest > 0) {
-    candidates[blocks++] = static_cast<uint16_t>(reaching(tail, threshold) & ((1u << rest) - 1));
+    // Only the first `rest` lanes take part: the padding would add
+    // e^(-Inf) = 2^-126 (the clamp) to the sum, and reaches a threshold of
+    // -Inf.
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i rest_lo = _mm256_set1_epi32(static_cast<int32_t>(rest));
+    const __m256i rest_hi = _mm256_set1_epi32(static_cast<int32_t>(rest - 8));
+    const __m256 in_lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(rest_lo, lane));
+    const __m256 in_hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(rest_hi, lane));
+    const __m256 lo = _mm256_load_ps(tail);
+    const __m256 hi = _mm256_load_ps(tail + 8);
+    // Adding +0 to a sum of non-negative terms leaves it as it is.
+    sum_lo = _mm256_add_ps(sum_lo, _mm256_and_ps(exp_for_sum8(_mm256_sub_ps(lo, max)), in_lo));
+    sum_hi = _mm256_add_ps(sum_hi, _mm256_and_ps(exp_for_sum8(_mm256_sub_ps(hi, max)), in_hi));
+    const uint32_t reached = reaching(lo, threshold) | reaching(hi, threshold) << 8;
+    candidates[blocks++] = static_cast<uint16_t>(reached & ((1u << rest) - 1));
   }
   for (int64_t b = blocks; b % 4 != 0; ++b) candidates[b] = 0;
-  st.sum = reduce_sum_avx2(_mm256_loadu_ps(sums), _mm256_loadu_ps(sums + 8));
+  st.sum = reduce_sum_avx2(sum_lo, sum_hi);
+  return blocks;
+}
 
+// The selection as in the portable row (from the candidate bits for
+// k <= kInsertionMaxK): for k > kRegisterMaxK, and for the rows that
+// select_in_registers leaves.
+KD_AVX2 inline void select_in_memory(const float* logits, const RowArgs& a,
+                                     const uint16_t* candidates, int64_t blocks, int32_t* ids) {
   if (a.k <= kInsertionMaxK) {
     TopList top(a.k, a.keys, ids);
     for (int64_t w = 0; w * 4 < blocks; ++w) {
@@ -447,10 +602,56 @@ KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32
         top.insert(logits[j], static_cast<int32_t>(j));
       }
     }
-    insert_all_if_short(logits, e, top);
+    insert_all_if_short(logits, a.e, top);
   } else {
-    sort_top_k(logits, e, a.k, a.order, ids);
+    // a.order holds the candidates, no longer needed.
+    sort_top_k(logits, a.e, a.k, a.order, ids);
   }
+}
+
+// The same row with AVX2 (and F16C for float16): the passes of row_stats and
+// the selection and weights, in registers.
+template <class T>
+KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32_t* ids) {
+  const int64_t e = a.e;
+  const int64_t k = a.k;
+  const int64_t full = e - e % kReductionLanes;
+  const int64_t rest = e - full;
+  // A local copy: stores through `row` could otherwise alias a.row, which
+  // the compiler then reloads after every store.
+  float* const row = a.row;
+  const float* logits = nullptr;
+  if constexpr (std::is_same_v<T, float>) {
+    logits = src;
+  } else {
+    logits = row;
+  }
+  alignas(32) float tail[kReductionLanes];
+  for (int64_t l = 0; l < rest; ++l) tail[l] = to_float(src[full + l]);
+  for (int64_t l = rest; l < kReductionLanes; ++l) tail[l] = -__builtin_inff();
+  if constexpr (!std::is_same_v<T, float>) {
+    for (int64_t l = 0; l < rest; ++l) row[full + l] = tail[l];
+  }
+
+  const LaneMaxima m = widen_and_max(src, full, tail, row);
+  alignas(32) float lanes[kReductionLanes];
+  _mm256_store_ps(lanes, m.lo);
+  _mm256_store_ps(lanes + 8, m.hi);
+  RowStats st{};
+  st.threshold = threshold_avx2(m.lo, m.hi, lanes, k);
+  st.max = reduce_max_avx2(m.lo, m.hi);
+
+  uint16_t* const candidates = reinterpret_cast<uint16_t*>(a.order);
+  const int64_t blocks = exp_sum_and_candidates(logits, full, tail, rest, src, e, st, candidates);
+
+  if (k <= kRegisterMaxK && st.threshold > -__builtin_inff()) {
+    TopInRegisters top;
+    if (select_in_registers(logits, k, candidates, blocks, top)) {
+      write_top_in_registers(a, st, top, weights, ids);
+      return;
+    }
+  }
+  select_in_memory(logits, a, candidates, blocks, ids);
   write_weights(logits, a, st, weights, ids);
 }
 
