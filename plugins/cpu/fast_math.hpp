@@ -102,15 +102,17 @@ template <int N>
 // 2^f for f in [-0.5, 0.5]: least squares (relative) on Chebyshev nodes,
 // 1 + f (...) so that 2^0 is exact. Relative error 1.1e-7 (degree 5, float32)
 // and 2.9e-6 (degree 4, 16-bit results).
+inline constexpr float kExp2Float32[] = {1.0f,          0.693147004f,  0.240222424f,
+                                         0.0555073358f, 0.00967151299f, 0.00132647238f};
+inline constexpr float kExp2Half[] = {1.0f, 0.693124175f, 0.240240991f, 0.0559064299f,
+                                      0.00958285108f};
+
 template <Precision P>
 [[gnu::always_inline]] inline float exp2_reduced(float f) {
   if constexpr (P == Precision::kFloat32) {
-    constexpr float kC[] = {1.0f,          0.693147004f,  0.240222424f,
-                            0.0555073358f, 0.00967151299f, 0.00132647238f};
-    return polynomial(f, kC);
+    return polynomial(f, kExp2Float32);
   } else {
-    constexpr float kC[] = {1.0f, 0.693124175f, 0.240240991f, 0.0559064299f, 0.00958285108f};
-    return polynomial(f, kC);
+    return polynomial(f, kExp2Half);
   }
 }
 
@@ -126,13 +128,13 @@ template <Precision P>
 [[gnu::always_inline]] inline float exp_bounded(float x) {
   constexpr float kLog2e = 1.44269504088896341f;
   const float t = x * kLog2e;
-  // Round to nearest via the 1.5 * 2^23 trick: the low bits of `shifted`
-  // then hold n as a two's complement integer.
-  constexpr float kShift = 12582912.0f;
-  const float shifted = t + kShift;
-  const float f = t - (shifted - kShift);  // in [-0.5, 0.5]
-  // (n + 127) << 23 is 2^n; the shift drops the 1.5 * 2^23 above n.
-  const uint32_t scale_bits = (std::bit_cast<uint32_t>(shifted) + 127u) << 23;
+  // Round to an integer n via the 1.5 * 2^23 trick, with 127 added on the
+  // way: the low bits of `shifted` then hold n + 127, and shifting them into
+  // the exponent field gives 2^n (the shift drops the 1.5 * 2^23).
+  constexpr float kShiftBiased = 12582912.0f + 127.0f;
+  const float shifted = t + kShiftBiased;
+  const float f = t - (shifted - kShiftBiased);  // in [-0.5, 0.5]
+  const uint32_t scale_bits = std::bit_cast<uint32_t>(shifted) << 23;
   return exp2_reduced<P>(f) * std::bit_cast<float>(scale_bits);
 }
 

@@ -43,7 +43,7 @@ struct RowStats {
 // Softmax is monotonic, so the K most probable experts are the K largest
 // logits: only the K winners need their probability (fast_exp, 1.3 ulp), the
 // rest only count towards the sum, which enters every weight as one factor:
-// an exp at 16-bit precision (exp_for_sum, as quick_exp<kHalf>: 3.4e-6
+// an exp at 16-bit precision (exp_for_sum, as exp_bounded<kHalf>: 3.4e-6
 // relative for logits within 10 of the max; the terms further down are below
 // 5e-5 of the largest) keeps the weights well inside their 1e-4 tolerance
 // for a third of fast_exp's work.
@@ -102,22 +102,23 @@ struct RowStats {
 }
 
 // e^x for the sum's arguments, logit - max: never positive (or NaN), and only
-// needed to 16-bit precision (see above), as in quick_exp<Precision::kHalf>
-// but with fewer operations, since this is most of the row's arithmetic:
-// no overflow handling; the polynomial for 2^f by Horner's rule (eight
-// operations to Estrin's ten; the loop overlaps many blocks, so the longer
-// dependency chain did not show); and 127 folded into the rounding constant,
-// so that the low bits of `shifted` are n + 127 outright. Within 3.8e-6 of
-// e^x on [-20, 0], as quick_exp. The AVX2 row has the same operations in
-// exp_for_sum8.
+// needed to 16-bit precision (see above). exp_bounded<Precision::kHalf>
+// (fast_math.hpp) with a clamp, written with fewer operations since this is
+// most of the row's arithmetic: the polynomial for 2^f by Horner's rule
+// (eight operations to Estrin's ten; the loop overlaps many blocks, so the
+// longer dependency chain did not show), and 127 folded into the rounding
+// constant, so that the low bits of `shifted` are n + 127 outright. Within
+// 3.8e-6 of e^x on [-20, 0], as exp_bounded. The AVX2 row has the same
+// operations in exp_for_sum8.
 constexpr float kLog2e = 1.44269504088896341f;
 // 1.5 * 2^23 + 127: adding it rounds to an integer (ties to odd rather than
 // even, which is as good), leaving n + 127 in the low mantissa bits.
 constexpr float kShiftBiased = 12583039.0f;
-constexpr float kExpSumC1 = 0.693124175f;
-constexpr float kExpSumC2 = 0.240240991f;
-constexpr float kExpSumC3 = 0.0559064299f;
-constexpr float kExpSumC4 = 0.00958285108f;
+// exp_bounded<kHalf>'s polynomial for 2^f.
+constexpr float kExpSumC1 = kExp2Half[1];
+constexpr float kExpSumC2 = kExp2Half[2];
+constexpr float kExpSumC3 = kExp2Half[3];
+constexpr float kExpSumC4 = kExp2Half[4];
 
 [[gnu::always_inline]] inline float exp_for_sum(float x) {
   const float t0 = x * kLog2e;
