@@ -13,6 +13,7 @@
 #include "kernels.hpp"
 #include "multiversion.hpp"
 #include "parallel_for.hpp"
+#include "prefetch.hpp"
 #include "tensor_access.hpp"
 
 namespace kdispatch::cpu {
@@ -72,6 +73,10 @@ KD_CPU_MULTIVERSION void gated_rows(T* out, const T* x, int64_t d, Store store, 
     T* o = out + r * d;
     for (int64_t j0 = 0; j0 < d; j0 += kBlock) {
       const int64_t n = d - j0 < kBlock ? d - j0 : kBlock;
+      // The next block of both inputs (for the last block, the next row's).
+      constexpr int64_t kBlockBytes = kBlock * static_cast<int64_t>(sizeof(T));
+      prefetch_range(gate + j0, kBlockBytes, kBlockBytes);
+      prefetch_range(up + j0, kBlockBytes, kBlockBytes);
       if constexpr (std::is_same_v<T, BFloat16>) {
         const T* g = gate + j0;
         const T* u = up + j0;
