@@ -149,12 +149,15 @@ template <Precision P>
 // below. |s| is bounded by -kExpBoundedMin, where e is already far below the
 // tolerance of any result. Relative error that of exp_bounded plus a few
 // roundings. NaN in a gives NaN; a NaN s alone does not (the callers'
-// s is NaN only where a is).
+// s is NaN only where a is). a = -Inf gives NaN, as the formula does
+// (-Inf times a sigmoid of 0) and as the GPU kernels do: e never reaches 0
+// here, so without the select it would give -Inf.
 template <Precision P>
 [[gnu::always_inline]] inline float times_sigmoid(float a, float s) {
   const float e = exp_bounded<P>(-at_most(__builtin_fabsf(s), -kExpBoundedMin));
   const float numerator = s < 0.0f ? a * e : a;
-  return numerator / (1.0f + e);
+  const float result = numerator / (1.0f + e);
+  return a == -__builtin_inff() ? __builtin_nanf("") : result;
 }
 
 // erfc(z) / 2 for z in [0, kErfcMaxArg], as exp(-z^2) g(u) / (z + K) with
@@ -191,13 +194,15 @@ template <Precision P>
 // down to a = -13 (the rounding of z^2 inside exp(-z^2) dominates in the far
 // tail). Below a = -13.15 (|a| / sqrt(2) > kErfcMaxArg) Phi stays at its value
 // there, about 1e-39, a tiny non-zero gelu where the exact one is smaller
-// still. NaN propagates through the product.
+// still. NaN propagates through the product; a = -Inf gives NaN, as the
+// formula does (-Inf times Phi = 0) and as the GPU kernels do.
 template <Precision P>
 [[gnu::always_inline]] inline float gelu_erf(float a) {
   constexpr float kRsqrt2 = 0.707106781186547524f;
   const float z = at_most(__builtin_fabsf(a) * kRsqrt2, kErfcMaxArg);
   const float tail = half_erfc<P>(z);
-  return a * (a < 0.0f ? tail : 1.0f - tail);
+  const float result = a * (a < 0.0f ? tail : 1.0f - tail);
+  return a == -__builtin_inff() ? __builtin_nanf("") : result;
 }
 
 }  // namespace kdispatch::cpu
