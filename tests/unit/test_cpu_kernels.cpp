@@ -351,16 +351,22 @@ TEST_CASE("cpu layernorm.fused_add_rmsnorm rounds the residual to nearest even")
   }
 }
 
+namespace {
+
+// The activation kernels and their float64 references.
+struct ActivationOp {
+  const char* symbol;
+  std::vector<double> (*reference)(std::span<const double>, int64_t, int64_t);
+};
+const ActivationOp kActivationOps[] = {{"kd_cpu_silu_and_mul", ref::silu_and_mul},
+                                       {"kd_cpu_gelu_and_mul", ref::gelu_and_mul},
+                                       {"kd_cpu_gelu_tanh_and_mul", ref::gelu_tanh_and_mul}};
+
+}  // namespace
+
 TEST_CASE("cpu activation.*_and_mul match the float64 reference") {
-  struct Op {
-    const char* symbol;
-    std::vector<double> (*reference)(std::span<const double>, int64_t, int64_t);
-  };
-  const Op ops[] = {{"kd_cpu_silu_and_mul", ref::silu_and_mul},
-                    {"kd_cpu_gelu_and_mul", ref::gelu_and_mul},
-                    {"kd_cpu_gelu_tanh_and_mul", ref::gelu_tanh_and_mul}};
   std::mt19937_64 rng(4);
-  for (const Op& op : ops) {
+  for (const ActivationOp& op : kActivationOps) {
     for (Dtype dtype : kFloatDtypes) {
       for (const Shape& s : row_shapes()) {
         const std::string what = describe(op.symbol, dtype, s.rows, s.cols);
@@ -387,15 +393,8 @@ TEST_CASE("cpu activation.*_and_mul at the edges: infinities, NaN, zeros, far ta
   const std::vector<double> edges = {0.0,   -0.0,  kInf,   -kInf, std::nan(""), 1e-30, -1e-30,
                                      20.0,  -20.0, 60.0,   -60.0, 88.0,         -88.0, 200.0,
                                      -200.0, 3e4,  -3e4,   1.5,   -1.5};
-  struct Op {
-    const char* symbol;
-    std::vector<double> (*reference)(std::span<const double>, int64_t, int64_t);
-  };
-  const Op ops[] = {{"kd_cpu_silu_and_mul", ref::silu_and_mul},
-                    {"kd_cpu_gelu_and_mul", ref::gelu_and_mul},
-                    {"kd_cpu_gelu_tanh_and_mul", ref::gelu_tanh_and_mul}};
   const int64_t d = static_cast<int64_t>(edges.size());
-  for (const Op& op : ops) {
+  for (const ActivationOp& op : kActivationOps) {
     for (Dtype dtype : kFloatDtypes) {
       const std::string what = describe(op.symbol, dtype, 1, d);
       FloatTensor out(dtype, {1, d});
