@@ -57,9 +57,8 @@ constexpr int64_t kBlock = 512;
 // `weight` is already float: converted once per call rather than once per
 // row. `row` is scratch for h floats: the widened input row, read twice.
 template <class T>
-KD_CPU_MULTIVERSION void rmsnorm_rows(T* out, const T* x, const float* weight, int64_t h,
-                                      float eps, float* row, Store store, int64_t begin,
-                                      int64_t end) {
+KD_CPU_MULTIVERSION void rmsnorm_rows(T* out, const T* x, const float* weight, int64_t h, float eps,
+                                      float* row, Store store, int64_t begin, int64_t end) {
   float result[kBlock];
   for (int64_t r = begin; r < end; ++r) {
     const float* xr = as_float(x + r * h, row, h);
@@ -78,9 +77,8 @@ KD_CPU_MULTIVERSION void rmsnorm_rows(T* out, const T* x, const float* weight, i
 // read back from cache by the second pass. Both outputs overwrite inputs
 // that were just read, so they are in cache and stored the ordinary way.
 template <class T>
-KD_CPU_MULTIVERSION void fused_add_rmsnorm_rows(T* x, T* residual, const float* weight,
-                                                int64_t h, float eps, float* row, int64_t begin,
-                                                int64_t end) {
+KD_CPU_MULTIVERSION void fused_add_rmsnorm_rows(T* x, T* residual, const float* weight, int64_t h,
+                                                float eps, float* row, int64_t begin, int64_t end) {
   float x_block[kBlock];
   float r_block[kBlock];
   for (int64_t r = begin; r < end; ++r) {
@@ -154,64 +152,62 @@ struct NormCall {
 // KD_STATUS_INTERNAL when it cannot be allocated. Calls
 // do_rows(tag, call, row, begin, end), tag.type being the element type.
 template <bool kFloatNeedsRow, class DoRows>
-kd_status run_norm(const kd_call_args* args, const char* op, DoRows&& do_rows) {
-  float eps = 0.0f;
-  if (kd_status s = check_norm_arguments(args, op, &eps); s != KD_STATUS_OK) return s;
-  // The tensors agree in shape and dtype (checked above): tensor 1 speaks for all.
-  const DLTensor& x = args->tensors[1];
-  const int64_t h = dim(x, -1);
-  return dispatch_float_dtype(args, op, x, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    constexpr bool kNeedsRow = kFloatNeedsRow || !std::is_same_v<T, float>;
-    std::vector<float> weight_storage;
-    const NormCall call{weight_as_float(data_as<T>(args->tensors[2]), h, weight_storage),
-                        leading_rows(x, 1), h, eps};
-    std::atomic<bool> out_of_memory{false};
-    parallel_for(call.rows, h, [&](int64_t begin, int64_t end) noexcept {
-      std::unique_ptr<float[]> row;
-      if constexpr (kNeedsRow) {
-        row.reset(new (std::nothrow) float[h]);
-        if (!row) {
-          out_of_memory.store(true, std::memory_order_relaxed);
-          return;
+kd_status run_norm(const kd_call_args* args, const char* op, DoRows&& do_rows) noexcept {
+  return kd_plugin::guarded(args, [&]() -> kd_status {
+    float eps = 0.0f;
+    if (kd_status s = check_norm_arguments(args, op, &eps); s != KD_STATUS_OK) return s;
+    // The tensors agree in shape and dtype (checked above): tensor 1 speaks for all.
+    const DLTensor& x = args->tensors[1];
+    const int64_t h = dim(x, -1);
+    return dispatch_float_dtype(args, op, x, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      constexpr bool kNeedsRow = kFloatNeedsRow || !std::is_same_v<T, float>;
+      std::vector<float> weight_storage;
+      const NormCall call{weight_as_float(data_as<T>(args->tensors[2]), h, weight_storage),
+                          leading_rows(x, 1), h, eps};
+      std::atomic<bool> out_of_memory{false};
+      parallel_for(call.rows, h, [&](int64_t begin, int64_t end) noexcept {
+        std::unique_ptr<float[]> row;
+        if constexpr (kNeedsRow) {
+          row.reset(new (std::nothrow) float[h]);
+          if (!row) {
+            out_of_memory.store(true, std::memory_order_relaxed);
+            return;
+          }
         }
+        do_rows(tag, call, row.get(), begin, end);
+      });
+      if (out_of_memory.load()) {
+        return kd_plugin::fail(args, KD_STATUS_INTERNAL, "%s: out of host memory", op);
       }
-      do_rows(tag, call, row.get(), begin, end);
+      return KD_STATUS_OK;
     });
-    if (out_of_memory.load()) {
-      return kd_plugin::fail(args, KD_STATUS_INTERNAL, "%s: out of host memory", op);
-    }
-    return KD_STATUS_OK;
   });
 }
 
 }  // namespace
 
 kd_status rmsnorm(const kd_call_args* args) noexcept {
-  return kd_plugin::guarded(args, [&]() -> kd_status {
-    const DLTensor* t = args->tensors;  // out, x, weight
-    return run_norm<false>(args, "layernorm.rmsnorm",
-                           [&](auto tag, const NormCall& c, float* row, int64_t begin,
-                               int64_t end) noexcept {
-                             using T = typename decltype(tag)::type;
-                             const Store store = store_for(c.rows * c.h * int64_t{sizeof(T)});
-                             rmsnorm_rows<T>(data_as<T>(t[0]), data_as<T>(t[1]), c.weight, c.h,
-                                             c.eps, row, store, begin, end);
-                           });
-  });
+  return run_norm<false>(
+      args, "layernorm.rmsnorm",
+      [&](auto tag, const NormCall& c, float* row, int64_t begin, int64_t end) noexcept {
+        using T = typename decltype(tag)::type;
+        const Store store = store_for(c.rows * c.h * int64_t{sizeof(T)});
+        const DLTensor* t = args->tensors;  // out, x, weight
+        rmsnorm_rows<T>(data_as<T>(t[0]), data_as<T>(t[1]), c.weight, c.h, c.eps, row, store, begin,
+                        end);
+      });
 }
 
 kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
-  return kd_plugin::guarded(args, [&]() -> kd_status {
-    const DLTensor* t = args->tensors;  // x, residual, weight
-    return run_norm<true>(args, "layernorm.fused_add_rmsnorm",
-                          [&](auto tag, const NormCall& c, float* row, int64_t begin,
-                              int64_t end) noexcept {
-                            using T = typename decltype(tag)::type;
-                            fused_add_rmsnorm_rows<T>(data_as<T>(t[0]), data_as<T>(t[1]),
-                                                      c.weight, c.h, c.eps, row, begin, end);
-                          });
-  });
+  return run_norm<true>(
+      args, "layernorm.fused_add_rmsnorm",
+      [&](auto tag, const NormCall& c, float* row, int64_t begin, int64_t end) noexcept {
+        using T = typename decltype(tag)::type;
+        const DLTensor* t = args->tensors;  // x, residual, weight
+        fused_add_rmsnorm_rows<T>(data_as<T>(t[0]), data_as<T>(t[1]), c.weight, c.h, c.eps, row,
+                                  begin, end);
+      });
 }
 
 }  // namespace kdispatch::cpu
