@@ -324,9 +324,9 @@ void download_all(CallData& data) {
 
 Tolerance tolerance(Dtype dtype) {
   switch (dtype) {
-    case Dtype::float32: return {1e-5, 1e-4};
-    case Dtype::float16: return {2e-3, 4e-3};
-    case Dtype::bfloat16: return {1.6e-2, 3.2e-2};
+    case Dtype::float32: return {.rtol = 1e-4, .atol = 1e-5};
+    case Dtype::float16: return {.rtol = 4e-3, .atol = 2e-3};
+    case Dtype::bfloat16: return {.rtol = 3.2e-2, .atol = 1.6e-2};
     default: return {0, 0};
   }
 }

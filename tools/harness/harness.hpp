@@ -17,6 +17,7 @@
 #include "kdispatch/dtype.hpp"
 #include "kdispatch/plugin_loader.hpp"
 #include "kdispatch/schema.hpp"
+#include "reference_ops.hpp"
 
 namespace kdispatch::harness {
 
@@ -91,10 +92,8 @@ CallData clone_to(const CallData& data, DLDevice device, const kd_memory_api* me
 void download_all(CallData& data);
 
 // --- checking -------------------------------------------------------------------
-struct Tolerance {
-  double atol;
-  double rtol;
-};
+using reference::Tolerance;
+// The tolerance of `run`, `bench` and the conformance suite for results in `dtype`.
 Tolerance tolerance(Dtype dtype);
 
 struct Comparison {
