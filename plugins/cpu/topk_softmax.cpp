@@ -280,21 +280,28 @@ struct RowArgs {
   int32_t* order;  // e + kReductionLanes: sort indices, flag bytes or candidate bits
 };
 
-// Weights of the winners in `ids`: only they are exponentiated, each as the
-// full softmax would.
+// The winners' probabilities from their logits, in place: only they are
+// exponentiated, each as the full softmax would; with renormalize, divided
+// by the sum of the first k. w holds n >= k logits (the AVX2 row computes
+// all 8 lanes of its register at once and stores the first k).
+[[gnu::always_inline]] inline void weights_from_logits(float* w, int64_t n, int64_t k,
+                                                       const RowStats& st, bool renormalize) {
+  const float inv_sum = 1.0f / st.sum;
+  for (int64_t i = 0; i < n; ++i) w[i] = fast_exp(w[i] - st.max) * inv_sum;
+  if (!renormalize) return;
+  float selected_sum = 0.0f;
+  for (int64_t i = 0; i < k; ++i) selected_sum += w[i];
+  if (selected_sum > 0.0f) {
+    for (int64_t i = 0; i < n; ++i) w[i] /= selected_sum;
+  }
+}
+
+// Weights of the winners in `ids`.
 [[gnu::always_inline]] inline void write_weights(const float* logits, const RowArgs& a,
                                                  const RowStats& st, float* weights,
                                                  const int32_t* ids) {
-  const int64_t k = a.k;
-  const float inv_sum = 1.0f / st.sum;
-  for (int64_t i = 0; i < k; ++i) a.keys[i] = logits[ids[i]];
-  for (int64_t i = 0; i < k; ++i) weights[i] = fast_exp(a.keys[i] - st.max) * inv_sum;
-  if (!a.renormalize) return;
-  float selected_sum = 0.0f;
-  for (int64_t i = 0; i < k; ++i) selected_sum += weights[i];
-  if (selected_sum > 0.0f) {
-    for (int64_t i = 0; i < k; ++i) weights[i] /= selected_sum;
-  }
+  for (int64_t i = 0; i < a.k; ++i) weights[i] = logits[ids[i]];
+  weights_from_logits(weights, a.k, a.k, st, a.renormalize);
 }
 
 // One row, for any CPU: ids and weights of the k most probable experts.
@@ -453,24 +460,15 @@ KD_AVX2 inline bool select_in_registers(const float* logits, int64_t k,
   return inserted >= k;
 }
 
-// write_weights for the first k lanes of `top`: the same operations on 8
-// lanes at once (the lanes past k are computed but not stored), the sum of
-// the selected weights in the same order as there.
+// write_weights for the first k lanes of `top`: the lanes past k are
+// computed but not stored.
 KD_AVX2 inline void write_top_in_registers(const RowArgs& a, const RowStats& st,
                                            const TopInRegisters& top, float* weights,
                                            int32_t* ids) {
   const int64_t k = a.k;
   alignas(32) float w[8];
   _mm256_store_ps(w, top.keys);
-  const float inv_sum = 1.0f / st.sum;
-  for (float& v : w) v = fast_exp(v - st.max) * inv_sum;
-  if (a.renormalize) {
-    float selected_sum = 0.0f;
-    for (int64_t i = 0; i < k; ++i) selected_sum += w[i];
-    if (selected_sum > 0.0f) {
-      for (float& v : w) v /= selected_sum;
-    }
-  }
+  weights_from_logits(w, 8, k, st, a.renormalize);
   if (k == kRegisterMaxK) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(ids), top.ids);
     _mm256_storeu_ps(weights, _mm256_load_ps(w));
