@@ -55,29 +55,20 @@ void cuda_ok(cudaError_t err, const char* what) {
 
 const Dtype kAllDtypes[] = {Dtype::kFloat32, Dtype::kFloat16, Dtype::kBFloat16};
 
-kdispatch::Dtype core_dtype(Dtype t) {
-  switch (t) {
-    case Dtype::kFloat32: return kdispatch::Dtype::float32;
-    case Dtype::kFloat16: return kdispatch::Dtype::float16;
-    case Dtype::kBFloat16: return kdispatch::Dtype::bfloat16;
-  }
-  return kdispatch::Dtype::float32;
-}
-
-DLDataType dl_dtype(Dtype t) { return kdispatch::to_dlpack(core_dtype(t)); }
+DLDataType dl_dtype(Dtype t) { return kdispatch::to_dlpack(harness::from_reference(t)); }
 
 // `values` stored as type t (through float32, as the device converts; the
 // fast conversions of the harness, as the benchmark fills gigabytes), and the
 // values such bytes hold.
 std::vector<uint8_t> to_bytes(Dtype t, const std::vector<double>& values) {
   std::vector<uint8_t> bytes(values.size() * static_cast<size_t>(ref::dtype_size(t)));
-  for (size_t i = 0; i < values.size(); ++i) harness::store(bytes.data(), core_dtype(t), i, values[i]);
+  for (size_t i = 0; i < values.size(); ++i) harness::store(bytes.data(), harness::from_reference(t), i, values[i]);
   return bytes;
 }
 
 std::vector<double> from_bytes(Dtype t, const std::vector<uint8_t>& bytes) {
   std::vector<double> values(bytes.size() / static_cast<size_t>(ref::dtype_size(t)));
-  for (size_t i = 0; i < values.size(); ++i) values[i] = harness::load(bytes.data(), core_dtype(t), i);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = harness::load(bytes.data(), harness::from_reference(t), i);
   return values;
 }
 

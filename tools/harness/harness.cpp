@@ -322,6 +322,23 @@ void download_all(CallData& data) {
 
 // --- checking -------------------------------------------------------------------
 
+reference::Dtype to_reference(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::float16: return reference::Dtype::kFloat16;
+    case Dtype::bfloat16: return reference::Dtype::kBFloat16;
+    default: return reference::Dtype::kFloat32;
+  }
+}
+
+Dtype from_reference(reference::Dtype dtype) {
+  switch (dtype) {
+    case reference::Dtype::kFloat16: return Dtype::float16;
+    case reference::Dtype::kBFloat16: return Dtype::bfloat16;
+    case reference::Dtype::kFloat32: break;
+  }
+  return Dtype::float32;
+}
+
 Tolerance tolerance(Dtype dtype) {
   switch (dtype) {
     case Dtype::float32: return {.rtol = 1e-4, .atol = 1e-5};

@@ -93,6 +93,11 @@ void download_all(CallData& data);
 
 // --- checking -------------------------------------------------------------------
 using reference::Tolerance;
+
+// The float dtypes of the core and of the float64 reference, one for the other
+// (a core dtype the reference does not model maps to float32).
+reference::Dtype to_reference(Dtype dtype);
+Dtype from_reference(reference::Dtype dtype);
 // The tolerance of `run`, `bench` and the conformance suite for results in `dtype`.
 Tolerance tolerance(Dtype dtype);
 

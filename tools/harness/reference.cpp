@@ -38,14 +38,6 @@ bool attr_b(const OpSchema& s, const CallData& d, std::string_view n) { return s
 int64_t last_dim(const Buffer& b) { return b.shape().empty() ? 1 : b.shape().back(); }
 int64_t rows_of(const Buffer& b) { return last_dim(b) == 0 ? 0 : static_cast<int64_t>(b.numel()) / last_dim(b); }
 
-reference::Dtype ref_dtype(Dtype d) {
-  switch (d) {
-    case Dtype::float16: return reference::Dtype::kFloat16;
-    case Dtype::bfloat16: return reference::Dtype::kBFloat16;
-    default: return reference::Dtype::kFloat32;
-  }
-}
-
 }  // namespace
 
 std::optional<Outputs> reference_outputs(const OpSchema& schema, const CallData& data) {
@@ -57,7 +49,7 @@ std::optional<Outputs> reference_outputs(const OpSchema& schema, const CallData&
   }
   if (op == "layernorm.fused_add_rmsnorm") {
     auto r = reference::fused_add_rmsnorm(values(t[0]), values(t[1]), values(t[2]), rows_of(t[0]), last_dim(t[0]),
-                                          attr_f(schema, data, "eps"), ref_dtype(data.dtype));
+                                          attr_f(schema, data, "eps"), to_reference(data.dtype));
     return Outputs{std::move(r.x), std::move(r.residual)};
   }
   if (op == "activation.silu_and_mul") return Outputs{reference::silu_and_mul(values(t[1]), rows_of(t[0]), last_dim(t[0]))};
