@@ -83,7 +83,8 @@ KD_CPU_MULTIVERSION void rotary_tokens(const int64_t* positions, T* query, T* ke
     const float* cos_sin = as_float(cache + positions[t] * width, scratch, width);
     const float* cos = cos_sin;
     const float* sin = cos_sin + s.half;
-    float* heads = scratch + width;
+    // Float data needs no scratch (and gets none).
+    float* heads = std::is_same_v<T, float> ? nullptr : scratch + width;
     rotate_token<kNeox>(query + t * s.heads_q * width, cos, sin, s.heads_q, s.half, heads);
     rotate_token<kNeox>(key + t * s.heads_k * width, cos, sin, s.heads_k, s.half, heads);
   }

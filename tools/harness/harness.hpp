@@ -84,8 +84,10 @@ struct CallData {
 };
 
 // Random inputs, never all zeros (uniform in [-2, 2), integers in their
-// range); outputs poisoned with NaN (or an out-of-range integer). Host only:
-// place() copies them to a device.
+// range), except where the op's meaning constrains them (a rotary
+// cos_sin_cache holds the cos and sin of random angles); outputs poisoned
+// with NaN (or an out-of-range integer). Host only: place() copies them to a
+// device.
 CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, uint64_t seed);
 // The same values on another device (for checking one backend against another).
 CallData clone_to(const CallData& data, DLDevice device, const kd_memory_api* memory);
