@@ -5,7 +5,7 @@
 //
 // A 16-bit gate has only 65536 values. Their activations are computed once,
 // by the same float code, into a table (256 KiB per op and type, built on the
-// first call in about 0.1 ms), and a 16-bit row is then a lookup and a
+// first call in about 0.3 ms), and a 16-bit row is then a lookup and a
 // multiply: the results are bit for bit those of evaluating the activation
 // per element, at a fraction of the arithmetic, which on large inputs was
 // what the rows waited on.

@@ -138,26 +138,24 @@ template <Precision P>
   return exp2_reduced<P>(f) * std::bit_cast<float>(scale_bits);
 }
 
-// min(x, bound) for x >= 0 or NaN (NaN gives bound): one compare and select,
-// which the vectoriser keeps as such.
-[[gnu::always_inline]] inline float at_most(float x, float bound) {
-  return x < bound ? x : bound;
-}
-
 // a / (1 + e^-s), the sigmoid of s scaled by a, through e = e^-|s| in (0, 1]
 // so that no exponential overflows: a / (1 + e) for s >= 0 and a e / (1 + e)
-// below. |s| is bounded by -kExpBoundedMin, where e is already far below the
-// tolerance of any result. Relative error that of exp_bounded plus a few
-// roundings. NaN in a gives NaN; a NaN s alone does not (the callers'
-// s is NaN only where a is). a = -Inf gives NaN, as the formula does
-// (-Inf times a sigmoid of 0) and as the GPU kernels do: e never reaches 0
-// here, so without the select it would give -Inf.
+// below. Where |s| reaches -kExpBoundedMin (or is NaN), e is taken as 0
+// rather than clamped: e^-87.3 is tiny, but a e is not when a is as large as
+// float allows (silu of -1e36 would be -0.01). The same 0 makes a = -Inf give
+// NaN (-Inf times 0), as the formula does (-Inf times a sigmoid of 0) and as
+// the GPU kernels do. Relative error that of exp_bounded plus a few
+// roundings. NaN in a gives NaN; a NaN s alone does not (the callers' s is
+// NaN only where a is).
 template <Precision P>
 [[gnu::always_inline]] inline float times_sigmoid(float a, float s) {
-  const float e = exp_bounded<P>(-at_most(__builtin_fabsf(s), -kExpBoundedMin));
+  constexpr float kBound = -kExpBoundedMin;
+  const float magnitude = __builtin_fabsf(s);
+  const bool in_range = magnitude < kBound;
+  const float e_bounded = exp_bounded<P>(-(in_range ? magnitude : kBound));
+  const float e = in_range ? e_bounded : 0.0f;
   const float numerator = s < 0.0f ? a * e : a;
-  const float result = numerator / (1.0f + e);
-  return a == -__builtin_inff() ? __builtin_nanf("") : result;
+  return numerator / (1.0f + e);
 }
 
 // erfc(z) / 2 for z in [0, kErfcMaxArg], as exp(-z^2) g(u) / (z + K) with
@@ -192,17 +190,19 @@ template <Precision P>
 // through erfc of |a| so that the negative tail stays relatively accurate:
 // Phi within 1.8e-6 (float32) and 5e-6 (16-bit) relative for a >= -4, 2e-5
 // down to a = -13 (the rounding of z^2 inside exp(-z^2) dominates in the far
-// tail). Below a = -13.15 (|a| / sqrt(2) > kErfcMaxArg) Phi stays at its value
-// there, about 1e-39, a tiny non-zero gelu where the exact one is smaller
-// still. NaN propagates through the product; a = -Inf gives NaN, as the
-// formula does (-Inf times Phi = 0) and as the GPU kernels do.
+// tail). Below a = -13.15 (|a| / sqrt(2) >= kErfcMaxArg) the tail is taken
+// as 0, where the exact one is below 1e-38: a clamped tail would leave
+// a * 1e-39, which is not small for the largest floats. NaN propagates
+// through the product; a = -Inf gives NaN (-Inf times 0), as the formula does
+// (-Inf times Phi = 0) and as the GPU kernels do.
 template <Precision P>
 [[gnu::always_inline]] inline float gelu_erf(float a) {
   constexpr float kRsqrt2 = 0.707106781186547524f;
-  const float z = at_most(__builtin_fabsf(a) * kRsqrt2, kErfcMaxArg);
-  const float tail = half_erfc<P>(z);
-  const float result = a * (a < 0.0f ? tail : 1.0f - tail);
-  return a == -__builtin_inff() ? __builtin_nanf("") : result;
+  const float z_unbounded = __builtin_fabsf(a) * kRsqrt2;
+  const bool in_range = z_unbounded < kErfcMaxArg;
+  const float tail_bounded = half_erfc<P>(in_range ? z_unbounded : kErfcMaxArg);
+  const float tail = in_range ? tail_bounded : 0.0f;
+  return a * (a < 0.0f ? tail : 1.0f - tail);
 }
 
 }  // namespace kdispatch::cpu

@@ -388,11 +388,13 @@ TEST_CASE("cpu activation.*_and_mul at the edges: infinities, NaN, zeros, far ta
   // act(a) * 1 for each a, in every dtype. The formulas evaluated in IEEE
   // arithmetic give NaN at -Inf (-Inf times a probability of 0), as the GPU
   // kernels do; far out in the tails the results are within the dtype's
-  // tolerance of the float64 reference (tiny, or a itself).
+  // tolerance of the float64 reference (tiny, or a itself), up to the
+  // largest floats (float16 rounds those to infinity).
   constexpr double kInf = std::numeric_limits<double>::infinity();
   const std::vector<double> edges = {0.0,   -0.0,  kInf,   -kInf, std::nan(""), 1e-30, -1e-30,
                                      20.0,  -20.0, 60.0,   -60.0, 88.0,         -88.0, 200.0,
-                                     -200.0, 3e4,  -3e4,   1.5,   -1.5};
+                                     -200.0, 3e4,  -3e4,   1.5,   -1.5,         1e36,  -1e36,
+                                     3e38,  -3e38};
   const int64_t d = static_cast<int64_t>(edges.size());
   for (const ActivationOp& op : kActivationOps) {
     for (Dtype dtype : kFloatDtypes) {
@@ -424,6 +426,51 @@ TEST_CASE("cpu activation.*_and_mul at the edges: infinities, NaN, zeros, far ta
           CHECK(std::fabs(g - w) <= tol.atol + tol.rtol * std::fabs(w));
         }
       }
+    }
+  }
+}
+
+TEST_CASE("cpu activation.*_and_mul in 16 bits: every gate value") {
+  // The 16-bit kernels look the activation up in a table of all 65536 gate
+  // values: each one, times a random up value, against the float64 reference
+  // (rows of 4099, so that the table is read across row and block bounds).
+  constexpr int64_t kValues = int64_t{1} << 16;
+  constexpr int64_t d = 4099;
+  constexpr int64_t rows = (kValues + d - 1) / d;
+  std::mt19937_64 rng(16);
+  std::uniform_real_distribution<double> up(-2.0, 2.0);
+  for (const ActivationOp& op : kActivationOps) {
+    for (Dtype dtype : {Dtype::kFloat16, Dtype::kBFloat16}) {
+      const std::string what = describe(op.symbol, dtype, rows, d);
+      FloatTensor out(dtype, {rows, d});
+      FloatTensor x(dtype, {rows, 2 * d});
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < d; ++j) {
+          const int64_t gate = (r * d + j) % kValues;
+          x.set(r * 2 * d + j, ref::decode(dtype, static_cast<uint32_t>(gate)));
+          x.set(r * 2 * d + d + j, up(rng));
+        }
+      }
+      out.poison();
+      RawCall call{kernel(op.symbol), {out.tensor.dl(), x.tensor.dl()}, {}};
+      REQUIRE_MESSAGE(call.run() == KD_STATUS_OK, call.error);
+      const std::vector<double> got = out.read();
+      const std::vector<double> want = op.reference(x.values, rows, d);
+      const Tolerance tol = tolerance_for(dtype);
+      int64_t bad = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < d; ++j) {
+          const auto i = static_cast<size_t>(r * d + j);
+          const double a = x.values[static_cast<size_t>(r * 2 * d + j)];
+          // Infinite gates and products that overflow the dtype are the
+          // edge test's.
+          if (std::isinf(a) || std::isinf(ref::round_to(dtype, want[i]))) continue;
+          const bool ok = std::isnan(a) ? std::isnan(got[i])
+                                        : std::fabs(got[i] - want[i]) <= tol.atol + tol.rtol * std::fabs(want[i]);
+          if (!ok && ++bad <= 3) FAIL_CHECK(what << ": gate " << a << " got " << got[i] << " want " << want[i]);
+        }
+      }
+      CHECK_MESSAGE(bad == 0, what << ": " << bad << " values off");
     }
   }
 }
