@@ -34,10 +34,17 @@ constexpr const char* kOp = "moe.topk_softmax";
 
 // What one row's selection needs from its logits: the max, the sum of
 // e^(logit - max), and a threshold that at least K logits reach.
+//
+// With renormalize the sum cancels out of every weight (p_i / sum of the
+// winners' p is e_i / sum of the winners' e), so it is not computed: the
+// exp of every logit is most of a row's arithmetic. It is still needed for a
+// row with a NaN logit, whose weights are then all NaN, as without
+// renormalize; `full_sum` says whether `sum` holds it.
 struct RowStats {
   float max;
   float sum;
   float threshold;
+  bool full_sum;
 };
 
 // Softmax is monotonic, so the K most probable experts are the K largest
@@ -149,7 +156,14 @@ constexpr float kExpSumC4 = kExp2Half[4];
   for (int64_t l = 0; l < n; ++l) sums[l] += exp_for_sum(block[l] - max);
 }
 
-[[gnu::always_inline]] inline RowStats row_stats(const float* logits, int64_t e, int64_t k) {
+[[gnu::always_inline]] inline bool any_nan(const float* logits, int64_t e) {
+  bool nan = false;
+  for (int64_t j = 0; j < e; ++j) nan = nan || logits[j] != logits[j];
+  return nan;
+}
+
+[[gnu::always_inline]] inline RowStats row_stats(const float* logits, int64_t e, int64_t k,
+                                                 bool renormalize) {
   constexpr float kNegInf = -__builtin_inff();
   float lane_max[kReductionLanes];
   for (float& v : lane_max) v = kNegInf;
@@ -166,12 +180,13 @@ constexpr float kExpSumC4 = kExp2Half[4];
   }
   const float threshold = threshold_of(lane_max, k);
   const float max = reduce_max(lane_max);
+  if (renormalize && !any_nan(logits, e)) return {max, 0.0f, threshold, false};
 
   float sums[kReductionLanes] = {};
   j = 0;
   for (; j + kReductionLanes <= e; j += kReductionLanes) add_exps(logits + j, max, sums);
   add_exps(logits + j, e - j, max, sums);
-  return {max, reduce_sum(sums), threshold};
+  return {max, reduce_sum(sums), threshold, true};
 }
 
 // Up to this K, selection keeps a sorted list of the best K: after the first
@@ -286,6 +301,16 @@ struct RowArgs {
 // all 8 lanes of its register at once and stores the first k).
 [[gnu::always_inline]] inline void weights_from_logits(float* w, int64_t n, int64_t k,
                                                        const RowStats& st, bool renormalize) {
+  if (!st.full_sum) {
+    // renormalize without the full sum (see RowStats). The first winner is
+    // the max, whose e^0 is 1, so the sum is at least 1 (or NaN, when the
+    // max is infinite, as the weights then are with the full sum too).
+    for (int64_t i = 0; i < n; ++i) w[i] = fast_exp(w[i] - st.max);
+    float selected_sum = 0.0f;
+    for (int64_t i = 0; i < k; ++i) selected_sum += w[i];
+    for (int64_t i = 0; i < n; ++i) w[i] /= selected_sum;
+    return;
+  }
   const float inv_sum = 1.0f / st.sum;
   for (int64_t i = 0; i < n; ++i) w[i] = fast_exp(w[i] - st.max) * inv_sum;
   if (!renormalize) return;
@@ -308,7 +333,7 @@ struct RowArgs {
 template <class T>
 void topk_row_portable(const T* src, const RowArgs& a, float* weights, int32_t* ids) {
   const float* logits = as_float(src, a.row, a.e);
-  const RowStats st = row_stats(logits, a.e, a.k);
+  const RowStats st = row_stats(logits, a.e, a.k, a.renormalize);
   if (a.k <= kInsertionMaxK) {
     TopList top(a.k, a.keys, ids);
     select_top_k(logits, a.e, st.threshold, reinterpret_cast<uint8_t*>(a.order), top);
@@ -533,12 +558,14 @@ KD_AVX2 inline LaneMaxima widen_and_max(const T* src, int64_t full, const float*
   return {max_lo, max_hi};
 }
 
-// The second pass: the sum of e^(logit - max), in the lanes of row_stats,
-// and the candidates, a 16-bit word per block of 16 logits (the bits of the
-// logits that reach the threshold), padded with zeros to whole 64-bit words.
-// Returns the number of words written. Meanwhile it asks for the next row of
-// `src` (the row's input, `e` elements).
-template <class T>
+// The second pass: the sum of e^(logit - max), in the lanes of row_stats
+// (kSum; otherwise only whether a logit is NaN, which then makes the sum
+// NaN, as it would be), and the candidates, a 16-bit word per block of 16
+// logits (the bits of the logits that reach the threshold), padded with
+// zeros to whole 64-bit words. Sets st.sum and st.full_sum; returns the
+// number of words written. Meanwhile it asks for the next row of `src` (the
+// row's input, `e` elements).
+template <bool kSum, class T>
 KD_AVX2 inline int64_t exp_sum_and_candidates(const float* logits, int64_t full,
                                               const float* tail, int64_t rest,
                                               const T* src, int64_t e, RowStats& st,
@@ -547,6 +574,7 @@ KD_AVX2 inline int64_t exp_sum_and_candidates(const float* logits, int64_t full,
   const __m256 threshold = _mm256_set1_ps(st.threshold);
   __m256 sum_lo = _mm256_setzero_ps();
   __m256 sum_hi = _mm256_setzero_ps();
+  __m256 nan = _mm256_setzero_ps();
   int64_t blocks = 0;
   // Two blocks an iteration: 4-5% off the row (loop overhead, and more
   // independent work between the loop's branches); four were slower.
@@ -559,8 +587,12 @@ KD_AVX2 inline int64_t exp_sum_and_candidates(const float* logits, int64_t full,
     _mm_prefetch(reinterpret_cast<const char*>(src + e + j), _MM_HINT_T0);
     const __m256 lo = _mm256_loadu_ps(logits + j);
     const __m256 hi = _mm256_loadu_ps(logits + j + 8);
-    sum_lo = _mm256_add_ps(sum_lo, exp_for_sum8(_mm256_sub_ps(lo, max)));
-    sum_hi = _mm256_add_ps(sum_hi, exp_for_sum8(_mm256_sub_ps(hi, max)));
+    if constexpr (kSum) {
+      sum_lo = _mm256_add_ps(sum_lo, exp_for_sum8(_mm256_sub_ps(lo, max)));
+      sum_hi = _mm256_add_ps(sum_hi, exp_for_sum8(_mm256_sub_ps(hi, max)));
+    } else {
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(lo, hi, _CMP_UNORD_Q));
+    }
     candidates[blocks++] = static_cast<uint16_t>(reaching(lo, threshold) |
                                                  reaching(hi, threshold) << 8);
   }
@@ -576,13 +608,24 @@ KD_AVX2 inline int64_t exp_sum_and_candidates(const float* logits, int64_t full,
     const __m256 lo = _mm256_load_ps(tail);
     const __m256 hi = _mm256_load_ps(tail + 8);
     // Adding +0 to a sum of non-negative terms leaves it as it is.
-    sum_lo = _mm256_add_ps(sum_lo, _mm256_and_ps(exp_for_sum8(_mm256_sub_ps(lo, max)), in_lo));
-    sum_hi = _mm256_add_ps(sum_hi, _mm256_and_ps(exp_for_sum8(_mm256_sub_ps(hi, max)), in_hi));
+    if constexpr (kSum) {
+      sum_lo = _mm256_add_ps(sum_lo, _mm256_and_ps(exp_for_sum8(_mm256_sub_ps(lo, max)), in_lo));
+      sum_hi = _mm256_add_ps(sum_hi, _mm256_and_ps(exp_for_sum8(_mm256_sub_ps(hi, max)), in_hi));
+    } else {
+      // The padding is -Inf, never NaN.
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(lo, hi, _CMP_UNORD_Q));
+    }
     const uint32_t reached = reaching(lo, threshold) | reaching(hi, threshold) << 8;
     candidates[blocks++] = static_cast<uint16_t>(reached & ((1u << rest) - 1));
   }
   for (int64_t b = blocks; b % 4 != 0; ++b) candidates[b] = 0;
-  st.sum = reduce_sum_avx2(sum_lo, sum_hi);
+  if constexpr (kSum) {
+    st.sum = reduce_sum_avx2(sum_lo, sum_hi);
+    st.full_sum = true;
+  } else {
+    st.full_sum = _mm256_movemask_ps(nan) != 0;
+    st.sum = st.full_sum ? __builtin_nanf("") : 0.0f;
+  }
   return blocks;
 }
 
@@ -641,7 +684,10 @@ KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32
   st.max = reduce_max_avx2(m.lo, m.hi);
 
   uint16_t* const candidates = reinterpret_cast<uint16_t*>(a.order);
-  const int64_t blocks = exp_sum_and_candidates(logits, full, tail, rest, src, e, st, candidates);
+  const int64_t blocks =
+      a.renormalize
+          ? exp_sum_and_candidates<false>(logits, full, tail, rest, src, e, st, candidates)
+          : exp_sum_and_candidates<true>(logits, full, tail, rest, src, e, st, candidates);
 
   if (k <= kRegisterMaxK && st.threshold > -__builtin_inff()) {
     TopInRegisters top;

@@ -669,6 +669,47 @@ TEST_CASE("cpu moe.topk_softmax breaks ties toward the lower index") {
   }
 }
 
+TEST_CASE("cpu moe.topk_softmax: a NaN or infinite logit makes the row's weights NaN, renormalized or not") {
+  // The softmax of such a row is NaN (its sum, or Inf - Inf at the max). A
+  // renormalized row skips the full sum when it can; it must still give NaN
+  // where the full computation does, and finite weights elsewhere.
+  constexpr double kNan = std::numeric_limits<double>::quiet_NaN();
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  const int64_t e = 37;  // two full blocks of 16 and a partial one
+  struct Row {
+    const char* what;
+    int64_t at;  // where the special value goes; -1: none
+    double value;
+    bool nan_weights;
+  };
+  const Row rows[] = {{"finite", -1, 0.0, false},
+                      {"NaN in a full block", 5, kNan, true},
+                      {"NaN in the partial block", 35, kNan, true},
+                      {"+Inf", 20, kInf, true},
+                      {"-Inf", 20, -kInf, false}};
+  std::mt19937_64 rng(9);
+  for (Dtype dtype : kFloatDtypes) {
+    for (const Row& row : rows) {
+      for (bool renormalize : {false, true}) {
+        INFO(ref::dtype_name(dtype) << " " << row.what << (renormalize ? " renormalized" : ""));
+        FloatTensor gating(dtype, {1, e});
+        gating.randomize(rng, -4.0, 4.0);
+        if (row.at >= 0) gating.set(row.at, row.value);
+        std::vector<int32_t> ids;
+        std::vector<float> weights;
+        std::string error;
+        REQUIRE_MESSAGE(run_topk(gating, 1, 4, renormalize, ids, weights, error) == KD_STATUS_OK,
+                        error);
+        for (float w : weights) CHECK(std::isnan(w) == row.nan_weights);
+        if (!row.nan_weights) {
+          const auto want = ref::topk_softmax(gating.values, 1, e, 4, renormalize);
+          check_topk(ids, weights, want, 1, e, 4, row.what);
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("cpu moe.topk_softmax refuses K > E") {
   FloatTensor gating(Dtype::kFloat32, {2, 4});
   std::mt19937_64 rng(8);
