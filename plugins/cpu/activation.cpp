@@ -118,23 +118,22 @@ KD_CPU_MULTIVERSION void gated_rows(T* out, const T* x, int64_t d, const float* 
     for (int64_t j0 = 0; j0 < d; j0 += kBlock) {
       const int64_t n = d - j0 < kBlock ? d - j0 : kBlock;
       const T* g = gate + j0;
-      const T* u16 = up + j0;
-      const float* gf = nullptr;
+      const T* u = up + j0;
+      // The up values as floats: float itself, float16 widened for the block.
       const float* uf = nullptr;
-      if constexpr (std::is_same_v<T, float>) gf = g;
-      if constexpr (!std::is_same_v<T, BFloat16>) uf = as_float(u16, up_block, n);
+      if constexpr (!std::is_same_v<T, BFloat16>) uf = as_float(u, up_block, n);
       for (int64_t s = 0; s < n; s += kPiece) {
         const int64_t m = n - s < kPiece ? n - s : kPiece;
         // The same piece kPrefetchAhead bytes on, in both inputs: spread
         // over the block, the requests never queue up behind each other.
         prefetch_range(g + s, kPrefetchAhead, kPieceBytes<T>);
-        prefetch_range(u16 + s, kPrefetchAhead, kPieceBytes<T>);
-        if constexpr (std::is_same_v<T, float>) {
+        prefetch_range(u + s, kPrefetchAhead, kPieceBytes<T>);
+        if constexpr (!kTabulated<T>) {
           for (int64_t j = s; j < s + m; ++j) {
-            result[j] = Act::template apply<kPrecisionFor<T>>(gf[j]) * uf[j];
+            result[j] = Act::template apply<kPrecisionFor<T>>(g[j]) * uf[j];
           }
         } else if constexpr (std::is_same_v<T, BFloat16>) {
-          for (int64_t j = s; j < s + m; ++j) result[j] = table[g[j].bits] * to_float(u16[j]);
+          for (int64_t j = s; j < s + m; ++j) result[j] = table[g[j].bits] * to_float(u[j]);
         } else {
           for (int64_t j = s; j < s + m; ++j) result[j] = table[g[j].bits] * uf[j];
         }
