@@ -48,12 +48,12 @@ struct RowStats {
 };
 
 // Softmax is monotonic, so the K most probable experts are the K largest
-// logits: only the K winners need their probability (fast_exp, 1.3 ulp), the
-// rest only count towards the sum, which enters every weight as one factor:
-// an exp at 16-bit precision (exp_for_sum, as exp_bounded<kHalf>: 3.4e-6
-// relative for logits within 10 of the max; the terms further down are below
-// 5e-5 of the largest) keeps the weights well inside their 1e-4 tolerance
-// for a third of fast_exp's work.
+// logits: only the K winners need their probability; the rest only count
+// towards the sum. Both use one exp at 16-bit precision (exp_plus, as
+// exp_bounded<kHalf>: 3.4e-6 relative for logits within 10 of the max; the
+// terms further down are below 5e-5 of the largest), so a weight is within
+// about 1e-5 of the true probability, well inside its 1e-4 tolerance, for a
+// third of a float32 exp's work.
 //
 // Max and sum use kReductionLanes partial results (lane l takes the logits
 // j = l mod kReductionLanes, the last partial block in lanes 0, 1, ...) so
@@ -108,15 +108,19 @@ struct RowStats {
   return in_top_k[0];
 }
 
-// e^x for the sum's arguments, logit - max: never positive (or NaN), and only
-// needed to 16-bit precision (see above). exp_bounded<Precision::kHalf>
+// e^x + addend for the arguments logit - max: never positive (or NaN), and
+// only needed to 16-bit precision (see above). exp_bounded<Precision::kHalf>
 // (fast_math.hpp) with a clamp, written with fewer operations since this is
-// most of the row's arithmetic: the polynomial for 2^f by Horner's rule
-// (eight operations to Estrin's ten; the loop overlaps many blocks, so the
-// longer dependency chain did not show), and 127 folded into the rounding
-// constant, so that the low bits of `shifted` are n + 127 outright. Within
-// 3.8e-6 of e^x on [-20, 0], as exp_bounded. The AVX2 row has the same
-// operations in exp_for_sum8.
+// most of the row's arithmetic: the polynomial for 2^f by Horner's rule in
+// fused multiply-adds, the scaling by 2^n fused with the addition (a running
+// sum, or 0), and 127 folded into the rounding constant, so that the low
+// bits of `shifted` are n + 127 outright. Within 3.8e-6 of e^x on [-20, 0],
+// as exp_bounded. The AVX2 rows have the same operations in exp_plus8.
+//
+// The fused operations are __builtin_fmaf, rounded once as IEEE 754 defines
+// it on every host: an FMA instruction where the code is built for one (the
+// AVX2 rows; aarch64), else libm's fmaf, slower but with the same results.
+// Here they take a quarter of the row's operations off its longest part.
 constexpr float kLog2e = 1.44269504088896341f;
 // 1.5 * 2^23 + 127: adding it rounds to an integer (ties to odd rather than
 // even, which is as good), leaving n + 127 in the low mantissa bits.
@@ -127,7 +131,7 @@ constexpr float kExpSumC2 = kExp2Half[2];
 constexpr float kExpSumC3 = kExp2Half[3];
 constexpr float kExpSumC4 = kExp2Half[4];
 
-[[gnu::always_inline]] inline float exp_for_sum(float x) {
+[[gnu::always_inline]] inline float exp_plus(float x, float addend) {
   const float t0 = x * kLog2e;
   // The clamp keeps 2^n a normal float; NaN passes unchanged.
   const float t = -126.0f > t0 ? -126.0f : t0;
@@ -135,25 +139,25 @@ constexpr float kExpSumC4 = kExp2Half[4];
   const float f = t - (shifted - kShiftBiased);  // in [-0.5, 0.5]
   const float scale = std::bit_cast<float>(std::bit_cast<uint32_t>(shifted) << 23);
   float p = kExpSumC4;
-  p = p * f + kExpSumC3;
-  p = p * f + kExpSumC2;
-  p = p * f + kExpSumC1;
-  p = p * f + 1.0f;
-  return p * scale;
+  p = __builtin_fmaf(p, f, kExpSumC3);
+  p = __builtin_fmaf(p, f, kExpSumC2);
+  p = __builtin_fmaf(p, f, kExpSumC1);
+  p = __builtin_fmaf(p, f, 1.0f);
+  return __builtin_fmaf(p, scale, addend);
 }
 
 // sums[l] += e^(block[l] - max) for the lanes of one block of logits ...
 [[gnu::always_inline]] inline void add_exps(const float* block, float max,
                                             float (&sums)[kReductionLanes]) {
   for (int l = 0; l < kReductionLanes; ++l) {
-    sums[l] += exp_for_sum(block[l] - max);
+    sums[l] = exp_plus(block[l] - max, sums[l]);
   }
 }
 
 // ... and for the first n lanes of the last, partial one.
 [[gnu::always_inline]] inline void add_exps(const float* block, int64_t n, float max,
                                             float (&sums)[kReductionLanes]) {
-  for (int64_t l = 0; l < n; ++l) sums[l] += exp_for_sum(block[l] - max);
+  for (int64_t l = 0; l < n; ++l) sums[l] = exp_plus(block[l] - max, sums[l]);
 }
 
 [[gnu::always_inline]] inline bool any_nan(const float* logits, int64_t e) {
@@ -296,8 +300,8 @@ struct RowArgs {
 };
 
 // The winners' probabilities from their logits, in place: only they are
-// exponentiated, each as the full softmax would; with renormalize, divided
-// by the sum of the first k. w holds n >= k logits (the AVX2 row computes
+// exponentiated, each as in the sum; with renormalize, divided by the sum of
+// the first k. w holds n >= k logits (the AVX2 row computes
 // all 8 lanes of its register at once and stores the first k).
 [[gnu::always_inline]] inline void weights_from_logits(float* w, int64_t n, int64_t k,
                                                        const RowStats& st, bool renormalize) {
@@ -305,14 +309,14 @@ struct RowArgs {
     // renormalize without the full sum (see RowStats). The first winner is
     // the max, whose e^0 is 1, so the sum is at least 1 (or NaN, when the
     // max is infinite, as the weights then are with the full sum too).
-    for (int64_t i = 0; i < n; ++i) w[i] = fast_exp(w[i] - st.max);
+    for (int64_t i = 0; i < n; ++i) w[i] = exp_plus(w[i] - st.max, 0.0f);
     float selected_sum = 0.0f;
     for (int64_t i = 0; i < k; ++i) selected_sum += w[i];
     for (int64_t i = 0; i < n; ++i) w[i] /= selected_sum;
     return;
   }
   const float inv_sum = 1.0f / st.sum;
-  for (int64_t i = 0; i < n; ++i) w[i] = fast_exp(w[i] - st.max) * inv_sum;
+  for (int64_t i = 0; i < n; ++i) w[i] = exp_plus(w[i] - st.max, 0.0f) * inv_sum;
   if (!renormalize) return;
   float selected_sum = 0.0f;
   for (int64_t i = 0; i < k; ++i) selected_sum += w[i];
@@ -344,18 +348,18 @@ void topk_row_portable(const T* src, const RowArgs& a, float* weights, int32_t* 
 }
 
 #if KD_TOPK_AVX2
-// The same row with AVX2 (and F16C for float16), for the hosts that have it.
-// GCC leaves much of the portable row scalar or branching (the lane maxima,
-// a select it cannot prove to be maxps; the threshold compare, a byte per
-// logit; the lane folds, through the stack; the insertion), so the AVX2 row
-// is written with intrinsics: the same passes, operation for operation
-// wherever the results depend on the order, and for K <= 8 the selection in
-// registers. No FMA: every operation rounds as in the portable row, and both
-// give the same ids and weights, bit for bit (but for which NaN a NaN weight
-// is: x86 keeps an operand's NaN, and the rows order some operands
-// differently).
+// The same row with AVX2 and FMA (and F16C for float16), for the hosts that
+// have them. GCC leaves much of the portable row scalar or branching (the
+// lane maxima, a select it cannot prove to be maxps; the threshold compare, a
+// byte per logit; the lane folds, through the stack; the insertion), so the
+// AVX2 row is written with intrinsics: the same passes, operation for
+// operation wherever the results depend on the order, and for K <= 8 the
+// selection in registers. Every operation rounds as in the portable row (the
+// fused ones too, see exp_plus), and both give the same ids and weights, bit
+// for bit (but for which NaN a NaN weight is: x86 keeps an operand's NaN, and
+// the rows order some operands differently).
 
-#define KD_AVX2 __attribute__((target("avx2,f16c")))
+#define KD_AVX2 __attribute__((target("avx2,f16c,fma")))
 
 KD_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
@@ -485,28 +489,8 @@ KD_AVX2 inline bool select_in_registers(const float* logits, int64_t k,
   return inserted >= k;
 }
 
-// write_weights for the first k lanes of `top`: the lanes past k are
-// computed but not stored.
-KD_AVX2 inline void write_top_in_registers(const RowArgs& a, const RowStats& st,
-                                           const TopInRegisters& top, float* weights,
-                                           int32_t* ids) {
-  const int64_t k = a.k;
-  alignas(32) float w[8];
-  _mm256_store_ps(w, top.keys);
-  weights_from_logits(w, 8, k, st, a.renormalize);
-  if (k == kRegisterMaxK) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ids), top.ids);
-    _mm256_storeu_ps(weights, _mm256_load_ps(w));
-  } else {
-    alignas(32) int32_t lane_ids[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lane_ids), top.ids);
-    for (int64_t i = 0; i < k; ++i) ids[i] = lane_ids[i];
-    for (int64_t i = 0; i < k; ++i) weights[i] = w[i];
-  }
-}
-
-// exp_for_sum on 8 lanes, operation for operation.
-KD_AVX2 inline __m256 exp_for_sum8(__m256 x) {
+// exp_plus on 8 lanes, operation for operation.
+KD_AVX2 inline __m256 exp_plus8(__m256 x, __m256 addend) {
   const __m256 t0 = _mm256_mul_ps(x, _mm256_set1_ps(kLog2e));
   // maxps(a, b) is a > b ? a : b, so NaN passes as there.
   const __m256 t = _mm256_max_ps(_mm256_set1_ps(-126.0f), t0);
@@ -514,11 +498,56 @@ KD_AVX2 inline __m256 exp_for_sum8(__m256 x) {
   const __m256 f = _mm256_sub_ps(t, _mm256_sub_ps(shifted, _mm256_set1_ps(kShiftBiased)));
   const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(shifted), 23));
   __m256 p = _mm256_set1_ps(kExpSumC4);
-  p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(kExpSumC3));
-  p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(kExpSumC2));
-  p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(kExpSumC1));
-  p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(1.0f));
-  return _mm256_mul_ps(p, scale);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpSumC3));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpSumC2));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpSumC1));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  return _mm256_fmadd_ps(p, scale, addend);
+}
+
+// weights_from_logits for the 8 lanes of `logits` (n = 8): the exps and the
+// scaling one vector each, the sum of the first k lane by lane as there.
+KD_AVX2 inline __m256 weights_in_registers(__m256 logits, const RowStats& st, int64_t k,
+                                           bool renormalize) {
+  const __m256 exps = exp_plus8(_mm256_sub_ps(logits, _mm256_set1_ps(st.max)), _mm256_setzero_ps());
+  alignas(32) float lane[8];
+  if (!st.full_sum) {
+    _mm256_store_ps(lane, exps);
+    float selected_sum = 0.0f;
+    for (int64_t i = 0; i < k; ++i) selected_sum += lane[i];
+    return _mm256_div_ps(exps, _mm256_set1_ps(selected_sum));
+  }
+  const __m256 w = _mm256_mul_ps(exps, _mm256_set1_ps(1.0f / st.sum));
+  if (!renormalize) return w;
+  _mm256_store_ps(lane, w);
+  float selected_sum = 0.0f;
+  for (int64_t i = 0; i < k; ++i) selected_sum += lane[i];
+  return selected_sum > 0.0f ? _mm256_div_ps(w, _mm256_set1_ps(selected_sum)) : w;
+}
+
+// The first k lanes of the winners' ids and weights.
+KD_AVX2 inline void store_first_k(__m256i lane_ids, __m256 lane_weights, int64_t k,
+                                  float* weights, int32_t* ids) {
+  if (k == kRegisterMaxK) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ids), lane_ids);
+    _mm256_storeu_ps(weights, lane_weights);
+    return;
+  }
+  alignas(32) int32_t id[8];
+  alignas(32) float w[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(id), lane_ids);
+  _mm256_store_ps(w, lane_weights);
+  for (int64_t i = 0; i < k; ++i) ids[i] = id[i];
+  for (int64_t i = 0; i < k; ++i) weights[i] = w[i];
+}
+
+// write_weights for the first k lanes of `top`: the lanes past k are
+// computed but not stored.
+KD_AVX2 inline void write_top_in_registers(const RowArgs& a, const RowStats& st,
+                                           const TopInRegisters& top, float* weights,
+                                           int32_t* ids) {
+  store_first_k(top.ids, weights_in_registers(top.keys, st, a.k, a.renormalize), a.k, weights,
+                ids);
 }
 
 // Bits l set where v[l] >= threshold (never for NaN).
@@ -588,8 +617,8 @@ KD_AVX2 inline int64_t exp_sum_and_candidates(const float* logits, int64_t full,
     const __m256 lo = _mm256_loadu_ps(logits + j);
     const __m256 hi = _mm256_loadu_ps(logits + j + 8);
     if constexpr (kSum) {
-      sum_lo = _mm256_add_ps(sum_lo, exp_for_sum8(_mm256_sub_ps(lo, max)));
-      sum_hi = _mm256_add_ps(sum_hi, exp_for_sum8(_mm256_sub_ps(hi, max)));
+      sum_lo = exp_plus8(_mm256_sub_ps(lo, max), sum_lo);
+      sum_hi = exp_plus8(_mm256_sub_ps(hi, max), sum_hi);
     } else {
       nan = _mm256_or_ps(nan, _mm256_cmp_ps(lo, hi, _CMP_UNORD_Q));
     }
@@ -607,10 +636,9 @@ KD_AVX2 inline int64_t exp_sum_and_candidates(const float* logits, int64_t full,
     const __m256 in_hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(rest_hi, lane));
     const __m256 lo = _mm256_load_ps(tail);
     const __m256 hi = _mm256_load_ps(tail + 8);
-    // Adding +0 to a sum of non-negative terms leaves it as it is.
     if constexpr (kSum) {
-      sum_lo = _mm256_add_ps(sum_lo, _mm256_and_ps(exp_for_sum8(_mm256_sub_ps(lo, max)), in_lo));
-      sum_hi = _mm256_add_ps(sum_hi, _mm256_and_ps(exp_for_sum8(_mm256_sub_ps(hi, max)), in_hi));
+      sum_lo = _mm256_blendv_ps(sum_lo, exp_plus8(_mm256_sub_ps(lo, max), sum_lo), in_lo);
+      sum_hi = _mm256_blendv_ps(sum_hi, exp_plus8(_mm256_sub_ps(hi, max), sum_hi), in_hi);
     } else {
       // The padding is -Inf, never NaN.
       nan = _mm256_or_ps(nan, _mm256_cmp_ps(lo, hi, _CMP_UNORD_Q));
@@ -651,10 +679,226 @@ KD_AVX2 inline void select_in_memory(const float* logits, const RowArgs& a,
   }
 }
 
+// The 16-bit rows in integer keys. A float16 or bfloat16 value is a sign and
+// a magnitude, and among the numbers the magnitude's bits order as the
+// values do: the magnitude, negated for a negative number, is a signed 16-bit
+// key in the order of the values, +0 and -0 both 0. Sixteen keys fill a
+// register, so the lane maxima (the same 16 lanes as row_stats), the
+// threshold and the candidates cost half of what they cost in floats, and
+// the row is never widened to memory; only the exps for the sum see floats.
+// The selection orders the 32-bit composites key * 65536 - j, so that a
+// larger composite is a larger logit or, for equal ones, the lower index:
+// the insertion then needs no separate ids, and both come back from the
+// composite. Rows with a NaN (whose key is past infinity's), with fewer than
+// 16 or more than 65536 logits, or with K > 8 take the float row.
+template <class T>
+struct Bits16;
+template <>
+struct Bits16<Half> {
+  static constexpr int16_t kInfinity = 0x7c00;
+};
+template <>
+struct Bits16<BFloat16> {
+  static constexpr int16_t kInfinity = 0x7f80;
+};
+
+constexpr int64_t kKeyMaxExperts = 65536;
+
+KD_AVX2 inline __m256i magnitudes16(__m256i bits) {
+  return _mm256_and_si256(bits, _mm256_set1_epi16(0x7fff));
+}
+
+// psignw negates the magnitude where the value is negative (and leaves the
+// zero magnitude of -0 at 0).
+KD_AVX2 inline __m256i keys16(__m256i bits) { return _mm256_sign_epi16(magnitudes16(bits), bits); }
+
+// The values of 16-bit keys held in 32-bit lanes.
+template <class T>
+KD_AVX2 inline __m256 key_values(__m256i key) {
+  const __m256i magnitude = _mm256_abs_epi32(key);
+  const __m256i sign = _mm256_and_si256(key, _mm256_set1_epi32(INT32_MIN));
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(magnitude, 16), sign));
+  } else {
+    const __m256i bits = _mm256_or_si256(magnitude, _mm256_srli_epi32(sign, 16));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+  }
+}
+
+// The largest of 16 signed lanes: phminposuw finds the smallest unsigned,
+// and x ^ 0x7fff turns the signed order into the reverse unsigned one.
+KD_AVX2 inline int16_t max16(__m256i v) {
+  __m128i m = _mm_max_epi16(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  m = _mm_xor_si128(m, _mm_set1_epi16(0x7fff));
+  return static_cast<int16_t>(_mm_cvtsi128_si32(_mm_minpos_epu16(m)) ^ 0x7fff);
+}
+
+// threshold_avx2 for 16 lanes of keys in one register: for every lane, the
+// number of lanes above it, counted over the 15 rotations of the register;
+// then the smallest of the lanes that fewer than k exceed (x ^ 0x8000 turns
+// the signed order into the unsigned one).
+KD_AVX2 inline int16_t kth_largest16(__m256i v, int64_t k) {
+  const __m256i swapped = _mm256_permute2x128_si256(v, v, 1);
+  __m256i above = _mm256_setzero_si256();
+  __m256i above_far = _mm256_setzero_si256();
+  // Rotation by r lanes (r < 8) and by 8 + r: alignr shifts within each
+  // 128-bit half, so the two halves come from v and its swapped copy.
+#define KD_ROTATIONS(r)                                                                          \
+  above = _mm256_sub_epi16(above, _mm256_cmpgt_epi16(_mm256_alignr_epi8(swapped, v, 2 * (r)), v)); \
+  above_far = _mm256_sub_epi16(above_far,                                                        \
+                               _mm256_cmpgt_epi16(_mm256_alignr_epi8(v, swapped, 2 * (r)), v));
+  KD_ROTATIONS(1) KD_ROTATIONS(2) KD_ROTATIONS(3) KD_ROTATIONS(4) KD_ROTATIONS(5)
+  KD_ROTATIONS(6) KD_ROTATIONS(7)
+#undef KD_ROTATIONS
+  above = _mm256_sub_epi16(above, _mm256_cmpgt_epi16(swapped, v));  // by 8
+  above = _mm256_add_epi16(above, above_far);
+  const __m256i in_top_k = _mm256_cmpgt_epi16(_mm256_set1_epi16(static_cast<int16_t>(k)), above);
+  const __m256i m = _mm256_blendv_epi8(_mm256_set1_epi16(INT16_MAX), v, in_top_k);
+  __m128i h = _mm_min_epi16(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  h = _mm_xor_si128(h, _mm_set1_epi16(INT16_MIN));
+  return static_cast<int16_t>(_mm_cvtsi128_si32(_mm_minpos_epu16(h)) ^ 0x8000);
+}
+
+// One bit per lane, in lane order, for the compares of two blocks.
+KD_AVX2 inline uint32_t bits_of_two_blocks(__m256i first, __m256i second) {
+  // packsswb interleaves the halves of its operands; vpermq restores the order.
+  return static_cast<uint32_t>(
+      _mm256_movemask_epi8(_mm256_permute4x64_epi64(_mm256_packs_epi16(first, second), 0xd8)));
+}
+
+// TopInRegisters::insert for composites: one vector, no masks.
+KD_AVX2 inline __m256i insert_composite(__m256i top, int32_t composite) {
+  const __m256i c = _mm256_set1_epi32(composite);
+  const __m256i up = _mm256_permutevar8x32_epi32(top, _mm256_setr_epi32(0, 0, 1, 2, 3, 4, 5, 6));
+  const __m256i raised = _mm256_max_epi32(top, c);
+  return _mm256_blend_epi32(_mm256_min_epi32(up, raised), raised, 1);
+}
+
+// The AVX2 row for a float16 or bfloat16 row in keys; false, having written
+// nothing, for a row with a NaN. Scratch: a.row holds the keys (e rounded up
+// to whole blocks), a.order the candidate bits, 64 to a word.
+template <class T>
+KD_AVX2 bool topk_row_keys(const T* src, const RowArgs& a, float* weights, int32_t* ids) {
+  const int64_t e = a.e;
+  const int64_t k = a.k;
+  const int64_t full = e - e % kReductionLanes;
+  const int64_t rest = e - full;
+  const int64_t blocks = (e + kReductionLanes - 1) / kReductionLanes;
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  int16_t* const keys = reinterpret_cast<int16_t*>(a.row);
+
+  // The keys, their lane maxima, and the largest magnitude (NaN or not).
+  __m256i lane_max = _mm256_set1_epi16(INT16_MIN);
+  __m256i magnitude_max = _mm256_setzero_si256();
+  for (int64_t j = 0; j < full; j += kReductionLanes) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + j));
+    magnitude_max = _mm256_max_epi16(magnitude_max, magnitudes16(x));
+    const __m256i key = keys16(x);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + j), key);
+    lane_max = _mm256_max_epi16(lane_max, key);
+  }
+  alignas(32) float tail[kReductionLanes];
+  if (rest > 0) {
+    // The last, partial block with the lowest key past its end: below every
+    // value's, so it changes no maximum and reaches no threshold.
+    alignas(32) uint16_t tail_bits[kReductionLanes] = {};
+    for (int64_t l = 0; l < rest; ++l) tail_bits[l] = bits[full + l];
+    const __m256i x = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail_bits));
+    magnitude_max = _mm256_max_epi16(magnitude_max, magnitudes16(x));
+    const __m256i lane = _mm256_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256i in = _mm256_cmpgt_epi16(_mm256_set1_epi16(static_cast<int16_t>(rest)), lane);
+    const __m256i key = _mm256_blendv_epi8(_mm256_set1_epi16(INT16_MIN), keys16(x), in);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + full), key);
+    lane_max = _mm256_max_epi16(lane_max, key);
+    for (int64_t l = 0; l < rest; ++l) tail[l] = to_float(src[full + l]);
+    for (int64_t l = rest; l < kReductionLanes; ++l) tail[l] = -__builtin_inff();
+  }
+  if (max16(magnitude_max) > Bits16<T>::kInfinity) return false;
+
+  // Every lane holds a logit (e >= 16), so the threshold is a logit's key
+  // and above INT16_MIN. The max is row_stats' but for the sign of a zero
+  // max, which no weight depends on: x - max and x + 0 round alike but for
+  // zero x, whose e^(+-0) is 1 either way.
+  RowStats st{};
+  st.max = _mm256_cvtss_f32(key_values<T>(_mm256_set1_epi32(max16(lane_max))));
+  const __m256i below_threshold = _mm256_set1_epi16(static_cast<int16_t>(kth_largest16(lane_max, k) - 1));
+
+  // The candidates: 16 bits per block, pairs of blocks to a 32-bit half
+  // word, padded with zeros to whole 64-bit words.
+  uint32_t* const halves = reinterpret_cast<uint32_t*>(a.order);
+  int64_t half_words = 0;
+  for (int64_t b = 0; b < blocks; b += 2) {
+    const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + b * 16));
+    const __m256i second =
+        b + 1 < blocks ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + b * 16 + 16))
+                       : _mm256_set1_epi16(INT16_MIN);
+    halves[half_words++] = bits_of_two_blocks(_mm256_cmpgt_epi16(first, below_threshold),
+                                              _mm256_cmpgt_epi16(second, below_threshold));
+  }
+  if (half_words % 2 != 0) halves[half_words++] = 0;
+
+  // The sum, in the lanes and order of row_stats; meanwhile the next row is
+  // asked for.
+  const __m256 max = _mm256_set1_ps(st.max);
+  if (a.renormalize) {
+    for (int64_t j = 0; j < e; j += 64 / sizeof(T)) {
+      _mm_prefetch(reinterpret_cast<const char*>(src + e + j), _MM_HINT_T0);
+    }
+  } else {
+    __m256 sum_lo = _mm256_setzero_ps();
+    __m256 sum_hi = _mm256_setzero_ps();
+#pragma GCC unroll 2
+    for (int64_t j = 0; j < full; j += kReductionLanes) {
+      _mm_prefetch(reinterpret_cast<const char*>(src + e + j), _MM_HINT_T0);
+      sum_lo = exp_plus8(_mm256_sub_ps(load8(src + j), max), sum_lo);
+      sum_hi = exp_plus8(_mm256_sub_ps(load8(src + j + 8), max), sum_hi);
+    }
+    if (rest > 0) {
+      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256 in_lo = _mm256_castsi256_ps(
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(rest)), lane));
+      const __m256 in_hi = _mm256_castsi256_ps(
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(rest - 8)), lane));
+      const __m256 lo = _mm256_sub_ps(_mm256_load_ps(tail), max);
+      const __m256 hi = _mm256_sub_ps(_mm256_load_ps(tail + 8), max);
+      sum_lo = _mm256_blendv_ps(sum_lo, exp_plus8(lo, sum_lo), in_lo);
+      sum_hi = _mm256_blendv_ps(sum_hi, exp_plus8(hi, sum_hi), in_hi);
+    }
+    st.sum = reduce_sum_avx2(sum_lo, sum_hi);
+    st.full_sum = true;
+  }
+
+  // The selection. The empty lanes hold INT32_MIN, below every composite (a
+  // key is at least -0x7fff, so a composite is above -0x7fff * 65536 - 65536).
+  const uint64_t* const words = reinterpret_cast<const uint64_t*>(halves);
+  __m256i top = _mm256_set1_epi32(INT32_MIN);
+  for (int64_t w = 0; w * 2 < half_words; ++w) {
+    for (uint64_t word = words[w]; word != 0; word &= word - 1) {
+      const int64_t j = w * 64 + __builtin_ctzll(word);
+      const uint32_t composite = (static_cast<uint32_t>(keys[j]) << 16) - static_cast<uint32_t>(j);
+      top = insert_composite(top, static_cast<int32_t>(composite));
+    }
+  }
+  // key = (composite + 0xffff) >> 16 (arithmetic), j = -composite mod 65536.
+  const __m256i top_keys = _mm256_srai_epi32(_mm256_add_epi32(top, _mm256_set1_epi32(0xffff)), 16);
+  const __m256i top_ids =
+      _mm256_and_si256(_mm256_sub_epi32(_mm256_setzero_si256(), top), _mm256_set1_epi32(0xffff));
+  store_first_k(top_ids, weights_in_registers(key_values<T>(top_keys), st, k, a.renormalize), k,
+                weights, ids);
+  return true;
+}
+
 // The same row with AVX2 (and F16C for float16): the passes of row_stats and
 // the selection and weights, in registers.
 template <class T>
 KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32_t* ids) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (a.e >= kReductionLanes && a.e <= kKeyMaxExperts && a.k <= kRegisterMaxK &&
+        topk_row_keys(src, a, weights, ids)) {
+      return;
+    }
+  }
   const int64_t e = a.e;
   const int64_t k = a.k;
   const int64_t full = e - e % kReductionLanes;
@@ -722,7 +966,8 @@ struct RowKernels {
 RowKernels pick_row_kernels() {
 #if KD_TOPK_AVX2
   __builtin_cpu_init();  // a static initialiser may run before anything else called it
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+      __builtin_cpu_supports("fma")) {
     return {topk_row_avx2<float>, topk_row_avx2<Half>, topk_row_avx2<BFloat16>};
   }
 #endif
