@@ -131,8 +131,8 @@ constexpr float kExpSumC2 = kExp2Half[2];
 constexpr float kExpSumC3 = kExp2Half[3];
 constexpr float kExpSumC4 = kExp2Half[4];
 
-[[gnu::always_inline]] inline float exp_plus(float x, float addend) {
-  const float t0 = x * kLog2e;
+[[gnu::always_inline]] inline float exp_plus(float logit, float scaled_max, float addend) {
+  const float t0 = __builtin_fmaf(logit, kLog2e, -scaled_max);
   // The clamp keeps 2^n a normal float; NaN passes unchanged.
   const float t = -126.0f > t0 ? -126.0f : t0;
   const float shifted = t + kShiftBiased;
@@ -147,17 +147,17 @@ constexpr float kExpSumC4 = kExp2Half[4];
 }
 
 // sums[l] += e^(block[l] - max) for the lanes of one block of logits ...
-[[gnu::always_inline]] inline void add_exps(const float* block, float max,
+[[gnu::always_inline]] inline void add_exps(const float* block, float scaled_max,
                                             float (&sums)[kReductionLanes]) {
   for (int l = 0; l < kReductionLanes; ++l) {
-    sums[l] = exp_plus(block[l] - max, sums[l]);
+    sums[l] = exp_plus(block[l], scaled_max, sums[l]);
   }
 }
 
 // ... and for the first n lanes of the last, partial one.
-[[gnu::always_inline]] inline void add_exps(const float* block, int64_t n, float max,
+[[gnu::always_inline]] inline void add_exps(const float* block, int64_t n, float scaled_max,
                                             float (&sums)[kReductionLanes]) {
-  for (int64_t l = 0; l < n; ++l) sums[l] = exp_plus(block[l] - max, sums[l]);
+  for (int64_t l = 0; l < n; ++l) sums[l] = exp_plus(block[l], scaled_max, sums[l]);
 }
 
 [[gnu::always_inline]] inline bool any_nan(const float* logits, int64_t e) {
@@ -188,8 +188,9 @@ constexpr float kExpSumC4 = kExp2Half[4];
 
   float sums[kReductionLanes] = {};
   j = 0;
-  for (; j + kReductionLanes <= e; j += kReductionLanes) add_exps(logits + j, max, sums);
-  add_exps(logits + j, e - j, max, sums);
+  const float scaled_max = max * kLog2e;
+  for (; j + kReductionLanes <= e; j += kReductionLanes) add_exps(logits + j, scaled_max, sums);
+  add_exps(logits + j, e - j, scaled_max, sums);
   return {max, reduce_sum(sums), threshold, true};
 }
 
@@ -309,14 +310,14 @@ struct RowArgs {
     // renormalize without the full sum (see RowStats). The first winner is
     // the max, whose e^0 is 1, so the sum is at least 1 (or NaN, when the
     // max is infinite, as the weights then are with the full sum too).
-    for (int64_t i = 0; i < n; ++i) w[i] = exp_plus(w[i] - st.max, 0.0f);
+    for (int64_t i = 0; i < n; ++i) w[i] = exp_plus(w[i], st.max * kLog2e, 0.0f);
     float selected_sum = 0.0f;
     for (int64_t i = 0; i < k; ++i) selected_sum += w[i];
     for (int64_t i = 0; i < n; ++i) w[i] /= selected_sum;
     return;
   }
   const float inv_sum = 1.0f / st.sum;
-  for (int64_t i = 0; i < n; ++i) w[i] = exp_plus(w[i] - st.max, 0.0f) * inv_sum;
+  for (int64_t i = 0; i < n; ++i) w[i] = exp_plus(w[i], st.max * kLog2e, 0.0f) * inv_sum;
   if (!renormalize) return;
   float selected_sum = 0.0f;
   for (int64_t i = 0; i < k; ++i) selected_sum += w[i];
@@ -490,8 +491,8 @@ KD_AVX2 inline bool select_in_registers(const float* logits, int64_t k,
 }
 
 // exp_plus on 8 lanes, operation for operation.
-KD_AVX2 inline __m256 exp_plus8(__m256 x, __m256 addend) {
-  const __m256 t0 = _mm256_mul_ps(x, _mm256_set1_ps(kLog2e));
+KD_AVX2 inline __m256 exp_plus8(__m256 logits, __m256 minus_scaled_max, __m256 addend) {
+  const __m256 t0 = _mm256_fmadd_ps(logits, _mm256_set1_ps(kLog2e), minus_scaled_max);
   // maxps(a, b) is a > b ? a : b, so NaN passes as there.
   const __m256 t = _mm256_max_ps(_mm256_set1_ps(-126.0f), t0);
   const __m256 shifted = _mm256_add_ps(t, _mm256_set1_ps(kShiftBiased));
@@ -509,7 +510,8 @@ KD_AVX2 inline __m256 exp_plus8(__m256 x, __m256 addend) {
 // scaling one vector each, the sum of the first k lane by lane as there.
 KD_AVX2 inline __m256 weights_in_registers(__m256 logits, const RowStats& st, int64_t k,
                                            bool renormalize) {
-  const __m256 exps = exp_plus8(_mm256_sub_ps(logits, _mm256_set1_ps(st.max)), _mm256_setzero_ps());
+  const __m256 exps =
+      exp_plus8(logits, _mm256_set1_ps(-(st.max * kLog2e)), _mm256_setzero_ps());
   alignas(32) float lane[8];
   if (!st.full_sum) {
     _mm256_store_ps(lane, exps);
@@ -599,7 +601,7 @@ KD_AVX2 inline int64_t exp_sum_and_candidates(const float* logits, int64_t full,
                                               const float* tail, int64_t rest,
                                               const T* src, int64_t e, RowStats& st,
                                               uint16_t* candidates) {
-  const __m256 max = _mm256_set1_ps(st.max);
+  const __m256 minus_scaled_max = _mm256_set1_ps(-(st.max * kLog2e));
   const __m256 threshold = _mm256_set1_ps(st.threshold);
   __m256 sum_lo = _mm256_setzero_ps();
   __m256 sum_hi = _mm256_setzero_ps();
@@ -617,8 +619,8 @@ KD_AVX2 inline int64_t exp_sum_and_candidates(const float* logits, int64_t full,
     const __m256 lo = _mm256_loadu_ps(logits + j);
     const __m256 hi = _mm256_loadu_ps(logits + j + 8);
     if constexpr (kSum) {
-      sum_lo = exp_plus8(_mm256_sub_ps(lo, max), sum_lo);
-      sum_hi = exp_plus8(_mm256_sub_ps(hi, max), sum_hi);
+      sum_lo = exp_plus8(lo, minus_scaled_max, sum_lo);
+      sum_hi = exp_plus8(hi, minus_scaled_max, sum_hi);
     } else {
       nan = _mm256_or_ps(nan, _mm256_cmp_ps(lo, hi, _CMP_UNORD_Q));
     }
@@ -637,8 +639,8 @@ KD_AVX2 inline int64_t exp_sum_and_candidates(const float* logits, int64_t full,
     const __m256 lo = _mm256_load_ps(tail);
     const __m256 hi = _mm256_load_ps(tail + 8);
     if constexpr (kSum) {
-      sum_lo = _mm256_blendv_ps(sum_lo, exp_plus8(_mm256_sub_ps(lo, max), sum_lo), in_lo);
-      sum_hi = _mm256_blendv_ps(sum_hi, exp_plus8(_mm256_sub_ps(hi, max), sum_hi), in_hi);
+      sum_lo = _mm256_blendv_ps(sum_lo, exp_plus8(lo, minus_scaled_max, sum_lo), in_lo);
+      sum_hi = _mm256_blendv_ps(sum_hi, exp_plus8(hi, minus_scaled_max, sum_hi), in_hi);
     } else {
       // The padding is -Inf, never NaN.
       nan = _mm256_or_ps(nan, _mm256_cmp_ps(lo, hi, _CMP_UNORD_Q));
@@ -840,7 +842,7 @@ KD_AVX2 bool topk_row_keys(const T* src, const RowArgs& a, float* weights, int32
 
   // The sum, in the lanes and order of row_stats; meanwhile the next row is
   // asked for.
-  const __m256 max = _mm256_set1_ps(st.max);
+  const __m256 minus_scaled_max = _mm256_set1_ps(-(st.max * kLog2e));
   if (a.renormalize) {
     for (int64_t j = 0; j < e; j += 64 / sizeof(T)) {
       _mm_prefetch(reinterpret_cast<const char*>(src + e + j), _MM_HINT_T0);
@@ -851,8 +853,8 @@ KD_AVX2 bool topk_row_keys(const T* src, const RowArgs& a, float* weights, int32
 #pragma GCC unroll 2
     for (int64_t j = 0; j < full; j += kReductionLanes) {
       _mm_prefetch(reinterpret_cast<const char*>(src + e + j), _MM_HINT_T0);
-      sum_lo = exp_plus8(_mm256_sub_ps(load8(src + j), max), sum_lo);
-      sum_hi = exp_plus8(_mm256_sub_ps(load8(src + j + 8), max), sum_hi);
+      sum_lo = exp_plus8(load8(src + j), minus_scaled_max, sum_lo);
+      sum_hi = exp_plus8(load8(src + j + 8), minus_scaled_max, sum_hi);
     }
     if (rest > 0) {
       const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -860,10 +862,8 @@ KD_AVX2 bool topk_row_keys(const T* src, const RowArgs& a, float* weights, int32
           _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(rest)), lane));
       const __m256 in_hi = _mm256_castsi256_ps(
           _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(rest - 8)), lane));
-      const __m256 lo = _mm256_sub_ps(_mm256_load_ps(tail), max);
-      const __m256 hi = _mm256_sub_ps(_mm256_load_ps(tail + 8), max);
-      sum_lo = _mm256_blendv_ps(sum_lo, exp_plus8(lo, sum_lo), in_lo);
-      sum_hi = _mm256_blendv_ps(sum_hi, exp_plus8(hi, sum_hi), in_hi);
+      sum_lo = _mm256_blendv_ps(sum_lo, exp_plus8(_mm256_load_ps(tail), minus_scaled_max, sum_lo), in_lo);
+      sum_hi = _mm256_blendv_ps(sum_hi, exp_plus8(_mm256_load_ps(tail + 8), minus_scaled_max, sum_hi), in_hi);
     }
     st.sum = reduce_sum_avx2(sum_lo, sum_hi);
     st.full_sum = true;
