@@ -777,6 +777,74 @@ KD_AVX2 inline __m256i insert_composite(__m256i top, int32_t composite) {
   return _mm256_blend_epi32(_mm256_min_epi32(up, raised), raised, 1);
 }
 
+// A block of 16 logits as two registers of floats, and which logits they
+// hold. bfloat16 is the upper half of a float32: interleaving with zeros
+// widens it in one operation per register, but gives logits 0-3 and 8-11 in
+// the first and 4-7 and 12-15 in the second. float16 goes through F16C, in
+// order.
+struct Widened {
+  __m256 first;
+  __m256 second;
+};
+
+template <class T>
+KD_AVX2 inline Widened widen_block(const uint16_t* bits) {
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits));
+    const __m256i zero = _mm256_setzero_si256();
+    return {_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x)),
+            _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x))};
+  } else {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits))),
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + 8)))};
+  }
+}
+
+// The logit (mod 16) in each lane of the two registers.
+template <class T>
+KD_AVX2 inline Widened block_lanes() {
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    return {_mm256_setr_ps(0, 1, 2, 3, 8, 9, 10, 11), _mm256_setr_ps(4, 5, 6, 7, 12, 13, 14, 15)};
+  } else {
+    return {_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15)};
+  }
+}
+
+// The sum of e^(logit - max) in the lanes and order of row_stats: lane l
+// (mod 16) in one sum each, the last, partial block (`tail`, zeros past the
+// row) only where it holds logits, and the same pairwise tree at the end.
+// Meanwhile it asks for the next row.
+template <class T>
+KD_AVX2 inline float sum_of_exps(const uint16_t* bits, int64_t e, int64_t full,
+                                 const uint16_t* tail, __m256 minus_scaled_max) {
+  __m256 sum_first = _mm256_setzero_ps();
+  __m256 sum_second = _mm256_setzero_ps();
+#pragma GCC unroll 2
+  for (int64_t j = 0; j < full; j += kReductionLanes) {
+    _mm_prefetch(reinterpret_cast<const char*>(bits + e + j), _MM_HINT_T0);
+    const Widened x = widen_block<T>(bits + j);
+    sum_first = exp_plus8(x.first, minus_scaled_max, sum_first);
+    sum_second = exp_plus8(x.second, minus_scaled_max, sum_second);
+  }
+  if (const int64_t rest = e - full; rest > 0) {
+    const Widened x = widen_block<T>(tail);
+    const Widened lane = block_lanes<T>();
+    const __m256 n = _mm256_set1_ps(static_cast<float>(rest));
+    const __m256 in_first = _mm256_cmp_ps(lane.first, n, _CMP_LT_OQ);
+    const __m256 in_second = _mm256_cmp_ps(lane.second, n, _CMP_LT_OQ);
+    sum_first = _mm256_blendv_ps(sum_first, exp_plus8(x.first, minus_scaled_max, sum_first), in_first);
+    sum_second =
+        _mm256_blendv_ps(sum_second, exp_plus8(x.second, minus_scaled_max, sum_second), in_second);
+  }
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    // Logits 0-7 and 8-15 in order, as the tree starts from.
+    return reduce_sum_avx2(_mm256_permute2f128_ps(sum_first, sum_second, 0x20),
+                           _mm256_permute2f128_ps(sum_first, sum_second, 0x31));
+  } else {
+    return reduce_sum_avx2(sum_first, sum_second);
+  }
+}
+
 // The AVX2 row for a float16 or bfloat16 row in keys; false, having written
 // nothing, for a row with a NaN. Scratch: a.row holds the keys (e rounded up
 // to whole blocks), a.order the candidate bits, 64 to a word.
@@ -800,11 +868,10 @@ KD_AVX2 bool topk_row_keys(const T* src, const RowArgs& a, float* weights, int32
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + j), key);
     lane_max = _mm256_max_epi16(lane_max, key);
   }
-  alignas(32) float tail[kReductionLanes];
+  alignas(32) uint16_t tail_bits[kReductionLanes] = {};
   if (rest > 0) {
     // The last, partial block with the lowest key past its end: below every
     // value's, so it changes no maximum and reaches no threshold.
-    alignas(32) uint16_t tail_bits[kReductionLanes] = {};
     for (int64_t l = 0; l < rest; ++l) tail_bits[l] = bits[full + l];
     const __m256i x = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail_bits));
     magnitude_max = _mm256_max_epi16(magnitude_max, magnitudes16(x));
@@ -813,8 +880,6 @@ KD_AVX2 bool topk_row_keys(const T* src, const RowArgs& a, float* weights, int32
     const __m256i key = _mm256_blendv_epi8(_mm256_set1_epi16(INT16_MIN), keys16(x), in);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + full), key);
     lane_max = _mm256_max_epi16(lane_max, key);
-    for (int64_t l = 0; l < rest; ++l) tail[l] = to_float(src[full + l]);
-    for (int64_t l = rest; l < kReductionLanes; ++l) tail[l] = -__builtin_inff();
   }
   if (max16(magnitude_max) > Bits16<T>::kInfinity) return false;
 
@@ -840,32 +905,14 @@ KD_AVX2 bool topk_row_keys(const T* src, const RowArgs& a, float* weights, int32
   }
   if (half_words % 2 != 0) halves[half_words++] = 0;
 
-  // The sum, in the lanes and order of row_stats; meanwhile the next row is
-  // asked for.
+  // The sum, which also asks for the next row; a renormalized row asks here.
   const __m256 minus_scaled_max = _mm256_set1_ps(-(st.max * kLog2e));
   if (a.renormalize) {
     for (int64_t j = 0; j < e; j += 64 / sizeof(T)) {
       _mm_prefetch(reinterpret_cast<const char*>(src + e + j), _MM_HINT_T0);
     }
   } else {
-    __m256 sum_lo = _mm256_setzero_ps();
-    __m256 sum_hi = _mm256_setzero_ps();
-#pragma GCC unroll 2
-    for (int64_t j = 0; j < full; j += kReductionLanes) {
-      _mm_prefetch(reinterpret_cast<const char*>(src + e + j), _MM_HINT_T0);
-      sum_lo = exp_plus8(load8(src + j), minus_scaled_max, sum_lo);
-      sum_hi = exp_plus8(load8(src + j + 8), minus_scaled_max, sum_hi);
-    }
-    if (rest > 0) {
-      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-      const __m256 in_lo = _mm256_castsi256_ps(
-          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(rest)), lane));
-      const __m256 in_hi = _mm256_castsi256_ps(
-          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(rest - 8)), lane));
-      sum_lo = _mm256_blendv_ps(sum_lo, exp_plus8(_mm256_load_ps(tail), minus_scaled_max, sum_lo), in_lo);
-      sum_hi = _mm256_blendv_ps(sum_hi, exp_plus8(_mm256_load_ps(tail + 8), minus_scaled_max, sum_hi), in_hi);
-    }
-    st.sum = reduce_sum_avx2(sum_lo, sum_hi);
+    st.sum = sum_of_exps<T>(bits, e, full, tail_bits, minus_scaled_max);
     st.full_sum = true;
   }
 
