@@ -769,12 +769,23 @@ KD_AVX2 inline uint32_t bits_of_two_blocks(__m256i first, __m256i second) {
       _mm256_movemask_epi8(_mm256_permute4x64_epi64(_mm256_packs_epi16(first, second), 0xd8)));
 }
 
-// TopInRegisters::insert for composites: one vector, no masks.
-KD_AVX2 inline __m256i insert_composite(__m256i top, int32_t composite) {
-  const __m256i c = _mm256_set1_epi32(composite);
-  const __m256i up = _mm256_permutevar8x32_epi32(top, _mm256_setr_epi32(0, 0, 1, 2, 3, 4, 5, 6));
-  const __m256i raised = _mm256_max_epi32(top, c);
-  return _mm256_blend_epi32(_mm256_min_epi32(up, raised), raised, 1);
+// The best 8 composites so far, descending: TopInRegisters without the ids,
+// in two halves, so that moving a lane up stays within 128 bits (palignr, one
+// cycle, where a lane-crossing permute takes three): each insertion is two
+// operations deep, the halves updated side by side from their old values.
+struct TopComposites {
+  __m128i first;   // lanes 0-3
+  __m128i second;  // lanes 4-7
+};
+
+// TopInRegisters::insert: lane l becomes min(top[l - 1], max(top[l], c)),
+// with top[-1] above everything.
+KD_AVX2 inline void insert(TopComposites& top, int32_t composite) {
+  const __m128i c = _mm_set1_epi32(composite);
+  const __m128i first_up = _mm_alignr_epi8(top.first, _mm_set1_epi32(INT32_MAX), 12);
+  const __m128i second_up = _mm_alignr_epi8(top.second, top.first, 12);
+  top.first = _mm_min_epi32(first_up, _mm_max_epi32(top.first, c));
+  top.second = _mm_min_epi32(second_up, _mm_max_epi32(top.second, c));
 }
 
 // A block of 16 logits as two registers of floats, and which logits they
@@ -919,14 +930,15 @@ KD_AVX2 bool topk_row_keys(const T* src, const RowArgs& a, float* weights, int32
   // The selection. The empty lanes hold INT32_MIN, below every composite (a
   // key is at least -0x7fff, so a composite is above -0x7fff * 65536 - 65536).
   const uint64_t* const words = reinterpret_cast<const uint64_t*>(halves);
-  __m256i top = _mm256_set1_epi32(INT32_MIN);
+  TopComposites best{_mm_set1_epi32(INT32_MIN), _mm_set1_epi32(INT32_MIN)};
   for (int64_t w = 0; w * 2 < half_words; ++w) {
     for (uint64_t word = words[w]; word != 0; word &= word - 1) {
       const int64_t j = w * 64 + __builtin_ctzll(word);
       const uint32_t composite = (static_cast<uint32_t>(keys[j]) << 16) - static_cast<uint32_t>(j);
-      top = insert_composite(top, static_cast<int32_t>(composite));
+      insert(best, static_cast<int32_t>(composite));
     }
   }
+  const __m256i top = _mm256_set_m128i(best.second, best.first);
   // key = (composite + 0xffff) >> 16 (arithmetic), j = -composite mod 65536.
   const __m256i top_keys = _mm256_srai_epi32(_mm256_add_epi32(top, _mm256_set1_epi32(0xffff)), 16);
   const __m256i top_ids =
