@@ -295,8 +295,9 @@ struct RowArgs {
   int64_t e;
   int64_t k;
   bool renormalize;
-  float* row;      // the widened row (16-bit types): e floats
-  float* keys;     // k floats
+  float* row;      // e floats, the widened row (16-bit types); or, with keys
+                   // and kReductionLanes more floats, two rows' keys (key_row)
+  float* keys;     // k floats, after row
   int32_t* order;  // e + kReductionLanes: sort indices, flag bytes or candidate bits
 };
 
@@ -346,6 +347,14 @@ void topk_row_portable(const T* src, const RowArgs& a, float* weights, int32_t* 
     sort_top_k(logits, a.e, a.k, a.order, ids);
   }
   write_weights(logits, a, st, weights, ids);
+}
+
+template <class T>
+void topk_rows_portable(const T* src, int64_t rows, const RowArgs& a, float* weights,
+                        int32_t* ids) {
+  for (int64_t r = 0; r < rows; ++r) {
+    topk_row_portable(src + r * a.e, a, weights + r * a.k, ids + r * a.k);
+  }
 }
 
 #if KD_TOPK_AVX2
@@ -821,53 +830,27 @@ KD_AVX2 inline Widened block_lanes() {
   }
 }
 
-// The sum of e^(logit - max) in the lanes and order of row_stats: lane l
-// (mod 16) in one sum each, the last, partial block (`tail`, zeros past the
-// row) only where it holds logits, and the same pairwise tree at the end.
-// Meanwhile it asks for the next row.
-template <class T>
-KD_AVX2 inline float sum_of_exps(const uint16_t* bits, int64_t e, int64_t full,
-                                 const uint16_t* tail, __m256 minus_scaled_max) {
-  __m256 sum_first = _mm256_setzero_ps();
-  __m256 sum_second = _mm256_setzero_ps();
-#pragma GCC unroll 2
-  for (int64_t j = 0; j < full; j += kReductionLanes) {
-    _mm_prefetch(reinterpret_cast<const char*>(bits + e + j), _MM_HINT_T0);
-    const Widened x = widen_block<T>(bits + j);
-    sum_first = exp_plus8(x.first, minus_scaled_max, sum_first);
-    sum_second = exp_plus8(x.second, minus_scaled_max, sum_second);
-  }
-  if (const int64_t rest = e - full; rest > 0) {
-    const Widened x = widen_block<T>(tail);
-    const Widened lane = block_lanes<T>();
-    const __m256 n = _mm256_set1_ps(static_cast<float>(rest));
-    const __m256 in_first = _mm256_cmp_ps(lane.first, n, _CMP_LT_OQ);
-    const __m256 in_second = _mm256_cmp_ps(lane.second, n, _CMP_LT_OQ);
-    sum_first = _mm256_blendv_ps(sum_first, exp_plus8(x.first, minus_scaled_max, sum_first), in_first);
-    sum_second =
-        _mm256_blendv_ps(sum_second, exp_plus8(x.second, minus_scaled_max, sum_second), in_second);
-  }
-  if constexpr (std::is_same_v<T, BFloat16>) {
-    // Logits 0-7 and 8-15 in order, as the tree starts from.
-    return reduce_sum_avx2(_mm256_permute2f128_ps(sum_first, sum_second, 0x20),
-                           _mm256_permute2f128_ps(sum_first, sum_second, 0x31));
-  } else {
-    return reduce_sum_avx2(sum_first, sum_second);
-  }
-}
+// One float16 or bfloat16 row between the passes of the key rows.
+struct KeyRow {
+  const uint16_t* bits;
+  int16_t* keys;     // scratch: the keys, e rounded up to whole blocks
+  uint32_t* halves;  // scratch: the candidate bits, see scan_keys
+  int64_t half_words;
+  RowStats st;
+  // The last, partial block, zeros past the row (sum_of_exps).
+  alignas(32) uint16_t tail[kReductionLanes];
+};
 
-// The AVX2 row for a float16 or bfloat16 row in keys; false, having written
-// nothing, for a row with a NaN. Scratch: a.row holds the keys (e rounded up
-// to whole blocks), a.order the candidate bits, 64 to a word.
+// The first passes of a row in keys: the keys, their lane maxima and the
+// threshold, the max, and the candidates. False for a row with a NaN.
 template <class T>
-KD_AVX2 bool topk_row_keys(const T* src, const RowArgs& a, float* weights, int32_t* ids) {
+KD_AVX2 inline bool scan_keys(const RowArgs& a, KeyRow& row) {
   const int64_t e = a.e;
-  const int64_t k = a.k;
   const int64_t full = e - e % kReductionLanes;
   const int64_t rest = e - full;
   const int64_t blocks = (e + kReductionLanes - 1) / kReductionLanes;
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  int16_t* const keys = reinterpret_cast<int16_t*>(a.row);
+  const uint16_t* const bits = row.bits;
+  int16_t* const keys = row.keys;
 
   // The keys, their lane maxima, and the largest magnitude (NaN or not).
   __m256i lane_max = _mm256_set1_epi16(INT16_MIN);
@@ -879,12 +862,12 @@ KD_AVX2 bool topk_row_keys(const T* src, const RowArgs& a, float* weights, int32
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + j), key);
     lane_max = _mm256_max_epi16(lane_max, key);
   }
-  alignas(32) uint16_t tail_bits[kReductionLanes] = {};
+  _mm256_store_si256(reinterpret_cast<__m256i*>(row.tail), _mm256_setzero_si256());
   if (rest > 0) {
-    // The last, partial block with the lowest key past its end: below every
-    // value's, so it changes no maximum and reaches no threshold.
-    for (int64_t l = 0; l < rest; ++l) tail_bits[l] = bits[full + l];
-    const __m256i x = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail_bits));
+    // The last block with the lowest key past the row: below every value's,
+    // so it changes no maximum and reaches no threshold.
+    for (int64_t l = 0; l < rest; ++l) row.tail[l] = bits[full + l];
+    const __m256i x = _mm256_load_si256(reinterpret_cast<const __m256i*>(row.tail));
     magnitude_max = _mm256_max_epi16(magnitude_max, magnitudes16(x));
     const __m256i lane = _mm256_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m256i in = _mm256_cmpgt_epi16(_mm256_set1_epi16(static_cast<int16_t>(rest)), lane);
@@ -898,40 +881,102 @@ KD_AVX2 bool topk_row_keys(const T* src, const RowArgs& a, float* weights, int32
   // and above INT16_MIN. The max is row_stats' but for the sign of a zero
   // max, which no weight depends on: x - max and x + 0 round alike but for
   // zero x, whose e^(+-0) is 1 either way.
-  RowStats st{};
-  st.max = _mm256_cvtss_f32(key_values<T>(_mm256_set1_epi32(max16(lane_max))));
-  const __m256i below_threshold = _mm256_set1_epi16(static_cast<int16_t>(kth_largest16(lane_max, k) - 1));
+  row.st = RowStats{};
+  row.st.max = _mm256_cvtss_f32(key_values<T>(_mm256_set1_epi32(max16(lane_max))));
+  const __m256i below_threshold =
+      _mm256_set1_epi16(static_cast<int16_t>(kth_largest16(lane_max, a.k) - 1));
 
   // The candidates: 16 bits per block, pairs of blocks to a 32-bit half
   // word, padded with zeros to whole 64-bit words.
-  uint32_t* const halves = reinterpret_cast<uint32_t*>(a.order);
   int64_t half_words = 0;
   for (int64_t b = 0; b < blocks; b += 2) {
     const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + b * 16));
     const __m256i second =
         b + 1 < blocks ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + b * 16 + 16))
                        : _mm256_set1_epi16(INT16_MIN);
-    halves[half_words++] = bits_of_two_blocks(_mm256_cmpgt_epi16(first, below_threshold),
-                                              _mm256_cmpgt_epi16(second, below_threshold));
+    row.halves[half_words++] = bits_of_two_blocks(_mm256_cmpgt_epi16(first, below_threshold),
+                                                  _mm256_cmpgt_epi16(second, below_threshold));
   }
-  if (half_words % 2 != 0) halves[half_words++] = 0;
+  if (half_words % 2 != 0) row.halves[half_words++] = 0;
+  row.half_words = half_words;
+  return true;
+}
 
-  // The sum, which also asks for the next row; a renormalized row asks here.
-  const __m256 minus_scaled_max = _mm256_set1_ps(-(st.max * kLog2e));
-  if (a.renormalize) {
-    for (int64_t j = 0; j < e; j += 64 / sizeof(T)) {
-      _mm_prefetch(reinterpret_cast<const char*>(src + e + j), _MM_HINT_T0);
+// The sums of e^(logit - max) of kRows rows at once (independent chains for
+// the out-of-order core to overlap), each in the lanes and order of
+// row_stats: lane l (mod 16) in one sum, the last, partial block only where
+// it holds logits, and the same pairwise tree at the end. Meanwhile the
+// rows kRows further on are asked for.
+template <int kRows, class T>
+KD_AVX2 inline void sum_of_exps(KeyRow* const (&rows)[kRows], int64_t e) {
+  const int64_t full = e - e % kReductionLanes;
+  __m256 minus_scaled_max[kRows];
+  __m256 sum_first[kRows];
+  __m256 sum_second[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    minus_scaled_max[r] = _mm256_set1_ps(-(rows[r]->st.max * kLog2e));
+    sum_first[r] = _mm256_setzero_ps();
+    sum_second[r] = _mm256_setzero_ps();
+  }
+#pragma GCC unroll 2
+  for (int64_t j = 0; j < full; j += kReductionLanes) {
+    for (int r = 0; r < kRows; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(rows[r]->bits + kRows * e + j), _MM_HINT_T0);
+      const Widened x = widen_block<T>(rows[r]->bits + j);
+      sum_first[r] = exp_plus8(x.first, minus_scaled_max[r], sum_first[r]);
+      sum_second[r] = exp_plus8(x.second, minus_scaled_max[r], sum_second[r]);
     }
-  } else {
-    st.sum = sum_of_exps<T>(bits, e, full, tail_bits, minus_scaled_max);
-    st.full_sum = true;
   }
+  if (const int64_t rest = e - full; rest > 0) {
+    const Widened lane = block_lanes<T>();
+    const __m256 n = _mm256_set1_ps(static_cast<float>(rest));
+    const __m256 in_first = _mm256_cmp_ps(lane.first, n, _CMP_LT_OQ);
+    const __m256 in_second = _mm256_cmp_ps(lane.second, n, _CMP_LT_OQ);
+    for (int r = 0; r < kRows; ++r) {
+      const Widened x = widen_block<T>(rows[r]->tail);
+      sum_first[r] = _mm256_blendv_ps(
+          sum_first[r], exp_plus8(x.first, minus_scaled_max[r], sum_first[r]), in_first);
+      sum_second[r] = _mm256_blendv_ps(
+          sum_second[r], exp_plus8(x.second, minus_scaled_max[r], sum_second[r]), in_second);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      // Logits 0-7 and 8-15 in order, as the tree starts from.
+      rows[r]->st.sum =
+          reduce_sum_avx2(_mm256_permute2f128_ps(sum_first[r], sum_second[r], 0x20),
+                          _mm256_permute2f128_ps(sum_first[r], sum_second[r], 0x31));
+    } else {
+      rows[r]->st.sum = reduce_sum_avx2(sum_first[r], sum_second[r]);
+    }
+    rows[r]->st.full_sum = true;
+  }
+}
 
-  // The selection. The empty lanes hold INT32_MIN, below every composite (a
-  // key is at least -0x7fff, so a composite is above -0x7fff * 65536 - 65536).
-  const uint64_t* const words = reinterpret_cast<const uint64_t*>(halves);
+// The sums, or for renormalized rows only the next rows asked for.
+template <int kRows, class T>
+KD_AVX2 inline void sums_or_prefetch(KeyRow* const (&rows)[kRows], const RowArgs& a) {
+  if (!a.renormalize) {
+    sum_of_exps<kRows, T>(rows, a.e);
+    return;
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int64_t j = 0; j < a.e; j += 64 / sizeof(T)) {
+      _mm_prefetch(reinterpret_cast<const char*>(rows[r]->bits + kRows * a.e + j), _MM_HINT_T0);
+    }
+  }
+}
+
+// The last passes: the selection and the weights.
+template <class T>
+KD_AVX2 inline void finish_keys(const RowArgs& a, const KeyRow& row, float* weights,
+                                int32_t* ids) {
+  // The empty lanes hold INT32_MIN, below every composite (a key is at
+  // least -0x7fff, so a composite is above -0x7fff * 65536 - 65536).
+  const uint64_t* const words = reinterpret_cast<const uint64_t*>(row.halves);
+  const int16_t* const keys = row.keys;
   TopComposites best{_mm_set1_epi32(INT32_MIN), _mm_set1_epi32(INT32_MIN)};
-  for (int64_t w = 0; w * 2 < half_words; ++w) {
+  for (int64_t w = 0; w * 2 < row.half_words; ++w) {
     for (uint64_t word = words[w]; word != 0; word &= word - 1) {
       const int64_t j = w * 64 + __builtin_ctzll(word);
       const uint32_t composite = (static_cast<uint32_t>(keys[j]) << 16) - static_cast<uint32_t>(j);
@@ -943,9 +988,28 @@ KD_AVX2 bool topk_row_keys(const T* src, const RowArgs& a, float* weights, int32
   const __m256i top_keys = _mm256_srai_epi32(_mm256_add_epi32(top, _mm256_set1_epi32(0xffff)), 16);
   const __m256i top_ids =
       _mm256_and_si256(_mm256_sub_epi32(_mm256_setzero_si256(), top), _mm256_set1_epi32(0xffff));
-  store_first_k(top_ids, weights_in_registers(key_values<T>(top_keys), st, k, a.renormalize), k,
+  store_first_k(top_ids,
+                weights_in_registers(key_values<T>(top_keys), row.st, a.k, a.renormalize), a.k,
                 weights, ids);
-  return true;
+}
+
+// Whether the rows of this shape go through keys.
+inline bool key_rows(const RowArgs& a) {
+  return a.e >= kReductionLanes && a.e <= kKeyMaxExperts && a.k <= kRegisterMaxK;
+}
+
+// The scratch of the key rows: two rows' keys in a.row (which holds
+// e + k + kReductionLanes floats), their candidate bits in a.order.
+inline int64_t key_row_stride(const RowArgs& a) {
+  return (a.e + kReductionLanes - 1) / kReductionLanes * kReductionLanes;
+}
+
+inline KeyRow key_row(const RowArgs& a, const void* src, int slot) {
+  KeyRow row;
+  row.bits = static_cast<const uint16_t*>(src);
+  row.keys = reinterpret_cast<int16_t*>(a.row) + slot * key_row_stride(a);
+  row.halves = reinterpret_cast<uint32_t*>(a.order) + slot * (key_row_stride(a) / 32 + 2);
+  return row;
 }
 
 // The same row with AVX2 (and F16C for float16): the passes of row_stats and
@@ -953,9 +1017,14 @@ KD_AVX2 bool topk_row_keys(const T* src, const RowArgs& a, float* weights, int32
 template <class T>
 KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32_t* ids) {
   if constexpr (!std::is_same_v<T, float>) {
-    if (a.e >= kReductionLanes && a.e <= kKeyMaxExperts && a.k <= kRegisterMaxK &&
-        topk_row_keys(src, a, weights, ids)) {
-      return;
+    if (key_rows(a)) {
+      KeyRow row = key_row(a, src, 0);
+      if (scan_keys<T>(a, row)) {
+        KeyRow* const rows[] = {&row};
+        sums_or_prefetch<1, T>(rows, a);
+        finish_keys<T>(a, row, weights, ids);
+        return;
+      }
     }
   }
   const int64_t e = a.e;
@@ -1003,19 +1072,51 @@ KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32
   write_weights(logits, a, st, weights, ids);
 }
 
+// Rows r to r + rows - 1 (src, weights and ids at row r). The 16-bit rows
+// in keys go two at a time, pass by pass, so that each pass's dependency
+// chains (the reductions, the threshold, the insertions, the weights) have a
+// second row's independent work beside them.
+template <class T>
+KD_AVX2 void topk_rows_avx2(const T* src, int64_t rows, const RowArgs& a, float* weights,
+                            int32_t* ids) {
+  const int64_t e = a.e;
+  const int64_t k = a.k;
+  int64_t r = 0;
+  if constexpr (!std::is_same_v<T, float>) {
+    if (key_rows(a)) {
+      for (; r + 2 <= rows; r += 2) {
+        KeyRow first = key_row(a, src + r * e, 0);
+        KeyRow second = key_row(a, src + (r + 1) * e, 1);
+        if (scan_keys<T>(a, first) && scan_keys<T>(a, second)) {
+          KeyRow* const pair[] = {&first, &second};
+          sums_or_prefetch<2, T>(pair, a);
+          finish_keys<T>(a, first, weights + r * k, ids + r * k);
+          finish_keys<T>(a, second, weights + (r + 1) * k, ids + (r + 1) * k);
+        } else {
+          // A NaN: each row on its own (the float row uses the scratch too).
+          topk_row_avx2(src + r * e, a, weights + r * k, ids + r * k);
+          topk_row_avx2(src + (r + 1) * e, a, weights + (r + 1) * k, ids + (r + 1) * k);
+        }
+      }
+    }
+  }
+  for (; r < rows; ++r) topk_row_avx2(src + r * e, a, weights + r * k, ids + r * k);
+}
+
 #undef KD_AVX2
 #endif  // KD_TOPK_AVX2
 
+// The rows of a range: (src, rows, args, weights, ids), all at its first row.
 template <class T>
-using RowFn = void (*)(const T*, const RowArgs&, float*, int32_t*);
+using RowsFn = void (*)(const T*, int64_t, const RowArgs&, float*, int32_t*);
 
 struct RowKernels {
-  RowFn<float> f32;
-  RowFn<Half> f16;
-  RowFn<BFloat16> bf16;
+  RowsFn<float> f32;
+  RowsFn<Half> f16;
+  RowsFn<BFloat16> bf16;
 
   template <class T>
-  RowFn<T> get() const {
+  RowsFn<T> get() const {
     if constexpr (std::is_same_v<T, float>) return f32;
     if constexpr (std::is_same_v<T, Half>) return f16;
     if constexpr (std::is_same_v<T, BFloat16>) return bf16;
@@ -1027,10 +1128,10 @@ RowKernels pick_row_kernels() {
   __builtin_cpu_init();  // a static initialiser may run before anything else called it
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
       __builtin_cpu_supports("fma")) {
-    return {topk_row_avx2<float>, topk_row_avx2<Half>, topk_row_avx2<BFloat16>};
+    return {topk_rows_avx2<float>, topk_rows_avx2<Half>, topk_rows_avx2<BFloat16>};
   }
 #endif
-  return {topk_row_portable<float>, topk_row_portable<Half>, topk_row_portable<BFloat16>};
+  return {topk_rows_portable<float>, topk_rows_portable<Half>, topk_rows_portable<BFloat16>};
 }
 
 // Chosen once, when the plugin is loaded.
@@ -1087,9 +1188,9 @@ kd_status topk_softmax(const kd_call_args* args) noexcept {
       using T = typename decltype(tag)::type;
       const T* g = data_as<T>(gating);
       std::atomic<bool> out_of_memory{false};
-      const RowFn<T> row_kernel = kRowKernels.get<T>();
+      const RowsFn<T> rows_kernel = kRowKernels.get<T>();
       parallel_for(rows, e, [&](int64_t begin, int64_t end) noexcept {
-        Scratch s{std::unique_ptr<float[]>(new (std::nothrow) float[e + k]),
+        Scratch s{std::unique_ptr<float[]>(new (std::nothrow) float[e + k + kReductionLanes]),
                   std::unique_ptr<int32_t[]>(new (std::nothrow) int32_t[e + kReductionLanes])};
         if (!s.floats || !s.indices) {
           out_of_memory.store(true, std::memory_order_relaxed);
@@ -1097,9 +1198,7 @@ kd_status topk_softmax(const kd_call_args* args) noexcept {
         }
         const RowArgs row_args{e, k, renormalize, s.floats.get(), s.floats.get() + e,
                                s.indices.get()};
-        for (int64_t r = begin; r < end; ++r) {
-          row_kernel(g + r * e, row_args, w + r * k, id + r * k);
-        }
+        rows_kernel(g + begin * e, end - begin, row_args, w + begin * k, id + begin * k);
       });
       if (out_of_memory.load()) {
         return kd_plugin::fail(args, KD_STATUS_INTERNAL, "%s: out of host memory", kOp);
