@@ -844,7 +844,7 @@ struct KeyRow {
 // The first passes of a row in keys: the keys, their lane maxima and the
 // threshold, the max, and the candidates. False for a row with a NaN.
 template <class T>
-KD_AVX2 inline bool scan_keys(const RowArgs& a, KeyRow& row) {
+[[gnu::always_inline]] KD_AVX2 inline bool scan_keys(const RowArgs& a, KeyRow& row) {
   const int64_t e = a.e;
   const int64_t full = e - e % kReductionLanes;
   const int64_t rest = e - full;
@@ -969,8 +969,8 @@ KD_AVX2 inline void sums_or_prefetch(KeyRow* const (&rows)[kRows], const RowArgs
 
 // The last passes: the selection and the weights.
 template <class T>
-KD_AVX2 inline void finish_keys(const RowArgs& a, const KeyRow& row, float* weights,
-                                int32_t* ids) {
+[[gnu::always_inline]] KD_AVX2 inline void finish_keys(const RowArgs& a, const KeyRow& row,
+                                                       float* weights, int32_t* ids) {
   // The empty lanes hold INT32_MIN, below every composite (a key is at
   // least -0x7fff, so a composite is above -0x7fff * 65536 - 65536).
   const uint64_t* const words = reinterpret_cast<const uint64_t*>(row.halves);
