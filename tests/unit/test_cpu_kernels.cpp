@@ -710,6 +710,66 @@ TEST_CASE("cpu moe.topk_softmax: a NaN or infinite logit makes the row's weights
   }
 }
 
+TEST_CASE("cpu moe.topk_softmax: a row's result does not depend on its neighbours") {
+  // Rows may be computed in groups; a NaN row among finite ones, an odd row
+  // count and a partial last block must not change any row's result: every
+  // row of the batch equals the same row computed alone, bit for bit.
+  constexpr double kNan = std::numeric_limits<double>::quiet_NaN();
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  const int64_t rows = 9;
+  const int64_t k = 6;
+  std::mt19937_64 rng(10);
+  for (Dtype dtype : kFloatDtypes) {
+    for (int64_t e : {16, 37, 256}) {
+      for (bool renormalize : {false, true}) {
+        INFO(ref::dtype_name(dtype) << " E " << e << (renormalize ? " renormalized" : ""));
+        FloatTensor batch(dtype, {rows, e});
+        batch.randomize(rng, -4.0, 4.0);
+        batch.set(1 * e + 3, kNan);      // a NaN row paired with a finite one
+        batch.set(4 * e + e - 1, kNan);  // NaN in the last block
+        batch.set(5 * e + 7, kInf);      // +Inf: NaN weights, no NaN logit
+        batch.set(6 * e + 2, -kInf);     // -Inf: finite weights
+        std::vector<int32_t> ids;
+        std::vector<float> weights;
+        std::string error;
+        REQUIRE_MESSAGE(run_topk(batch, rows, k, renormalize, ids, weights, error) ==
+                            KD_STATUS_OK,
+                        error);
+        const auto want = ref::topk_softmax(batch.values, rows, e, k, renormalize);
+        for (int64_t r = 0; r < rows; ++r) {
+          FloatTensor alone(dtype, {1, e});
+          for (int64_t j = 0; j < e; ++j) alone.set(j, batch.values[r * e + j]);
+          std::vector<int32_t> alone_ids;
+          std::vector<float> alone_weights;
+          REQUIRE(run_topk(alone, 1, k, renormalize, alone_ids, alone_weights, error) ==
+                  KD_STATUS_OK);
+          const bool nan_row = r == 1 || r == 4 || r == 5;
+          for (int64_t i = 0; i < k; ++i) {
+            const float w = weights[r * k + i];
+            CHECK_MESSAGE(std::isnan(w) == nan_row, "row " << r << " slot " << i);
+            CHECK_MESSAGE(ids[r * k + i] == alone_ids[i], "row " << r << " slot " << i);
+            if (!nan_row) {
+              CHECK_MESSAGE(std::memcmp(&w, &alone_weights[i], sizeof w) == 0,
+                            "row " << r << " slot " << i << ": " << w << " alone "
+                                   << alone_weights[i]);
+            }
+          }
+          if (!nan_row) {
+            ref::TopkSoftmaxResult one;
+            one.ids.assign(want.ids.begin() + r * k, want.ids.begin() + (r + 1) * k);
+            one.weights.assign(want.weights.begin() + r * k, want.weights.begin() + (r + 1) * k);
+            one.probabilities.assign(want.probabilities.begin() + r * e,
+                                     want.probabilities.begin() + (r + 1) * e);
+            check_topk(std::vector<int32_t>(ids.begin() + r * k, ids.begin() + (r + 1) * k),
+                       std::vector<float>(weights.begin() + r * k, weights.begin() + (r + 1) * k),
+                       one, 1, e, k, "row " + std::to_string(r));
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("cpu moe.topk_softmax refuses K > E") {
   FloatTensor gating(Dtype::kFloat32, {2, 4});
   std::mt19937_64 rng(8);
