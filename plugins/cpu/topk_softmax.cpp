@@ -296,7 +296,7 @@ struct RowArgs {
   int64_t k;
   bool renormalize;
   float* row;      // e floats, the widened row (16-bit types); or, with keys
-                   // and kReductionLanes more floats, two rows' keys (key_row)
+                   // and 2 * kReductionLanes more floats, two rows' keys (key_row)
   float* keys;     // k floats, after row
   int32_t* order;  // e + kReductionLanes: sort indices, flag bytes or candidate bits
 };
@@ -855,6 +855,7 @@ template <class T>
   // The keys, their lane maxima, and the largest magnitude (NaN or not).
   __m256i lane_max = _mm256_set1_epi16(INT16_MIN);
   __m256i magnitude_max = _mm256_setzero_si256();
+#pragma GCC unroll 2
   for (int64_t j = 0; j < full; j += kReductionLanes) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + j));
     magnitude_max = _mm256_max_epi16(magnitude_max, magnitudes16(x));
@@ -888,12 +889,15 @@ template <class T>
 
   // The candidates: 16 bits per block, pairs of blocks to a 32-bit half
   // word, padded with zeros to whole 64-bit words.
+  if (blocks % 2 != 0) {
+    // An odd block count: one more block of keys that reach no threshold.
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + blocks * 16),
+                        _mm256_set1_epi16(INT16_MIN));
+  }
   int64_t half_words = 0;
   for (int64_t b = 0; b < blocks; b += 2) {
     const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + b * 16));
-    const __m256i second =
-        b + 1 < blocks ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + b * 16 + 16))
-                       : _mm256_set1_epi16(INT16_MIN);
+    const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + b * 16 + 16));
     row.halves[half_words++] = bits_of_two_blocks(_mm256_cmpgt_epi16(first, below_threshold),
                                                   _mm256_cmpgt_epi16(second, below_threshold));
   }
@@ -999,9 +1003,10 @@ inline bool key_rows(const RowArgs& a) {
 }
 
 // The scratch of the key rows: two rows' keys in a.row (which holds
-// e + k + kReductionLanes floats), their candidate bits in a.order.
+// e + k + 2 * kReductionLanes floats), each padded to an even number of
+// blocks, their candidate bits in a.order.
 inline int64_t key_row_stride(const RowArgs& a) {
-  return (a.e + kReductionLanes - 1) / kReductionLanes * kReductionLanes;
+  return (a.e + 2 * kReductionLanes - 1) / (2 * kReductionLanes) * (2 * kReductionLanes);
 }
 
 inline KeyRow key_row(const RowArgs& a, const void* src, int slot) {
@@ -1190,7 +1195,7 @@ kd_status topk_softmax(const kd_call_args* args) noexcept {
       std::atomic<bool> out_of_memory{false};
       const RowsFn<T> rows_kernel = kRowKernels.get<T>();
       parallel_for(rows, e, [&](int64_t begin, int64_t end) noexcept {
-        Scratch s{std::unique_ptr<float[]>(new (std::nothrow) float[e + k + kReductionLanes]),
+        Scratch s{std::unique_ptr<float[]>(new (std::nothrow) float[e + k + 2 * kReductionLanes]),
                   std::unique_ptr<int32_t[]>(new (std::nothrow) int32_t[e + kReductionLanes])};
         if (!s.floats || !s.indices) {
           out_of_memory.store(true, std::memory_order_relaxed);
