@@ -3,9 +3,9 @@
 // libm's expf/erff are scalar calls, and at 4 to 8 bytes of traffic per
 // element a scalar call per element costs more than the memory traffic.
 //
-// Accuracy (checked against float64): fast_exp within 1.3 ulp over the whole
-// float range; the activations' exp_bounded, times_sigmoid and gelu_erf come
-// in two precisions (see Precision), with their errors given below.
+// Accuracy (checked against float64): exp_bounded, times_sigmoid and
+// gelu_erf come in two precisions (see Precision), with their errors given
+// below.
 #pragma once
 
 #include <bit>
@@ -13,46 +13,6 @@
 #include <type_traits>
 
 namespace kdispatch::cpu {
-
-// e^x. Overflows to +Inf above about 88.72, flushes to +0 below about -87.3
-// (no subnormal results), propagates NaN.
-[[gnu::always_inline]] inline float fast_exp(float x) {
-  // x = n ln2 + r, |r| <= ln2 / 2, with ln2 split in two so that n ln2 is
-  // subtracted without rounding error.
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693145751953125f;  // 12 significant bits
-  constexpr float kLn2Lo = 1.42860682030941723212e-6f;
-  // The clamp (NaN mapped to 0) keeps n in [-126, 128] and the float to int
-  // conversion below defined; the selects at the end restore the true
-  // results outside it.
-  float clamped = x < -87.34f ? -87.34f : (x > 88.73f ? 88.73f : x);
-  clamped = x != x ? 0.0f : clamped;
-  // Round to nearest via the 1.5 * 2^23 trick: the float adder does it.
-  constexpr float kShift = 12582912.0f;
-  const float shifted = clamped * kLog2e + kShift;
-  const float n = shifted - kShift;
-  const float r = (clamped - n * kLn2Hi) - n * kLn2Lo;
-  // Taylor series to degree 7: the remainder r^8/8! is below 3e-9 on the
-  // interval, under half an ulp.
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  // Scale by 2^n through the exponent field. 2^128 is not a float, so a
-  // positive n is applied as 2^(n-1) * 2.
-  const int32_t ni = static_cast<int32_t>(n);
-  const int32_t high = ni > 0 ? 1 : 0;
-  const float scale = std::bit_cast<float>(static_cast<uint32_t>(ni - high + 127) << 23);
-  float result = (p * scale) * (1.0f + static_cast<float>(high));
-  result = x > 88.72283935546875f ? std::bit_cast<float>(0x7f800000u) : result;
-  result = x < -87.33654022216797f ? 0.0f : result;
-  result = x != x ? x : result;
-  return result;
-}
 
 // How accurate the float math before a result's rounding needs to be. A
 // float32 result is checked to 1e-4 relative; a result rounded to a 16-bit
