@@ -52,7 +52,8 @@ struct RowStats {
 // towards the sum. Both use one exp at 16-bit precision (exp_plus, as
 // exp_bounded<kHalf>: 3.4e-6 relative for logits within 10 of the max; the
 // terms further down are below 5e-5 of the largest), so a weight is within
-// about 1e-5 of the true probability, well inside its 1e-4 tolerance, for a
+// 5e-6 of the true probability (relative, measured against float64 for rows
+// centred anywhere from -3e7 to 1e6), well inside its 1e-4 tolerance, for a
 // third of a float32 exp's work.
 //
 // Max and sum use kReductionLanes partial results (lane l takes the logits
@@ -108,14 +109,17 @@ struct RowStats {
   return in_top_k[0];
 }
 
-// e^x + addend for the arguments logit - max: never positive (or NaN), and
-// only needed to 16-bit precision (see above). exp_bounded<Precision::kHalf>
-// (fast_math.hpp) with a clamp, written with fewer operations since this is
-// most of the row's arithmetic: the polynomial for 2^f by Horner's rule in
-// fused multiply-adds, the scaling by 2^n fused with the addition (a running
-// sum, or 0), and 127 folded into the rounding constant, so that the low
-// bits of `shifted` are n + 127 outright. Within 3.8e-6 of e^x on [-20, 0],
-// as exp_bounded. The AVX2 rows have the same operations in exp_plus8.
+// e^(logit - max) + addend, with scaled_max = max log2(e): the argument is
+// never positive (or NaN), and only needed to 16-bit precision (see above).
+// exp_bounded<Precision::kHalf> (fast_math.hpp) with a clamp, written with
+// fewer operations since this is most of the row's arithmetic: the exponent
+// in base 2 as one fused multiply-add, logit log2(e) - scaled_max (rounding
+// scaled_max scales every exp of the row alike, which cancels out of the
+// weights); the polynomial for 2^f by Horner's rule in fused multiply-adds;
+// the scaling by 2^n fused with the addition (a running sum, or 0); and 127
+// folded into the rounding constant, so that the low bits of `shifted` are
+// n + 127 outright. Within 3.8e-6 of e^x on [-20, 0], as exp_bounded. The
+// AVX2 rows have the same operations in exp_plus8.
 //
 // The fused operations are __builtin_fmaf, rounded once as IEEE 754 defines
 // it on every host: an FMA instruction where the code is built for one (the
@@ -303,14 +307,15 @@ struct RowArgs {
 
 // The winners' probabilities from their logits, in place: only they are
 // exponentiated, each as in the sum; with renormalize, divided by the sum of
-// the first k. w holds n >= k logits (the AVX2 row computes
-// all 8 lanes of its register at once and stores the first k).
+// the first k. w holds n >= k logits (the AVX2 row computes all 8 lanes of
+// its register at once and stores the first k).
 [[gnu::always_inline]] inline void weights_from_logits(float* w, int64_t n, int64_t k,
                                                        const RowStats& st, bool renormalize) {
   if (!st.full_sum) {
     // renormalize without the full sum (see RowStats). The first winner is
-    // the max, whose e^0 is 1, so the sum is at least 1 (or NaN, when the
-    // max is infinite, as the weights then are with the full sum too).
+    // the max, whose exp is about 1, so the sum is at least that (or NaN,
+    // when the max is infinite, as the weights then are with the full sum
+    // too).
     for (int64_t i = 0; i < n; ++i) w[i] = exp_plus(w[i], st.max * kLog2e, 0.0f);
     float selected_sum = 0.0f;
     for (int64_t i = 0; i < k; ++i) selected_sum += w[i];
