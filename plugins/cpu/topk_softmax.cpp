@@ -982,11 +982,12 @@ template <class T>
                                                        float* weights, int32_t* ids) {
   // The empty lanes hold INT32_MIN, below every composite (a key is at
   // least -0x7fff, so a composite is above -0x7fff * 65536 - 65536).
-  const uint64_t* const words = reinterpret_cast<const uint64_t*>(row.halves);
   const int16_t* const keys = row.keys;
   TopComposites best{_mm_set1_epi32(INT32_MIN), _mm_set1_epi32(INT32_MIN)};
   for (int64_t w = 0; w * 2 < row.half_words; ++w) {
-    for (uint64_t word = words[w]; word != 0; word &= word - 1) {
+    uint64_t word = 0;
+    std::memcpy(&word, row.halves + w * 2, sizeof word);
+    for (; word != 0; word &= word - 1) {
       const int64_t j = w * 64 + __builtin_ctzll(word);
       const uint32_t composite = (static_cast<uint32_t>(keys[j]) << 16) - static_cast<uint32_t>(j);
       insert(best, static_cast<int32_t>(composite));
@@ -1018,7 +1019,9 @@ inline KeyRow key_row(const RowArgs& a, const void* src, int slot) {
   KeyRow row;
   row.bits = static_cast<const uint16_t*>(src);
   row.keys = reinterpret_cast<int16_t*>(a.row) + slot * key_row_stride(a);
-  row.halves = reinterpret_cast<uint32_t*>(a.order) + slot * (key_row_stride(a) / 32 + 2);
+  // An even number of half words per row, so that each row's words are
+  // 8-byte aligned like a.order.
+  row.halves = reinterpret_cast<uint32_t*>(a.order) + slot * (key_row_stride(a) / 32 + 2) / 2 * 2;
   return row;
 }
 
