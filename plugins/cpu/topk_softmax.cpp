@@ -838,7 +838,7 @@ KD_AVX2 inline Widened block_lanes() {
 // One float16 or bfloat16 row between the passes of the key rows.
 struct KeyRow {
   const uint16_t* bits;
-  int16_t* keys;     // scratch: the keys, e rounded up to whole blocks
+  int16_t* keys;     // scratch: the keys, e rounded up to whole pairs of blocks
   uint32_t* halves;  // scratch: the candidate bits, see scan_keys
   int64_t half_words;
   RowStats st;
@@ -885,8 +885,8 @@ template <class T>
 
   // Every lane holds a logit (e >= 16), so the threshold is a logit's key
   // and above INT16_MIN. The max is row_stats' but for the sign of a zero
-  // max, which no weight depends on: x - max and x + 0 round alike but for
-  // zero x, whose e^(+-0) is 1 either way.
+  // max, which no weight depends on: x log2(e) - max log2(e) is the same for
+  // +0 and -0 but for zero x, whose exp is 1 either way.
   row.st = RowStats{};
   row.st.max = _mm256_cvtss_f32(key_values<T>(_mm256_set1_epi32(max16(lane_max))));
   const __m256i below_threshold =
