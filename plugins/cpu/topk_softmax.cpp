@@ -305,6 +305,14 @@ struct RowArgs {
   int32_t* order;  // e + kReductionLanes: sort indices, flag bytes or candidate bits
 };
 
+// w[0] + ... + w[k - 1], in that order: the sum that renormalizes the
+// winners, rounded alike in the portable and the AVX2 rows.
+[[gnu::always_inline]] inline float sum_of_first(const float* w, int64_t k) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < k; ++i) sum += w[i];
+  return sum;
+}
+
 // The winners' probabilities from their logits, in place: only they are
 // exponentiated, each as in the sum; with renormalize, divided by the sum of
 // the first k. w holds n >= k logits (the AVX2 row computes all 8 lanes of
@@ -317,16 +325,14 @@ struct RowArgs {
     // when the max is infinite, as the weights then are with the full sum
     // too).
     for (int64_t i = 0; i < n; ++i) w[i] = exp_plus(w[i], st.max * kLog2e, 0.0f);
-    float selected_sum = 0.0f;
-    for (int64_t i = 0; i < k; ++i) selected_sum += w[i];
+    const float selected_sum = sum_of_first(w, k);
     for (int64_t i = 0; i < n; ++i) w[i] /= selected_sum;
     return;
   }
   const float inv_sum = 1.0f / st.sum;
   for (int64_t i = 0; i < n; ++i) w[i] = exp_plus(w[i], st.max * kLog2e, 0.0f) * inv_sum;
   if (!renormalize) return;
-  float selected_sum = 0.0f;
-  for (int64_t i = 0; i < k; ++i) selected_sum += w[i];
+  const float selected_sum = sum_of_first(w, k);
   if (selected_sum > 0.0f) {
     for (int64_t i = 0; i < n; ++i) w[i] /= selected_sum;
   }
@@ -529,15 +535,12 @@ KD_AVX2 inline __m256 weights_in_registers(__m256 logits, const RowStats& st, in
   alignas(32) float lane[8];
   if (!st.full_sum) {
     _mm256_store_ps(lane, exps);
-    float selected_sum = 0.0f;
-    for (int64_t i = 0; i < k; ++i) selected_sum += lane[i];
-    return _mm256_div_ps(exps, _mm256_set1_ps(selected_sum));
+    return _mm256_div_ps(exps, _mm256_set1_ps(sum_of_first(lane, k)));
   }
   const __m256 w = _mm256_mul_ps(exps, _mm256_set1_ps(1.0f / st.sum));
   if (!renormalize) return w;
   _mm256_store_ps(lane, w);
-  float selected_sum = 0.0f;
-  for (int64_t i = 0; i < k; ++i) selected_sum += lane[i];
+  const float selected_sum = sum_of_first(lane, k);
   return selected_sum > 0.0f ? _mm256_div_ps(w, _mm256_set1_ps(selected_sum)) : w;
 }
 
