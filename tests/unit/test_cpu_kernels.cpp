@@ -770,6 +770,43 @@ TEST_CASE("cpu moe.topk_softmax: a row's result does not depend on its neighbour
   }
 }
 
+TEST_CASE("cpu moe.topk_softmax: logits far below the max, and rows at the bound of the clamp-free sum") {
+  // An exp whose argument falls more than 126 below 0 in base 2 (a logit
+  // more than 87 below its row's max) is clamped to 2^-126. The 16-bit rows
+  // leave the clamp out of the sum when every logit lies within [-43, 43];
+  // rows just past that bound, far wider ones, and pairs of the two kinds
+  // must still match float64.
+  const int64_t rows = 8;
+  const int64_t e = 256;
+  const int64_t k = 8;
+  std::mt19937_64 rng(11);
+  for (Dtype dtype : kFloatDtypes) {
+    for (bool renormalize : {false, true}) {
+      const std::string what = describe("topk_softmax", dtype, rows, e) +
+                               (renormalize ? " renormalized" : "");
+      FloatTensor batch(dtype, {rows, e});
+      batch.randomize(rng, -4.0, 4.0);
+      batch.set(0 * e + 5, 43.0);  // at the bound: 86 apart
+      batch.set(0 * e + 200, -43.0);
+      batch.set(1 * e + 17, 43.5);  // just past it, paired with row 0
+      batch.set(1 * e + 90, -44.0);
+      batch.set(2 * e + 3, 60.0);  // the rest of the row 56-64 below the max
+      batch.set(3 * e + 250, -120.0);  // one logit 116-124 below the max
+      std::uniform_real_distribution<double> wide(-100.0, 100.0);
+      for (int64_t j = 0; j < e; ++j) batch.set(4 * e + j, wide(rng));  // paired with row 5
+      batch.set(6 * e + 0, 100.0);  // everything else far below
+      batch.set(7 * e + 255, -100.0);
+      std::vector<int32_t> ids;
+      std::vector<float> weights;
+      std::string error;
+      REQUIRE_MESSAGE(run_topk(batch, rows, k, renormalize, ids, weights, error) == KD_STATUS_OK,
+                      error);
+      check_topk(ids, weights, ref::topk_softmax(batch.values, rows, e, k, renormalize), rows, e,
+                 k, what);
+    }
+  }
+}
+
 TEST_CASE("cpu moe.topk_softmax refuses K > E") {
   FloatTensor gating(Dtype::kFloat32, {2, 4});
   std::mt19937_64 rng(8);
