@@ -852,7 +852,7 @@ struct KeyRow {
   RowStats st;
   // Whether every logit is within [-43, 43]: then no logit is more than 86
   // below the max, every exp's argument in base 2 is above -126, and the sum
-  // can leave out exp_plus's clamp (a twelfth of its operations), with the
+  // can leave out exp_plus's clamp (one of its eleven operations), with the
   // same results.
   bool unclamped;
   // The last, partial block, zeros past the row (sum_of_exps).
