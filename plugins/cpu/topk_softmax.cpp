@@ -313,6 +313,19 @@ struct RowArgs {
   return sum;
 }
 
+// visit(j) for every candidate j, in increasing order: the set bits of
+// `words` 64-bit words at `bits`. The AVX2 rows write the bits in 16- or
+// 32-bit pieces, so the words are read with memcpy.
+template <class Visit>
+[[gnu::always_inline]] inline void for_each_candidate(const void* bits, int64_t words,
+                                                      Visit&& visit) {
+  for (int64_t w = 0; w < words; ++w) {
+    uint64_t word = 0;
+    std::memcpy(&word, static_cast<const char*>(bits) + w * sizeof word, sizeof word);
+    for (; word != 0; word &= word - 1) visit(w * 64 + __builtin_ctzll(word));
+  }
+}
+
 // The winners' probabilities from their logits, in place: only they are
 // exponentiated, each as in the sum; with renormalize, divided by the sum of
 // the first k. w holds n >= k logits (the AVX2 row computes all 8 lanes of
@@ -498,15 +511,10 @@ KD_AVX2 inline bool select_in_registers(const float* logits, int64_t k,
                                         TopInRegisters& top) {
   top = empty_top();
   int64_t inserted = 0;
-  for (int64_t w = 0; w * 4 < blocks; ++w) {
-    uint64_t word = 0;
-    std::memcpy(&word, candidates + w * 4, sizeof word);
-    inserted += __builtin_popcountll(word);
-    for (; word != 0; word &= word - 1) {
-      const int64_t j = w * 64 + __builtin_ctzll(word);
-      insert(top, _mm256_broadcast_ss(logits + j), _mm256_set1_epi32(static_cast<int32_t>(j)));
-    }
-  }
+  for_each_candidate(candidates, (blocks + 3) / 4, [&](int64_t j) KD_AVX2 {
+    insert(top, _mm256_broadcast_ss(logits + j), _mm256_set1_epi32(static_cast<int32_t>(j)));
+    ++inserted;
+  });
   return inserted >= k;
 }
 
@@ -686,14 +694,8 @@ KD_AVX2 inline void select_in_memory(const float* logits, const RowArgs& a,
                                      const uint16_t* candidates, int64_t blocks, int32_t* ids) {
   if (a.k <= kInsertionMaxK) {
     TopList top(a.k, a.keys, ids);
-    for (int64_t w = 0; w * 4 < blocks; ++w) {
-      uint64_t word = 0;
-      std::memcpy(&word, candidates + w * 4, sizeof word);
-      for (; word != 0; word &= word - 1) {
-        const int64_t j = w * 64 + __builtin_ctzll(word);
-        top.insert(logits[j], static_cast<int32_t>(j));
-      }
-    }
+    for_each_candidate(candidates, (blocks + 3) / 4,
+                       [&](int64_t j) { top.insert(logits[j], static_cast<int32_t>(j)); });
     insert_all_if_short(logits, a.e, top);
   } else {
     // a.order holds the candidates, no longer needed.
@@ -1006,15 +1008,10 @@ template <class T>
   // least -0x7fff, so a composite is above -0x7fff * 65536 - 65536).
   const int16_t* const keys = row.keys;
   TopComposites best{_mm_set1_epi32(INT32_MIN), _mm_set1_epi32(INT32_MIN)};
-  for (int64_t w = 0; w * 2 < row.half_words; ++w) {
-    uint64_t word = 0;
-    std::memcpy(&word, row.halves + w * 2, sizeof word);
-    for (; word != 0; word &= word - 1) {
-      const int64_t j = w * 64 + __builtin_ctzll(word);
-      const uint32_t composite = (static_cast<uint32_t>(keys[j]) << 16) - static_cast<uint32_t>(j);
-      insert(best, static_cast<int32_t>(composite));
-    }
-  }
+  for_each_candidate(row.halves, row.half_words / 2, [&](int64_t j) KD_AVX2 {
+    const uint32_t composite = (static_cast<uint32_t>(keys[j]) << 16) - static_cast<uint32_t>(j);
+    insert(best, static_cast<int32_t>(composite));
+  });
   const __m256i top = _mm256_set_m128i(best.second, best.first);
   // key = (composite + 0xffff) >> 16 (arithmetic), j = -composite mod 65536.
   const __m256i top_keys = _mm256_srai_epi32(_mm256_add_epi32(top, _mm256_set1_epi32(0xffff)), 16);
