@@ -849,8 +849,8 @@ KD_AVX2 inline Widened block_lanes() {
 struct KeyRow {
   const uint16_t* bits;
   int16_t* keys;     // scratch: the keys, e rounded up to whole pairs of blocks
-  uint32_t* halves;  // scratch: the candidate bits, see scan_keys
-  int64_t half_words;
+  void* words;  // scratch: the candidate bits, see key_candidates
+  int64_t word_count;
   RowStats st;
   // Whether every logit is within [-43, 43]: then no logit is more than 86
   // below the max, every exp's argument in base 2 is above -126, and the sum
@@ -861,18 +861,23 @@ struct KeyRow {
   alignas(32) uint16_t tail[kReductionLanes];
 };
 
-// The first passes of a row in keys: the keys, their lane maxima and the
-// threshold, the max, and the candidates. False for a row with a NaN.
+// The first passes of a row in keys, in three steps so that two rows can go
+// through them step by step (each step's dependency chains beside the other
+// row's): the keys with their lane maxima and largest magnitude; the max and
+// the threshold; the candidates.
+struct KeyScan {
+  __m256i lane_max;
+  int16_t largest_magnitude;
+};
+
+// The keys, their lane maxima, and the largest magnitude (NaN or not).
 template <class T>
-[[gnu::always_inline]] KD_AVX2 inline bool scan_keys(const RowArgs& a, KeyRow& row) {
+[[gnu::always_inline]] KD_AVX2 inline KeyScan scan_keys(const RowArgs& a, KeyRow& row) {
   const int64_t e = a.e;
   const int64_t full = e - e % kReductionLanes;
   const int64_t rest = e - full;
-  const int64_t blocks = (e + kReductionLanes - 1) / kReductionLanes;
   const uint16_t* const bits = row.bits;
   int16_t* const keys = row.keys;
-
-  // The keys, their lane maxima, and the largest magnitude (NaN or not).
   __m256i lane_max = _mm256_set1_epi16(INT16_MIN);
   __m256i magnitude_max = _mm256_setzero_si256();
 #pragma GCC unroll 2
@@ -896,36 +901,59 @@ template <class T>
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + full), key);
     lane_max = _mm256_max_epi16(lane_max, key);
   }
-  const int16_t largest_magnitude = max16(magnitude_max);
-  if (largest_magnitude > Bits16<T>::kInfinity) return false;
+  return {lane_max, max16(magnitude_max)};
+}
 
+// The max and the threshold (as the key just below it); false for a row
+// with a NaN.
+template <class T>
+[[gnu::always_inline]] KD_AVX2 inline bool key_threshold(const RowArgs& a, const KeyScan& scan,
+                                                         KeyRow& row, __m256i& below_threshold) {
+  if (scan.largest_magnitude > Bits16<T>::kInfinity) return false;
   // Every lane holds a logit (e >= 16), so the threshold is a logit's key
   // and above INT16_MIN. The max is row_stats' but for the sign of a zero
   // max, which no weight depends on: x log2(e) - max log2(e) is the same for
   // +0 and -0 but for zero x, whose exp is 1 either way.
   row.st = RowStats{};
-  row.unclamped = largest_magnitude <= Bits16<T>::kUnclampedMax;
-  row.st.max = _mm256_cvtss_f32(key_values<T>(_mm256_set1_epi32(max16(lane_max))));
-  const __m256i below_threshold =
-      _mm256_set1_epi16(static_cast<int16_t>(kth_largest16(lane_max, a.k) - 1));
+  row.unclamped = scan.largest_magnitude <= Bits16<T>::kUnclampedMax;
+  row.st.max = _mm256_cvtss_f32(key_values<T>(_mm256_set1_epi32(max16(scan.lane_max))));
+  below_threshold =
+      _mm256_set1_epi16(static_cast<int16_t>(kth_largest16(scan.lane_max, a.k) - 1));
+  return true;
+}
 
-  // The candidates: 16 bits per block, pairs of blocks to a 32-bit half
-  // word, padded with zeros to whole 64-bit words.
+// The candidates: 16 bits per block, four blocks to a 64-bit word (the last
+// word's missing blocks zero). Each word is stored whole, so that the
+// selection's loads of them are forwarded from the stores (a load spanning
+// two narrower stores waits until they reach the cache).
+[[gnu::always_inline]] KD_AVX2 inline void key_candidates(const RowArgs& a, KeyRow& row,
+                                                          __m256i below_threshold) {
+  const int64_t blocks = (a.e + kReductionLanes - 1) / kReductionLanes;
+  int16_t* const keys = row.keys;
   if (blocks % 2 != 0) {
     // An odd block count: one more block of keys that reach no threshold.
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + blocks * 16),
                         _mm256_set1_epi16(INT16_MIN));
   }
-  int64_t half_words = 0;
-  for (int64_t b = 0; b < blocks; b += 2) {
+  const auto pair_bits = [&](int64_t b) KD_AVX2 {
     const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + b * 16));
     const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + b * 16 + 16));
-    row.halves[half_words++] = bits_of_two_blocks(_mm256_cmpgt_epi16(first, below_threshold),
-                                                  _mm256_cmpgt_epi16(second, below_threshold));
+    return bits_of_two_blocks(_mm256_cmpgt_epi16(first, below_threshold),
+                              _mm256_cmpgt_epi16(second, below_threshold));
+  };
+  const int64_t even_blocks = blocks + blocks % 2;  // with the padding block above
+  char* const words = static_cast<char*>(row.words);
+  int64_t w = 0;
+  int64_t b = 0;
+  for (; b + 4 <= even_blocks; b += 4, ++w) {
+    const uint64_t word = pair_bits(b) | uint64_t{pair_bits(b + 2)} << 32;
+    std::memcpy(words + w * sizeof word, &word, sizeof word);
   }
-  if (half_words % 2 != 0) row.halves[half_words++] = 0;
-  row.half_words = half_words;
-  return true;
+  if (b < even_blocks) {
+    const uint64_t word = pair_bits(b);
+    std::memcpy(words + w++ * sizeof word, &word, sizeof word);
+  }
+  row.word_count = w;
 }
 
 // The sums of e^(logit - max) of kRows rows at once (independent chains for
@@ -1000,18 +1028,24 @@ KD_AVX2 inline void sums_or_prefetch(KeyRow* const (&rows)[kRows], const RowArgs
   }
 }
 
-// The last passes: the selection and the weights.
-template <class T>
-[[gnu::always_inline]] KD_AVX2 inline void finish_keys(const RowArgs& a, const KeyRow& row,
-                                                       float* weights, int32_t* ids) {
+// The last passes: the selection ...
+[[gnu::always_inline]] KD_AVX2 inline TopComposites select_keys(const KeyRow& row) {
   // The empty lanes hold INT32_MIN, below every composite (a key is at
   // least -0x7fff, so a composite is above -0x7fff * 65536 - 65536).
   const int16_t* const keys = row.keys;
   TopComposites best{_mm_set1_epi32(INT32_MIN), _mm_set1_epi32(INT32_MIN)};
-  for_each_candidate(row.halves, row.half_words / 2, [&](int64_t j) KD_AVX2 {
+  for_each_candidate(row.words, row.word_count, [&](int64_t j) KD_AVX2 {
     const uint32_t composite = (static_cast<uint32_t>(keys[j]) << 16) - static_cast<uint32_t>(j);
     insert(best, static_cast<int32_t>(composite));
   });
+  return best;
+}
+
+// ... and the weights.
+template <class T>
+[[gnu::always_inline]] KD_AVX2 inline void write_keys(const RowArgs& a, const KeyRow& row,
+                                                      const TopComposites& best, float* weights,
+                                                      int32_t* ids) {
   const __m256i top = _mm256_set_m128i(best.second, best.first);
   // key = (composite + 0xffff) >> 16 (arithmetic), j = -composite mod 65536.
   const __m256i top_keys = _mm256_srai_epi32(_mm256_add_epi32(top, _mm256_set1_epi32(0xffff)), 16);
@@ -1020,6 +1054,12 @@ template <class T>
   store_first_k(top_ids,
                 weights_in_registers(key_values<T>(top_keys), row.st, a.k, a.renormalize), a.k,
                 weights, ids);
+}
+
+template <class T>
+[[gnu::always_inline]] KD_AVX2 inline void finish_keys(const RowArgs& a, const KeyRow& row,
+                                                       float* weights, int32_t* ids) {
+  write_keys<T>(a, row, select_keys(row), weights, ids);
 }
 
 // Whether the rows of this shape go through keys.
@@ -1038,9 +1078,9 @@ inline KeyRow key_row(const RowArgs& a, const void* src, int slot) {
   KeyRow row;
   row.bits = static_cast<const uint16_t*>(src);
   row.keys = reinterpret_cast<int16_t*>(a.row) + slot * key_row_stride(a);
-  // An even number of half words per row, so that each row's words are
-  // 8-byte aligned like a.order.
-  row.halves = reinterpret_cast<uint32_t*>(a.order) + slot * (key_row_stride(a) / 32 + 2) / 2 * 2;
+  // At most key_row_stride / 64 + 1 words a row (key_candidates), 8-byte
+  // aligned like a.order.
+  row.words = reinterpret_cast<char*>(a.order) + slot * (key_row_stride(a) / 64 + 1) * 8;
   return row;
 }
 
@@ -1051,7 +1091,9 @@ KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32
   if constexpr (!std::is_same_v<T, float>) {
     if (key_rows(a)) {
       KeyRow row = key_row(a, src, 0);
-      if (scan_keys<T>(a, row)) {
+      __m256i below_threshold;
+      if (key_threshold<T>(a, scan_keys<T>(a, row), row, below_threshold)) {
+        key_candidates(a, row, below_threshold);
         KeyRow* const rows[] = {&row};
         sums_or_prefetch<1, T>(rows, a);
         finish_keys<T>(a, row, weights, ids);
@@ -1119,11 +1161,22 @@ KD_AVX2 void topk_rows_avx2(const T* src, int64_t rows, const RowArgs& a, float*
       for (; r + 2 <= rows; r += 2) {
         KeyRow first = key_row(a, src + r * e, 0);
         KeyRow second = key_row(a, src + (r + 1) * e, 1);
-        if (scan_keys<T>(a, first) && scan_keys<T>(a, second)) {
+        const KeyScan first_scan = scan_keys<T>(a, first);
+        const KeyScan second_scan = scan_keys<T>(a, second);
+        __m256i first_below;
+        __m256i second_below;
+        // Both thresholds whatever the first row, so that they go side by side.
+        const bool first_ok = key_threshold<T>(a, first_scan, first, first_below);
+        const bool second_ok = key_threshold<T>(a, second_scan, second, second_below);
+        if (first_ok && second_ok) {
+          key_candidates(a, first, first_below);
+          key_candidates(a, second, second_below);
           KeyRow* const pair[] = {&first, &second};
           sums_or_prefetch<2, T>(pair, a);
-          finish_keys<T>(a, first, weights + r * k, ids + r * k);
-          finish_keys<T>(a, second, weights + (r + 1) * k, ids + (r + 1) * k);
+          const TopComposites first_best = select_keys(first);
+          const TopComposites second_best = select_keys(second);
+          write_keys<T>(a, first, first_best, weights + r * k, ids + r * k);
+          write_keys<T>(a, second, second_best, weights + (r + 1) * k, ids + (r + 1) * k);
         } else {
           // A NaN: each row on its own (the float row uses the scratch too).
           topk_row_avx2(src + r * e, a, weights + r * k, ids + r * k);
