@@ -870,10 +870,12 @@ struct KeyScan {
   int16_t largest_magnitude;
 };
 
+// The passes take the row length e apart from RowArgs, so that the common
+// lengths can be compile-time constants (see key_row_pairs).
+//
 // The keys, their lane maxima, and the largest magnitude (NaN or not).
 template <class T>
-[[gnu::always_inline]] KD_AVX2 inline KeyScan scan_keys(const RowArgs& a, KeyRow& row) {
-  const int64_t e = a.e;
+[[gnu::always_inline]] KD_AVX2 inline KeyScan scan_keys(int64_t e, KeyRow& row) {
   const int64_t full = e - e % kReductionLanes;
   const int64_t rest = e - full;
   const uint16_t* const bits = row.bits;
@@ -926,9 +928,9 @@ template <class T>
 // word's missing blocks zero). Each word is stored whole, so that the
 // selection's loads of them are forwarded from the stores (a load spanning
 // two narrower stores waits until they reach the cache).
-[[gnu::always_inline]] KD_AVX2 inline void key_candidates(const RowArgs& a, KeyRow& row,
+[[gnu::always_inline]] KD_AVX2 inline void key_candidates(int64_t e, KeyRow& row,
                                                           __m256i below_threshold) {
-  const int64_t blocks = (a.e + kReductionLanes - 1) / kReductionLanes;
+  const int64_t blocks = (e + kReductionLanes - 1) / kReductionLanes;
   int16_t* const keys = row.keys;
   if (blocks % 2 != 0) {
     // An odd block count: one more block of keys that reach no threshold.
@@ -1010,20 +1012,21 @@ KD_AVX2 inline void sum_of_exps(KeyRow* const (&rows)[kRows], int64_t e) {
 
 // The sums, or for renormalized rows only the next rows asked for.
 template <int kRows, class T>
-KD_AVX2 inline void sums_or_prefetch(KeyRow* const (&rows)[kRows], const RowArgs& a) {
+[[gnu::always_inline]] KD_AVX2 inline void sums_or_prefetch(KeyRow* const (&rows)[kRows],
+                                                            const RowArgs& a, int64_t e) {
   if (!a.renormalize) {
     bool unclamped = true;
     for (int r = 0; r < kRows; ++r) unclamped = unclamped && rows[r]->unclamped;
     if (unclamped) {
-      sum_of_exps<kRows, T, false>(rows, a.e);
+      sum_of_exps<kRows, T, false>(rows, e);
     } else {
-      sum_of_exps<kRows, T, true>(rows, a.e);
+      sum_of_exps<kRows, T, true>(rows, e);
     }
     return;
   }
   for (int r = 0; r < kRows; ++r) {
-    for (int64_t j = 0; j < a.e; j += 64 / sizeof(T)) {
-      _mm_prefetch(reinterpret_cast<const char*>(rows[r]->bits + kRows * a.e + j), _MM_HINT_T0);
+    for (int64_t j = 0; j < e; j += 64 / sizeof(T)) {
+      _mm_prefetch(reinterpret_cast<const char*>(rows[r]->bits + kRows * e + j), _MM_HINT_T0);
     }
   }
 }
@@ -1070,17 +1073,17 @@ inline bool key_rows(const RowArgs& a) {
 // The scratch of the key rows: two rows' keys in a.row (which holds
 // e + k + 2 * kReductionLanes floats), each padded to an even number of
 // blocks, their candidate bits in a.order.
-inline int64_t key_row_stride(const RowArgs& a) {
-  return (a.e + 2 * kReductionLanes - 1) / (2 * kReductionLanes) * (2 * kReductionLanes);
+inline int64_t key_row_stride(int64_t e) {
+  return (e + 2 * kReductionLanes - 1) / (2 * kReductionLanes) * (2 * kReductionLanes);
 }
 
-inline KeyRow key_row(const RowArgs& a, const void* src, int slot) {
+inline KeyRow key_row(const RowArgs& a, int64_t e, const void* src, int slot) {
   KeyRow row;
   row.bits = static_cast<const uint16_t*>(src);
-  row.keys = reinterpret_cast<int16_t*>(a.row) + slot * key_row_stride(a);
+  row.keys = reinterpret_cast<int16_t*>(a.row) + slot * key_row_stride(e);
   // At most key_row_stride / 64 + 1 words a row (key_candidates), 8-byte
   // aligned like a.order.
-  row.words = reinterpret_cast<char*>(a.order) + slot * (key_row_stride(a) / 64 + 1) * 8;
+  row.words = reinterpret_cast<char*>(a.order) + slot * (key_row_stride(e) / 64 + 1) * 8;
   return row;
 }
 
@@ -1090,12 +1093,12 @@ template <class T>
 KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32_t* ids) {
   if constexpr (!std::is_same_v<T, float>) {
     if (key_rows(a)) {
-      KeyRow row = key_row(a, src, 0);
+      KeyRow row = key_row(a, a.e, src, 0);
       __m256i below_threshold;
-      if (key_threshold<T>(a, scan_keys<T>(a, row), row, below_threshold)) {
-        key_candidates(a, row, below_threshold);
+      if (key_threshold<T>(a, scan_keys<T>(a.e, row), row, below_threshold)) {
+        key_candidates(a.e, row, below_threshold);
         KeyRow* const rows[] = {&row};
-        sums_or_prefetch<1, T>(rows, a);
+        sums_or_prefetch<1, T>(rows, a, a.e);
         finish_keys<T>(a, row, weights, ids);
         return;
       }
@@ -1146,10 +1149,49 @@ KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32
   write_weights(logits, a, st, weights, ids);
 }
 
-// Rows r to r + rows - 1 (src, weights and ids at row r). The 16-bit rows
-// in keys go two at a time, pass by pass, so that each pass's dependency
-// chains (the reductions, the threshold, the insertions, the weights) have a
-// second row's independent work beside them.
+// The 16-bit rows in keys, two at a time, pass by pass, so that each pass's
+// dependency chains (the reductions, the threshold, the insertions, the
+// weights) have a second row's independent work beside them: rows 0 to
+// rows - 1 but the last of an odd count (src, weights and ids at row 0).
+// Returns the number of rows done. kE, when not 0, is the row length (a.e)
+// as a constant, which leaves the passes' loops without remainders and lets
+// the compiler unroll them: 7% less time per row for E = 256 (in cache).
+template <class T, int64_t kE>
+KD_AVX2 int64_t key_row_pairs(const T* src, int64_t rows, const RowArgs& a, float* weights,
+                              int32_t* ids) {
+  const int64_t e = kE != 0 ? kE : a.e;
+  const int64_t k = a.k;
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    KeyRow first = key_row(a, e, src + r * e, 0);
+    KeyRow second = key_row(a, e, src + (r + 1) * e, 1);
+    const KeyScan first_scan = scan_keys<T>(e, first);
+    const KeyScan second_scan = scan_keys<T>(e, second);
+    __m256i first_below;
+    __m256i second_below;
+    // Both thresholds whatever the first row, so that they go side by side.
+    const bool first_ok = key_threshold<T>(a, first_scan, first, first_below);
+    const bool second_ok = key_threshold<T>(a, second_scan, second, second_below);
+    if (first_ok && second_ok) {
+      key_candidates(e, first, first_below);
+      key_candidates(e, second, second_below);
+      KeyRow* const pair[] = {&first, &second};
+      sums_or_prefetch<2, T>(pair, a, e);
+      const TopComposites first_best = select_keys(first);
+      const TopComposites second_best = select_keys(second);
+      write_keys<T>(a, first, first_best, weights + r * k, ids + r * k);
+      write_keys<T>(a, second, second_best, weights + (r + 1) * k, ids + (r + 1) * k);
+    } else {
+      // A NaN: each row on its own (the float row uses the scratch too).
+      topk_row_avx2(src + r * e, a, weights + r * k, ids + r * k);
+      topk_row_avx2(src + (r + 1) * e, a, weights + (r + 1) * k, ids + (r + 1) * k);
+    }
+  }
+  return r;
+}
+
+// Rows r to r + rows - 1 (src, weights and ids at row r): the 16-bit rows in
+// keys by pairs, the experts of common MoE routers (128, 256) as constants.
 template <class T>
 KD_AVX2 void topk_rows_avx2(const T* src, int64_t rows, const RowArgs& a, float* weights,
                             int32_t* ids) {
@@ -1158,30 +1200,10 @@ KD_AVX2 void topk_rows_avx2(const T* src, int64_t rows, const RowArgs& a, float*
   int64_t r = 0;
   if constexpr (!std::is_same_v<T, float>) {
     if (key_rows(a)) {
-      for (; r + 2 <= rows; r += 2) {
-        KeyRow first = key_row(a, src + r * e, 0);
-        KeyRow second = key_row(a, src + (r + 1) * e, 1);
-        const KeyScan first_scan = scan_keys<T>(a, first);
-        const KeyScan second_scan = scan_keys<T>(a, second);
-        __m256i first_below;
-        __m256i second_below;
-        // Both thresholds whatever the first row, so that they go side by side.
-        const bool first_ok = key_threshold<T>(a, first_scan, first, first_below);
-        const bool second_ok = key_threshold<T>(a, second_scan, second, second_below);
-        if (first_ok && second_ok) {
-          key_candidates(a, first, first_below);
-          key_candidates(a, second, second_below);
-          KeyRow* const pair[] = {&first, &second};
-          sums_or_prefetch<2, T>(pair, a);
-          const TopComposites first_best = select_keys(first);
-          const TopComposites second_best = select_keys(second);
-          write_keys<T>(a, first, first_best, weights + r * k, ids + r * k);
-          write_keys<T>(a, second, second_best, weights + (r + 1) * k, ids + (r + 1) * k);
-        } else {
-          // A NaN: each row on its own (the float row uses the scratch too).
-          topk_row_avx2(src + r * e, a, weights + r * k, ids + r * k);
-          topk_row_avx2(src + (r + 1) * e, a, weights + (r + 1) * k, ids + (r + 1) * k);
-        }
+      switch (e) {
+        case 128: r = key_row_pairs<T, 128>(src, rows, a, weights, ids); break;
+        case 256: r = key_row_pairs<T, 256>(src, rows, a, weights, ids); break;
+        default: r = key_row_pairs<T, 0>(src, rows, a, weights, ids); break;
       }
     }
   }
