@@ -848,8 +848,8 @@ KD_AVX2 inline Widened block_lanes() {
 // One float16 or bfloat16 row between the passes of the key rows.
 struct KeyRow {
   const uint16_t* bits;
-  int16_t* keys;     // scratch: the keys, e rounded up to whole pairs of blocks
-  void* words;  // scratch: the candidate bits, see key_candidates
+  int16_t* keys;  // scratch: the keys, e rounded up to whole pairs of blocks
+  void* words;    // scratch: the candidate bits, see key_candidates
   int64_t word_count;
   RowStats st;
   // Whether every logit is within [-43, 43]: then no logit is more than 86

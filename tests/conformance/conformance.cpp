@@ -135,7 +135,7 @@ TEST_CASE("moe.topk_softmax") {
   std::vector<Case> cases;
   for (bool renormalize : {false, true}) {
     for (int64_t rows : {1, 7, 33}) {
-      for (auto [e, k] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {7, 3}, {64, 6}, {256, 8}, {1000, 4}}) {
+      for (auto [e, k] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {7, 3}, {64, 6}, {128, 8}, {256, 8}, {1000, 4}}) {
         cases.push_back({{rows}, {{"E", e}, {"K", k}}, {{"renormalize", renormalize}}});
       }
     }
