@@ -12,7 +12,10 @@
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 
+#include <sched.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <string_view>
@@ -43,6 +46,19 @@ const Shape kShapes[] = {
     {"moe.topk_softmax", {{65536}, {{"E", 256}, {"K", 8}}}},
 };
 
+// The threads the cpu kernels run on, by the cpu plugin's rule (the memcpy
+// runs on one), so that the table says what it compares.
+std::string kernel_threads() {
+  if (const char* env = std::getenv("KDISPATCH_CPU_THREADS")) {
+    return fmt::format("KDISPATCH_CPU_THREADS={}", env);
+  }
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    return fmt::format("{}, one per CPU this process may use", CPU_COUNT(&set));
+  }
+  return "one per CPU";
+}
+
 std::unique_ptr<Context> g_context;
 std::unique_ptr<Dispatcher> g_dispatch;
 
@@ -61,7 +77,8 @@ class RatioReporter : public benchmark::ConsoleReporter {
     }
   }
   void print_table() const {
-    fmt::print("\n{:<30} {:<9} {:>12} {:>12} {:>7}\n", "op", "dtype", "kernel_us", "memcpy_us", "ratio");
+    fmt::print("\ncpu kernel threads: {}; memcpy: one thread\n", kernel_threads());
+    fmt::print("{:<30} {:<9} {:>12} {:>12} {:>7}\n", "op", "dtype", "kernel_us", "memcpy_us", "ratio");
     for (const auto& [name, t] : times_) {
       if (name.rfind("kernel/", 0) != 0) continue;
       const std::string rest = name.substr(7);
