@@ -314,8 +314,9 @@ struct RowArgs {
 }
 
 // visit(j) for every candidate j, in increasing order: the set bits of
-// `words` 64-bit words at `bits`. The AVX2 rows write the bits in 16- or
-// 32-bit pieces, so the words are read with memcpy.
+// `words` 64-bit words at `bits`. The float rows write the bits in 16-bit
+// pieces (the key rows in whole words) into int32 scratch, so the words are
+// read with memcpy.
 template <class Visit>
 [[gnu::always_inline]] inline void for_each_candidate(const void* bits, int64_t words,
                                                       Visit&& visit) {
