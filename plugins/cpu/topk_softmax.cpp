@@ -959,14 +959,31 @@ template <class T>
   row.word_count = w;
 }
 
+// How far ahead the key rows ask for their input, in elements: whole groups
+// of kRows rows (the rows passed through together), as many as fit in
+// kPrefetchBytes, and at least the next group. Each group asks for one
+// group further on, so that on large batches the input arrives from memory
+// while the groups before it are computed: the next group alone left the
+// first pass waiting (3 KiB ahead took 5-9% off 65536 bfloat16 rows of 256
+// on two threads, against the next pair).
+constexpr int64_t kPrefetchBytes = 3072;
+
+template <int kRows, class T>
+constexpr int64_t prefetch_ahead(int64_t e) {
+  const int64_t group = kRows * e;
+  const int64_t groups = kPrefetchBytes / (group * static_cast<int64_t>(sizeof(T)));
+  return (groups > 1 ? groups : 1) * group;
+}
+
 // The sums of e^(logit - max) of kRows rows at once (independent chains for
 // the out-of-order core to overlap), each in the lanes and order of
 // row_stats: lane l (mod 16) in one sum, the last, partial block only where
 // it holds logits, and the same pairwise tree at the end. Meanwhile the
-// rows kRows further on are asked for.
+// input further on is asked for (prefetch_ahead).
 template <int kRows, class T, bool kClamp>
 KD_AVX2 inline void sum_of_exps(KeyRow* const (&rows)[kRows], int64_t e) {
   const int64_t full = e - e % kReductionLanes;
+  const int64_t ahead = prefetch_ahead<kRows, T>(e);
   __m256 minus_scaled_max[kRows];
   __m256 sum_first[kRows];
   __m256 sum_second[kRows];
@@ -978,7 +995,7 @@ KD_AVX2 inline void sum_of_exps(KeyRow* const (&rows)[kRows], int64_t e) {
 #pragma GCC unroll 2
   for (int64_t j = 0; j < full; j += kReductionLanes) {
     for (int r = 0; r < kRows; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(rows[r]->bits + kRows * e + j), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rows[r]->bits + ahead + j), _MM_HINT_T0);
       const Widened x = widen_block<T>(rows[r]->bits + j);
       sum_first[r] = exp_plus8<kClamp>(x.first, minus_scaled_max[r], sum_first[r]);
       sum_second[r] = exp_plus8<kClamp>(x.second, minus_scaled_max[r], sum_second[r]);
@@ -1025,9 +1042,10 @@ template <int kRows, class T>
     }
     return;
   }
+  const int64_t ahead = prefetch_ahead<kRows, T>(e);
   for (int r = 0; r < kRows; ++r) {
     for (int64_t j = 0; j < e; j += 64 / sizeof(T)) {
-      _mm_prefetch(reinterpret_cast<const char*>(rows[r]->bits + kRows * e + j), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rows[r]->bits + ahead + j), _MM_HINT_T0);
     }
   }
 }
