@@ -1079,12 +1079,6 @@ template <class T>
                 weights, ids);
 }
 
-template <class T>
-[[gnu::always_inline]] KD_AVX2 inline void finish_keys(const RowArgs& a, const KeyRow& row,
-                                                       float* weights, int32_t* ids) {
-  write_keys<T>(a, row, select_keys(row), weights, ids);
-}
-
 // Whether the rows of this shape go through keys.
 inline bool key_rows(const RowArgs& a) {
   return a.e >= kReductionLanes && a.e <= kKeyMaxExperts && a.k <= kRegisterMaxK;
@@ -1119,7 +1113,7 @@ KD_AVX2 void topk_row_avx2(const T* src, const RowArgs& a, float* weights, int32
         key_candidates(a.e, row, below_threshold);
         KeyRow* const rows[] = {&row};
         sums_or_prefetch<1, T>(rows, a, a.e);
-        finish_keys<T>(a, row, weights, ids);
+        write_keys<T>(a, row, select_keys(row), weights, ids);
         return;
       }
     }
