@@ -118,10 +118,15 @@ Runner add_bench(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("bench", "Time one op on all its usable backends side by side, at large sizes");
   cmd->add_option("op", options->op, "Op id, e.g. layernorm.rmsnorm")->required()->type_name("OP");
   cmd->add_option("--dtype", options->sweep.dtype, "Only this dtype")->type_name("T");
-  cmd->add_option("--shape", options->sweep.shape_overrides, "Size of a shape symbol, e.g. H=8192 (repeatable)")
+  cmd->add_option("--shape", options->sweep.shape_overrides,
+                  "Size of a shape symbol, e.g. H=8192, or the leading dims, e.g. '*=65536' (repeatable; "
+                  "by default 4096 rows)")
       ->type_name("NAME=N");
   add_common_options(*cmd, options->common);
-  cmd->footer("Each result is the median time per call over >= 0.3 s of calls; GB/s counts every byte read and written.");
+  cmd->footer(
+      "Each result is the median time per call over >= 0.3 s of calls; GB/s counts every byte read and written.\n"
+      "Results are checked as in `run`; exit code 3 when one does not match or a kernel fails.\n"
+      "Example: kdispatch bench moe.topk_softmax --dtype bfloat16 --shape '*=65536' --shape E=256");
 
   return [options]() -> int {
     options->sweep.ops = {options->op};
