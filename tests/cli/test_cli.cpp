@@ -1,6 +1,8 @@
 // The kdispatch tool as DESIGN.md section 8 specifies it, driven as a real
 // process over the shipped plugins and fixture manifests.
 #include <doctest/doctest.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
@@ -328,6 +330,49 @@ TEST_CASE("usage errors exit 1 and --help exits 0") {
   CHECK(help.exit_code == 0);
   CHECK(help.out.find("list") != std::string::npos);
   CHECK(run_tool({"select", "--help"}).exit_code == 0);
+}
+
+TEST_CASE("run and bench: a bad --dtype, --shape, --iters or --save is a usage error naming it") {
+  struct Case {
+    std::vector<std::string> args;
+    std::vector<std::string> says;  // in stderr
+  };
+  const std::string file = make_temp_dir() + "/a-file";
+  std::ofstream(file) << "not a directory";
+  const Case cases[] = {
+      {{"run", "layernorm.rmsnorm", "--dtype", "float8"}, {"--dtype float8", "unknown dtype", "bfloat16"}},
+      {{"run", "--all", "--dtype", "float8"}, {"--dtype float8", "unknown dtype"}},
+      {{"bench", "layernorm.rmsnorm", "--dtype", "int32"},
+       {"--dtype int32", "op 'layernorm.rmsnorm' takes float32, float16, bfloat16"}},
+      // Sizes whose product wraps round 64 bits, and sizes past any memory.
+      {{"run", "layernorm.rmsnorm", "--shape", "*=4294967296", "--shape", "H=4294967296"},
+       {"layernorm.rmsnorm float32 at *=[4294967296] H=4294967296", "tensor 'out'", "too large to address"}},
+      {{"run", "layernorm.rmsnorm", "--shape", "H=99999999999999"}, {"H=99999999999999", "of memory"}},
+      {{"run", "embeddings.rotary_embedding", "--shape", "P=0"}, {"P=0", "tensor 'positions'", "empty range"}},
+      {{"run", "layernorm.rmsnorm", "--iters", "0"}, {"--iters", "'0' is not a whole number of at least 1"}},
+      {{"run", "layernorm.rmsnorm", "--iters", "-3"}, {"--iters", "'-3'"}},
+      {{"run", "layernorm.rmsnorm", "--save", file + "/below"}, {"--save " + file + "/below", "cannot create"}},
+  };
+  for (const Case& c : cases) {
+    const ToolResult r = run_tool(c.args);
+    INFO(fmt::format("{}\nstdout: {}\nstderr: {}", fmt::join(c.args, " "), r.out, r.err));
+    CHECK(r.exit_code == 1);
+    for (const std::string& s : c.says) CHECK_MESSAGE(r.err.find(s) != std::string::npos, s);
+  }
+}
+
+TEST_CASE("run: a kernel that refuses its arguments fails its result with the kernel's message") {
+  const ToolResult r =
+      run_tool({"run", "moe.topk_softmax", "--backend", "cpu", "--dtype", "float32", "--shape", "E=16", "--shape",
+                "K=17", "--json"});
+  INFO("stdout: " << r.out << "\nstderr: " << r.err);
+  CHECK(r.exit_code == 3);
+  const Json j = json_of(r);
+  REQUIRE(j.at("results").size() == 1);
+  const Json& result = j.at("results")[0];
+  CHECK(result.at("ok") == false);
+  CHECK(result.at("error").get<std::string>().find("KD-E040") != std::string::npos);
+  CHECK(result.at("error").get<std::string>().find("K = 17 exceeds the number of experts E = 16") != std::string::npos);
 }
 
 TEST_CASE("the first call of a kernel opens exactly its plugin") {

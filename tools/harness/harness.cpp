@@ -174,10 +174,54 @@ std::vector<int64_t> tensor_shape(const TensorArg& arg, const Shapes& shapes) {
       case ShapeToken::Kind::leading: out.insert(out.end(), shapes.leading.begin(), shapes.leading.end()); break;
       case ShapeToken::Kind::symbol: out.push_back(shapes.symbols.at(tok.symbol)); break;
       case ShapeToken::Kind::constant: out.push_back(tok.value); break;
-      case ShapeToken::Kind::multiple: out.push_back(tok.value * shapes.symbols.at(tok.symbol)); break;
+      case ShapeToken::Kind::multiple: {
+        int64_t n = 0;
+        if (__builtin_mul_overflow(tok.value, shapes.symbols.at(tok.symbol), &n)) {
+          throw std::invalid_argument(fmt::format("tensor '{}': {} * {}={} does not fit in 64 bits", arg.name,
+                                                  tok.value, tok.symbol, shapes.symbols.at(tok.symbol)));
+        }
+        out.push_back(n);
+        break;
+      }
     }
   }
   return out;
+}
+
+size_t tensor_bytes(Dtype dtype, const std::vector<int64_t>& shape) {
+  size_t bytes = dtype_size(dtype);
+  for (int64_t d : shape) {
+    if (d < 0 || __builtin_mul_overflow(bytes, static_cast<size_t>(d), &bytes)) {
+      throw std::invalid_argument(
+          fmt::format("a {} tensor of shape [{}] is too large to address", dtype_name(dtype), fmt::join(shape, ", ")));
+    }
+  }
+  return bytes;
+}
+
+namespace {
+// The dtype of `arg` in a call whose dtype variable is bound to `dtype`.
+Dtype arg_dtype(const OpSchema& schema, const TensorArg& arg, Dtype dtype) {
+  if (schema.dtype_vars.count(arg.dtype)) return dtype;
+  return parse_dtype(arg.dtype).value_or(dtype);
+}
+}  // namespace
+
+size_t call_bytes(const OpSchema& schema, Dtype dtype, const Shapes& shapes) {
+  size_t total = 0;
+  for (const TensorArg& arg : schema.tensors) {
+    size_t bytes = 0;
+    try {
+      bytes = tensor_bytes(arg_dtype(schema, arg, dtype), tensor_shape(arg, shapes));
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(fmt::format("tensor '{}': {}", arg.name, e.what()));
+    }
+    if (__builtin_add_overflow(total, bytes, &total)) {
+      throw std::invalid_argument(fmt::format("the tensors of {} at {} are too large to address", schema.op,
+                                              shapes_str(shapes)));
+    }
+  }
+  return total;
 }
 
 std::string shapes_str(const Shapes& shapes) {
@@ -199,9 +243,7 @@ void check(kd_status status, const char* what, const char* error) {
 
 Buffer::Buffer(Dtype dtype, std::vector<int64_t> shape, DLDevice device, const kd_memory_api* memory)
     : dtype_(dtype), shape_(std::move(shape)), memory_(memory) {
-  size_t n = 1;
-  for (int64_t d : shape_) n *= static_cast<size_t>(d);
-  host_.resize(n * dtype_size(dtype));
+  host_.resize(tensor_bytes(dtype, shape_));
   tensor_.data = host_.data();
   if (memory_ != nullptr) {
     char error[256] = "";
@@ -301,8 +343,7 @@ CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, ui
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<double> uniform(-2.0, 2.0);
   for (const TensorArg& arg : schema.tensors) {
-    Dtype d = dtype;
-    if (!schema.dtype_vars.count(arg.dtype)) d = parse_dtype(arg.dtype).value_or(dtype);
+    const Dtype d = arg_dtype(schema, arg, dtype);
     Buffer b(d, tensor_shape(arg, shapes), DLDevice{kDLCPU, 0}, nullptr);
     const size_t n = b.numel();
     const bool is_float = d == Dtype::float32 || d == Dtype::float16 || d == Dtype::bfloat16 || d == Dtype::float64;

@@ -40,6 +40,11 @@ Shapes example_shapes(const OpSchema& schema);
 void apply_overrides(Shapes& shapes, const std::vector<std::string>& overrides, const OpSchema& schema);
 std::vector<int64_t> tensor_shape(const TensorArg& arg, const Shapes& shapes);
 std::string shapes_str(const Shapes& shapes);  // "*=[64] H=4096"
+// Bytes of a tensor of `shape`, and of all the tensors of a call in `dtype`;
+// both throw std::invalid_argument, naming the tensor, where a size does not
+// fit in 64 bits (rather than wrapping round to a small buffer).
+size_t tensor_bytes(Dtype dtype, const std::vector<int64_t>& shape);
+size_t call_bytes(const OpSchema& schema, Dtype dtype, const Shapes& shapes);
 
 // --- buffers --------------------------------------------------------------------
 // One tensor: always a host copy; a device copy when `memory` is given.

@@ -30,6 +30,13 @@ Json results_json(const Sweep& sweep) {
   return Json{{"results", results}, {"skipped", skipped}};
 }
 
+// --iters' check: an error message, or empty.
+std::string at_least_one(const std::string& text) {
+  const bool digits = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+  const bool nonzero = text.find_first_not_of('0') != std::string::npos;
+  return digits && nonzero ? std::string() : fmt::format("'{}' is not a whole number of at least 1", text);
+}
+
 }  // namespace
 
 void print_sweep(const Sweep& sweep, bool bench) {
@@ -82,7 +89,9 @@ Runner add_run(CLI::App& app) {
   cmd->add_option("--shape", options->sweep.shape_overrides,
                   "Size of a shape symbol, e.g. H=4096, or the leading dims, e.g. '*=4,7' (repeatable)")
       ->type_name("NAME=N");
-  cmd->add_option("--iters", options->sweep.iters, "Timed calls per result (default 10)")->type_name("N");
+  cmd->add_option("--iters", options->sweep.iters, "Timed calls per result, at least 1 (default 10)")
+      ->type_name("N")
+      ->check(CLI::Validator(at_least_one, ""));
   cmd->add_flag("--no-check", options->no_check, "Do not check results");
   cmd->add_option("--save", options->sweep.save_dir,
                   "Write every tensor as .npy (DIR/<op>.<backend>.<dtype>.<arg>.{in,out}.npy) and the attributes as "

@@ -54,29 +54,89 @@ std::vector<Target> targets_of(const PluginBinary& binary, const std::string& de
   return out;
 }
 
-std::vector<Dtype> dtypes_for(const OpSchema& schema, const KernelSpec& spec, const std::string& flag) {
-  std::vector<Dtype> allowed;
+// The dtypes a call of the op may have: those of its first dtype variable
+// used by a tensor (which selects the kernel), else its first tensor's.
+std::vector<Dtype> schema_dtypes(const OpSchema& schema) {
   if (!schema.dtype_vars.empty()) {
-    // The first dtype variable used by a tensor selects the kernel.
     for (const auto& t : schema.tensors) {
-      if (auto it = schema.dtype_vars.find(t.dtype); it != schema.dtype_vars.end()) {
-        allowed = it->second;
-        break;
-      }
+      if (auto it = schema.dtype_vars.find(t.dtype); it != schema.dtype_vars.end()) return it->second;
     }
   } else if (!schema.tensors.empty()) {
-    if (auto d = parse_dtype(schema.tensors[0].dtype)) allowed = {*d};
+    if (auto d = parse_dtype(schema.tensors[0].dtype)) return {*d};
   }
+  return {};
+}
+
+std::vector<Dtype> dtypes_for(const OpSchema& schema, const KernelSpec& spec, const std::string& flag) {
   std::vector<Dtype> out;
-  for (Dtype d : allowed) {
+  for (Dtype d : schema_dtypes(schema)) {
     if (spec.supports(d) && (flag.empty() || dtype_name(d) == flag)) out.push_back(d);
   }
   return out;
 }
 
+std::string dtype_list(const std::vector<Dtype>& dtypes) {
+  std::vector<std::string_view> names;
+  for (Dtype d : dtypes) names.push_back(dtype_name(d));
+  return fmt::format("{}", fmt::join(names, ", "));
+}
+
+// --dtype names a dtype, and one that the op takes when the op was named.
+void check_dtype_flag(const std::string& flag, const OpSchema* named_op) {
+  if (flag.empty()) return;
+  const std::optional<Dtype> dtype = parse_dtype(flag);
+  if (!dtype) {
+    throw UsageError(fmt::format("--dtype {}: unknown dtype (known: {})", flag,
+                                 dtype_list({std::begin(kAllDtypes), std::end(kAllDtypes)})));
+  }
+  if (named_op == nullptr) return;
+  const std::vector<Dtype> allowed = schema_dtypes(*named_op);
+  if (std::find(allowed.begin(), allowed.end(), *dtype) == allowed.end()) {
+    throw UsageError(fmt::format("--dtype {}: op '{}' takes {}", flag, named_op->op, dtype_list(allowed)));
+  }
+}
+
+std::string human_bytes(double bytes) {
+  const char* const units[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 6) {
+    bytes /= 1024;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{:.0f} bytes", bytes) : fmt::format("{:.1f} {}", bytes, units[u]);
+}
+
+// The host tensors of one call, or a usage error naming the shapes where
+// they cannot be made: sizes past 64 bits, more than the machine's memory
+// (the sweep holds the inputs and a working copy at least), or a shape that
+// leaves an index tensor no valid value.
+harness::CallData make_host_call(const OpSchema& schema, Dtype dtype, const harness::Shapes& shapes, uint64_t seed) {
+  const std::string where = fmt::format("{} {} at {}", schema.op, dtype_name(dtype), harness::shapes_str(shapes));
+  try {
+    const size_t bytes = harness::call_bytes(schema, dtype, shapes);
+    const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+    if (memory > 0 && 2.0 * static_cast<double>(bytes) > memory) {
+      throw UsageError(
+          fmt::format("{}: the call's tensors take {}, and a run holds two copies of them at least; "
+                      "this machine has {} of memory",
+                      where, human_bytes(static_cast<double>(bytes)), human_bytes(memory)));
+    }
+    return harness::make_call(schema, dtype, shapes, seed);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(fmt::format("{}: {}", where, e.what()));
+  }
+}
+
+// --save's directory, made before anything runs.
+void make_save_dir(const std::string& dir) {
+  if (dir.empty()) return;
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  if (error) throw UsageError(fmt::format("--save {}: cannot create the directory: {}", dir, error.message()));
+}
+
 void save_call(const std::string& dir, const OpSchema& schema, const std::string& backend, const harness::CallData& in,
                const harness::CallData& out) {
-  std::filesystem::create_directories(dir);
   const std::string stem = fmt::format("{}/{}.{}.{}", dir, schema.op, backend, dtype_name(in.dtype));
   for (size_t i = 0; i < schema.tensors.size(); ++i) {
     const TensorArg& a = schema.tensors[i];
@@ -101,6 +161,8 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
       if (ctx.registry().has(s->op)) ops.push_back(s->op);
     }
   }
+  check_dtype_flag(options.dtype, nullptr);
+  make_save_dir(options.save_dir);
   const bool show_progress = options.progress && isatty(2);
   const auto fail_dispatch = [&] { sweep.exit_code = std::max(sweep.exit_code, static_cast<int>(kDispatchError)); };
 
@@ -108,6 +170,7 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
     // Resolving the handle checks that the op exists and has a schema.
     OpHandle handle = dispatch.op(op);
     const OpSchema& schema = handle.schema();
+    if (!options.ops.empty()) check_dtype_flag(options.dtype, &schema);
     std::vector<const KernelSpec*> specs = ctx.registry().get(op);
     if (!options.backend.empty()) {
       const KernelSpec* s = ctx.registry().get_backend(op, options.backend);
@@ -163,7 +226,14 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
             std::fflush(stderr);
           }
           try {
-            const harness::CallData host = harness::make_call(schema, dtype, shapes, 0x5eed + sweep.results.size());
+            const harness::CallData host = make_host_call(schema, dtype, shapes, 0x5eed + sweep.results.size());
+            harness::CallData data = harness::clone_to(host, target.dl, target.memory);
+            std::vector<DLTensor> tensors = data.dl();
+            // The kernel first: where it refuses the arguments (K > E, say),
+            // its message is the result's, and no reference is computed.
+            backend_handle(tensors, data.attrs);
+            synchronize(target);
+            harness::download_all(data);
             // Expected outputs: the float64 reference for the cpu backend,
             // the cpu backend for every other one.
             std::optional<std::vector<std::vector<double>>> expected;
@@ -179,11 +249,6 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
                 r.checked_against = "float64 reference";
               }
             }
-            harness::CallData data = harness::clone_to(host, target.dl, target.memory);
-            std::vector<DLTensor> tensors = data.dl();
-            backend_handle(tensors, data.attrs);
-            synchronize(target);
-            harness::download_all(data);
             if (expected) {
               const harness::Comparison c = harness::compare(schema, data, *expected);
               r.checked = true;
