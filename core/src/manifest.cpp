@@ -945,12 +945,11 @@ ManifestResult parse_manifest(std::string_view text, const std::string& path) {
   return result;
 }
 
-ManifestResult read_manifest(const std::filesystem::path& path) {
+std::optional<std::string> read_manifest_text(const std::filesystem::path& path, Problem& problem) {
   const std::string name = path.string();
   const auto unreadable = [&](std::string_view why) {
-    ManifestResult result;
-    result.errors.push_back({ErrorCode::manifest_bad_json, name, fmt::format("{}: cannot read: {}", name, why)});
-    return result;
+    problem = {ErrorCode::manifest_bad_json, name, fmt::format("{}: cannot read: {}", name, why)};
+    return std::nullopt;
   };
   // A lambda, not &std::fclose: taking a standard function's address is unspecified.
   const auto close = [](std::FILE* f) { std::fclose(f); };
@@ -968,7 +967,18 @@ ManifestResult read_manifest(const std::filesystem::path& path) {
   }
   // fopen succeeds on a directory; the read is what fails (EISDIR).
   if (std::ferror(file.get())) return unreadable(std::strerror(errno));
-  return parse_manifest(text, name);
+  return text;
+}
+
+ManifestResult read_manifest(const std::filesystem::path& path) {
+  Problem problem{};
+  const std::optional<std::string> text = read_manifest_text(path, problem);
+  if (!text) {
+    ManifestResult result;
+    result.errors.push_back(std::move(problem));
+    return result;
+  }
+  return parse_manifest(*text, path.string());
 }
 
 SchemaFileResult parse_op_schemas(std::string_view text, const std::string& path) {

@@ -289,6 +289,14 @@ TEST_CASE("validate: shipped manifests are clean and broken ones print FILE: KD-
   CHECK(checked >= 25);
 }
 
+TEST_CASE("validate reads no further than a manifest may be long: an endless file is an error, not a hang") {
+  const ToolResult r = run_tool({"validate", "/dev/zero", kManifests + "/cpu.json"});
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("/dev/zero: KD-E010:") != std::string::npos);
+  CHECK(r.out.find("larger than the 16 MiB a manifest may have") != std::string::npos);
+  CHECK(r.out.find("cpu.json: ok") != std::string::npos);
+}
+
 TEST_CASE("doctor --json reports search path, plugins and problems") {
   const std::string dir = plugin_dir({kManifests + "/cpu.json"});
   std::ofstream(dir + "/broken.json") << "{\"kdispatch_manifest\": \"1.0\", \"plugin\": ";

@@ -2,9 +2,6 @@
 // files, one line per problem.
 #include <fmt/format.h>
 
-#include <fstream>
-#include <sstream>
-
 #include "common.hpp"
 #include "kdispatch/manifest.hpp"
 
@@ -42,16 +39,17 @@ Runner add_validate(CLI::App& app) {
       std::vector<Problem> errors;
       std::vector<Problem> warnings;
       std::string summary;
-      std::ifstream in(file, std::ios::binary);
-      std::ostringstream text;
-      if (in) text << in.rdbuf();
-      if (in && looks_like_schema_list(text.str())) {
-        SchemaFileResult r = parse_op_schemas(text.str(), file);
+      Problem unreadable{};
+      const std::optional<std::string> text = read_manifest_text(file, unreadable);
+      if (!text) {
+        errors.push_back(std::move(unreadable));
+      } else if (looks_like_schema_list(*text)) {
+        SchemaFileResult r = parse_op_schemas(*text, file);
         errors = std::move(r.errors);
         warnings = std::move(r.warnings);
         summary = fmt::format("{} op schema(s)", r.schemas.size());
       } else {
-        ManifestResult r = read_manifest(file);
+        ManifestResult r = parse_manifest(*text, file);
         errors = std::move(r.errors);
         warnings = std::move(r.warnings);
         if (r.manifest) {
