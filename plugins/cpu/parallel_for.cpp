@@ -5,8 +5,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -14,13 +17,11 @@
 namespace kdispatch::cpu {
 namespace {
 
+constexpr long kMaxThreads = 1024;
+
 // CPUs this process may run on (a container or taskset may allow fewer than
-// the machine has); KDISPATCH_CPU_THREADS overrides, e.g. for benchmarks.
-int thread_count_from_environment() {
-  if (const char* env = std::getenv("KDISPATCH_CPU_THREADS")) {
-    const long n = std::strtol(env, nullptr, 10);
-    if (n >= 1 && n <= 1024) return static_cast<int>(n);
-  }
+// the machine has).
+int cpus_of_process() {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof(set), &set) == 0) {
     const int n = CPU_COUNT(&set);
@@ -28,6 +29,29 @@ int thread_count_from_environment() {
   }
   const unsigned n = std::thread::hardware_concurrency();
   return n >= 1 ? static_cast<int>(n) : 1;
+}
+
+// KDISPATCH_CPU_THREADS overrides, e.g. for benchmarks (empty is unset). A value that is not
+// a whole number from 1 to kMaxThreads is ignored with a warning on stderr,
+// in the core's format and unless KDISPATCH_LOG silences warnings (the
+// plugin has no other way to tell the user).
+int thread_count_from_environment() {
+  const int cpus = cpus_of_process();
+  const char* env = secure_getenv("KDISPATCH_CPU_THREADS");
+  if (env == nullptr || *env == '\0') return cpus;
+  char* end = nullptr;
+  errno = 0;
+  const long n = std::strtol(env, &end, 10);
+  if (end != env && *end == '\0' && errno == 0 && n >= 1 && n <= kMaxThreads) return static_cast<int>(n);
+  const char* log = secure_getenv("KDISPATCH_LOG");
+  const bool quiet = log != nullptr && (std::strcmp(log, "off") == 0 || std::strcmp(log, "error") == 0);
+  if (!quiet) {
+    std::fprintf(stderr,
+                 "kdispatch: warn: KDISPATCH_CPU_THREADS='%s' is not a whole number from 1 to %ld; "
+                 "using %d (one per CPU this process may run on)\n",
+                 env, kMaxThreads, cpus);
+  }
+  return cpus;
 }
 
 class ThreadPool {

@@ -383,6 +383,23 @@ TEST_CASE("run: a kernel that refuses its arguments fails its result with the ke
   CHECK(result.at("error").get<std::string>().find("K = 17 exceeds the number of experts E = 16") != std::string::npos);
 }
 
+TEST_CASE("KDISPATCH_CPU_THREADS that is not a thread count is ignored with a warning") {
+  const std::vector<std::string> args{"run", "layernorm.rmsnorm", "--backend", "cpu", "--dtype", "float32", "--iters", "1"};
+  for (const std::string value : {"abc", "0", "4x", "100000"}) {
+    const ToolResult r = run_tool(args, {{"KDISPATCH_CPU_THREADS", value}});
+    INFO("KDISPATCH_CPU_THREADS=" << value << "\nstderr: " << r.err);
+    CHECK(r.exit_code == 0);
+    CHECK(r.err.find("kdispatch: warn: KDISPATCH_CPU_THREADS='" + value + "' is not a whole number from 1 to 1024") !=
+          std::string::npos);
+  }
+  const ToolResult quiet = run_tool(args, {{"KDISPATCH_CPU_THREADS", "abc"}, {"KDISPATCH_LOG", "error"}});
+  CHECK(quiet.exit_code == 0);
+  CHECK(quiet.err.find("KDISPATCH_CPU_THREADS") == std::string::npos);
+  const ToolResult good = run_tool(args, {{"KDISPATCH_CPU_THREADS", "3"}});
+  CHECK(good.exit_code == 0);
+  CHECK(good.err.find("KDISPATCH_CPU_THREADS") == std::string::npos);
+}
+
 TEST_CASE("the first call of a kernel opens exactly its plugin") {
   const ToolResult r = run_tool({"run", "layernorm.rmsnorm", "--backend", "cpu", "--iters", "1", "--json"},
                                 {{"LD_DEBUG", "files"}});

@@ -14,7 +14,7 @@ int main(int argc, char** argv) {
       "declare in their manifests, and explains every error.\n\n"
       "Environment: KDISPATCH_PLUGIN_PATH, KDISPATCH_ADD_PLUGIN_PATH, KDISPATCH_PLUGINS_DISABLE,\n"
       "KDISPATCH_PLUGINS_SELECT, KDISPATCH_DEVICE, KDISPATCH_FORCE_BACKEND, KDISPATCH_BACKEND_ORDER,\n"
-      "KDISPATCH_LOG=error|warn|info|debug (see README.md).\n"
+      "KDISPATCH_LOG=error|warn|info|debug, KDISPATCH_TRACE=FILE, KDISPATCH_CPU_THREADS=N (see README.md).\n"
       "Exit codes: 0 ok, 1 usage, 2 dispatch or manifest error, 3 kernel failure or result mismatch.",
       "kdispatch"};
   app.require_subcommand(1);
