@@ -340,6 +340,22 @@ TEST_CASE("usage errors exit 1 and --help exits 0") {
   CHECK(run_tool({"select", "--help"}).exit_code == 0);
 }
 
+TEST_CASE("usage errors with --json are one JSON document on stdout too") {
+  const std::vector<std::vector<std::string>> cases{
+      {"select", "--json"},                                        // a parse error: the op is missing
+      {"list", "--device", "cuda:nine", "--json"},                 // a bad device
+      {"run", "layernorm.rmsnorm", "--iters", "0", "--json"},      // a failed option check
+      {"run", "layernorm.rmsnorm", "--shape", "H=abc", "--json"},  // a bad size
+  };
+  for (const auto& args : cases) {
+    const ToolResult r = run_tool(args);
+    CHECK(r.exit_code == 1);
+    const Json j = json_of(r);
+    CHECK(j.at("error").at("code") == "usage");
+    CHECK(!j.at("error").at("message").get<std::string>().empty());
+  }
+}
+
 TEST_CASE("run and bench: a bad --dtype, --shape, --iters or --save is a usage error naming it") {
   struct Case {
     std::vector<std::string> args;

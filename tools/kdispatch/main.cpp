@@ -3,11 +3,40 @@
 #include <fmt/format.h>
 
 #include <iostream>
+#include <string>
+#include <string_view>
 
 #include "common.hpp"
 
+namespace {
+
+// Whether --json was asked for: then errors that no subcommand reports
+// itself (usage errors, the last-resort ones) are still one JSON document on
+// stdout, as DESIGN.md section 8 promises, with "usage" or "error" as code.
+bool wants_json(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg == "--") return false;
+    if (arg == "--json") return true;
+  }
+  return false;
+}
+
+int report_plain_error(const std::string& code, const std::string& message, bool json, int exit_code) {
+  using namespace kdispatch::cli;
+  if (json) {
+    print_json(Json{{"error", {{"code", code}, {"message", message}, {"hints", Json::array()}}}});
+  } else {
+    std::cerr << "error: " << message << "\n";
+  }
+  return exit_code;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   using namespace kdispatch::cli;
+  const bool json = wants_json(argc, argv);
   CLI::App app{
       "kdispatch: a kernel dispatcher with plugin backends.\n"
       "Lists, selects, runs and benchmarks the kernels that plugins (CPU, CUDA, HIP, third-party)\n"
@@ -30,6 +59,7 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
+    if (json && e.get_exit_code() != 0) return report_plain_error("usage", e.what(), true, kUsage);
     const int code = app.exit(e);
     return code == 0 ? kOk : kUsage;
   }
@@ -38,15 +68,13 @@ int main(int argc, char** argv) {
       if (commands[i]->parsed()) return runners[i]();
     }
   } catch (const UsageError& e) {
-    std::cerr << "error: " << e.what() << "\n";
-    return kUsage;
+    return report_plain_error("usage", e.what(), json, kUsage);
   } catch (const kdispatch::Error& e) {
-    // --json is per subcommand; report_error inside each handles it. This is
-    // the fallback for anything thrown outside that.
-    return report_error(e, false);
+    // report_error inside each subcommand handles most; this is the fallback
+    // for anything thrown outside that.
+    return report_error(e, json);
   } catch (const std::exception& e) {
-    std::cerr << "error: " << e.what() << "\n";
-    return kDispatchError;
+    return report_plain_error("error", e.what(), json, kDispatchError);
   }
   return kUsage;
 }
