@@ -164,6 +164,13 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
   check_dtype_flag(options.dtype, nullptr);
   make_save_dir(options.save_dir);
   const bool show_progress = options.progress && isatty(2);
+  // The progress line is blanked when the sweep ends, by an error too.
+  struct ProgressLine {
+    bool shown;
+    ~ProgressLine() {
+      if (shown) fmt::print(stderr, "{:80}\r", "");
+    }
+  } const progress_line{show_progress};
   const auto fail_dispatch = [&] { sweep.exit_code = std::max(sweep.exit_code, static_cast<int>(kDispatchError)); };
 
   for (const std::string& op : ops) {
@@ -288,7 +295,6 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
       }
     }
   }
-  if (show_progress) fmt::print(stderr, "{:80}\r", "");
   return sweep;
 }
 
