@@ -7,6 +7,7 @@
 #include <memory>
 #include <vector>
 
+#include "bench_defaults.hpp"
 #include "kdispatch/context.hpp"
 #include "kdispatch/dispatcher.hpp"
 
@@ -232,6 +233,11 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark("BM_CudaLaunchHandle", BM_CudaLaunchHandle)->UseRealTime();
     benchmark::RegisterBenchmark("BM_CudaLaunchChecked", BM_CudaLaunchChecked)->UseRealTime();
   }
+  // The defaults of bench_defaults.hpp (5 shuffled repetitions, medians),
+  // unless the command line sets them.
+  std::vector<char*> args = bench::with_default_flags(argc, argv);
+  argc = static_cast<int>(args.size()) - 1;
+  argv = args.data();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 
+#include "bench_defaults.hpp"
 #include "harness.hpp"
 #include "kdispatch/context.hpp"
 #include "kdispatch/dispatcher.hpp"
@@ -124,20 +125,9 @@ int main(int argc, char** argv) {
   for (const Shape& s : kShapes) {
     for (Dtype d : {Dtype::float32, Dtype::bfloat16, Dtype::float16}) register_op(s, d);
   }
-  // The defaults described at the top, unless the command line sets them.
-  std::vector<char*> args(argv, argv + argc);
-  const auto given = [&](std::string_view flag) {
-    return std::any_of(args.begin() + 1, args.end(),
-                       [&](const char* a) { return std::string_view(a).starts_with(flag); });
-  };
-  std::string repetitions = "--benchmark_repetitions=5";
-  std::string interleave = "--benchmark_enable_random_interleaving=true";
-  std::string aggregates = "--benchmark_display_aggregates_only=true";
-  if (!given("--benchmark_repetitions")) args.push_back(repetitions.data());
-  if (!given("--benchmark_enable_random_interleaving")) args.push_back(interleave.data());
-  if (!given("--benchmark_display_aggregates_only")) args.push_back(aggregates.data());
-  argc = static_cast<int>(args.size());
-  args.push_back(nullptr);
+  // The defaults of bench_defaults.hpp, unless the command line sets them.
+  std::vector<char*> args = bench::with_default_flags(argc, argv);
+  argc = static_cast<int>(args.size()) - 1;
   argv = args.data();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
