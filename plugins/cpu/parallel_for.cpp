@@ -31,10 +31,10 @@ int cpus_of_process() {
   return n >= 1 ? static_cast<int>(n) : 1;
 }
 
-// KDISPATCH_CPU_THREADS overrides, e.g. for benchmarks (empty is unset). A value that is not
-// a whole number from 1 to kMaxThreads is ignored with a warning on stderr,
-// in the core's format and unless KDISPATCH_LOG silences warnings (the
-// plugin has no other way to tell the user).
+// KDISPATCH_CPU_THREADS overrides, e.g. for benchmarks (empty is unset). A
+// value that is not a whole number from 1 to kMaxThreads is ignored with a
+// warning on stderr, in the core's format and unless KDISPATCH_LOG silences
+// warnings (the plugin has no other way to tell the user).
 int thread_count_from_environment() {
   const int cpus = cpus_of_process();
   const char* env = secure_getenv("KDISPATCH_CPU_THREADS");
