@@ -13,24 +13,25 @@
 
 namespace kdispatch::bench {
 
-// argv with the defaults appended, and null-terminated as benchmark::Initialize
-// expects; its strings are argv's own and static ones.
-inline std::vector<char*> with_default_flags(int argc, char** argv) {
+// Points argc and argv at argv with the defaults appended, held in
+// `storage` (null-terminated, as benchmark::Initialize expects).
+inline void add_default_flags(int& argc, char**& argv, std::vector<char*>& storage) {
   static std::string repetitions = "--benchmark_repetitions=5";
   static std::string interleave = "--benchmark_enable_random_interleaving=true";
   static std::string aggregates = "--benchmark_report_aggregates_only=true";
-  std::vector<char*> args(argv, argv + argc);
+  storage.assign(argv, argv + argc);
   const auto given = [&](std::string_view flag) {
-    return std::any_of(args.begin() + 1, args.end(),
+    return std::any_of(storage.begin() + 1, storage.end(),
                        [&](const char* a) { return std::string_view(a).starts_with(flag); });
   };
-  if (!given("--benchmark_repetitions")) args.push_back(repetitions.data());
-  if (!given("--benchmark_enable_random_interleaving")) args.push_back(interleave.data());
+  if (!given("--benchmark_repetitions")) storage.push_back(repetitions.data());
+  if (!given("--benchmark_enable_random_interleaving")) storage.push_back(interleave.data());
   if (!given("--benchmark_report_aggregates_only") && !given("--benchmark_display_aggregates_only")) {
-    args.push_back(aggregates.data());
+    storage.push_back(aggregates.data());
   }
-  args.push_back(nullptr);
-  return args;
+  argc = static_cast<int>(storage.size());
+  storage.push_back(nullptr);
+  argv = storage.data();
 }
 
 }  // namespace kdispatch::bench

@@ -243,9 +243,8 @@ int main(int argc, char** argv) {
   }
   // The defaults of bench_defaults.hpp (5 shuffled repetitions, medians),
   // unless the command line sets them.
-  std::vector<char*> args = bench::with_default_flags(argc, argv);
-  argc = static_cast<int>(args.size()) - 1;
-  argv = args.data();
+  std::vector<char*> args;
+  bench::add_default_flags(argc, argv, args);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

@@ -16,7 +16,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
-#include <string_view>
 #include <vector>
 #include <map>
 #include <memory>
@@ -125,10 +124,10 @@ int main(int argc, char** argv) {
   for (const Shape& s : kShapes) {
     for (Dtype d : {Dtype::float32, Dtype::bfloat16, Dtype::float16}) register_op(s, d);
   }
-  // The defaults of bench_defaults.hpp, unless the command line sets them.
-  std::vector<char*> args = bench::with_default_flags(argc, argv);
-  argc = static_cast<int>(args.size()) - 1;
-  argv = args.data();
+  // The defaults of bench_defaults.hpp (5 shuffled repetitions, medians),
+  // unless the command line sets them.
+  std::vector<char*> args;
+  bench::add_default_flags(argc, argv, args);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   RatioReporter reporter;

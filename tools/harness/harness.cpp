@@ -210,9 +210,10 @@ Dtype arg_dtype(const OpSchema& schema, const TensorArg& arg, Dtype dtype) {
 size_t call_bytes(const OpSchema& schema, Dtype dtype, const Shapes& shapes) {
   size_t total = 0;
   for (const TensorArg& arg : schema.tensors) {
+    const std::vector<int64_t> shape = tensor_shape(arg, shapes);  // names the tensor where it throws
     size_t bytes = 0;
     try {
-      bytes = tensor_bytes(arg_dtype(schema, arg, dtype), tensor_shape(arg, shapes));
+      bytes = tensor_bytes(arg_dtype(schema, arg, dtype), shape);
     } catch (const std::invalid_argument& e) {
       throw std::invalid_argument(fmt::format("tensor '{}': {}", arg.name, e.what()));
     }

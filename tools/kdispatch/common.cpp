@@ -40,9 +40,7 @@ int report_error(const Error& error, bool json) {
   const bool kernel_failure =
       error.code() == ErrorCode::kernel_failed || error.code() == ErrorCode::device_error;
   if (json) {
-    Json doc;
-    doc["error"] = {{"code", error.code_string()}, {"message", error.message()}, {"hints", error.hints()}};
-    print_json(doc);
+    print_json(error_json(error.code_string(), error.message(), error.hints()));
   } else {
     std::fflush(stdout);
     std::cerr << fmt::format("error[{}]: {}\n", error.code_string(), error.message());
@@ -50,6 +48,10 @@ int report_error(const Error& error, bool json) {
     std::cerr << fmt::format("  (kdispatch explain {} says more)\n", error.code_string());
   }
   return kernel_failure ? kKernelFailure : kDispatchError;
+}
+
+Json error_json(std::string_view code, std::string_view message, const std::vector<std::string>& hints) {
+  return Json{{"error", {{"code", code}, {"message", message}, {"hints", hints}}}};
 }
 
 void print_json(const Json& doc) { std::cout << doc.dump(2) << std::endl; }

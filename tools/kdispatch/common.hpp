@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kdispatch/context.hpp"
@@ -45,6 +46,8 @@ struct UsageError : std::runtime_error {
 // Prints `error` as `error[KD-E002]: message` plus hint lines on stderr, or
 // as {"error": {...}} on stdout with --json. Returns the exit code.
 int report_error(const Error& error, bool json);
+// The document of an error with --json: {"error": {"code", "message", "hints"}}.
+Json error_json(std::string_view code, std::string_view message, const std::vector<std::string>& hints = {});
 void print_json(const Json& doc);
 
 Json problem_json(const Problem& problem);

@@ -25,7 +25,7 @@ bool wants_json(int argc, char** argv) {
 int report_plain_error(const std::string& code, const std::string& message, bool json, int exit_code) {
   using namespace kdispatch::cli;
   if (json) {
-    print_json(Json{{"error", {{"code", code}, {"message", message}, {"hints", Json::array()}}}});
+    print_json(error_json(code, message));
   } else {
     std::cerr << "error: " << message << "\n";
   }
