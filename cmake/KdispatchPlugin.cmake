@@ -1,37 +1,75 @@
 # kdispatch_add_plugin(): the one way every kdispatch plugin is built, the
-# shipped ones and third-party ones alike.
+# shipped ones and third-party ones alike. Installed beside the package
+# config, so that after `find_package(kdispatch CONFIG REQUIRED)` a plugin
+# project needs nothing else:
 #
 #   kdispatch_add_plugin(<target>
-#     MANIFEST <file.json>          the plugin's manifest; its "library" names
-#                                   the output file
-#     SOURCES <src>...              C, C++, CUDA sources or prebuilt objects
-#     [LINK_LIBRARIES <lib>...]     private link dependencies
-#     [EMBED_MANIFEST <file.json>]  manifest text compiled into the binary
-#                                   (default: MANIFEST; tests use another one
-#                                   to build a plugin whose binary disagrees)
-#     [OUTPUT_DIRECTORY <dir>]      default: KDISPATCH_PLUGIN_OUTPUT_DIR
+#     MANIFEST <file.json>            the plugin's manifest; its "library"
+#                                     names the output file
+#     SOURCES <src>...                C, C++ or CUDA sources, or objects
+#     [LINK_LIBRARIES <lib>...]       private link dependencies
+#     [EMBED_MANIFEST <file.json>]    manifest text compiled into the binary
+#                                     (default: MANIFEST; tests use another
+#                                     one to build a binary that disagrees)
+#     [OUTPUT_DIRECTORY <dir>]        where the library and a copy of its
+#                                     manifest go in the build tree; default
+#                                     KDISPATCH_PLUGIN_OUTPUT_DIR when set,
+#                                     else ${CMAKE_CURRENT_BINARY_DIR}/plugins
+#     [INSTALL_DESTINATION <dir>]     default: the package's plugin folder,
+#                                     <libdir>/kdispatch/plugins, relative to
+#                                     the installing project's prefix
 #     [NO_INSTALL])
 #
 # The result is a MODULE library with hidden visibility that exports only
 # `kdispatch_plugin_api` (version script), carries its manifest in the ELF
-# section `.kdispatch_manifest`, and lands beside a copy of its manifest in
-# the build tree's plugin folder, where the kdispatch tool finds it by default.
+# section `.kdispatch_manifest`, and lies beside a copy of its manifest, as
+# in a plugin directory: `kdispatch --add-plugin-path <dir>` finds it there.
+# Nothing is written outside the build tree before `cmake --install`.
 
-set(_KDISPATCH_PLUGIN_MAP "${CMAKE_CURRENT_LIST_DIR}/plugin.map")
+include_guard(GLOBAL)
+include(GNUInstallDirs)
+
+set(_KDISPATCH_PLUGIN_HELPER_DIR "${CMAKE_CURRENT_LIST_DIR}")
+
+# Outside the kdispatch build the helper needs the package's targets
+# (kdispatch::plugin_api); they are beside it in an installed package.
+if(NOT TARGET kdispatch::plugin_api AND EXISTS "${_KDISPATCH_PLUGIN_HELPER_DIR}/kdispatchTargets.cmake")
+  include("${_KDISPATCH_PLUGIN_HELPER_DIR}/kdispatchTargets.cmake")
+endif()
 
 function(kdispatch_add_plugin target)
   cmake_parse_arguments(ARG "NO_INSTALL"
-    "MANIFEST;EMBED_MANIFEST;OUTPUT_DIRECTORY" "SOURCES;LINK_LIBRARIES" ${ARGN})
+    "MANIFEST;EMBED_MANIFEST;OUTPUT_DIRECTORY;INSTALL_DESTINATION" "SOURCES;LINK_LIBRARIES" ${ARGN})
+  if(ARG_UNPARSED_ARGUMENTS)
+    message(FATAL_ERROR "kdispatch_add_plugin(${target}): unknown arguments: ${ARG_UNPARSED_ARGUMENTS}")
+  endif()
   if(NOT ARG_MANIFEST)
     message(FATAL_ERROR "kdispatch_add_plugin(${target}): MANIFEST is required")
   endif()
+  if(NOT ARG_SOURCES)
+    message(FATAL_ERROR "kdispatch_add_plugin(${target}): SOURCES is required")
+  endif()
+  if(NOT TARGET kdispatch::plugin_api)
+    message(FATAL_ERROR "kdispatch_add_plugin(${target}): target kdispatch::plugin_api not found; "
+                        "call find_package(kdispatch CONFIG REQUIRED) first")
+  endif()
   get_filename_component(manifest "${ARG_MANIFEST}" ABSOLUTE)
+  if(NOT EXISTS "${manifest}")
+    message(FATAL_ERROR "kdispatch_add_plugin(${target}): manifest ${manifest} does not exist")
+  endif()
   if(NOT ARG_EMBED_MANIFEST)
     set(ARG_EMBED_MANIFEST "${manifest}")
   endif()
   get_filename_component(embed "${ARG_EMBED_MANIFEST}" ABSOLUTE)
   if(NOT ARG_OUTPUT_DIRECTORY)
-    set(ARG_OUTPUT_DIRECTORY "${KDISPATCH_PLUGIN_OUTPUT_DIR}")
+    if(KDISPATCH_PLUGIN_OUTPUT_DIR)
+      set(ARG_OUTPUT_DIRECTORY "${KDISPATCH_PLUGIN_OUTPUT_DIR}")
+    else()
+      set(ARG_OUTPUT_DIRECTORY "${CMAKE_CURRENT_BINARY_DIR}/plugins")
+    endif()
+  endif()
+  if(NOT ARG_INSTALL_DESTINATION)
+    set(ARG_INSTALL_DESTINATION "${CMAKE_INSTALL_LIBDIR}/kdispatch/plugins")
   endif()
 
   file(READ "${manifest}" manifest_text)
@@ -41,14 +79,34 @@ function(kdispatch_add_plugin target)
   endif()
 
   # The manifest text as a byte array in its own section, so that
-  # `kdispatch inspect` can read it from the file without loading it.
+  # `kdispatch inspect` can read it from the file without loading it. The
+  # generated file is valid C, C++ and CUDA; it takes the first of those
+  # languages the project enabled.
+  get_property(languages GLOBAL PROPERTY ENABLED_LANGUAGES)
+  if("C" IN_LIST languages)
+    set(embed_ext c)
+  elseif("CXX" IN_LIST languages)
+    set(embed_ext cpp)
+  elseif("CUDA" IN_LIST languages)
+    set(embed_ext cu)
+  else()
+    message(FATAL_ERROR "kdispatch_add_plugin(${target}): enable C, CXX or CUDA in project()")
+  endif()
   file(READ "${embed}" embed_hex HEX)
   string(REGEX REPLACE "([0-9a-f][0-9a-f])" "0x\\1," embed_bytes "${embed_hex}")
-  set(embed_source "${CMAKE_CURRENT_BINARY_DIR}/${target}_embedded_manifest.c")
+  set(embed_source "${CMAKE_CURRENT_BINARY_DIR}/${target}_embedded_manifest.${embed_ext}")
   file(CONFIGURE OUTPUT "${embed_source}" CONTENT
 "/* Generated by kdispatch_add_plugin() from ${embed}. */
+#ifdef __cplusplus
+extern \"C\" {
+#endif
+__attribute__((section(\".kdispatch_manifest\"), used, visibility(\"hidden\")))
+extern const char kd_plugin_embedded_manifest[];
 __attribute__((section(\".kdispatch_manifest\"), used, visibility(\"hidden\")))
 const char kd_plugin_embedded_manifest[] = {${embed_bytes}0x00};
+#ifdef __cplusplus
+}
+#endif
 ")
   set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${manifest}" "${embed}")
 
@@ -60,14 +118,14 @@ const char kd_plugin_embedded_manifest[] = {${embed_bytes}0x00};
     CUDA_VISIBILITY_PRESET hidden VISIBILITY_INLINES_HIDDEN ON
     LIBRARY_OUTPUT_DIRECTORY "${ARG_OUTPUT_DIRECTORY}")
   target_link_options(${target} PRIVATE
-    "LINKER:--version-script=${_KDISPATCH_PLUGIN_MAP}" "LINKER:--no-undefined")
+    "LINKER:--version-script=${_KDISPATCH_PLUGIN_HELPER_DIR}/plugin.map" "LINKER:--no-undefined")
   get_filename_component(manifest_name "${manifest}" NAME)
   add_custom_command(TARGET ${target} POST_BUILD
     COMMAND ${CMAKE_COMMAND} -E copy_if_different "${manifest}"
             "${ARG_OUTPUT_DIRECTORY}/${manifest_name}"
     VERBATIM)
   if(NOT ARG_NO_INSTALL)
-    install(TARGETS ${target} LIBRARY DESTINATION "${CMAKE_INSTALL_LIBDIR}/kdispatch/plugins")
-    install(FILES "${manifest}" DESTINATION "${CMAKE_INSTALL_LIBDIR}/kdispatch/plugins")
+    install(TARGETS ${target} LIBRARY DESTINATION "${ARG_INSTALL_DESTINATION}")
+    install(FILES "${manifest}" DESTINATION "${ARG_INSTALL_DESTINATION}")
   endif()
 endfunction()

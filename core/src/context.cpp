@@ -1,5 +1,7 @@
 #include "kdispatch/context.hpp"
 
+#include "kdispatch/plugin_loader.hpp"
+
 #include <fmt/format.h>
 
 #include "builtin_schemas.hpp"

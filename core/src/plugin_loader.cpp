@@ -164,10 +164,17 @@ void check_abi(const kd_plugin_api& api, const std::string& library) {
                      library, api.abi_major, api.abi_minor, KDISPATCH_ABI_MAJOR, KDISPATCH_ABI_MINOR),
          {"rebuild the plugin against this kdispatch's plugin_api.h"});
   }
-  if (api.struct_size < KD_PLUGIN_API_STRUCT_SIZE) {
+  // Any minor of the major: the table must hold every field of 1.0. Fields
+  // appended later are read only where KD_STRUCT_HAS_FIELD says they exist.
+  if (api.struct_size < KD_PLUGIN_API_STRUCT_SIZE_1_0) {
     fail(ErrorCode::plugin_abi_mismatch,
-         fmt::format("plugin library {}: kd_plugin_api struct_size {} too small, need {}", library,
-                     api.struct_size, KD_PLUGIN_API_STRUCT_SIZE));
+         fmt::format("plugin library {}: kd_plugin_api struct_size {} is smaller than ABI 1.0's {}", library,
+                     api.struct_size, KD_PLUGIN_API_STRUCT_SIZE_1_0));
+  }
+  if (api.memory != nullptr && api.memory->struct_size < KD_MEMORY_API_STRUCT_SIZE_1_0) {
+    fail(ErrorCode::plugin_abi_mismatch,
+         fmt::format("plugin library {}: kd_memory_api struct_size {} is smaller than ABI 1.0's {}", library,
+                     api.memory->struct_size, KD_MEMORY_API_STRUCT_SIZE_1_0));
   }
   if (api.probe == nullptr || api.find_kernel == nullptr) {
     fail(ErrorCode::plugin_abi_mismatch,

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "kdispatch/error.hpp"
-#include "kdispatch/log.hpp"
+#include "kdispatch/logging.hpp"
 #include "kdispatch/registry.hpp"
 #include "kdispatch/selector.hpp"
 

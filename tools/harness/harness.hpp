@@ -15,7 +15,7 @@
 
 #include "kdispatch/dispatcher.hpp"
 #include "kdispatch/dtype.hpp"
-#include "kdispatch/plugin_loader.hpp"
+#include "kdispatch/plugin.hpp"
 #include "kdispatch/schema.hpp"
 #include "reference_ops.hpp"
 

@@ -7,6 +7,7 @@
 #include <string_view>
 
 #include "common.hpp"
+#include "kdispatch/version.h"
 
 namespace {
 
@@ -47,7 +48,7 @@ int main(int argc, char** argv) {
       "Exit codes: 0 ok, 1 usage, 2 dispatch or manifest error, 3 kernel failure or result mismatch.",
       "kdispatch"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", KDISPATCH_TOOL_VERSION);
+  app.set_version_flag("--version", std::string("kdispatch ") + kdispatch::version());
 
   std::vector<Runner> runners;
   std::vector<CLI::App*> commands;

@@ -4,6 +4,8 @@
 // is first asked for (kernel()).
 #pragma once
 
+#include <kdispatch/export.h>
+
 #include <kdispatch/plugin_api.h>
 
 #include <map>
@@ -14,11 +16,11 @@
 #include <vector>
 
 #include "kdispatch/discovery.hpp"
-#include "kdispatch/plugin_loader.hpp"
+#include "kdispatch/plugin.hpp"
 #include "kdispatch/registry.hpp"
 #include "kdispatch/selector.hpp"
 
-namespace kdispatch {
+namespace kdispatch KDISPATCH_API {
 
 struct ContextOptions {
   SearchPathOptions search;

@@ -2,13 +2,15 @@
 // "cuda:9.0", "hip:gfx90a"); a Target is what a kernel declares it runs on.
 #pragma once
 
+#include <kdispatch/export.h>
+
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
-namespace kdispatch {
+namespace kdispatch KDISPATCH_API {
 
 enum class DeviceType : uint8_t { cpu, cuda, hip };
 

@@ -3,6 +3,8 @@
 // library.
 #pragma once
 
+#include <kdispatch/export.h>
+
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -11,7 +13,7 @@
 #include "kdispatch/error.hpp"
 #include "kdispatch/manifest.hpp"
 
-namespace kdispatch {
+namespace kdispatch KDISPATCH_API {
 
 struct SearchPathOptions {
   // --plugin-path: replaces the default path (and KDISPATCH_PLUGIN_PATH).

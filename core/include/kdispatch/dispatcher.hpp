@@ -12,6 +12,8 @@
 // use and turns a failing status into KernelError (KD-E040/E041).
 #pragma once
 
+#include <kdispatch/export.h>
+
 #include <kdispatch/plugin_api.h>
 
 #include <atomic>
@@ -28,7 +30,7 @@
 #include "kdispatch/schema.hpp"
 #include "kdispatch/schema_check.hpp"
 
-namespace kdispatch {
+namespace kdispatch KDISPATCH_API {
 
 struct NamedAttr {
   std::string_view name;

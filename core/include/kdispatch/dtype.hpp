@@ -1,13 +1,15 @@
 // Element types of tensors, by their DESIGN.md names.
 #pragma once
 
+#include <kdispatch/export.h>
+
 #include <dlpack/dlpack.h>
 
 #include <cstdint>
 #include <optional>
 #include <string_view>
 
-namespace kdispatch {
+namespace kdispatch KDISPATCH_API {
 
 enum class Dtype : uint8_t { float32, float16, bfloat16, float64, int32, int64, uint8, bool_ };
 

@@ -2,12 +2,14 @@
 // `kdispatch explain` documents; see error_catalogue.hpp.
 #pragma once
 
+#include <kdispatch/export.h>
+
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
 
-namespace kdispatch {
+namespace kdispatch KDISPATCH_API {
 
 enum class ErrorCode : int {
   // selection

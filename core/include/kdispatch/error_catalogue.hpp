@@ -2,12 +2,14 @@
 // fix. `kdispatch explain KD-Ennn` prints an entry.
 #pragma once
 
+#include <kdispatch/export.h>
+
 #include <span>
 #include <string_view>
 
 #include "kdispatch/error.hpp"
 
-namespace kdispatch {
+namespace kdispatch KDISPATCH_API {
 
 struct CatalogueEntry {
   ErrorCode code;

@@ -2,13 +2,15 @@
 // plugin manifest. Pure metadata: no library is opened to build one.
 #pragma once
 
+#include <kdispatch/export.h>
+
 #include <string>
 #include <vector>
 
 #include "kdispatch/device.hpp"
 #include "kdispatch/dtype.hpp"
 
-namespace kdispatch {
+namespace kdispatch KDISPATCH_API {
 
 struct KernelSpec {
   std::string op;           // "layernorm.rmsnorm"

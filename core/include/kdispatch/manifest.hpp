@@ -3,6 +3,8 @@
 // that includes nlohmann/json.
 #pragma once
 
+#include <kdispatch/export.h>
+
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -13,7 +15,7 @@
 #include "kdispatch/kernel_spec.hpp"
 #include "kdispatch/schema.hpp"
 
-namespace kdispatch {
+namespace kdispatch KDISPATCH_API {
 
 inline constexpr int kManifestFormatMajor = 1;
 inline constexpr int kManifestFormatMinor = 0;

@@ -3,11 +3,13 @@
 // with dlopen, never linked, and never by loading a plugin), else cpu.
 #pragma once
 
+#include <kdispatch/export.h>
+
 #include <string>
 
 #include "kdispatch/device.hpp"
 
-namespace kdispatch {
+namespace kdispatch KDISPATCH_API {
 
 struct DetectedPlatform {
   Device device;

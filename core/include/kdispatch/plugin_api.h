@@ -15,9 +15,12 @@
  *                        refuses a plugin of another major (KD-E022).
  *   KDISPATCH_ABI_MINOR  bump when a field is appended to the end of a struct
  *                        or a new enum value is added. The host accepts any
- *                        minor of its major, and reads a field only when the
- *                        struct_size reported by the other side covers it
- *                        (KD_STRUCT_HAS_FIELD).
+ *                        plugin of its major whose struct_size covers the
+ *                        fields of 1.0 (the frozen *_STRUCT_SIZE_1_0 sizes),
+ *                        so a plugin built for an older or a newer minor
+ *                        loads; it reads a field added after 1.0 only when
+ *                        the struct_size reported by the other side covers
+ *                        it (KD_STRUCT_HAS_FIELD).
  * Every struct starts with `size_t struct_size` and only ever grows at its
  * end. Its *_STRUCT_SIZE macro names the last field; the static asserts below
  * fail to compile when a field is appended without updating that macro.
@@ -194,6 +197,14 @@ typedef struct kd_plugin_api {
 #define KD_PLUGIN_API_STRUCT_SIZE KD_STRUCT_SIZE(kd_plugin_api, memory)
 KD_STATIC_ASSERT(sizeof(kd_plugin_api) == KD_PLUGIN_API_STRUCT_SIZE,
                  "kd_plugin_api grew: update KD_PLUGIN_API_STRUCT_SIZE");
+
+/* The sizes of the ABI 1.0 structs, frozen: the least struct_size a host of
+ * major 1 accepts. Each names the last field of 1.0, which stays where it is
+ * whatever is appended later. */
+#define KD_PLUGIN_API_STRUCT_SIZE_1_0 KD_STRUCT_SIZE(kd_plugin_api, memory)
+#define KD_MEMORY_API_STRUCT_SIZE_1_0 KD_STRUCT_SIZE(kd_memory_api, synchronize)
+#define KD_DEVICE_INFO_STRUCT_SIZE_1_0 KD_STRUCT_SIZE(kd_device_info, name)
+#define KD_CALL_ARGS_STRUCT_SIZE_1_0 KD_STRUCT_SIZE(kd_call_args, error_capacity)
 
 /* Type of the exported entry symbol. Returns NULL only on a fatal error. */
 typedef const kd_plugin_api* (*kd_plugin_entry_fn)(void);

@@ -3,6 +3,8 @@
 // only: nothing here opens a library.
 #pragma once
 
+#include <kdispatch/export.h>
+
 #include <atomic>
 #include <cstdint>
 #include <map>
@@ -17,7 +19,7 @@
 #include "kdispatch/kernel_spec.hpp"
 #include "kdispatch/schema.hpp"
 
-namespace kdispatch {
+namespace kdispatch KDISPATCH_API {
 
 // A plugin whose kernels are not registered, and why.
 struct PluginFailure {

@@ -3,6 +3,8 @@
 // checked against calls by schema.cpp.
 #pragma once
 
+#include <kdispatch/export.h>
+
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -12,7 +14,7 @@
 
 #include "kdispatch/dtype.hpp"
 
-namespace kdispatch {
+namespace kdispatch KDISPATCH_API {
 
 struct ShapeToken {
   enum class Kind : uint8_t {

@@ -3,6 +3,8 @@
 // per-call check does no string work and no allocation.
 #pragma once
 
+#include <kdispatch/export.h>
+
 #include <dlpack/dlpack.h>
 
 #include <algorithm>
@@ -18,7 +20,7 @@
 #include "kdispatch/dtype.hpp"
 #include "kdispatch/schema.hpp"
 
-namespace kdispatch {
+namespace kdispatch KDISPATCH_API {
 
 inline constexpr size_t kMaxSchemaSymbols = 16;
 inline constexpr size_t kMaxSchemaTensors = 32;

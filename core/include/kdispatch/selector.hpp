@@ -2,6 +2,8 @@
 // resolution cache that takes no lock on a hit.
 #pragma once
 
+#include <kdispatch/export.h>
+
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -17,7 +19,7 @@
 #include "kdispatch/kernel_spec.hpp"
 #include "kdispatch/registry.hpp"
 
-namespace kdispatch {
+namespace kdispatch KDISPATCH_API {
 
 struct SelectorOptions {
   // KDISPATCH_FORCE_BACKEND: wins whenever it is eligible; otherwise a

@@ -163,6 +163,24 @@ TEST_CASE("loader: the good plugin loads, probes and its kernels run") {
   }
 }
 
+TEST_CASE("loader: the minor-version rule: a 1.0-sized table and a future 1.1 table both load") {
+  CHECK(KD_PLUGIN_API_STRUCT_SIZE_1_0 == KD_STRUCT_SIZE(kd_plugin_api, memory));
+  for (const std::string name : {"fx_abi_1_0_exact", "fx_abi_1_1_future"}) {
+    CAPTURE(name);
+    std::unique_ptr<PluginBinary> plugin = load_plugin_binary(fixture_manifest(name));
+    REQUIRE(plugin != nullptr);
+    CHECK(plugin->abi_major == 1);
+    CHECK(plugin->kernels.contains("kd_" + name + "_scale"));
+    REQUIRE(plugin->devices.size() == 1);
+  }
+  const auto exact = load_plugin_binary(fixture_manifest("fx_abi_1_0_exact"));
+  CHECK(exact->api->struct_size == KD_PLUGIN_API_STRUCT_SIZE_1_0);
+  CHECK(exact->abi_minor == 0);
+  const auto future = load_plugin_binary(fixture_manifest("fx_abi_1_1_future"));
+  CHECK(future->api->struct_size > KD_PLUGIN_API_STRUCT_SIZE_1_0);
+  CHECK(future->abi_minor == 1);
+}
+
 TEST_CASE("loader: each broken fixture fails with its own code and cause") {
   expect_load_failure("fx_no_entry", ErrorCode::plugin_no_entry,
                       "does not export the entry symbol 'kdispatch_plugin_api'");
@@ -171,7 +189,7 @@ TEST_CASE("loader: each broken fixture fails with its own code and cause") {
                       "was built for plugin ABI 2.0, this kdispatch uses ABI 1.0");
   expect_load_failure("fx_small_struct", ErrorCode::plugin_abi_mismatch,
                       "struct_size " + std::to_string(KD_STRUCT_SIZE(kd_plugin_api, probe)) +
-                          " too small, need " + std::to_string(KD_PLUGIN_API_STRUCT_SIZE));
+                          " is smaller than ABI 1.0's " + std::to_string(KD_PLUGIN_API_STRUCT_SIZE_1_0));
   expect_load_failure("fx_manifest_mismatch", ErrorCode::plugin_manifest_mismatch,
                       "kernels only in the file: [fixture.scale -> kd_fx_manifest_mismatch_scale]");
   expect_load_failure("fx_manifest_mismatch", ErrorCode::plugin_manifest_mismatch,
