@@ -100,9 +100,8 @@ function(kdispatch_add_plugin target)
 #ifdef __cplusplus
 extern \"C\" {
 #endif
-__attribute__((section(\".kdispatch_manifest\"), used, visibility(\"hidden\")))
-extern const char kd_plugin_embedded_manifest[];
-__attribute__((section(\".kdispatch_manifest\"), used, visibility(\"hidden\")))
+__attribute__((visibility(\"hidden\"))) extern const char kd_plugin_embedded_manifest[];
+__attribute__((section(\".kdispatch_manifest\"), used))
 const char kd_plugin_embedded_manifest[] = {${embed_bytes}0x00};
 #ifdef __cplusplus
 }

@@ -14,7 +14,7 @@ Runner add_explain(CLI::App& app) {
   auto options = std::make_shared<Options>();
   CLI::App* cmd = app.add_subcommand("explain", "Explain an error code: meaning, common causes, fix");
   cmd->add_option("code", options->code, "KD-Ennn (without it: list every code)")->type_name("KD-Ennn");
-  cmd->add_flag("--json", options->json, "Print one JSON document on stdout");
+  add_json_flag(*cmd, options->json);
 
   return [options]() -> int {
     if (options->code.empty()) {

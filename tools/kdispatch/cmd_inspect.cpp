@@ -47,7 +47,7 @@ Runner add_inspect(CLI::App& app) {
   cmd->add_option("file", options->file, "A plugin library (.so) or its manifest (.json)")
       ->required()
       ->type_name("FILE.so|FILE.json");
-  cmd->add_flag("--json", options->json, "Print one JSON document on stdout");
+  add_json_flag(*cmd, options->json);
 
   return [options]() -> int {
     std::vector<Problem> problems;

@@ -50,21 +50,31 @@ Runner add_list(CLI::App& app) {
     fmt::print("device: {} ({})\n\n", device.device.str(), device.source);
     fmt::print("plugins:\n");
     if (plugins.empty()) fmt::print("  (none found; try kdispatch doctor)\n");
+    size_t name_width = 10;
+    for (const auto& rec : plugins) name_width = std::max(name_width, rec.name.size());
     for (const auto& rec : plugins) {
       const std::string name = rec.name.empty() ? "?" : rec.name;
-      fmt::print("  {:<10} {:<9} {}\n", name, plugin_state_name(rec.state), rec.manifest_path);
-      if (!rec.note.empty()) fmt::print("  {:<10} {}\n", "", rec.note);
-      for (const auto& p : rec.problems) fmt::print("  {:<10} {}: {}\n", "", code_string(p.code), p.message);
+      fmt::print("  {:<{}} {:<9} {}\n", name, name_width, plugin_state_name(rec.state), rec.manifest_path);
+      if (!rec.note.empty()) fmt::print("  {:<{}} {}\n", "", name_width, rec.note);
+      for (const auto& p : rec.problems) {
+        fmt::print("  {:<{}} {}: {}\n", "", name_width, code_string(p.code), p.message);
+      }
     }
     const auto ops = ctx->registry().ops();
     size_t width = 2;
-    for (const auto& op : ops) width = std::max(width, op.size());
-    fmt::print("\n{:<{}}  {:<10} {:<7} {}\n", "OP", width, "BACKEND", "USABLE", "WHY NOT");
+    size_t backend_width = 10;
+    for (const auto& op : ops) {
+      width = std::max(width, op.size());
+      for (const auto& e : sel.eligibility(op, device.device, std::nullopt)) {
+        backend_width = std::max(backend_width, e.spec->backend.size());
+      }
+    }
+    fmt::print("\n{:<{}}  {:<{}} {:<7} {}\n", "OP", width, "BACKEND", backend_width, "USABLE", "WHY NOT");
     for (const auto& op : ops) {
       bool first = true;
       for (const auto& e : sel.eligibility(op, device.device, std::nullopt)) {
-        fmt::print("{:<{}}  {:<10} {:<7} {}\n", first ? op : "", width, e.spec->backend, e.eligible ? "yes" : "no",
-                   e.reason);
+        fmt::print("{:<{}}  {:<{}} {:<7} {}\n", first ? op : "", width, e.spec->backend, backend_width,
+                   e.eligible ? "yes" : "no", e.reason);
         first = false;
       }
     }

@@ -17,7 +17,7 @@ Runner add_select(CLI::App& app) {
   auto options = std::make_shared<Options>();
   CLI::App* cmd = app.add_subcommand("select", "Show which backend runs OP on a device, or why none can");
   cmd->add_option("op", options->op, "Op id, e.g. layernorm.rmsnorm")->required()->type_name("OP");
-  cmd->add_option("--backend", options->backend, "Require this backend (as backend=... in the API)")
+  cmd->add_option("--backend", options->backend, "Require this backend (backend=... in the API)")
       ->type_name("B");
   cmd->add_option("--device", options->device,
                   "cpu, cuda, cuda:9.0, hip, hip:gfx90a (default: KDISPATCH_DEVICE, else the first GPU, else cpu)")

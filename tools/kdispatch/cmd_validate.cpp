@@ -29,7 +29,7 @@ Runner add_validate(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "validate", "Check plugin manifests (and op-schema files) against the format; exit 2 on any problem");
   cmd->add_option("files", options->files, "Manifest or op-schema files")->required()->type_name("MANIFEST...");
-  cmd->add_flag("--json", options->json, "Print one JSON document on stdout");
+  add_json_flag(*cmd, options->json);
   cmd->footer("Prints FILE: KD-Ennn: message per problem. Example: kdispatch validate manifests/*.json");
 
   return [options]() -> int {

@@ -9,7 +9,19 @@
 
 namespace kdispatch::cli {
 
-void add_common_options(CLI::App& cmd, CommonOptions& options) {
+namespace {
+
+// Every subcommand's options, for apply_leading_options().
+std::vector<CommonOptions*>& registered_common() {
+  static std::vector<CommonOptions*> all;
+  return all;
+}
+std::vector<bool*>& registered_json() {
+  static std::vector<bool*> all;
+  return all;
+}
+
+void add_options_to(CLI::App& cmd, CommonOptions& options) {
   cmd.add_option("--plugin-path", options.plugin_path,
                  "Search only DIR for plugins (repeatable; replaces the default path and KDISPATCH_PLUGIN_PATH)")
       ->type_name("DIR");
@@ -17,6 +29,38 @@ void add_common_options(CLI::App& cmd, CommonOptions& options) {
                  "Search DIR before the plugin path (repeatable)")
       ->type_name("DIR");
   cmd.add_flag("--json", options.json, "Print one JSON document on stdout, errors included");
+}
+
+}  // namespace
+
+void add_common_options(CLI::App& cmd, CommonOptions& options) {
+  add_options_to(cmd, options);
+  registered_common().push_back(&options);
+}
+
+void add_json_flag(CLI::App& cmd, bool& json) {
+  cmd.add_flag("--json", json, "Print one JSON document on stdout, errors included");
+  registered_json().push_back(&json);
+}
+
+void add_leading_options(CLI::App& app, CommonOptions& leading) { add_options_to(app, leading); }
+
+void apply_leading_options(const CommonOptions& leading) {
+  for (CommonOptions* options : registered_common()) {
+    options->plugin_path.insert(options->plugin_path.begin(), leading.plugin_path.begin(), leading.plugin_path.end());
+    options->add_plugin_path.insert(options->add_plugin_path.begin(), leading.add_plugin_path.begin(),
+                                    leading.add_plugin_path.end());
+    options->json = options->json || leading.json;
+  }
+  for (bool* json : registered_json()) *json = *json || leading.json;
+}
+
+std::string for_command_line(std::string message) {
+  constexpr std::string_view api = "backend=...";
+  for (size_t at = message.find(api); at != std::string::npos; at = message.find(api, at)) {
+    message.replace(at, api.size(), "--backend B");
+  }
+  return message;
 }
 
 std::unique_ptr<Context> make_context(const CommonOptions& options) {
@@ -40,11 +84,11 @@ int report_error(const Error& error, bool json) {
   const bool kernel_failure =
       error.code() == ErrorCode::kernel_failed || error.code() == ErrorCode::device_error;
   if (json) {
-    print_json(error_json(error.code_string(), error.message(), error.hints()));
+    print_json(error_json(error.code_string(), for_command_line(error.message()), error.hints()));
   } else {
     std::fflush(stdout);
-    std::cerr << fmt::format("error[{}]: {}\n", error.code_string(), error.message());
-    for (const auto& hint : error.hints()) std::cerr << "  hint: " << hint << "\n";
+    std::cerr << fmt::format("error[{}]: {}\n", error.code_string(), for_command_line(error.message()));
+    for (const auto& hint : error.hints()) std::cerr << "  hint: " << for_command_line(hint) << "\n";
     std::cerr << fmt::format("  (kdispatch explain {} says more)\n", error.code_string());
   }
   return kernel_failure ? kKernelFailure : kDispatchError;

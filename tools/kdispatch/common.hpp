@@ -28,6 +28,16 @@ struct CommonOptions {
 
 // Adds --plugin-path, --add-plugin-path and --json to a subcommand.
 void add_common_options(CLI::App& cmd, CommonOptions& options);
+// Adds --json alone, for subcommands that read no plugins.
+void add_json_flag(CLI::App& cmd, bool& json);
+// The same options before the subcommand (`kdispatch --json list`): added to
+// the app, and handed after parsing to the options of every subcommand, in
+// front of what was given after it.
+void add_leading_options(CLI::App& app, CommonOptions& leading);
+void apply_leading_options(const CommonOptions& leading);
+// The core's messages name the API's arguments (`pass backend=...`); on the
+// command line these are options (`pass --backend B`).
+std::string for_command_line(std::string message);
 std::unique_ptr<Context> make_context(const CommonOptions& options);
 
 // Parses --device, or detects the platform (KDISPATCH_DEVICE, a GPU driver,

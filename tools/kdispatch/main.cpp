@@ -47,7 +47,12 @@ int main(int argc, char** argv) {
       "KDISPATCH_LOG=error|warn|info|debug, KDISPATCH_TRACE=FILE, KDISPATCH_CPU_THREADS=N (see README.md).\n"
       "Exit codes: 0 ok, 1 usage, 2 dispatch or manifest error, 3 kernel failure or result mismatch.",
       "kdispatch"};
-  app.require_subcommand(1);
+  app.require_subcommand(0, 1);
+  CommonOptions leading;
+  add_leading_options(app, leading);
+  app.footer("Common options (--plugin-path, --add-plugin-path, --json) go before or after the subcommand.\n"
+             "Run `kdispatch SUBCOMMAND --help` for a subcommand's options.\n"
+             "Example: kdispatch --add-plugin-path ./build/plugins list");
   app.set_version_flag("--version", std::string("kdispatch ") + kdispatch::version());
 
   std::vector<Runner> runners;
@@ -64,7 +69,12 @@ int main(int argc, char** argv) {
     const int code = app.exit(e);
     return code == 0 ? kOk : kUsage;
   }
+  apply_leading_options(leading);
   try {
+    if (app.get_subcommands().empty()) {
+      std::cout << app.help();
+      return kUsage;
+    }
     for (size_t i = 0; i < commands.size(); ++i) {
       if (commands[i]->parsed()) return runners[i]();
     }

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The installed package as a third party uses it: installs the build into a
+# temporary prefix, copies plugins/examples/scaled_add and tests/consumer out
+# of the source tree, builds them against the prefix alone (find_package, and
+# pkg-config for the consumer), and drives the installed tool over the
+# example plugin. Also checks that building the example writes nothing
+# outside its build tree and that its install honours --prefix.
+#
+#   check_package.sh BUILD_DIR SOURCE_DIR CXX [CXXFLAGS [LDFLAGS]]
+set -euo pipefail
+build=$1 source=$2 cxx=$3 cxxflags=${4:-} ldflags=${5:-}
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/kdispatch-package.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+prefix=$work/prefix
+step() { printf '\n=== %s\n' "$*"; }
+fail() { printf 'FAIL: %s\n' "$*"; exit 1; }
+generator=()
+if command -v ninja >/dev/null; then generator=(-G Ninja); fi
+# Nothing from the caller's environment steers the builds below.
+unset KDISPATCH_PLUGIN_OUTPUT_DIR KDISPATCH_PLUGIN_PATH KDISPATCH_ADD_PLUGIN_PATH KDISPATCH_FORCE_BACKEND \
+      KDISPATCH_BACKEND_ORDER KDISPATCH_PLUGINS_DISABLE KDISPATCH_PLUGINS_SELECT CMAKE_PREFIX_PATH PKG_CONFIG_PATH
+export HOME=$work/home
+mkdir -p "$HOME"
+
+step "cmake --install into $prefix"
+cmake --install "$build" --prefix "$prefix" >"$work/install.log"
+(cd "$prefix" && find . -path ./lib/python3 -prune -o \( -type f -o -type l \) -print | sort)
+
+configure() {  # SRC BUILD [args...]
+  local src=$1 dir=$2
+  shift 2
+  cmake -S "$src" -B "$dir" "${generator[@]}" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_CXX_FLAGS="$cxxflags" -DCMAKE_EXE_LINKER_FLAGS="$ldflags" \
+    -DCMAKE_MODULE_LINKER_FLAGS="$ldflags" "$@" >"$dir.configure.log" 2>&1 ||
+    { cat "$dir.configure.log"; fail "configure $src"; }
+}
+
+step "example plugin, built against the prefix only"
+cp -r "$source/plugins/examples/scaled_add" "$work/scaled_add"
+touch "$work/before-build"
+sleep 1
+configure "$work/scaled_add" "$work/scaled_add-build"
+cmake --build "$work/scaled_add-build" >"$work/scaled_add-build.log" 2>&1 ||
+  { cat "$work/scaled_add-build.log"; fail "build of the example"; }
+if grep -rq -- "$source" "$work/scaled_add-build/CMakeCache.txt"; then
+  fail "the example's build names the source checkout $source"
+fi
+plugins=$work/scaled_add-build/plugins
+ls "$plugins"
+
+step "nothing written outside the example's build tree"
+outside=$(find "$work" -newer "$work/before-build" -not -path "$work/scaled_add-build*" -not -path "$work" | sort)
+[[ -z "$outside" ]] || fail "the example's build wrote outside its build tree: $outside"
+for stray in /example_cpu.json /libkdispatch-example-cpu.so /plugins; do
+  [[ ! -e "$stray" ]] || fail "$stray exists"
+done
+echo "only $work/scaled_add-build* changed"
+
+step "the example's install honours --prefix"
+cmake --install "$work/scaled_add-build" --prefix "$work/example-prefix" >/dev/null
+for f in lib/kdispatch/plugins/libkdispatch-example-cpu.so lib/kdispatch/plugins/example_cpu.json; do
+  [[ -f "$work/example-prefix/$f" ]] || fail "missing $work/example-prefix/$f"
+  echo "$work/example-prefix/$f"
+done
+
+kd=("$prefix/bin/kdispatch" --add-plugin-path "$plugins")
+step "kdispatch --version"
+"$prefix/bin/kdispatch" --version
+
+step "kdispatch list: both ops of the example"
+"${kd[@]}" list | tee "$work/list.txt"
+grep -Eq '^elementwise\.scaled_add +example_cpu +yes' "$work/list.txt" || fail "list: no usable scaled_add"
+grep -Eq '^ +example_cpu +yes' "$work/list.txt" || fail "list: no example_cpu silu_and_mul"
+
+step "kdispatch select elementwise.scaled_add"
+"${kd[@]}" select elementwise.scaled_add --json | tee "$work/select.json"
+grep -q '"backend": "example_cpu"' "$work/select.json" || fail "select did not pick example_cpu"
+
+step "kdispatch run activation.silu_and_mul --backend example_cpu (checked)"
+"${kd[@]}" run activation.silu_and_mul --backend example_cpu | tee "$work/run.txt"
+grep -Eq '^run: 3 passed, 0 failed' "$work/run.txt" || fail "run of example_cpu"
+
+step "two usable backends, none chosen: KD-E004"
+set +e
+"${kd[@]}" select activation.silu_and_mul 2>"$work/e004.txt"
+rc=$?
+set -e
+cat "$work/e004.txt"
+[[ $rc == 2 ]] && grep -q 'error\[KD-E004\]' "$work/e004.txt" || fail "expected KD-E004 with exit 2, got $rc"
+grep -q -- '--backend' "$work/e004.txt" || fail "the message does not name --backend"
+
+step "KDISPATCH_BACKEND_ORDER=example_cpu,cpu resolves it"
+KDISPATCH_BACKEND_ORDER=example_cpu,cpu "${kd[@]}" select activation.silu_and_mul | tee "$work/order.txt"
+grep -q "backend 'example_cpu'" "$work/order.txt" || fail "KDISPATCH_BACKEND_ORDER was not followed"
+
+step "consumer built with find_package"
+cp -r "$source/tests/consumer" "$work/consumer"
+configure "$work/consumer" "$work/consumer-build"
+cmake --build "$work/consumer-build" >"$work/consumer-build.log" 2>&1 ||
+  { cat "$work/consumer-build.log"; fail "build of the consumer"; }
+"$work/consumer-build/kdispatch-consumer"
+
+step "consumer built with pkg-config"
+export PKG_CONFIG_PATH=$prefix/lib/pkgconfig
+echo "pkg-config --cflags --libs kdispatch: $(pkg-config --cflags --libs kdispatch) (version $(pkg-config --modversion kdispatch))"
+# shellcheck disable=SC2046,SC2086
+"$cxx" -std=c++20 $cxxflags $(pkg-config --cflags kdispatch) "$work/consumer/consumer.cpp" \
+  -o "$work/consumer-pc" $ldflags $(pkg-config --libs kdispatch) -Wl,-rpath,"$(pkg-config --variable=libdir kdispatch)"
+"$work/consumer-pc"
+
+printf '\npackage: all checks passed\n'
