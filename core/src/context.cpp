@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "builtin_schemas.hpp"
+#include "kdispatch/platform.hpp"
 #include "kdispatch/log.hpp"
 
 namespace kdispatch {
@@ -21,7 +22,8 @@ std::vector<std::string> ops_of(const Manifest& m) {
 Context::Context(ContextOptions options)
     : registry_(std::make_unique<KernelRegistry>()),
       selector_(std::make_unique<Selector>(*registry_, options.selector ? std::move(*options.selector)
-                                                                        : SelectorOptions::from_environment())) {
+                                                                        : SelectorOptions::from_environment())),
+      device_of_(options.device_of ? std::move(options.device_of) : kdispatch::device_of) {
   if (options.builtin_schemas) {
     for (const BuiltinSchemaFile& file : builtin_schema_files()) {
       SchemaFileResult parsed = parse_op_schemas(file.text, file.name);
@@ -37,6 +39,8 @@ Context::Context(ContextOptions options)
 }
 
 Context::~Context() = default;
+
+Device Context::device(DeviceType type, int32_t id) const { return device_of_(type, id); }
 
 void Context::register_record(PluginRecord& record) {
   switch (record.state) {

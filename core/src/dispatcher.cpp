@@ -316,7 +316,7 @@ KernelHandle Dispatcher::resolve_slow(OpState& state, DLDevice device, Dtype dty
                                 static_cast<int>(kDLCUDA), static_cast<int>(kDLROCM)));
   }
   const uint64_t generation = context_.registry().generation();
-  const KernelSpec& spec = context_.select({state.op, state.backend, device_of(*type, device.device_id), dtype});
+  const KernelSpec& spec = context_.select({state.op, state.backend, context_.device(*type, device.device_id), dtype});
   const kd_kernel_fn fn = context_.kernel(spec);
   std::lock_guard lock(mutex_);
   auto resolved =

@@ -8,6 +8,7 @@
 
 #include <kdispatch/plugin_api.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -28,6 +29,11 @@ struct ContextOptions {
   std::optional<SelectorOptions> selector;
   // Register the op schemas compiled into the core (manifests/ops/).
   bool builtin_schemas = true;
+  // The device, with its arch, that tensors on (type, id) live on; the
+  // dispatcher selects for each device on its own. Default: device_of() of
+  // platform.hpp, which asks the vendor driver. A program that knows its
+  // devices (or a test with fixture devices) may answer instead.
+  std::function<Device(DeviceType, int32_t)> device_of;
 };
 
 // What became of a plugin once its library was asked for.
@@ -56,6 +62,8 @@ class Context {
   std::vector<Problem> problems() const;
 
   const KernelSpec& select(const SelectRequest& request) const { return selector_->select(request); }
+  // The device tensors on (type, id) live on (ContextOptions::device_of).
+  Device device(DeviceType type, int32_t id) const;
 
   // The kernel of `spec`, loading its plugin on first use (serialised; a
   // plugin is opened at most once and never unloaded). Throws PluginError
@@ -75,6 +83,7 @@ class Context {
   std::unique_ptr<Selector> selector_;
   DiscoveryResult discovery_;
   std::vector<Manifest> api_manifests_;
+  std::function<Device(DeviceType, int32_t)> device_of_;
   std::vector<Problem> problems_;  // registration problems (guarded by load_mutex_)
 
   mutable std::mutex load_mutex_;
