@@ -328,7 +328,10 @@ TEST_CASE("explain prints the catalogue entry and unknown codes are usage errors
 }
 
 TEST_CASE("usage errors exit 1 and --help exits 0") {
-  CHECK(run_tool({}).exit_code == 1);
+  const ToolResult bare = run_tool({});
+  CHECK(bare.exit_code == 1);
+  CHECK(bare.out.find("Subcommands:") != std::string::npos);  // no subcommand prints the help
+  CHECK(bare.out.find("before or after the subcommand") != std::string::npos);
   CHECK(run_tool({"frobnicate"}).exit_code == 1);
   CHECK(run_tool({"select"}).exit_code == 1);
   CHECK(run_tool({"list", "--no-such-flag"}).exit_code == 1);
@@ -338,6 +341,24 @@ TEST_CASE("usage errors exit 1 and --help exits 0") {
   CHECK(help.exit_code == 0);
   CHECK(help.out.find("list") != std::string::npos);
   CHECK(run_tool({"select", "--help"}).exit_code == 0);
+}
+
+TEST_CASE("common options go before the subcommand too") {
+  const ToolResult before = run_tool({"--json", "--plugin-path", KDISPATCH_PLUGIN_DIR, "list"});
+  const ToolResult after = run_tool({"list", "--json", "--plugin-path", KDISPATCH_PLUGIN_DIR});
+  REQUIRE(before.exit_code == 0);
+  CHECK(before.out == after.out);
+  CHECK(json_of(before)["plugins"].size() >= 1);
+  CHECK(run_tool({"--json", "explain", "KD-E002"}).out.find("\"code\"") != std::string::npos);
+}
+
+TEST_CASE("--device cuda:N names a device by ordinal; a device that is not here is skipped") {
+  const ToolResult run = run_tool({"run", "layernorm.rmsnorm", "--device", "cuda:1", "--dtype", "float32"});
+  CHECK(run.exit_code == 0);
+  CHECK(run.out.find("no cuda:1 device here") != std::string::npos);
+  const ToolResult bad = run_tool({"run", "layernorm.rmsnorm", "--device", "cuda:x"});
+  CHECK(bad.exit_code == 1);
+  CHECK(bad.err.find("cuda:N") != std::string::npos);
 }
 
 TEST_CASE("usage errors with --json are one JSON document on stdout too") {

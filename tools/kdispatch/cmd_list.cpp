@@ -16,7 +16,7 @@ Runner add_list(CLI::App& app) {
   auto options = std::make_shared<Options>();
   CLI::App* cmd = app.add_subcommand("list", "List ops and their backends, and which are usable on a device");
   cmd->add_option("--device", options->device,
-                  "cpu, cuda, cuda:9.0, hip, hip:gfx90a (default: KDISPATCH_DEVICE, else the first GPU, else cpu)")
+                  "cpu, cuda, cuda:9.0, cuda:1 (device 1), hip, hip:gfx90a, hip:0 (default: KDISPATCH_DEVICE, else the first GPU, else cpu)")
       ->type_name("D");
   add_common_options(*cmd, options->common);
   cmd->footer("Example: kdispatch list --device cuda:9.0");

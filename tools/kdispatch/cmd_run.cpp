@@ -83,7 +83,7 @@ Runner add_run(CLI::App& app) {
   cmd->add_option("op", options->op, "Op id, e.g. layernorm.rmsnorm")->type_name("OP");
   cmd->add_flag("--all", options->all, "Every op that has a schema and a kernel");
   cmd->add_option("--backend", options->sweep.backend, "Only this backend")->type_name("B");
-  cmd->add_option("--device", options->sweep.device, "Only devices of this kind: cpu, cuda, cuda:9.0, hip, hip:gfx90a")
+  cmd->add_option("--device", options->sweep.device, "Only these devices: cpu, cuda, cuda:9.0 (that arch), cuda:1 (device 1), hip, hip:gfx90a, hip:0 (default: every device of every usable backend)")
       ->type_name("D");
   cmd->add_option("--dtype", options->sweep.dtype, "Only this dtype")->type_name("T");
   cmd->add_option("--shape", options->sweep.shape_overrides,

@@ -20,7 +20,7 @@ Runner add_select(CLI::App& app) {
   cmd->add_option("--backend", options->backend, "Require this backend (backend=... in the API)")
       ->type_name("B");
   cmd->add_option("--device", options->device,
-                  "cpu, cuda, cuda:9.0, hip, hip:gfx90a (default: KDISPATCH_DEVICE, else the first GPU, else cpu)")
+                  "cpu, cuda, cuda:9.0, cuda:1 (device 1), hip, hip:gfx90a, hip:0 (default: KDISPATCH_DEVICE, else the first GPU, else cpu)")
       ->type_name("D");
   cmd->add_option("--dtype", options->dtype, "Only backends supporting this dtype, e.g. bfloat16")
       ->type_name("T");

@@ -70,9 +70,27 @@ std::unique_ptr<Context> make_context(const CommonOptions& options) {
   return std::make_unique<Context>(std::move(context_options));
 }
 
+DeviceFlag parse_device_flag(const std::string& text) {
+  const size_t colon = text.find(':');
+  if (colon != std::string::npos && colon + 1 < text.size() &&
+      text.find_first_not_of("0123456789", colon + 1) == std::string::npos) {
+    const auto type = parse_device_type(text.substr(0, colon));
+    const std::string digits = text.substr(colon + 1);
+    if (type && *type != DeviceType::cpu && digits.size() <= 6) {
+      const auto id = static_cast<int32_t>(std::stoi(digits));
+      return {device_of(*type, id), id};
+    }
+  }
+  try {
+    return {Device::parse(text), std::nullopt};
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(fmt::format("--device {}: {} (or cuda:N / hip:N for device N)", text, e.what()));
+  }
+}
+
 DeviceChoice choose_device(const std::string& flag) {
   try {
-    if (!flag.empty()) return {Device::parse(flag), "--device"};
+    if (!flag.empty()) return {parse_device_flag(flag).device, "--device"};
     DetectedPlatform detected = detect_platform();
     return {detected.device, detected.source};
   } catch (const std::invalid_argument& e) {

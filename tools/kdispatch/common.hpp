@@ -40,6 +40,15 @@ void apply_leading_options(const CommonOptions& leading);
 std::string for_command_line(std::string message);
 std::unique_ptr<Context> make_context(const CommonOptions& options);
 
+// --device: "cpu", "cuda", "cuda:9.0" (a device of that arch), "cuda:1"
+// (device 1, whatever its arch: the driver says which), "hip", "hip:gfx90a",
+// "hip:0". Throws UsageError naming the accepted forms.
+struct DeviceFlag {
+  Device device;
+  std::optional<int32_t> id;  // set by the ordinal form
+};
+DeviceFlag parse_device_flag(const std::string& text);
+
 // Parses --device, or detects the platform (KDISPATCH_DEVICE, a GPU driver,
 // else cpu). Throws UsageError on a malformed device.
 struct DeviceChoice {

@@ -35,19 +35,19 @@ void synchronize(const Target& t) {
   }
 }
 
+bool flag_matches(const DeviceFlag& flag, const ProbedDevice& d) {
+  if (flag.device.type != d.device.type) return false;
+  if (flag.id) return *flag.id == d.id;
+  return flag.device.arch.empty() || flag.device.arch == d.device.arch;
+}
+
 // Devices of `binary` to run on: --device narrows them.
 std::vector<Target> targets_of(const PluginBinary& binary, const std::string& device_flag) {
   std::vector<Target> out;
-  std::optional<Device> wanted;
-  if (!device_flag.empty()) {
-    try {
-      wanted = Device::parse(device_flag);
-    } catch (const std::invalid_argument& e) {
-      throw UsageError(e.what());
-    }
-  }
+  std::optional<DeviceFlag> wanted;
+  if (!device_flag.empty()) wanted = parse_device_flag(device_flag);
   for (const ProbedDevice& d : binary.devices) {
-    if (wanted && (wanted->type != d.device.type || (!wanted->arch.empty() && wanted->arch != d.device.arch))) continue;
+    if (wanted && !flag_matches(*wanted, d)) continue;
     const DLDevice dl{static_cast<DLDeviceType>(to_dlpack_device_type(d.device.type)), d.id};
     out.push_back({d, dl, d.device.type == DeviceType::cpu ? nullptr : memory_of(binary)});
   }
