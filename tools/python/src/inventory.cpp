@@ -65,6 +65,11 @@ py::dict schema_dict(const OpSchema& s) {
     td["written"] = t.written || t.inplace;
     td["inplace"] = t.inplace;
     td["strided"] = t.strided;
+    if (t.range_max) {
+      td["range"] = py::make_tuple(t.range_min.value_or(0), t.range_max->str());
+    } else {
+      td["range"] = py::none();
+    }
     tensors.append(td);
   }
   d["tensors"] = tensors;
