@@ -31,8 +31,8 @@ void set_python_error(const Error& error) {
   } catch (const py::error_already_set&) {
     // kdispatch._errors could not be used: a RuntimeError still carries the
     // code and the message.
-    PyErr_Format(PyExc_RuntimeError, "[%s] %s (kdispatch._errors could not be imported)",
-                 error.code_string().c_str(), error.message().c_str());
+    PyErr_Format(PyExc_RuntimeError, "[%s] %s (kdispatch._errors could not be imported)", error.code_string().c_str(),
+                 error.message().c_str());
   }
 }
 
@@ -46,8 +46,6 @@ void register_error_translator() {
   });
 }
 
-void throw_call_error(std::string message) {
-  throw CallError(ErrorCode::bad_arguments, std::move(message));
-}
+void throw_call_error(std::string message) { throw CallError(ErrorCode::bad_arguments, std::move(message)); }
 
 }  // namespace kdispatch::python

@@ -131,9 +131,10 @@ py::dict select(const std::string& op, const std::optional<std::string>& backend
   if (dtype) {
     parsed = parse_dtype(*dtype);
     if (!parsed) {
-      throw py::value_error(fmt::format("unknown dtype '{}' (float32, float16, bfloat16, float64, int32, int64, uint8, "
-                                        "bool)",
-                                        *dtype));
+      throw py::value_error(
+          fmt::format("unknown dtype '{}' (float32, float16, bfloat16, float64, int32, int64, uint8, "
+                      "bool)",
+                      *dtype));
     }
   }
   const Device dev = device_or_platform(device);

@@ -57,10 +57,12 @@ AttrValue attr_value(std::string_view op, std::string_view name, PyObject* value
 }
 
 void check_count(const OpSchema& schema, size_t given) {
-  if (given == schema.tensors.size()) [[likely]] return;
+  if (given == schema.tensors.size()) [[likely]]
+    return;
   std::string names;
   for (const auto& t : schema.tensors) names += (names.empty() ? "" : ", ") + t.name;
-  throw_call_error(fmt::format("op '{}' takes {} tensors ({}), got {}", schema.op, schema.tensors.size(), names, given));
+  throw_call_error(
+      fmt::format("op '{}' takes {} tensors ({}), got {}", schema.op, schema.tensors.size(), names, given));
 }
 
 // The call itself: the GIL is released while a host kernel runs (a GPU

@@ -24,7 +24,8 @@ State& state() {
 
 Runtime& runtime() {
   State& s = state();
-  if (Runtime* r = s.current.load(std::memory_order_acquire)) [[likely]] return *r;
+  if (Runtime* r = s.current.load(std::memory_order_acquire)) [[likely]]
+    return *r;
   std::lock_guard lock(s.mutex);
   if (Runtime* r = s.current.load(std::memory_order_acquire)) return *r;
   s.all->push_back(std::make_unique<Runtime>(s.options));

@@ -156,9 +156,10 @@ StreamRequest StreamRequest::from(PyObject* stream) {
   }
   if (!value || !PyLong_Check(value.ptr())) {
     PyErr_Clear();
-    throw_call_error(fmt::format("stream: expected None, an int (a cudaStream_t) or a stream object with "
-                                 "`cuda_stream` or `ptr`, got {}",
-                                 Py_TYPE(stream)->tp_name));
+    throw_call_error(
+        fmt::format("stream: expected None, an int (a cudaStream_t) or a stream object with "
+                    "`cuda_stream` or `ptr`, got {}",
+                    Py_TYPE(stream)->tp_name));
   }
   r.handle = reinterpret_cast<uintptr_t>(PyLong_AsVoidPtr(value.ptr()));
   if (PyErr_Occurred()) throw_call_error("stream: " + take_python_error());
@@ -196,7 +197,8 @@ void TensorArgs::add(PyObject* object) {
 void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
   const Names& n = names();
   py::object ptr = steal(PyObject_CallMethodNoArgs(object, n.data_ptr));
-  if (!ptr) throw_call_error(fmt::format("{}: cannot read the torch tensor's data pointer: {}", where(), take_python_error()));
+  if (!ptr)
+    throw_call_error(fmt::format("{}: cannot read the torch tensor's data pointer: {}", where(), take_python_error()));
   void* data = PyLong_AsVoidPtr(ptr.ptr());
 
   py::object dtype = steal(PyObject_GetAttr(object, n.dtype));
@@ -209,9 +211,10 @@ void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
     }
   }
   if (found == nullptr) {
-    throw_call_error(fmt::format("{}: torch dtype {} is not one kdispatch handles (float32, float16, bfloat16, "
-                                 "float64, int32, int64, uint8, bool)",
-                                 where(), repr_of(dtype.ptr())));
+    throw_call_error(
+        fmt::format("{}: torch dtype {} is not one kdispatch handles (float32, float16, bfloat16, "
+                    "float64, int32, int64, uint8, bool)",
+                    where(), repr_of(dtype.ptr())));
   }
 
   DLDevice device{kDLCPU, 0};
@@ -227,15 +230,17 @@ void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
       py::object is_meta = steal(PyObject_GetAttr(object, n.is_meta));
       PyErr_Clear();
       if (is_meta.ptr() == Py_True) {
-        throw_call_error(fmt::format("{}: is a meta tensor, which has no data for a kernel "
-                                     "(torch.ops.kdispatch.* take meta tensors through their fake implementation)",
-                                     where()));
+        throw_call_error(
+            fmt::format("{}: is a meta tensor, which has no data for a kernel "
+                        "(torch.ops.kdispatch.* take meta tensors through their fake implementation)",
+                        where()));
       }
       py::object dev = steal(PyObject_GetAttr(object, n.device));
       PyErr_Clear();
-      throw_call_error(fmt::format("{}: is on torch device '{}', for which kdispatch has no backend kind "
-                                   "(cpu, cuda, hip)",
-                                   where(), dev ? repr_of(dev.ptr()) : "?"));
+      throw_call_error(
+          fmt::format("{}: is on torch device '{}', for which kdispatch has no backend kind "
+                      "(cpu, cuda, hip)",
+                      where(), dev ? repr_of(dev.ptr()) : "?"));
     }
   }
 
@@ -246,8 +251,8 @@ void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
   const Py_ssize_t nstride = stride ? read_ints(stride.ptr(), strides_[i]) : -1;
   if (ndim < 0 || nstride != ndim) {
     PyErr_Clear();
-    throw_call_error(fmt::format("{}: cannot read the torch tensor's shape and strides (at most {} dims)", where(),
-                                 kMaxDims));
+    throw_call_error(
+        fmt::format("{}: cannot read the torch tensor's shape and strides (at most {} dims)", where(), kMaxDims));
   }
   out.data = data;
   out.device = device;
@@ -260,7 +265,8 @@ void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
   if (!launch_stream_set_ && !stream_.given && device.device_type != kDLCPU && g_torch.raw_stream != nullptr) {
     py::object index = steal(PyLong_FromLong(device.device_id));
     py::object raw = steal(PyObject_CallOneArg(g_torch.raw_stream, index.ptr()));
-    if (!raw) throw_call_error(fmt::format("{}: cannot get torch's current CUDA stream: {}", where(), take_python_error()));
+    if (!raw)
+      throw_call_error(fmt::format("{}: cannot get torch's current CUDA stream: {}", where(), take_python_error()));
     launch_stream_ = reinterpret_cast<uintptr_t>(PyLong_AsVoidPtr(raw.ptr()));
     launch_stream_set_ = true;
   }
@@ -276,9 +282,10 @@ void TensorArgs::add_dlpack(PyObject* object, DLTensor& out) {
   if (!dev) {
     if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
       PyErr_Clear();
-      throw_call_error(fmt::format("{}: a {} is not a tensor; pass an object with __dlpack__ and __dlpack_device__ "
-                                   "(a NumPy array, a torch tensor, a CuPy array) or a DLPack capsule",
-                                   where(), Py_TYPE(object)->tp_name));
+      throw_call_error(
+          fmt::format("{}: a {} is not a tensor; pass an object with __dlpack__ and __dlpack_device__ "
+                      "(a NumPy array, a torch tensor, a CuPy array) or a DLPack capsule",
+                      where(), Py_TYPE(object)->tp_name));
     }
     throw_call_error(fmt::format("{}: __dlpack_device__() failed: {}", where(), take_python_error()));
   }
@@ -288,8 +295,8 @@ void TensorArgs::add_dlpack(PyObject* object, DLTensor& out) {
     PyErr_Clear();
   }
   if (dl_type < 0) {
-    throw_call_error(fmt::format("{}: __dlpack_device__() returned {}, not (device_type, device_id)", where(),
-                                 repr_of(dev.ptr())));
+    throw_call_error(
+        fmt::format("{}: __dlpack_device__() returned {}, not (device_type, device_id)", where(), repr_of(dev.ptr())));
   }
 
   // The producer orders its pending work before the consumer's stream: the
@@ -326,8 +333,8 @@ void TensorArgs::add_dlpack(PyObject* object, DLTensor& out) {
   }
   if (!capsule) throw_call_error(fmt::format("{}: __dlpack__() failed: {}", where(), take_python_error()));
   if (!PyCapsule_CheckExact(capsule.ptr())) {
-    throw_call_error(fmt::format("{}: __dlpack__() returned a {}, not a capsule", where(),
-                                 Py_TYPE(capsule.ptr())->tp_name));
+    throw_call_error(
+        fmt::format("{}: __dlpack__() returned a {}, not a capsule", where(), Py_TYPE(capsule.ptr())->tp_name));
   }
   take_capsule(capsule.ptr(), out);
   // The first GPU tensor fixes the launch stream: the requested one, or the
@@ -345,8 +352,8 @@ void TensorArgs::take_capsule(PyObject* capsule, DLTensor& out) {
     }
     taken_[taken_count_++] = {m, true};  // the deleter runs when the call is done, whatever happens
     if (m->version.major != kDlpackMajor) {
-      throw_call_error(fmt::format("{}: DLPack version {}.{} is not supported (this consumer reads major {})",
-                                   where(), m->version.major, m->version.minor, kDlpackMajor));
+      throw_call_error(fmt::format("{}: DLPack version {}.{} is not supported (this consumer reads major {})", where(),
+                                   m->version.major, m->version.minor, kDlpackMajor));
     }
     if (written && (m->flags & kDlpackFlagReadOnly) != 0) {
       throw_call_error(fmt::format("{}: is written by the op, but its producer marked it read-only", where()));
@@ -367,12 +374,13 @@ void TensorArgs::take_capsule(PyObject* capsule, DLTensor& out) {
   const char* name = PyCapsule_GetName(capsule);
   PyErr_Clear();
   if (name != nullptr && std::strncmp(name, "used_", 5) == 0) {
-    throw_call_error(fmt::format("{}: this DLPack capsule was used already (a capsule can be consumed once; "
-                                 "pass the array itself, or a new capsule)",
-                                 where()));
+    throw_call_error(
+        fmt::format("{}: this DLPack capsule was used already (a capsule can be consumed once; "
+                    "pass the array itself, or a new capsule)",
+                    where()));
   }
-  throw_call_error(fmt::format("{}: a capsule named '{}' is not a DLPack tensor", where(),
-                               name != nullptr ? name : "(none)"));
+  throw_call_error(
+      fmt::format("{}: a capsule named '{}' is not a DLPack tensor", where(), name != nullptr ? name : "(none)"));
 }
 
 }  // namespace kdispatch::python
