@@ -219,6 +219,7 @@ void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
 
   DLDevice device{kDLCPU, 0};
   py::object is_cuda = steal(PyObject_GetAttr(object, n.is_cuda));
+  if (!is_cuda) PyErr_Clear();
   if (is_cuda.ptr() == Py_True) {
     py::object index = steal(PyObject_CallMethodNoArgs(object, n.get_device));
     if (!index) throw_call_error(fmt::format("{}: {}", where(), take_python_error()));
