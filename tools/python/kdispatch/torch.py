@@ -209,7 +209,12 @@ def _register_all():
                            f"'{names[name]}' is already; '{op}' is not registered")
             continue
         names[name] = op
-        _lib.define(torch_schema(schema))
+        try:
+            _lib.define(torch_schema(schema))
+        except RuntimeError as e:  # e.g. an argument name torch's schema parser refuses
+            _warnings.warn(f"kdispatch.torch: op '{op}' is not registered: torch refused the schema "
+                           f"'{torch_schema(schema)}': {e}")
+            continue
         kernel = _kernel_for(op)
         _impl(name, kernel, "CPU")
         _impl(name, kernel, "CUDA")
