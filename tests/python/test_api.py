@@ -207,6 +207,23 @@ class Inventory(unittest.TestCase):
         self.assertTrue(cpu[0]["loaded"], cpu[0])
         self.assertTrue(cpu[0]["devices"])
 
+    def test_configure_sets_the_plugin_path(self):
+        import tempfile
+        out, x, w = rmsnorm_args()
+        before = kdispatch.op(OP)
+        with tempfile.TemporaryDirectory() as empty:
+            try:
+                kdispatch.configure(plugin_path=[empty])
+                self.assertEqual(kdispatch.ops(), [])
+                self.assertEqual(kdispatch.doctor()["search_path"], [empty])
+                with self.assertRaises(kdispatch.SelectionError):
+                    kdispatch.call(OP, out, x, w)
+                before(out, x, w)  # a handle keeps the plugins it was resolved with
+                np.testing.assert_allclose(out, reference(x, w), rtol=1e-4)
+            finally:
+                kdispatch.configure()
+        self.assertIn(OP, kdispatch.ops())
+
     def test_schema_and_op_handle(self):
         s = kdispatch.schema(OP)
         self.assertEqual([t["name"] for t in s["tensors"]], ["out", "x", "weight"])

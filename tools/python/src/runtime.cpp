@@ -12,11 +12,11 @@ struct State {
   std::mutex mutex;
   ContextOptions options;
   std::atomic<Runtime*> current{nullptr};  // owned by `all`; read without the lock
-  std::vector<std::unique_ptr<Runtime>>* all = new std::vector<std::unique_ptr<Runtime>>();  // never freed
+  std::vector<std::unique_ptr<Runtime>> all;
 };
 
 State& state() {
-  static State* s = new State();  // never destroyed: outlives interpreter shutdown
+  static State* s = new State();  // never destroyed, nor its runtimes: they outlive interpreter shutdown
   return *s;
 }
 
@@ -28,9 +28,9 @@ Runtime& runtime() {
     return *r;
   std::lock_guard lock(s.mutex);
   if (Runtime* r = s.current.load(std::memory_order_acquire)) return *r;
-  s.all->push_back(std::make_unique<Runtime>(s.options));
-  s.current.store(s.all->back().get(), std::memory_order_release);
-  return *s.all->back();
+  s.all.push_back(std::make_unique<Runtime>(s.options));
+  s.current.store(s.all.back().get(), std::memory_order_release);
+  return *s.all.back();
 }
 
 void configure(std::vector<std::filesystem::path> replace, std::vector<std::filesystem::path> add) {
