@@ -75,6 +75,18 @@ class Errors(unittest.TestCase):
         with self.assertRaises(kdispatch.CallError):
             kdispatch.call(OP, out, x, w, stream="default")
 
+    def test_stream_forms(self):
+        class TorchLikeStream:
+            cuda_stream = 0
+
+        class CupyLikeStream:
+            ptr = 0
+
+        for stream in (None, 0, TorchLikeStream(), CupyLikeStream()):  # unused on the cpu, but checked
+            out, x, w = rmsnorm_args()
+            kdispatch.call(OP, out, x, w, stream=stream)
+            np.testing.assert_allclose(out, reference(x, w), rtol=1e-4)
+
     def test_unknown_op_with_did_you_mean(self):
         out, x, w = rmsnorm_args()
         for attempt in (lambda: kdispatch.call("layernorm.rmsnrom", out, x, w),

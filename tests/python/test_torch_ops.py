@@ -3,7 +3,8 @@
 functional variants write the right values for every built-in op (or the
 one of --op) in float32, float16 and bfloat16, checked in float64 against
 the op's formula (kd_cases.py) with outputs poisoned first; meta tensors go
-through the fake implementation, whose errors read as the C++ check's."""
+through the fake implementation, whose errors read as the C++ check's;
+torch's own DLPack capsules work with kdispatch.call."""
 import argparse
 import sys
 
@@ -83,6 +84,25 @@ def check_op(op, rng):
     return checked, failed
 
 
+def check_capsules_of_torch(rng):
+    """torch's own DLPack capsules go through kdispatch.call too (the path of
+    a producer kdispatch knows nothing about), each dtype."""
+    checked = failed = 0
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = torch.from_numpy(rng.uniform(0.5, 2.0, (3, 37))).to(dtype)
+        w = torch.from_numpy(rng.uniform(0.5, 2.0, 37)).to(dtype)
+        out = torch.full_like(x, float("nan"))
+        kdispatch.call("layernorm.rmsnorm", out.__dlpack__(), x.__dlpack__(), w.__dlpack__())
+        want = kd_cases.rmsnorm(x.double().numpy(), w.double().numpy(), 1e-6)
+        ok, err = kd_cases.compare("out", out.double().numpy(), want, str(dtype).replace("torch.", ""))
+        checked += 1
+        failed += not ok
+        if not ok:
+            print(f"FAIL rmsnorm {dtype} through torch's capsules: max abs err {err:.3g}")
+    print(f"{'ok  ' if failed == 0 else 'FAIL'} torch's DLPack capsules: {checked - failed} of {checked}")
+    return checked, failed
+
+
 def check_fake_words_as_cpp(rng):
     """A wrong shape is refused on CPU (the C++ check) and on meta tensors
     (the fake implementation) with the same KD-E030 message."""
@@ -115,7 +135,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--op", help="only this op (default: every op kdispatch.ops() lists, then --fake-words)")
     parser.add_argument("--fake-words", action="store_true", help="only compare the errors of the fake "
-                        "implementation with the C++ check's")
+                        "implementation with the C++ check's, and call through torch's own DLPack capsules")
     args = parser.parse_args()
     ops = [] if args.fake_words else [args.op] if args.op else kdispatch.ops()
     rng = np.random.default_rng(1913)
@@ -124,8 +144,9 @@ def main():
         c, f = check_op(op, rng)
         total, bad = total + c, bad + f
     if not args.op:
-        c, f = check_fake_words_as_cpp(rng)
-        total, bad = total + c, bad + f
+        for check in (check_fake_words_as_cpp, check_capsules_of_torch):
+            c, f = check(rng)
+            total, bad = total + c, bad + f
     print(f"torch {torch.__version__}: {total - bad} passed, {bad} failed ({len(ops)} ops; "
           "float32, float16, bfloat16)")
     return 1 if bad or total == 0 else 0
