@@ -100,18 +100,20 @@ def _kernel_for(op):
 
 def _register_fake(name, fake):
     qualname = f"{NAMESPACE}::{name}"
-    register_fake = getattr(_torch.library, "register_fake", None)  # torch >= 2.4
-    if register_fake is not None:
-        register_fake(qualname, fake, lib=_lib)
-        return
-    impl_abstract = getattr(_torch.library, "impl_abstract", None)  # torch 2.1 .. 2.3
-    if impl_abstract is not None:
-        impl_abstract(qualname, fake, lib=_lib)
-        return
+    register = (getattr(_torch.library, "register_fake", None)      # torch >= 2.4
+                or getattr(_torch.library, "impl_abstract", None))  # torch 2.1 .. 2.3
+    if register is not None:
+        try:
+            register(qualname, fake, lib=_lib)
+            return
+        except Exception as e:  # noqa: BLE001 - any refusal leaves the Meta kernel below
+            _warnings.warn(f"kdispatch.torch: {register.__name__} refused the fake implementation of "
+                           f"{qualname} ({e}); registering it as a Meta kernel instead")
     # torch 1.13: a Meta kernel, and one for AutogradMeta, which meta tensors
     # reach first there.
     _lib.impl(name, fake, "Meta")
-    _lib.impl(name, fake, "AutogradMeta")
+    if _TORCH_MAJOR < 2:
+        _lib.impl(name, fake, "AutogradMeta")
 
 
 def _impl(name, kernel, key):
