@@ -102,6 +102,14 @@ class Errors(unittest.TestCase):
             kdispatch.select(OP, backend="nonesuch", device="cpu")
         self.assertEqual(caught.exception.code, "KD-E002")
 
+    def test_kernel_failure_is_kernel_error(self):
+        logits = np.random.default_rng(3).uniform(-1, 1, (3, 8)).astype(np.float32)
+        weights, ids = np.empty((3, 9), np.float32), np.empty((3, 9), np.int32)
+        with self.assertRaises(kdispatch.KernelError) as caught:
+            kdispatch.call("moe.topk_softmax", weights, ids, logits)  # K = 9 > E = 8: the kernel refuses
+        self.assertEqual(caught.exception.code, "KD-E040")
+        self.assertIn("K = 9", caught.exception.message)
+
     def test_errors_pickle(self):
         e = kdispatch.CallError("KD-E030", "op 'x': bad", ["a hint"])
         again = pickle.loads(pickle.dumps(e))
