@@ -71,15 +71,17 @@ class TensorArgs {
   uintptr_t launch_stream_;
   bool launch_stream_set_;  // the requested stream, or one chosen from a GPU tensor
   size_t count_ = 0;
-  std::array<DLTensor, kMaxTensors> tensors_{};
+  // Left uninitialised (about 10 KiB a call): entries below count_ and
+  // taken_count_ are written before they are read.
+  std::array<DLTensor, kMaxTensors> tensors_;
   // Shapes and strides of torch tensors (DLPack tensors keep their own).
-  std::array<std::array<int64_t, kMaxDims>, kMaxTensors> shapes_{};
-  std::array<std::array<int64_t, kMaxDims>, kMaxTensors> strides_{};
+  std::array<std::array<int64_t, kMaxDims>, kMaxTensors> shapes_;
+  std::array<std::array<int64_t, kMaxDims>, kMaxTensors> strides_;
   struct Taken {
     void* managed;
     bool versioned;
   };
-  std::array<Taken, kMaxTensors> taken_{};
+  std::array<Taken, kMaxTensors> taken_;
   size_t taken_count_ = 0;
 };
 
