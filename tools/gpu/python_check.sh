@@ -51,7 +51,7 @@ export PYTHONPATH="$build/python" PYTHONUNBUFFERED=1
 if [[ "$stage" == test || "$stage" == all ]]; then
   # The CPU tests under this torch (registration through register_fake), not
   # the install test, which wants every target of the project built.
-  (cd "$build" && ctest -R '^python\.' -E 'installed_package|^python\.gpu$' --output-on-failure \
+  (cd "$build" && ctest -j "$(nproc)" -R '^python\.' -E 'installed_package|^python\.gpu$' --output-on-failure \
       > "$OUT/python_ctest.txt" 2>&1) || status=1
   note "python ctest (CPU tensors, $("$python" -c 'import torch; print("torch", torch.__version__)')): $(grep -E 'tests passed|tests failed' "$OUT/python_ctest.txt")"
   grep -E "\*\*\*Failed|Not Run|Skipped" "$OUT/python_ctest.txt" | head -20 | tee -a "$summary"
