@@ -16,7 +16,9 @@ packages=(
   libbenchmark-dev           # tools/bench
   libssl-dev                 # sha256 of plugin libraries (libcrypto)
   libelf-dev                 # kdispatch inspect reads ELF without loading it
-  python3-numpy              # tests check saved .npy files against numpy
+  python3-numpy              # tests check saved .npy files against numpy; Python tests
+  python3-dev pybind11-dev   # the Python module (tools/python)
+  python3-torch              # kdispatch.torch and its tests (torch 1.13, CPU; about 240 packages)
 )
 if [[ "${KDISPATCH_DEPS_NO_HIP:-0}" != 1 ]]; then
   packages+=(hipcc libamdhip64-dev)

@@ -6,7 +6,7 @@
 # dtype, the kdispatch benchmark and the PyTorch eager / torch.compile
 # benchmark, and prints one joined table last.
 #
-#   tools/gpu/check.sh [build|test|bench|all]     (default: all)
+#   tools/gpu/check.sh [build|test|bench|python|all]     (default: all)
 #
 # Stages, so that each fits one call of the device runner:
 #   build  configure + build the whole project (preset cuda, tests on)
@@ -14,6 +14,9 @@
 #          (cuda checked against cpu), ctest, the dispatch benchmark
 #   bench  the plugin check and benchmark with CUDA events, PyTorch eager
 #          and torch.compile, the joined table
+#   python tools/gpu/python_check.sh: the Python module built for the
+#          python3 on PATH, the Python tests on CUDA (torch.compile, CUDA
+#          graphs), graph replay against the dispatcher's call, host overhead
 #
 # Full logs go to $OUT (default build/gpu-check). Environment:
 #   KD_CHECK_NO_TORCH=1        skip the PyTorch benchmark
@@ -45,40 +48,11 @@ export CUDACXX=${CUDACXX:-$nvcc}
   python3 -c 'import sys, torch; print(sys.version); print("torch", torch.__version__)'
 } > "$OUT/env.txt" 2>&1
 
-# --- dlpack/dlpack.h: the system's, or the copy a Python package ships --------------
-dlpack_dir=${KDISPATCH_DLPACK_INCLUDE_DIR:-}
-# Headers carried from a Debian machine (tools/gpu/prepare-carry.sh): dlpack,
-# libelf and libcrypto, whose -dev packages the GPU machine lacks.
+# --- dlpack/dlpack.h: the system's, the carried copy, or one a Python package ships ---
+dlpack_dir=$(tools/gpu/find_dlpack.sh) || { note "FAIL: no dlpack.h (set KDISPATCH_DLPACK_INCLUDE_DIR)"; exit 2; }
 carry="$root/.gpu-carry/include"
-if [[ -z "$dlpack_dir" && -f "$carry/dlpack/dlpack.h" ]]; then
-  dlpack_dir=$carry
-fi
-if [[ -z "$dlpack_dir" && -f /usr/include/dlpack/dlpack.h ]]; then
-  dlpack_dir=/usr/include
-fi
-if [[ -z "$dlpack_dir" ]]; then
-  header=$(python3 - <<'EOF'
-import importlib.util, pathlib
-for name in ("cuda.core", "cuda", "torch"):  # cuda-core: _include/dlpack.h; torch: ATen/dlpack.h
-    try:
-        spec = importlib.util.find_spec(name)
-    except Exception:
-        continue
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        for path in sorted(pathlib.Path(location).rglob("dlpack.h")):
-            print(path)
-            raise SystemExit
-EOF
-)
-  if [[ -z "$header" ]]; then
-    note "FAIL: no dlpack.h (set KDISPATCH_DLPACK_INCLUDE_DIR)"
-    exit 2
-  fi
-  dlpack_dir="$root/build/gpu-dlpack"
-  mkdir -p "$dlpack_dir/dlpack"
-  cp "$header" "$dlpack_dir/dlpack/dlpack.h"
-  note "dlpack.h: $header"
-fi
+
+if [[ "$stage" == python ]]; then exec "$root/tools/gpu/python_check.sh" all; fi
 
 # --- build ------------------------------------------------------------------------
 plugin="$root/build/cuda/lib/kdispatch/plugins/libkdispatch-cuda.so"
@@ -86,7 +60,10 @@ bench="$root/build/cuda/bin/kdispatch-gpu-bench"
 bin="$root/build/cuda/bin"
 if [[ "$stage" == build || "$stage" == all ]]; then
   started=$(date +%s)
+  # The Python module is built for the python3 on PATH (the virtual
+  # environment with torch), with the pybind11 installed there.
   if cmake --preset cuda -DKDISPATCH_DLPACK_INCLUDE_DIR="$dlpack_dir" -DCMAKE_INCLUDE_PATH="$carry" \
+        -DPython3_EXECUTABLE="$(command -v python3)" -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir 2> /dev/null)" \
         > "$OUT/build.log" 2>&1 &&
      cmake --build --preset cuda -j "$jobs" >> "$OUT/build.log" 2>&1; then
     note "build: project, preset cuda, $(( $(date +%s) - started )) s"
@@ -164,4 +141,8 @@ echo
 cat "$summary"
 echo
 python3 tools/gpu/report.py "$OUT/kdispatch_bench.csv" "$OUT/torch_bench.csv" | tee "$OUT/report.txt"
+if [[ "$stage" == all ]]; then
+  echo
+  "$root/tools/gpu/python_check.sh" all || status=1
+fi
 exit $status

@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""The installed package works on its own: `cmake --install` of the build
+into a temporary prefix, then a fresh interpreter with nothing but
+PYTHONPATH (and PATH) set imports kdispatch from the prefix, finds the
+prefix's plugins beside the prefix's core library, and runs a kernel.
+
+Usage: test_installed.py CMAKE BUILD_DIR PYTHON_INSTALL_DIR"""
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+CHECK = r"""
+import pathlib, sys
+import numpy as np
+import kdispatch
+prefix = pathlib.Path(sys.argv[1]).resolve()
+where = pathlib.Path(kdispatch.__file__).resolve()
+assert prefix in where.parents, f"kdispatch imported from {where}, not from {prefix}"
+chosen = kdispatch.select("layernorm.rmsnorm", device="cpu")
+manifest = pathlib.Path(chosen["manifest"]).resolve()
+assert prefix in manifest.parents, f"the cpu plugin came from {manifest}, not from {prefix}"
+x = np.random.default_rng(0).uniform(0.5, 2, (3, 37)).astype(np.float32)
+w = np.ones(37, np.float32)
+out = np.full_like(x, np.nan)
+kdispatch.call("layernorm.rmsnorm", out, x, w)
+want = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6)
+assert np.allclose(out, want, rtol=1e-4), abs(out - want).max()
+print("installed package:", where.parent, "plugins:", manifest.parent, "ops:", len(kdispatch.ops()))
+"""
+
+
+def main():
+    if len(sys.argv) != 4:
+        print(__doc__)
+        return 2
+    cmake, build, python_dir = sys.argv[1:]
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        print("SKIPPED: this python has no numpy (Debian: python3-numpy)")
+        return 77
+    with tempfile.TemporaryDirectory(prefix="kdispatch-install-") as prefix:
+        install = subprocess.run([cmake, "--install", build, "--prefix", prefix], capture_output=True, text=True)
+        if install.returncode != 0:
+            print(install.stdout, install.stderr)
+            return 1
+        package_dir = pathlib.Path(prefix) / python_dir
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(package_dir)}
+        run = subprocess.run([sys.executable, "-c", CHECK, prefix], env=env, cwd=prefix, capture_output=True,
+                             text=True)
+        print(run.stdout, run.stderr, end="")
+        return run.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Tells the extension module about torch, so that torch tensors are read
+from their attributes (data_ptr, shape, stride, dtype, device) instead of
+being exported as DLPack capsules, and CUDA calls run on torch's current
+stream."""
+import torch
+
+from . import _kdispatch
+
+_DTYPES = [
+    (torch.float32, "float32"), (torch.float16, "float16"), (torch.bfloat16, "bfloat16"),
+    (torch.float64, "float64"), (torch.int32, "int32"), (torch.int64, "int64"),
+    (torch.uint8, "uint8"), (torch.bool, "bool"),
+]
+
+_enabled = False
+
+
+def _raw_stream_function():
+    """A function of a device index returning torch's current raw stream."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    if not torch.cuda.is_available():
+        return None
+    return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
+def enable():
+    global _enabled
+    if _enabled:
+        return
+    _kdispatch._set_torch(torch.Tensor, _DTYPES, _raw_stream_function(),
+                          getattr(torch.version, "hip", None) is not None)
+    _enabled = True

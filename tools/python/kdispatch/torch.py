@@ -1,0 +1,243 @@
+"""kdispatch ops as torch custom ops.
+
+Importing this module registers every op that has a schema (built-in ones
+and those of the plugins found at import) as
+``torch.ops.kdispatch.<group>_<name>`` through ``torch.library``:
+
+- the torch schema comes from the op schema: tensors in schema order, the
+  ones the op writes as mutated arguments (``Tensor(a!)``), then the
+  attributes typed with their defaults; the op returns nothing;
+- the CPU and CUDA kernels are the dispatcher's checked call; CUDA tensors
+  run on torch's current stream of their device, with no synchronisation and
+  no allocation, so calls can be captured in a CUDA graph;
+- a fake (meta) implementation derived from the op schema checks shapes and
+  dtypes without running anything, so torch.compile(fullgraph=True) traces
+  through the ops and meta tensors work.
+
+Functional variants allocate the outputs from the schema and return them,
+e.g. ``kdispatch.torch.layernorm.rmsnorm(x, weight, eps=1e-6) -> out``:
+they take the tensors the op reads (in schema order), clone the ones it
+updates in place, and take the sizes that only outputs have as keywords
+(``kdispatch.torch.moe.topk_softmax(gating_output, K=8)``).
+"""
+import types as _types
+import warnings as _warnings
+
+import torch as _torch
+
+from . import _kdispatch, _schema, _torch_tensors
+from ._errors import Error, call_error
+
+_torch_tensors.enable()
+
+NAMESPACE = "kdispatch"
+_lib = _torch.library.Library(NAMESPACE, "DEF")
+
+_DTYPE_NAMES = {dtype: name for dtype, name in _torch_tensors._DTYPES}
+_TORCH_DTYPES = {name: dtype for dtype, name in _torch_tensors._DTYPES}
+_ATTR_TYPES = {"float": "float", "int": "int", "bool": "bool", "string": "str"}
+_TORCH_MAJOR = int(_torch.__version__.split(".")[0])
+
+# Op id -> the name under torch.ops.kdispatch.
+registered = {}
+
+
+def _dtype_name(t):
+    return _DTYPE_NAMES.get(t.dtype, str(t.dtype).replace("torch.", ""))
+
+
+def op_name(op):
+    """The torch name of an op: "layernorm.rmsnorm" -> "layernorm_rmsnorm"."""
+    return op.replace(".", "_")
+
+
+def _default_text(attr):
+    value = attr["default"]
+    if attr["type"] == "bool":
+        return "True" if value else "False"
+    if attr["type"] == "float":
+        return repr(float(value))
+    if attr["type"] == "int":
+        return str(int(value))
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def torch_schema(schema):
+    """The torch.library schema of an op schema, e.g.
+    "layernorm_rmsnorm(Tensor(a!) out, Tensor x, Tensor weight, float eps=1e-06) -> ()"."""
+    aliases = iter("abcdefghijklmnopqrstuvwxyz")
+    args = []
+    for t in schema["tensors"]:
+        args.append(f"Tensor({next(aliases)}!) {t['name']}" if t["written"] else f"Tensor {t['name']}")
+    for a in schema["attrs"]:
+        text = f"{_ATTR_TYPES[a['type']]} {a['name']}"
+        if not a["required"]:
+            text += "=" + _default_text(a)
+        args.append(text)
+    return f"{op_name(schema['op'])}({', '.join(args)}) -> ()"
+
+
+def _make_fake(plan):
+    count = len(plan.tensors)
+
+    def fake(*args):
+        plan.bind(args[:count], _dtype_name)
+
+    return fake
+
+
+def _kernel_for(op):
+    """The CPU/CUDA kernel: the resolved op's positional call, or, for an op
+    with a schema but no usable kernel at import, one that resolves (and
+    reports why not) at every call."""
+    try:
+        return _kdispatch.op(op)._torch_call
+    except Error:
+        def resolve_each_call(*args):
+            return _kdispatch.op(op)._torch_call(*args)
+        return resolve_each_call
+
+
+def _register_fake(name, fake):
+    qualname = f"{NAMESPACE}::{name}"
+    register = (getattr(_torch.library, "register_fake", None)      # torch >= 2.4
+                or getattr(_torch.library, "impl_abstract", None))  # torch 2.1 .. 2.3
+    if register is not None:
+        try:
+            register(qualname, fake, lib=_lib)
+            return
+        except Exception as e:  # noqa: BLE001 - any refusal leaves the Meta kernel below
+            _warnings.warn(f"kdispatch.torch: {register.__name__} refused the fake implementation of "
+                           f"{qualname} ({e}); registering it as a Meta kernel instead")
+    # torch 1.13: a Meta kernel, and one for AutogradMeta, which meta tensors
+    # reach first there.
+    _lib.impl(name, fake, "Meta")
+    if _TORCH_MAJOR < 2:
+        _lib.impl(name, fake, "AutogradMeta")
+
+
+def _impl(name, kernel, key):
+    try:
+        _lib.impl(name, kernel, key)
+    except TypeError:
+        # A torch that wants a Python function rather than any callable.
+        _lib.impl(name, lambda *args: kernel(*args), key)
+
+
+def _make_functional(schema, opfn):
+    spec = _schema.Functional(schema)
+    op = schema["op"]
+    tensors = schema["tensors"]
+    count = len(tensors)
+    input_names = [tensors[i]["name"] for i in spec.inputs]
+    attr_defaults = [(a["name"], a["default"], a["required"]) for a in spec.attrs]
+    keyword_symbols = list(spec.keyword_symbols)
+    known_keywords = set(keyword_symbols) | {a["name"] for a in spec.attrs}
+
+    def functional(*inputs, **kwargs):
+        if len(inputs) != len(spec.inputs):
+            raise TypeError(f"{op}({', '.join(input_names)}, ...): takes {len(spec.inputs)} tensors, "
+                            f"got {len(inputs)}")
+        for key in kwargs:
+            if key not in known_keywords:
+                raise TypeError(f"{op}: unexpected keyword '{key}' (keywords: {sorted(known_keywords)})")
+        sizes = {}
+        for name in keyword_symbols:
+            if name not in kwargs:
+                raise TypeError(f"{op}: the size {name} of the outputs is a required keyword ({name}=...)")
+            sizes[name] = kwargs[name]
+        attrs = []
+        for name, default, required in attr_defaults:
+            if name in kwargs:
+                attrs.append(kwargs[name])
+            elif required:
+                raise TypeError(f"{op}: attribute '{name}' is required")
+            else:
+                attrs.append(default)
+        args = [None] * count
+        for pos, i in enumerate(spec.inputs):
+            args[i] = inputs[pos]
+        device = inputs[0].device
+        outputs = []
+        for i, recipe in zip(spec.outputs, spec.recipes):
+            if recipe[0] == "clone":
+                source = inputs[recipe[1]]
+                t = source.clone() if recipe[2] else source.clone(memory_format=_torch.contiguous_format)
+            else:
+                _, lead, dims, dtype = recipe
+                shape = []
+                try:
+                    if lead:
+                        pos, after = spec.lead_source
+                        shape.extend(inputs[pos].shape[:inputs[pos].dim() - after])
+                    for d in dims:
+                        if d[0] == "const":
+                            shape.append(d[1])
+                        elif d[0] == "dim":
+                            _, pos, from_end, factor, multiple = d
+                            shape.append(inputs[pos].shape[-from_end] // factor * multiple)
+                        else:
+                            shape.append(sizes[d[1]] * d[2])
+                except IndexError:
+                    raise call_error(f"op '{op}': input '{input_names[pos]}' has too few dims "
+                                     f"{list(inputs[pos].shape)} for its shape {tensors[spec.inputs[pos]]['shape']}")
+                torch_dtype = inputs[dtype[1]].dtype if dtype[0] == "like" else _TORCH_DTYPES[dtype[1]]
+                t = _torch.empty(shape, dtype=torch_dtype, device=device)
+            args[i] = t
+            outputs.append(t)
+        opfn(*args, *attrs)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    name = op.split(".", 1)[1]
+    functional.__name__ = name
+    functional.__qualname__ = name
+    outputs = ", ".join(tensors[i]["name"] for i in spec.outputs)
+    keywords = [f"{s}" for s in keyword_symbols] + [a["name"] + ("" if a["required"] else f"={a['default']!r}")
+                                                   for a in spec.attrs]
+    functional.__doc__ = (f"{name}({', '.join(input_names + keywords)}) -> {outputs}\n\n{schema['doc']}\n\n"
+                          f"Functional form of torch.ops.{NAMESPACE}.{op_name(op)}: allocates or clones its "
+                          "outputs and returns them.")
+    return functional
+
+
+def _register_all():
+    groups = {}
+    names = {}
+    for schema in _kdispatch.schemas():
+        op = schema["op"]
+        name = op_name(op)
+        if name in names:
+            _warnings.warn(f"kdispatch.torch: op '{op}' would be torch.ops.{NAMESPACE}.{name}, which "
+                           f"'{names[name]}' is already; '{op}' is not registered")
+            continue
+        names[name] = op
+        try:
+            _lib.define(torch_schema(schema))
+        except RuntimeError as e:  # e.g. an argument name torch's schema parser refuses
+            _warnings.warn(f"kdispatch.torch: op '{op}' is not registered: torch refused the schema "
+                           f"'{torch_schema(schema)}': {e}")
+            continue
+        kernel = _kernel_for(op)
+        _impl(name, kernel, "CPU")
+        _impl(name, kernel, "CUDA")
+        _register_fake(name, _make_fake(_schema.Plan(schema)))
+        registered[op] = name
+        opfn = getattr(getattr(_torch.ops, NAMESPACE), name)
+        group, short = op.split(".", 1)
+        try:
+            functional = _make_functional(schema, opfn)
+        except ValueError as e:
+            _warnings.warn(f"kdispatch.torch: no functional variant of '{op}': {e}")
+            continue
+        module = groups.get(group)
+        if module is None:
+            if group in globals():
+                _warnings.warn(f"kdispatch.torch: group '{group}' clashes with a name of kdispatch.torch; "
+                               f"its functional variants are under kdispatch.torch.groups['{group}']")
+            module = groups[group] = _types.ModuleType(f"{__name__}.{group}", f"Functional variants of {group}.*")
+            globals().setdefault(group, module)
+        setattr(module, short, functional)
+    return groups
+
+
+groups = _register_all()

@@ -1,0 +1,22 @@
+// kdispatch::Error and its subclasses as the Python exceptions of
+// kdispatch._errors (kdispatch.Error, kdispatch.CallError, ...), with the
+// code ("KD-E030"), the message and the hints.
+#pragma once
+
+#include <kdispatch/error.hpp>
+
+#include <string>
+
+namespace kdispatch::python {
+
+// Sets `error` as the current Python exception, as an instance of the
+// matching class of kdispatch._errors.
+void set_python_error(const Error& error);
+
+// Lets every bound function throw kdispatch::Error.
+void register_error_translator();
+
+// A KD-E030 error: the arguments of a call do not fit the op.
+[[noreturn]] void throw_call_error(std::string message);
+
+}  // namespace kdispatch::python

@@ -1,0 +1,223 @@
+#include "inventory.hpp"
+
+#include <fmt/format.h>
+
+#include <kdispatch/error_catalogue.hpp>
+#include <kdispatch/platform.hpp>
+
+#include "runtime.hpp"
+
+namespace py = pybind11;
+
+namespace kdispatch::python {
+
+namespace {
+
+// `text`, or the detected platform's device when absent.
+Device device_or_platform(const std::optional<std::string>& text) {
+  if (text) return Device::parse(*text);  // std::invalid_argument -> ValueError
+  return detect_platform().device;
+}
+
+py::list target_list(const std::vector<Target>& targets) {
+  py::list out;
+  for (const auto& t : targets) out.append(t.str());
+  return out;
+}
+
+py::list dtype_list(const std::vector<Dtype>& dtypes) {
+  py::list out;
+  for (Dtype d : dtypes) out.append(std::string(dtype_name(d)));
+  return out;
+}
+
+py::dict spec_dict(const KernelSpec& spec) {
+  py::dict d;
+  d["op"] = spec.op;
+  d["backend"] = spec.backend;
+  d["plugin"] = spec.plugin;
+  d["symbol"] = spec.symbol;
+  d["targets"] = target_list(spec.targets);
+  d["dtypes"] = dtype_list(spec.dtypes);
+  d["manifest"] = spec.manifest;
+  return d;
+}
+
+py::object attr_to_python(const AttrValue& v) {
+  if (auto* d = std::get_if<double>(&v)) return py::float_(*d);
+  if (auto* i = std::get_if<int64_t>(&v)) return py::int_(*i);
+  if (auto* b = std::get_if<bool>(&v)) return py::bool_(*b);
+  return py::str(std::get<std::string>(v));
+}
+
+py::dict schema_dict(const OpSchema& s) {
+  py::dict d;
+  d["op"] = s.op;
+  d["doc"] = s.doc;
+  py::list tensors;
+  for (const auto& t : s.tensors) {
+    py::dict td;
+    td["name"] = t.name;
+    py::list shape;
+    for (const auto& tok : t.shape) shape.append(tok.str());
+    td["shape"] = shape;
+    td["dtype"] = t.dtype;
+    td["written"] = t.written || t.inplace;
+    td["inplace"] = t.inplace;
+    td["strided"] = t.strided;
+    if (t.range_max) {
+      td["range"] = py::make_tuple(t.range_min.value_or(0), t.range_max->str());
+    } else {
+      td["range"] = py::none();
+    }
+    tensors.append(td);
+  }
+  d["tensors"] = tensors;
+  py::list attrs;
+  for (const auto& a : s.attrs) {
+    py::dict ad;
+    ad["name"] = a.name;
+    ad["type"] = std::string(attr_type_name(a.type));
+    ad["default"] = a.default_value ? attr_to_python(*a.default_value) : py::none();
+    ad["required"] = !a.default_value.has_value();
+    ad["doc"] = a.doc;
+    attrs.append(ad);
+  }
+  d["attrs"] = attrs;
+  py::dict vars;
+  for (const auto& [name, dtypes] : s.dtype_vars) vars[py::str(name)] = dtype_list(dtypes);
+  d["dtypes"] = vars;
+  d["source"] = s.source;
+  return d;
+}
+
+py::dict problem_dict(const Problem& p) {
+  py::dict d;
+  d["code"] = code_string(p.code);
+  d["file"] = p.file;
+  d["message"] = p.message;
+  return d;
+}
+
+}  // namespace
+
+py::list ops() {
+  py::list out;
+  for (const auto& op : runtime().context.registry().ops()) out.append(op);
+  return out;
+}
+
+py::list backends(const std::string& op, const std::optional<std::string>& device) {
+  Context& ctx = runtime().context;
+  if (!ctx.registry().has(op)) {
+    // Worded by the selector: KD-E001 with did-you-mean.
+    ctx.selector().select_uncached({op, {}, Device::host_cpu(), std::nullopt});
+  }
+  const Device dev = device_or_platform(device);
+  py::list out;
+  for (const auto& e : ctx.selector().eligibility(op, dev, std::nullopt)) {
+    py::dict d = spec_dict(*e.spec);
+    d["device"] = dev.str();
+    d["eligible"] = e.eligible;
+    d["reason"] = e.eligible ? py::none() : py::object(py::str(e.reason));
+    out.append(d);
+  }
+  return out;
+}
+
+py::dict select(const std::string& op, const std::optional<std::string>& backend,
+                const std::optional<std::string>& device, const std::optional<std::string>& dtype) {
+  std::optional<Dtype> parsed;
+  if (dtype) {
+    parsed = parse_dtype(*dtype);
+    if (!parsed) {
+      throw py::value_error(
+          fmt::format("unknown dtype '{}' (float32, float16, bfloat16, float64, int32, int64, uint8, "
+                      "bool)",
+                      *dtype));
+    }
+  }
+  const Device dev = device_or_platform(device);
+  const std::string backend_name = backend.value_or("");
+  const KernelSpec& spec = runtime().context.select({op, backend_name, dev, parsed});
+  py::dict d = spec_dict(spec);
+  d["device"] = dev.str();
+  return d;
+}
+
+py::list schemas() {
+  py::list out;
+  for (const OpSchema* s : runtime().context.registry().schemas()) out.append(schema_dict(*s));
+  return out;
+}
+
+py::dict schema(const std::string& op) {
+  Context& ctx = runtime().context;
+  const OpSchema* s = ctx.registry().schema(op);
+  if (s == nullptr) {
+    if (!ctx.registry().has(op)) ctx.selector().select_uncached({op, {}, Device::host_cpu(), std::nullopt});
+    throw CallError(ErrorCode::bad_arguments, fmt::format("op '{}' has kernels but no schema", op));
+  }
+  return schema_dict(*s);
+}
+
+py::dict doctor() {
+  Context& ctx = runtime().context;
+  py::list search;
+  for (const auto& d : ctx.discovery().search_path) search.append(d.path.string());
+  py::list plugins;
+  py::list problems;
+  for (const auto& rec : ctx.discovery().plugins) {
+    py::dict p;
+    p["name"] = rec.name;
+    p["backend"] = rec.backend;
+    p["manifest"] = rec.manifest_path;
+    p["library"] = rec.library_path;
+    p["state"] = std::string(plugin_state_name(rec.state));
+    p["status"] = rec.state == PluginState::found ? "ok" : "error";
+    p["note"] = rec.note;
+    py::list rec_problems;
+    for (const auto& q : rec.problems) rec_problems.append(problem_dict(q));
+    p["loaded"] = false;
+    if (rec.state == PluginState::found) {
+      try {
+        const auto& bin = ctx.load_plugin(rec.name);
+        p["loaded"] = true;
+        p["version"] = bin.version;
+        p["abi"] = fmt::format("{}.{}", bin.abi_major, bin.abi_minor);
+        py::list devices;
+        for (const auto& dev : bin.devices) {
+          py::dict dd;
+          dd["device"] = dev.device.str();
+          dd["id"] = dev.id;
+          dd["name"] = dev.name;
+          devices.append(dd);
+        }
+        p["devices"] = devices;
+      } catch (const Error& e) {
+        p["status"] = "error";
+        rec_problems.append(problem_dict({e.code(), rec.library_path, e.message()}));
+      }
+    }
+    p["problems"] = rec_problems;
+    for (py::handle q : rec_problems) problems.append(q);
+    plugins.append(p);
+  }
+  py::dict out;
+  out["search_path"] = search;
+  out["plugins"] = plugins;
+  out["problems"] = problems;
+  return out;
+}
+
+std::string explain(const std::string& code) {
+  ErrorCode parsed{};
+  if (!parse_code(code, &parsed)) {
+    throw py::value_error(fmt::format("unknown error code '{}'; kdispatch.error_codes() lists them all", code));
+  }
+  const CatalogueEntry& e = *find_catalogue_entry(parsed);
+  return fmt::format("{}: {}\n\n{}\n\nCommon causes:\n{}\n\nFix:\n{}\n", code_string(e.code), e.title, e.meaning,
+                     e.causes, e.fix);
+}
+
+}  // namespace kdispatch::python

@@ -1,0 +1,76 @@
+// kdispatch._kdispatch: the extension module under the `kdispatch` package.
+// The package's __init__.py re-exports what users call; kdispatch.torch
+// registers the torch custom ops on top of it.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <pybind11/stl/filesystem.h>
+
+#include <kdispatch/error_catalogue.hpp>
+
+#include "errors.hpp"
+#include "inventory.hpp"
+#include "op_call.hpp"
+#include "runtime.hpp"
+#include "tensor_args.hpp"
+
+namespace py = pybind11;
+using namespace kdispatch::python;
+
+PYBIND11_MODULE(_kdispatch, m) {
+  m.doc() = "kdispatch: kernel dispatcher with plugin backends (C++ core bindings)";
+  m.attr("version") = KDISPATCH_PYTHON_VERSION;
+  register_error_translator();
+
+  m.def("ops", &ops, "Every op with a usable kernel, sorted (as `kdispatch list`).");
+  m.def("backends", &backends, py::arg("op"), py::arg("device") = py::none(),
+        "The registered backends of an op, each checked against a device (default: the detected platform).");
+  m.def("select", &kdispatch::python::select, py::arg("op"), py::arg("backend") = py::none(),
+        py::arg("device") = py::none(), py::arg("dtype") = py::none(),
+        "The kernel a call would run: backend, plugin, symbol, targets (metadata only; no plugin is opened).");
+  m.def("schemas", &schemas, "Every op schema, as dicts.");
+  m.def("schema", &schema, py::arg("op"), "The schema of one op, as a dict.");
+  m.def("doctor", &doctor, "The plugin report of `kdispatch doctor --json` (opens every plugin found).");
+  m.def("explain", &explain, py::arg("code"),
+        "The catalogue entry of an error code, as `kdispatch explain` prints it.");
+  m.def(
+      "error_codes",
+      [] {
+        py::dict out;
+        for (const auto& e : kdispatch::error_catalogue())
+          out[py::str(kdispatch::code_string(e.code))] = std::string(e.title);
+        return out;
+      },
+      "Every error code with its title.");
+  m.def("configure", &configure, py::kw_only(), py::arg("plugin_path") = std::vector<std::filesystem::path>{},
+        py::arg("add_plugin_path") = std::vector<std::filesystem::path>{},
+        "Sets the plugin search path for the calls that follow (as --plugin-path / --add-plugin-path; an "
+        "empty plugin_path keeps the default path). Ops resolved before (kdispatch.op handles, the kernels "
+        "of kdispatch.torch) keep the plugins they were resolved with: configure before importing "
+        "kdispatch.torch.");
+
+  py::class_<Op>(m, "Op", "An op resolved by name once: op(*tensors, stream=None, **attrs).")
+      .def("__call__", &Op::call)
+      .def("_torch_call", &Op::call_positional)
+      .def_property_readonly("name", [](const Op& op) { return std::string(op.handle().op()); })
+      .def_property_readonly("backend",
+                             [](const Op& op) -> py::object {
+                               if (op.handle().backend().empty()) return py::none();
+                               return py::str(std::string(op.handle().backend()));
+                             })
+      .def("__repr__", [](const Op& op) {
+        std::string text = "<kdispatch.Op " + std::string(op.handle().op());
+        if (!op.handle().backend().empty()) text += " backend=" + std::string(op.handle().backend());
+        return text + ">";
+      });
+  m.def(
+      "op",
+      [](const std::string& name, const std::optional<std::string>& backend) {
+        return Op(runtime().dispatcher.op(name, backend.value_or("")));
+      },
+      py::arg("op"), py::arg("backend") = py::none(), "Resolves an op once, for calls in a loop.");
+  m.def("call", &call, "call(op, *tensors, backend=None, stream=None, **attrs)");
+
+  m.def("_set_torch", [](py::object tensor_type, py::list dtypes, py::object raw_stream, bool rocm) {
+    set_torch_support(tensor_type.ptr(), dtypes.ptr(), raw_stream.ptr(), rocm);
+  });
+}

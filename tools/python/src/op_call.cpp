@@ -1,0 +1,148 @@
+#include "op_call.hpp"
+
+#include <fmt/format.h>
+
+#include <array>
+#include <string_view>
+
+#include "errors.hpp"
+#include "runtime.hpp"
+#include "tensor_args.hpp"
+
+namespace py = pybind11;
+
+namespace kdispatch::python {
+
+namespace {
+
+inline constexpr size_t kMaxAttrs = 32;
+
+std::string_view utf8(PyObject* str) {
+  Py_ssize_t size = 0;
+  const char* data = PyUnicode_AsUTF8AndSize(str, &size);
+  if (data == nullptr) {
+    PyErr_Clear();
+    throw_call_error("attribute names must be strings");
+  }
+  return {data, static_cast<size_t>(size)};
+}
+
+// A Python scalar as an attribute value; the schema's type is checked (and
+// ints widened to floats) by the dispatcher.
+AttrValue attr_value(std::string_view op, std::string_view name, PyObject* value) {
+  if (PyBool_Check(value)) return value == Py_True;
+  if (PyLong_Check(value)) {
+    const long long v = PyLong_AsLongLong(value);
+    if (v == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      throw_call_error(fmt::format("op '{}', attribute '{}': the int does not fit 64 bits", op, name));
+    }
+    return int64_t{v};
+  }
+  if (PyFloat_Check(value)) return PyFloat_AS_DOUBLE(value);
+  if (PyUnicode_Check(value)) return std::string(utf8(value));
+  // NumPy and torch scalars: integers through __index__, the rest through __float__.
+  if (PyIndex_Check(value)) {
+    const long long v = PyLong_AsLongLong(value);
+    if (!(v == -1 && PyErr_Occurred())) return int64_t{v};
+    PyErr_Clear();
+  }
+  if (Py_TYPE(value)->tp_as_number != nullptr && Py_TYPE(value)->tp_as_number->nb_float != nullptr) {
+    const double d = PyFloat_AsDouble(value);
+    if (!(d == -1.0 && PyErr_Occurred())) return d;
+    PyErr_Clear();
+  }
+  throw_call_error(fmt::format("op '{}', attribute '{}': expected a float, int, bool or str, got {}", op, name,
+                               Py_TYPE(value)->tp_name));
+}
+
+void check_count(const OpSchema& schema, size_t given) {
+  if (given == schema.tensors.size()) [[likely]]
+    return;
+  std::string names;
+  for (const auto& t : schema.tensors) names += (names.empty() ? "" : ", ") + t.name;
+  throw_call_error(
+      fmt::format("op '{}' takes {} tensors ({}), got {}", schema.op, schema.tensors.size(), names, given));
+}
+
+// The call itself: the GIL is released while a host kernel runs (a GPU
+// kernel is only launched, which takes less time than releasing it).
+void run(const OpHandle& handle, TensorArgs& tensors, std::span<const NamedAttr> attrs) {
+  if (tensors.on_cpu()) {
+    py::gil_scoped_release release;
+    handle(tensors.tensors(), attrs, tensors.stream());
+  } else {
+    handle(tensors.tensors(), attrs, tensors.stream());
+  }
+}
+
+// Tensors args[first:], attributes and `stream` from kwargs (`skip` names a
+// keyword that is not an attribute, besides `stream`).
+void call_with_kwargs(const OpHandle& handle, const py::args& args, size_t first, const py::kwargs& kwargs,
+                      std::string_view skip) {
+  const OpSchema& schema = handle.schema();
+  const size_t count = args.size() - first;
+  check_count(schema, count);
+  PyObject* stream = nullptr;
+  std::array<NamedAttr, kMaxAttrs> attrs;
+  size_t num_attrs = 0;
+  if (kwargs) {
+    PyObject* key = nullptr;
+    PyObject* value = nullptr;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(kwargs.ptr(), &pos, &key, &value)) {
+      const std::string_view name = utf8(key);
+      if (name == "stream") {
+        stream = value;
+        continue;
+      }
+      if (name == skip) continue;
+      if (num_attrs == attrs.size()) throw_call_error(fmt::format("op '{}': too many attributes", schema.op));
+      attrs[num_attrs++] = {name, attr_value(schema.op, name, value)};
+    }
+  }
+  TensorArgs tensors(schema, StreamRequest::from(stream));
+  for (size_t i = 0; i < count; ++i) tensors.add(args[first + i].ptr());
+  run(handle, tensors, std::span<const NamedAttr>(attrs.data(), num_attrs));
+}
+
+}  // namespace
+
+void Op::call(const py::args& args, const py::kwargs& kwargs) const { call_with_kwargs(handle_, args, 0, kwargs, {}); }
+
+void Op::call_positional(const py::args& args) const {
+  const OpSchema& schema = handle_.schema();
+  const size_t num_tensors = schema.tensors.size();
+  const size_t given = args.size();
+  if (given < num_tensors || given > num_tensors + schema.attrs.size()) {
+    throw_call_error(fmt::format("op '{}' takes {} tensors and up to {} attributes, got {} arguments", schema.op,
+                                 num_tensors, schema.attrs.size(), given));
+  }
+  std::array<NamedAttr, kMaxAttrs> attrs;
+  const size_t num_attrs = given - num_tensors;
+  for (size_t i = 0; i < num_attrs; ++i) {
+    const std::string& name = schema.attrs[i].name;
+    attrs[i] = {name, attr_value(schema.op, name, args[num_tensors + i].ptr())};
+  }
+  TensorArgs tensors(schema, StreamRequest{});
+  for (size_t i = 0; i < num_tensors; ++i) tensors.add(args[i].ptr());
+  run(handle_, tensors, std::span<const NamedAttr>(attrs.data(), num_attrs));
+}
+
+void call(const py::args& args, const py::kwargs& kwargs) {
+  if (args.size() == 0 || !PyUnicode_Check(args[0].ptr())) {
+    throw py::type_error("kdispatch.call(op, *tensors, backend=None, stream=None, **attrs): op must be a str");
+  }
+  const std::string_view op = utf8(args[0].ptr());
+  std::string_view backend;
+  if (kwargs) {
+    if (PyObject* b = PyDict_GetItemString(kwargs.ptr(), "backend"); b != nullptr && b != Py_None) {
+      if (!PyUnicode_Check(b)) throw py::type_error("kdispatch.call: backend must be a str or None");
+      backend = utf8(b);
+    }
+  }
+  const OpHandle handle = runtime().dispatcher.op(op, backend);
+  call_with_kwargs(handle, args, 1, kwargs, "backend");
+}
+
+}  // namespace kdispatch::python

@@ -1,0 +1,32 @@
+// Calling an op from Python: tensors (tensor_args.hpp), attributes from
+// Python scalars, the stream, and the checked C++ call. The GIL is released
+// while a kernel runs on the host.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <kdispatch/dispatcher.hpp>
+
+#include <string>
+
+namespace kdispatch::python {
+
+// kdispatch.op(...): an op resolved by name once.
+class Op {
+ public:
+  explicit Op(OpHandle handle) : handle_(handle) {}
+  // op(*tensors, stream=None, **attrs)
+  void call(const pybind11::args& args, const pybind11::kwargs& kwargs) const;
+  // The torch kernel: tensors then every attribute in schema order
+  // (trailing ones may be left out; their defaults apply).
+  void call_positional(const pybind11::args& args) const;
+  const OpHandle& handle() const { return handle_; }
+
+ private:
+  OpHandle handle_;
+};
+
+// kdispatch.call(op, *tensors, backend=None, stream=None, **attrs)
+void call(const pybind11::args& args, const pybind11::kwargs& kwargs);
+
+}  // namespace kdispatch::python

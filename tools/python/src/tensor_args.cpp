@@ -1,0 +1,387 @@
+#include "tensor_args.hpp"
+
+#include <fmt/format.h>
+#include <pybind11/pybind11.h>
+
+#include <kdispatch/dtype.hpp>
+
+#include <cstring>
+#include <string>
+
+#include "dlpack_versioned.hpp"
+#include "errors.hpp"
+
+namespace py = pybind11;
+
+namespace kdispatch::python {
+
+namespace {
+
+// Interned attribute names, made once (never freed).
+struct Names {
+  PyObject* data_ptr = PyUnicode_InternFromString("data_ptr");
+  PyObject* dtype = PyUnicode_InternFromString("dtype");
+  PyObject* shape = PyUnicode_InternFromString("shape");
+  PyObject* stride = PyUnicode_InternFromString("stride");
+  PyObject* is_cuda = PyUnicode_InternFromString("is_cuda");
+  PyObject* is_cpu = PyUnicode_InternFromString("is_cpu");
+  PyObject* is_meta = PyUnicode_InternFromString("is_meta");
+  PyObject* get_device = PyUnicode_InternFromString("get_device");
+  PyObject* device = PyUnicode_InternFromString("device");
+  PyObject* dlpack = PyUnicode_InternFromString("__dlpack__");
+  PyObject* dlpack_device = PyUnicode_InternFromString("__dlpack_device__");
+  PyObject* stream = PyUnicode_InternFromString("stream");
+  PyObject* max_version = PyUnicode_InternFromString("max_version");
+  PyObject* cuda_stream = PyUnicode_InternFromString("cuda_stream");
+  PyObject* ptr = PyUnicode_InternFromString("ptr");
+};
+const Names& names() {
+  static const Names* n = new Names();
+  return *n;
+}
+
+struct TorchDtype {
+  PyObject* dtype;  // a torch.dtype, referenced for the process's lifetime
+  DLDataType dl;
+};
+struct TorchSupport {
+  PyObject* tensor_type = nullptr;
+  std::array<TorchDtype, 16> dtypes{};
+  size_t dtype_count = 0;
+  PyObject* raw_stream = nullptr;  // torch._C._cuda_getCurrentRawStream, or nullptr
+  bool rocm = false;
+};
+TorchSupport g_torch;
+
+// Types whose __dlpack__ refused max_version (a TypeError): they are asked
+// for unversioned capsules right away. References kept.
+std::array<PyTypeObject*, 8> g_unversioned_types{};
+size_t g_unversioned_count = 0;
+
+bool known_unversioned(PyTypeObject* type) {
+  for (size_t i = 0; i < g_unversioned_count; ++i) {
+    if (g_unversioned_types[i] == type) return true;
+  }
+  return false;
+}
+
+py::object steal(PyObject* o) { return py::reinterpret_steal<py::object>(o); }
+
+// The pending Python exception as "TypeName: message", cleared.
+std::string take_python_error() {
+  PyObject* type = nullptr;
+  PyObject* value = nullptr;
+  PyObject* trace = nullptr;
+  PyErr_Fetch(&type, &value, &trace);
+  PyErr_NormalizeException(&type, &value, &trace);
+  std::string text = "unknown error";
+  if (type != nullptr) {
+    text = reinterpret_cast<PyTypeObject*>(type)->tp_name;
+    if (value != nullptr) {
+      if (PyObject* s = PyObject_Str(value)) {
+        if (const char* c = PyUnicode_AsUTF8(s)) text += std::string(": ") + c;
+        Py_DECREF(s);
+      }
+    }
+  }
+  PyErr_Clear();
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(trace);
+  return text;
+}
+
+std::string repr_of(PyObject* o) {
+  std::string text = "?";
+  if (PyObject* s = PyObject_Str(o)) {
+    if (const char* c = PyUnicode_AsUTF8(s)) text = c;
+    Py_DECREF(s);
+  }
+  PyErr_Clear();
+  return text;
+}
+
+// A sequence of ints (a tuple, torch.Size) into `out`; its length, or -1.
+Py_ssize_t read_ints(PyObject* seq, std::array<int64_t, kMaxDims>& out) {
+  if (!PyTuple_Check(seq)) return -1;
+  const Py_ssize_t n = PyTuple_GET_SIZE(seq);
+  if (n > static_cast<Py_ssize_t>(kMaxDims)) return -1;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(seq, i));
+    if (v == -1 && PyErr_Occurred()) return -1;
+    out[static_cast<size_t>(i)] = v;
+  }
+  return n;
+}
+
+bool is_gpu(int32_t dl_type) { return dl_type == kDLCUDA || dl_type == kDLROCM || dl_type == kDLCUDAManaged; }
+
+}  // namespace
+
+void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* raw_stream_fn, bool rocm) {
+  if (!PyType_Check(tensor_type)) throw py::type_error("torch support: tensor_type must be a type");
+  TorchSupport support;
+  Py_INCREF(tensor_type);
+  support.tensor_type = tensor_type;
+  py::list table = py::reinterpret_borrow<py::list>(dtype_table);
+  for (py::handle entry : table) {
+    auto pair = entry.cast<py::tuple>();
+    const std::string name = pair[1].cast<std::string>();
+    const auto dtype = parse_dtype(name);
+    if (!dtype) throw py::value_error("torch support: unknown kdispatch dtype '" + name + "'");
+    if (support.dtype_count == support.dtypes.size()) throw py::value_error("torch support: too many dtypes");
+    PyObject* torch_dtype = pair[0].ptr();
+    Py_INCREF(torch_dtype);
+    support.dtypes[support.dtype_count++] = {torch_dtype, to_dlpack(*dtype)};
+  }
+  if (raw_stream_fn != nullptr && raw_stream_fn != Py_None) {
+    Py_INCREF(raw_stream_fn);
+    support.raw_stream = raw_stream_fn;
+  }
+  support.rocm = rocm;
+  g_torch = support;  // the previous references are kept: handles made before may still use them
+}
+
+StreamRequest StreamRequest::from(PyObject* stream) {
+  StreamRequest r;
+  if (stream == nullptr || stream == Py_None) return r;
+  r.given = true;
+  py::object value = py::reinterpret_borrow<py::object>(stream);
+  if (!PyLong_Check(stream)) {
+    if (PyObject_HasAttr(stream, names().cuda_stream)) {
+      value = steal(PyObject_GetAttr(stream, names().cuda_stream));
+    } else if (PyObject_HasAttr(stream, names().ptr)) {
+      value = steal(PyObject_GetAttr(stream, names().ptr));
+    }
+  }
+  if (!value || !PyLong_Check(value.ptr())) {
+    PyErr_Clear();
+    throw_call_error(
+        fmt::format("stream: expected None, an int (a cudaStream_t) or a stream object with "
+                    "`cuda_stream` or `ptr`, got {}",
+                    Py_TYPE(stream)->tp_name));
+  }
+  r.handle = reinterpret_cast<uintptr_t>(PyLong_AsVoidPtr(value.ptr()));
+  if (PyErr_Occurred()) throw_call_error("stream: " + take_python_error());
+  return r;
+}
+
+TensorArgs::~TensorArgs() {
+  for (size_t i = 0; i < taken_count_; ++i) {
+    if (taken_[i].versioned) {
+      auto* m = static_cast<ManagedTensorVersioned*>(taken_[i].managed);
+      if (m->deleter != nullptr) m->deleter(m);
+    } else {
+      auto* m = static_cast<DLManagedTensor*>(taken_[i].managed);
+      if (m->deleter != nullptr) m->deleter(m);
+    }
+  }
+}
+
+std::string TensorArgs::where() const {
+  const std::string name = count_ < schema_.tensors.size() ? schema_.tensors[count_].name : "?";
+  return fmt::format("op '{}', argument {} '{}'", schema_.op, count_, name);
+}
+
+void TensorArgs::add(PyObject* object) {
+  DLTensor& out = tensors_[count_];
+  if (g_torch.tensor_type != nullptr &&
+      PyObject_TypeCheck(object, reinterpret_cast<PyTypeObject*>(g_torch.tensor_type))) {
+    add_torch(object, out);
+  } else {
+    add_dlpack(object, out);
+  }
+  ++count_;
+}
+
+void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
+  const Names& n = names();
+  py::object ptr = steal(PyObject_CallMethodNoArgs(object, n.data_ptr));
+  if (!ptr)
+    throw_call_error(fmt::format("{}: cannot read the torch tensor's data pointer: {}", where(), take_python_error()));
+  void* data = PyLong_AsVoidPtr(ptr.ptr());
+
+  py::object dtype = steal(PyObject_GetAttr(object, n.dtype));
+  if (!dtype) throw_call_error(fmt::format("{}: {}", where(), take_python_error()));
+  const TorchDtype* found = nullptr;
+  for (size_t i = 0; i < g_torch.dtype_count; ++i) {
+    if (g_torch.dtypes[i].dtype == dtype.ptr()) {
+      found = &g_torch.dtypes[i];
+      break;
+    }
+  }
+  if (found == nullptr) {
+    throw_call_error(
+        fmt::format("{}: torch dtype {} is not one kdispatch handles (float32, float16, bfloat16, "
+                    "float64, int32, int64, uint8, bool)",
+                    where(), repr_of(dtype.ptr())));
+  }
+
+  DLDevice device{kDLCPU, 0};
+  py::object is_cuda = steal(PyObject_GetAttr(object, n.is_cuda));
+  if (!is_cuda) PyErr_Clear();
+  if (is_cuda.ptr() == Py_True) {
+    py::object index = steal(PyObject_CallMethodNoArgs(object, n.get_device));
+    if (!index) throw_call_error(fmt::format("{}: {}", where(), take_python_error()));
+    device = {g_torch.rocm ? kDLROCM : kDLCUDA, static_cast<int32_t>(PyLong_AsLong(index.ptr()))};
+  } else {
+    py::object is_cpu = steal(PyObject_GetAttr(object, n.is_cpu));
+    if (is_cpu.ptr() != Py_True) {
+      PyErr_Clear();
+      py::object is_meta = steal(PyObject_GetAttr(object, n.is_meta));
+      PyErr_Clear();
+      if (is_meta.ptr() == Py_True) {
+        throw_call_error(
+            fmt::format("{}: is a meta tensor, which has no data for a kernel "
+                        "(torch.ops.kdispatch.* take meta tensors through their fake implementation)",
+                        where()));
+      }
+      py::object dev = steal(PyObject_GetAttr(object, n.device));
+      PyErr_Clear();
+      throw_call_error(
+          fmt::format("{}: is on torch device '{}', for which kdispatch has no backend kind "
+                      "(cpu, cuda, hip)",
+                      where(), dev ? repr_of(dev.ptr()) : "?"));
+    }
+  }
+
+  const size_t i = count_;
+  py::object shape = steal(PyObject_GetAttr(object, n.shape));
+  const Py_ssize_t ndim = shape ? read_ints(shape.ptr(), shapes_[i]) : -1;
+  py::object stride = steal(PyObject_CallMethodNoArgs(object, n.stride));
+  const Py_ssize_t nstride = stride ? read_ints(stride.ptr(), strides_[i]) : -1;
+  if (ndim < 0 || nstride != ndim) {
+    PyErr_Clear();
+    throw_call_error(
+        fmt::format("{}: cannot read the torch tensor's shape and strides (at most {} dims)", where(), kMaxDims));
+  }
+  out.data = data;
+  out.device = device;
+  out.ndim = static_cast<int32_t>(ndim);
+  out.dtype = found->dl;
+  out.shape = shapes_[i].data();
+  out.strides = strides_[i].data();
+  out.byte_offset = 0;
+
+  if (!launch_stream_set_ && !stream_.given && device.device_type != kDLCPU && g_torch.raw_stream != nullptr) {
+    py::object index = steal(PyLong_FromLong(device.device_id));
+    py::object raw = steal(PyObject_CallOneArg(g_torch.raw_stream, index.ptr()));
+    if (!raw)
+      throw_call_error(fmt::format("{}: cannot get torch's current CUDA stream: {}", where(), take_python_error()));
+    launch_stream_ = reinterpret_cast<uintptr_t>(PyLong_AsVoidPtr(raw.ptr()));
+    launch_stream_set_ = true;
+  }
+}
+
+void TensorArgs::add_dlpack(PyObject* object, DLTensor& out) {
+  if (PyCapsule_CheckExact(object)) {
+    take_capsule(object, out);
+    return;
+  }
+  const Names& n = names();
+  py::object dev = steal(PyObject_CallMethodNoArgs(object, n.dlpack_device));
+  if (!dev) {
+    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+      PyErr_Clear();
+      throw_call_error(
+          fmt::format("{}: a {} is not a tensor; pass an object with __dlpack__ and __dlpack_device__ "
+                      "(a NumPy array, a torch tensor, a CuPy array) or a DLPack capsule",
+                      where(), Py_TYPE(object)->tp_name));
+    }
+    throw_call_error(fmt::format("{}: __dlpack_device__() failed: {}", where(), take_python_error()));
+  }
+  long dl_type = -1;
+  if (PyTuple_Check(dev.ptr()) && PyTuple_GET_SIZE(dev.ptr()) == 2) {
+    dl_type = PyLong_AsLong(PyTuple_GET_ITEM(dev.ptr(), 0));
+    PyErr_Clear();
+  }
+  if (dl_type < 0) {
+    throw_call_error(
+        fmt::format("{}: __dlpack_device__() returned {}, not (device_type, device_id)", where(), repr_of(dev.ptr())));
+  }
+
+  // The producer orders its pending work before the consumer's stream: the
+  // stream of the call on GPUs (None: the legacy default stream).
+  py::dict kwargs;
+  if (is_gpu(static_cast<int32_t>(dl_type))) {
+    if (stream_.given) {
+      kwargs[n.stream] = py::int_(stream_.handle == 0 ? uintptr_t{1} : stream_.handle);
+    } else {
+      kwargs[n.stream] = py::none();
+    }
+  }
+  py::object dlpack = steal(PyObject_GetAttr(object, n.dlpack));
+  if (!dlpack) throw_call_error(fmt::format("{}: {}", where(), take_python_error()));
+  py::object capsule;
+  PyTypeObject* type = Py_TYPE(object);
+  if (!known_unversioned(type)) {
+    py::dict versioned;
+    for (auto item : kwargs) versioned[item.first] = item.second;
+    versioned[n.max_version] = py::make_tuple(kDlpackMajor, 0);
+    capsule = steal(PyObject_Call(dlpack.ptr(), py::tuple().ptr(), versioned.ptr()));
+    if (!capsule && PyErr_ExceptionMatches(PyExc_TypeError)) {
+      // An older producer, without max_version: ask for an unversioned
+      // capsule, and do so at once for this type from now on.
+      PyErr_Clear();
+      capsule = steal(PyObject_Call(dlpack.ptr(), py::tuple().ptr(), kwargs.ptr()));
+      if (capsule && g_unversioned_count < g_unversioned_types.size()) {
+        Py_INCREF(type);
+        g_unversioned_types[g_unversioned_count++] = type;
+      }
+    }
+  } else {
+    capsule = steal(PyObject_Call(dlpack.ptr(), py::tuple().ptr(), kwargs.ptr()));
+  }
+  if (!capsule) throw_call_error(fmt::format("{}: __dlpack__() failed: {}", where(), take_python_error()));
+  if (!PyCapsule_CheckExact(capsule.ptr())) {
+    throw_call_error(
+        fmt::format("{}: __dlpack__() returned a {}, not a capsule", where(), Py_TYPE(capsule.ptr())->tp_name));
+  }
+  take_capsule(capsule.ptr(), out);
+  // The first GPU tensor fixes the launch stream: the requested one, or the
+  // default stream the producer was told about.
+  if (is_gpu(out.device.device_type)) launch_stream_set_ = true;
+}
+
+void TensorArgs::take_capsule(PyObject* capsule, DLTensor& out) {
+  const TensorArg& arg = schema_.tensors[count_];
+  const bool written = arg.written || arg.inplace;
+  if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
+    auto* m = static_cast<ManagedTensorVersioned*>(PyCapsule_GetPointer(capsule, "dltensor_versioned"));
+    if (PyCapsule_SetName(capsule, "used_dltensor_versioned") != 0) {
+      throw_call_error(fmt::format("{}: {}", where(), take_python_error()));
+    }
+    taken_[taken_count_++] = {m, true};  // the deleter runs when the call is done, whatever happens
+    if (m->version.major != kDlpackMajor) {
+      throw_call_error(fmt::format("{}: DLPack version {}.{} is not supported (this consumer reads major {})", where(),
+                                   m->version.major, m->version.minor, kDlpackMajor));
+    }
+    if (written && (m->flags & kDlpackFlagReadOnly) != 0) {
+      throw_call_error(fmt::format("{}: is written by the op, but its producer marked it read-only", where()));
+    }
+    out = m->dl_tensor;
+    return;
+  }
+  if (PyCapsule_IsValid(capsule, "dltensor")) {
+    auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+    if (PyCapsule_SetName(capsule, "used_dltensor") != 0) {
+      throw_call_error(fmt::format("{}: {}", where(), take_python_error()));
+    }
+    taken_[taken_count_++] = {m, false};
+    out = m->dl_tensor;
+    return;
+  }
+  PyErr_Clear();
+  const char* name = PyCapsule_GetName(capsule);
+  PyErr_Clear();
+  if (name != nullptr && std::strncmp(name, "used_", 5) == 0) {
+    throw_call_error(
+        fmt::format("{}: this DLPack capsule was used already (a capsule can be consumed once; "
+                    "pass the array itself, or a new capsule)",
+                    where()));
+  }
+  throw_call_error(
+      fmt::format("{}: a capsule named '{}' is not a DLPack tensor", where(), name != nullptr ? name : "(none)"));
+}
+
+}  // namespace kdispatch::python

@@ -1,0 +1,88 @@
+// The tensors of one call, from Python objects, as DLTensors in schema
+// order, without copying data:
+//   - torch tensors (once kdispatch.torch or a torch-aware import told the
+//     module torch's Tensor type): read from the tensor's own attributes
+//     (data_ptr, shape, stride, dtype, device), which costs a fraction of
+//     exporting a DLPack capsule;
+//   - any other object with __dlpack__ / __dlpack_device__ (NumPy, CuPy, ...)
+//     and bare DLPack capsules: the capsule protocol, versioned capsules
+//     ("dltensor_versioned") asked for first, unversioned ("dltensor")
+//     accepted. A capsule is renamed to "used_dltensor[_versioned]" when it
+//     is taken and its deleter runs exactly once, when the call is done.
+#pragma once
+
+#include <Python.h>
+#include <dlpack/dlpack.h>
+
+#include <kdispatch/schema.hpp>
+
+#include <array>
+#include <cstdint>
+#include <span>
+
+namespace kdispatch::python {
+
+inline constexpr size_t kMaxTensors = 32;
+inline constexpr size_t kMaxDims = 16;
+
+// Tells the module about torch: its Tensor type, each torch dtype with its
+// DLPack code and bits, the function returning the raw current CUDA stream
+// of a device index (torch._C._cuda_getCurrentRawStream) or None, and whether
+// torch is a ROCm build (its "cuda" tensors are DLPack kDLROCM).
+void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* raw_stream_fn, bool rocm);
+
+// The stream a caller asked for: None, an int (a cudaStream_t), or an object
+// with a `cuda_stream` (torch) or `ptr` (CuPy) attribute.
+struct StreamRequest {
+  bool given = false;
+  uintptr_t handle = 0;
+  static StreamRequest from(PyObject* stream);  // nullptr or None: not given
+};
+
+class TensorArgs {
+ public:
+  TensorArgs(const OpSchema& schema, StreamRequest stream)
+      : schema_(schema), stream_(stream), launch_stream_(stream.handle), launch_stream_set_(stream.given) {}
+  ~TensorArgs();  // runs the deleters of the DLPack tensors taken
+  TensorArgs(const TensorArgs&) = delete;
+  TensorArgs& operator=(const TensorArgs&) = delete;
+
+  // Adds the tensor for schema argument `index` (count() must equal index).
+  // Throws CallError KD-E030 naming the argument when `object` is not a
+  // tensor kdispatch can read.
+  void add(PyObject* object);
+
+  std::span<DLTensor> tensors() { return {tensors_.data(), count_}; }
+  size_t count() const { return count_; }
+  // The stream to launch on: the requested one, else torch's current
+  // stream for torch CUDA tensors, else the default stream (nullptr).
+  void* stream() const { return reinterpret_cast<void*>(launch_stream_); }
+  // True when the first tensor lives in host memory.
+  bool on_cpu() const { return count_ > 0 && tensors_[0].device.device_type == kDLCPU; }
+
+ private:
+  void add_torch(PyObject* object, DLTensor& out);
+  void add_dlpack(PyObject* object, DLTensor& out);
+  void take_capsule(PyObject* capsule, DLTensor& out);
+  std::string where() const;  // "op 'X', argument 1 'x'", as the C++ check words it
+
+  const OpSchema& schema_;
+  StreamRequest stream_;
+  uintptr_t launch_stream_;
+  bool launch_stream_set_;  // the requested stream, or one chosen from a GPU tensor
+  size_t count_ = 0;
+  // Left uninitialised (about 10 KiB a call): entries below count_ and
+  // taken_count_ are written before they are read.
+  std::array<DLTensor, kMaxTensors> tensors_;
+  // Shapes and strides of torch tensors (DLPack tensors keep their own).
+  std::array<std::array<int64_t, kMaxDims>, kMaxTensors> shapes_;
+  std::array<std::array<int64_t, kMaxDims>, kMaxTensors> strides_;
+  struct Taken {
+    void* managed;
+    bool versioned;
+  };
+  std::array<Taken, kMaxTensors> taken_;
+  size_t taken_count_ = 0;
+};
+
+}  // namespace kdispatch::python
