@@ -88,13 +88,18 @@ def main():
         x, residual, positions = w.inputs()
         for label in ("decoder layer", "kdispatch ops only"):
             graphs = {}
+            # A graph reads and writes the tensors its function captured: the
+            # function is kept beside it, so they outlive every replay.
+            keep = []
             for caller in ("torch", "kdispatch"):
                 layer = decoder_layer.Inplace(w, caller)
                 if label == "decoder layer":
                     xs, rs = x.clone(), residual.clone()
-                    graphs[caller] = capture(lambda layer=layer, xs=xs, rs=rs: layer(xs, rs, positions))
+                    fn = lambda layer=layer, xs=xs, rs=rs: layer(xs, rs, positions)  # noqa: E731
                 else:
-                    graphs[caller] = capture(ops_only(layer))
+                    fn = ops_only(layer)
+                keep.append(fn)
+                graphs[caller] = capture(fn)
             times = {c: [] for c in graphs}
             for c, g in graphs.items():
                 time_replays(g, args.replays)  # warm
