@@ -34,6 +34,7 @@ using nlohmann::json;
 constexpr std::string_view kDtypeNames =
     "float32, float16, bfloat16, float64, int32, int64, uint8 or bool";
 constexpr std::string_view kNameExpected = "a name of [a-z0-9_]+";
+constexpr std::string_view kRoleExpected = "\"backend\" or \"reference\"";
 constexpr std::string_view kVersionExpected = "a string \"major.minor\" (e.g. \"1.0\")";
 constexpr std::string_view kArchExpected = "\"major.minor\" (e.g. \"9.0\")";
 constexpr std::string_view kIdentifierExpected = "an identifier [A-Za-z_][A-Za-z0-9_]*";
@@ -801,6 +802,7 @@ std::optional<KernelSpec> read_kernel(Reader& r, const json& j, const std::strin
   k.plugin = m.plugin;
   k.backend = m.backend;
   k.manifest = m.path;
+  k.role = m.role;
   if (r.error_count() != before) return std::nullopt;
   return k;
 }
@@ -863,7 +865,7 @@ void read_manifest_document(Reader& r, const json& doc, Manifest& m) {
   }
   if (!read_format_version(r, doc, m)) return;
   r.unknown_keys(doc, "", {"$schema", "kdispatch_manifest", "plugin", "backend", "library", "abi", "sha256",
-                           "description", "targets", "kernels", "ops"});
+                           "description", "role", "targets", "kernels", "ops"});
 
   m.plugin = r.checked_string(doc, "", "plugin", true, kNameExpected, is_valid_name).value_or("");
   m.backend = r.checked_string(doc, "", "backend", true, kNameExpected, is_valid_name).value_or("");
@@ -898,6 +900,14 @@ void read_manifest_document(Reader& r, const json& doc, Manifest& m) {
     }
   }
   m.description = r.string(doc, "", "description", false, "a string").value_or("");
+  // "role" before kernels: every kernel of the manifest takes it.
+  if (auto role = r.string(doc, "", "role", false, kRoleExpected)) {
+    if (*role == "reference") {
+      m.role = KernelRole::reference;
+    } else if (*role != "backend") {
+      r.bad("/role", kRoleExpected, doc.at("role"));
+    }
+  }
 
   // Top-level targets before kernels: they are the kernels' default.
   if (const json* targets = r.array(doc, "", "targets", false, kTargetsExpected)) {

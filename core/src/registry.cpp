@@ -89,6 +89,19 @@ const KernelSpec* KernelRegistry::get_backend(std::string_view op, std::string_v
   return &jt->second->spec;
 }
 
+const KernelSpec* KernelRegistry::reference(std::string_view op) const {
+  std::shared_lock lock(mutex_);
+  auto it = kernels_.find(op);
+  if (it == kernels_.end()) return nullptr;
+  const KernelSpec* found = nullptr;
+  for (const auto& [backend, entry] : it->second) {
+    if (entry->withdrawn || !entry->spec.is_reference()) continue;
+    if (backend == "reference") return &entry->spec;
+    if (found == nullptr) found = &entry->spec;
+  }
+  return found;
+}
+
 std::vector<std::string> KernelRegistry::ops() const {
   std::shared_lock lock(mutex_);
   std::vector<std::string> out;

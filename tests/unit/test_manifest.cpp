@@ -350,6 +350,21 @@ TEST_CASE("target inheritance and replacement") {
   CHECK(none.manifest->kernels.at(0).targets.empty());
 }
 
+TEST_CASE("a manifest's role reaches every kernel") {
+  const auto reference = parse_with(R"("role": "reference", "kernels": [{"op": "g.x", "symbol": "x"}])");
+  REQUIRE(reference.ok());
+  CHECK(reference.manifest->role == KernelRole::reference);
+  CHECK(reference.manifest->kernels.at(0).is_reference());
+  const auto plain = parse_with(R"("kernels": [{"op": "g.x", "symbol": "x"}])");
+  REQUIRE(plain.ok());
+  CHECK_FALSE(plain.manifest->kernels.at(0).is_reference());
+  CHECK(parse_with(R"("role": "backend", "kernels": [])").ok());
+  const auto bad = parse_with(R"("role": "oracle", "kernels": [])");
+  REQUIRE(bad.errors.size() == 1);
+  CHECK(bad.errors[0].code == ErrorCode::manifest_bad_field);
+  CHECK(contains(bad.errors[0].message, "/role: expected \"backend\" or \"reference\""));
+}
+
 TEST_CASE("manifest rules beyond the fixtures") {
   SUBCASE("the same op twice with the same symbol only warns") {
     const auto r = parse_with(R"("kernels": [{"op": "g.x", "symbol": "x"}, {"op": "g.x", "symbol": "x"}])");

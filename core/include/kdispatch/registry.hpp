@@ -54,6 +54,10 @@ class KernelRegistry {
   std::vector<const KernelSpec*> get(std::string_view op) const;
   const KernelSpec* get_backend(std::string_view op, std::string_view backend) const;
   bool has(std::string_view op) const { return !get(op).empty(); }
+  // The op's reference kernel (role "reference"), the oracle its checks
+  // compare against; nullptr when it has none. Where several plugins provide
+  // one, the backend named "reference" wins, else the first by backend name.
+  const KernelSpec* reference(std::string_view op) const;
   bool has(std::string_view op, std::string_view backend) const {
     return get_backend(op, backend) != nullptr;
   }
