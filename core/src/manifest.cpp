@@ -565,6 +565,49 @@ std::optional<AttrArg> read_attr(Reader& r, const json& j, const std::string& po
   return a;
 }
 
+// "tolerance": {"<dtype>": {"ulps": N, "atol": X, "mean_ulps": M}, ...}; a
+// dtype's entry replaces its default as a whole, so all three are required.
+void read_tolerances(Reader& r, const json& j, const std::string& pointer, std::map<Dtype, Tolerance>& out) {
+  constexpr std::string_view kExpected =
+      "an object of tolerances by output dtype, e.g. {\"bfloat16\": {\"ulps\": 2, \"atol\": 1e-5, "
+      "\"mean_ulps\": 0.8}}";
+  if (!j.is_object()) {
+    r.bad(pointer, kExpected, j);
+    return;
+  }
+  for (const auto& item : j.items()) {
+    const auto dtype_pointer = pointer_key(pointer, item.key());
+    const std::optional<Dtype> dtype = parse_dtype(item.key());
+    if (!dtype) {
+      r.error(ErrorCode::manifest_bad_field, dtype_pointer,
+              fmt::format("expected a dtype name, found \"{}\"", item.key()));
+      continue;
+    }
+    const json& v = item.value();
+    if (!v.is_object()) {
+      r.bad(dtype_pointer, "an object {\"ulps\", \"atol\", \"mean_ulps\"}", v);
+      continue;
+    }
+    r.unknown_keys(v, dtype_pointer, {"ulps", "atol", "mean_ulps"});
+    Tolerance t;
+    bool ok = true;
+    for (auto [key, field] : {std::pair{"ulps", &t.ulps}, std::pair{"atol", &t.atol}, std::pair{"mean_ulps", &t.mean_ulps}}) {
+      const auto field_pointer = pointer_key(dtype_pointer, key);
+      const auto it = v.find(key);
+      if (it == v.end()) {
+        r.error(ErrorCode::manifest_bad_field, field_pointer, "missing (a non-negative number)");
+        ok = false;
+      } else if (!it->is_number() || !(it->get<double>() >= 0)) {
+        r.bad(field_pointer, "a non-negative number", *it);
+        ok = false;
+      } else {
+        *field = it->get<double>();
+      }
+    }
+    if (ok) out[*dtype] = t;
+  }
+}
+
 // One op schema. A symbol seen only inside multiples ("2*R" with no plain
 // "R") is accepted: the checker binds it by dividing the dim by the factor,
 // which the rotary embedding's head dim needs.
@@ -574,7 +617,7 @@ std::optional<OpSchema> read_op_schema(Reader& r, const json& j, const std::stri
     return std::nullopt;
   }
   const size_t before = r.error_count();
-  r.unknown_keys(j, pointer, {"op", "doc", "tensors", "attrs", "dtypes", "example"});
+  r.unknown_keys(j, pointer, {"op", "doc", "tensors", "attrs", "dtypes", "example", "tolerance"});
   OpSchema s;
   s.source = r.file();
   s.op = r.checked_string(j, pointer, "op", true, "an op id <group>.<name> of [a-z0-9_]+", is_valid_op_id)
@@ -658,6 +701,9 @@ std::optional<OpSchema> read_op_schema(Reader& r, const json& j, const std::stri
         }
       }
     }
+  }
+  if (const json* tolerance = r.get(j, pointer, "tolerance", false, ""); tolerance != nullptr) {
+    read_tolerances(r, *tolerance, pointer_key(pointer, "tolerance"), s.tolerances);
   }
   for (const auto& var : declared_vars) {
     if (used_vars.count(var) == 0) {

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 
 #include "run_tool.hpp"
 
@@ -416,13 +417,87 @@ TEST_CASE("KDISPATCH_CPU_THREADS that is not a thread count is ignored with a wa
   CHECK(good.err.find("KDISPATCH_CPU_THREADS") == std::string::npos);
 }
 
-TEST_CASE("the first call of a kernel opens exactly its plugin") {
+TEST_CASE("the first call of a kernel opens exactly its plugin, and the check its reference") {
   const ToolResult r = run_tool({"run", "layernorm.rmsnorm", "--backend", "cpu", "--iters", "1", "--json"},
                                 {{"LD_DEBUG", "files"}});
   CHECK(r.exit_code == 0);
   CHECK(r.err.find("libkdispatch-cpu.so") != std::string::npos);
+  CHECK(r.err.find("libkdispatch-reference.so") != std::string::npos);
   CHECK(r.err.find("libkdispatch-cuda.so") == std::string::npos);
   CHECK(r.err.find("libkdispatch-hip.so") == std::string::npos);
+}
+
+TEST_CASE("run --all: every op and dtype on cpu checked against the reference, none unchecked") {
+  const ToolResult r = run_tool({"run", "--all", "--device", "cpu", "--iters", "1", "--json"});
+  INFO("stdout: " << r.out << "\nstderr: " << r.err);
+  CHECK(r.exit_code == 0);
+  const Json j = json_of(r);
+  size_t cpu_results = 0;
+  for (const Json& result : j.at("results")) {
+    CHECK(result.at("backend") != "reference");  // the oracle is not a result of its own
+    CHECK(result.at("status") == "passed");
+    CHECK(result.at("checked_against") == "reference (reference)");
+    cpu_results += result.at("backend") == "cpu";
+  }
+  CHECK(cpu_results == 21);  // 7 ops x 3 dtypes
+  CHECK(j.at("summary").at("passed") == j.at("results").size());
+  CHECK(j.at("summary").at("failed") == 0);
+  CHECK(j.at("summary").at("unchecked") == 0);
+  CHECK(j.at("summary").at("skipped") == j.at("skipped").size());
+  const ToolResult human = run_tool({"run", "--all", "--backend", "cpu", "--iters", "1"});
+  CHECK(human.exit_code == 0);
+  CHECK(human.out.find("\nrun: 21 passed, 0 failed, 0 unchecked, 0 skipped\n") != std::string::npos);
+}
+
+TEST_CASE("run: a kernel 1% wrong fails in float32, float16 and bfloat16") {
+  const std::string dir = std::string(KDISPATCH_BINARY_DIR) + "/tests/fixtures/plugins/fx_wrong";
+  const ToolResult r = run_tool({"run", "activation.silu_and_mul", "--backend", "fx_wrong", "--add-plugin-path", dir,
+                                 "--iters", "1", "--json"});
+  INFO("stdout: " << r.out << "\nstderr: " << r.err);
+  CHECK(r.exit_code == 3);
+  const Json j = json_of(r);
+  std::set<std::string> failed;
+  for (const Json& result : j.at("results")) {
+    CHECK(result.at("status") == "failed");
+    failed.insert(result.at("dtype").get<std::string>());
+  }
+  CHECK(failed == std::set<std::string>{"float32", "float16", "bfloat16"});
+  CHECK(j.at("summary").at("failed") == 3);
+  // At an odd size too.
+  const ToolResult odd = run_tool({"run", "activation.silu_and_mul", "--backend", "fx_wrong", "--add-plugin-path", dir,
+                                   "--iters", "1", "--json", "--shape", "*=7", "--shape", "D=4097"});
+  CHECK(json_of(odd).at("summary").at("failed") == 3);
+}
+
+TEST_CASE("run: an op without a reference kernel is unchecked, never passed") {
+  const std::string dir = std::string(KDISPATCH_BINARY_DIR) + "/tests/fixtures/plugins/fx_no_reference";
+  const ToolResult r =
+      run_tool({"run", "fixture.scaled", "--add-plugin-path", dir, "--iters", "1", "--json"});
+  INFO("stdout: " << r.out << "\nstderr: " << r.err);
+  CHECK(r.exit_code == 0);
+  const Json j = json_of(r);
+  REQUIRE(j.at("results").size() == 1);
+  CHECK(j.at("results")[0].at("status") == "unchecked");
+  CHECK(j.at("results")[0].at("checked") == false);
+  CHECK(j.at("summary") == Json{{"passed", 0}, {"failed", 0}, {"unchecked", 1}, {"skipped", 0}});
+  const ToolResult human = run_tool({"run", "fixture.scaled", "--add-plugin-path", dir, "--iters", "1"});
+  CHECK(human.out.find("unchecked: fixture.scaled: not checked: the op has no reference kernel") != std::string::npos);
+  CHECK(human.out.find("\nrun: 0 passed, 0 failed, 1 unchecked, 0 skipped\n") != std::string::npos);
+}
+
+TEST_CASE("the reference backend is chosen only when named or forced") {
+  const ToolResult plain = run_tool({"select", "layernorm.rmsnorm", "--device", "cpu", "--json"});
+  CHECK(json_of(plain)["backend"] == "cpu");
+  const ToolResult named = run_tool({"select", "layernorm.rmsnorm", "--device", "cpu", "--backend", "reference", "--json"});
+  CHECK(json_of(named)["backend"] == "reference");
+  const ToolResult forced =
+      run_tool({"select", "layernorm.rmsnorm", "--device", "cpu", "--json"}, {{"KDISPATCH_FORCE_BACKEND", "reference"}});
+  CHECK(json_of(forced)["backend"] == "reference");
+  // Alone, it is not the one usable backend.
+  const ToolResult alone = run_tool({"select", "layernorm.rmsnorm", "--device", "cpu", "--json"},
+                                    {{"KDISPATCH_PLUGINS_SELECT", "reference"}});
+  CHECK(alone.exit_code == 2);
+  CHECK(json_of(alone)["error"]["code"] == "KD-E003");
 }
 
 TEST_CASE("doctor --json over the broken fixture plugins: each with its code, the good ones loaded") {

@@ -365,6 +365,39 @@ TEST_CASE("a manifest's role reaches every kernel") {
   CHECK(contains(bad.errors[0].message, "/role: expected \"backend\" or \"reference\""));
 }
 
+TEST_CASE("op schema tolerances: declared per output dtype, defaults for the rest") {
+  const auto with_tolerance = [](const std::string& tolerance) {
+    return parse_op_schemas(R"([{"op": "t.op", "tensors": [{"name": "a", "shape": ["N"], "dtype": "T"}],
+                                 "dtypes": {"T": ["float32", "bfloat16"]}, "tolerance": )" +
+                                tolerance + "}]",
+                            "inline.json");
+  };
+  const auto good = with_tolerance(R"({"bfloat16": {"ulps": 3, "atol": 1e-4, "mean_ulps": 0.25}})");
+  REQUIRE(good.errors.empty());
+  REQUIRE(good.schemas.size() == 1);
+  const OpSchema& s = good.schemas[0];
+  CHECK(s.tolerance(Dtype::bfloat16) == Tolerance{3, 1e-4, 0.25});
+  CHECK(s.tolerance(Dtype::float32) == default_tolerance(Dtype::float32));
+  CHECK(default_tolerance(Dtype::int32) == Tolerance{});  // integers compare exactly
+  struct Bad {
+    std::string tolerance, says;
+  };
+  for (const Bad& bad : {Bad{R"([1])", "/0/tolerance: expected an object of tolerances by output dtype"},
+                         Bad{R"({"float8": {"ulps": 1, "atol": 0, "mean_ulps": 0}})",
+                             "/0/tolerance/float8: expected a dtype name"},
+                         Bad{R"({"float32": {"ulps": 1, "atol": 0}})", "/0/tolerance/float32/mean_ulps: missing"},
+                         Bad{R"({"float32": {"ulps": -1, "atol": 0, "mean_ulps": 0}})",
+                             "/0/tolerance/float32/ulps: expected a non-negative number, found"},
+                         Bad{R"({"float32": {"ulps": "4", "atol": 0, "mean_ulps": 0}})",
+                             "/0/tolerance/float32/ulps: expected a non-negative number"}}) {
+    const auto r = with_tolerance(bad.tolerance);
+    INFO(bad.tolerance);
+    REQUIRE(r.errors.size() == 1);
+    CHECK(r.errors[0].code == ErrorCode::manifest_bad_field);
+    CHECK(contains(r.errors[0].message, bad.says));
+  }
+}
+
 TEST_CASE("manifest rules beyond the fixtures") {
   SUBCASE("the same op twice with the same symbol only warns") {
     const auto r = parse_with(R"("kernels": [{"op": "g.x", "symbol": "x"}, {"op": "g.x", "symbol": "x"}])");

@@ -14,72 +14,11 @@ namespace kdispatch::harness {
 
 // --- element conversion -------------------------------------------------------
 
-float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  uint32_t mant = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      int e = -1;
-      do {
-        ++e;
-        mant <<= 1;
-      } while ((mant & 0x400u) == 0);
-      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (mant & 0x3ffu) << 13;
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | mant << 13;
-  } else {
-    bits = sign | (exp + 127 - 15) << 23 | mant << 13;
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-uint16_t float_to_half(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
-  const uint32_t abs = bits & 0x7fffffffu;
-  if (abs >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
-  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
-  if (abs < 0x38800000u) {
-    // Below half's smallest normal: a subnormal, in units of 2^-24. Scaling
-    // by a power of two is exact; nearbyint rounds to nearest even.
-    float magnitude;
-    std::memcpy(&magnitude, &abs, sizeof magnitude);
-    return static_cast<uint16_t>(sign | static_cast<uint16_t>(std::nearbyint(magnitude * 16777216.0f)));
-  }
-  uint32_t result = ((abs >> 13) - ((127 - 15) << 10)) & 0xffffu;
-  const uint32_t rem = abs & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (result & 1u))) ++result;
-  return static_cast<uint16_t>(sign | result);
-}
-
-float bf16_to_float(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);  // quiet NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 double load(const void* data, Dtype dtype, size_t i) {
   switch (dtype) {
     case Dtype::float32: return static_cast<const float*>(data)[i];
-    case Dtype::float16: return half_to_float(static_cast<const uint16_t*>(data)[i]);
-    case Dtype::bfloat16: return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
+    case Dtype::float16: return reference::decode(reference::Dtype::kFloat16, static_cast<const uint16_t*>(data)[i]);
+    case Dtype::bfloat16: return reference::decode(reference::Dtype::kBFloat16, static_cast<const uint16_t*>(data)[i]);
     case Dtype::float64: return static_cast<const double*>(data)[i];
     case Dtype::int32: return static_cast<const int32_t*>(data)[i];
     case Dtype::int64: return static_cast<double>(static_cast<const int64_t*>(data)[i]);
@@ -91,8 +30,12 @@ double load(const void* data, Dtype dtype, size_t i) {
 void store(void* data, Dtype dtype, size_t i, double v) {
   switch (dtype) {
     case Dtype::float32: static_cast<float*>(data)[i] = static_cast<float>(v); break;
-    case Dtype::float16: static_cast<uint16_t*>(data)[i] = float_to_half(static_cast<float>(v)); break;
-    case Dtype::bfloat16: static_cast<uint16_t*>(data)[i] = float_to_bf16(static_cast<float>(v)); break;
+    case Dtype::float16:
+      static_cast<uint16_t*>(data)[i] = static_cast<uint16_t>(reference::encode(reference::Dtype::kFloat16, v));
+      break;
+    case Dtype::bfloat16:
+      static_cast<uint16_t*>(data)[i] = static_cast<uint16_t>(reference::encode(reference::Dtype::kBFloat16, v));
+      break;
     case Dtype::float64: static_cast<double*>(data)[i] = v; break;
     case Dtype::int32: static_cast<int32_t*>(data)[i] = static_cast<int32_t>(v); break;
     case Dtype::int64: static_cast<int64_t*>(data)[i] = static_cast<int64_t>(v); break;
@@ -395,6 +338,12 @@ void download_all(CallData& data) {
 
 // --- checking -------------------------------------------------------------------
 
+namespace {
+bool is_float_dtype(Dtype d) {
+  return d == Dtype::float32 || d == Dtype::float16 || d == Dtype::bfloat16 || d == Dtype::float64;
+}
+}  // namespace
+
 reference::Dtype to_reference(Dtype dtype) {
   switch (dtype) {
     case Dtype::float16: return reference::Dtype::kFloat16;
@@ -412,50 +361,55 @@ Dtype from_reference(reference::Dtype dtype) {
   return Dtype::float32;
 }
 
-Tolerance tolerance(Dtype dtype) {
+double ulp(Dtype dtype, double value) {
+  int precision = 0;     // significand bits, the implicit one included
+  int min_exponent = 0;  // exponent of the smallest normal number
   switch (dtype) {
-    case Dtype::float32: return {.rtol = 1e-4, .atol = 1e-5};
-    case Dtype::float16: return {.rtol = 4e-3, .atol = 2e-3};
-    case Dtype::bfloat16: return {.rtol = 3.2e-2, .atol = 1.6e-2};
-    default: return {0, 0};
+    case Dtype::float64: precision = 53; min_exponent = -1022; break;
+    case Dtype::float32: precision = 24; min_exponent = -126; break;
+    case Dtype::float16: precision = 11; min_exponent = -14; break;
+    case Dtype::bfloat16: precision = 8; min_exponent = -126; break;
+    default: return 1.0;  // integers
   }
+  const int exponent = value == 0 || !std::isfinite(value) ? min_exponent : std::max(std::ilogb(value), min_exponent);
+  return std::ldexp(1.0, exponent - precision + 1);
 }
 
-std::vector<std::vector<double>> written_values(const OpSchema& schema, const CallData& data) {
-  std::vector<std::vector<double>> out;
-  for (size_t i = 0; i < schema.tensors.size(); ++i) {
-    if (!schema.tensors[i].written && !schema.tensors[i].inplace) continue;
-    const Buffer& b = data.tensors[i];
-    std::vector<double> v(b.numel());
-    for (size_t k = 0; k < v.size(); ++k) v[k] = b.at(k);
-    out.push_back(std::move(v));
-  }
-  return out;
-}
-
-Comparison compare(const OpSchema& schema, const CallData& got, const std::vector<std::vector<double>>& expected) {
+Comparison compare(const OpSchema& schema, const CallData& got, const CallData& want) {
   Comparison c;
-  size_t out_index = 0;
   for (size_t i = 0; i < schema.tensors.size(); ++i) {
-    if (!schema.tensors[i].written && !schema.tensors[i].inplace) continue;
-    const Buffer& b = got.tensors[i];
-    const std::vector<double>& want = expected.at(out_index++);
-    const Tolerance tol = tolerance(b.dtype());
-    for (size_t k = 0; k < b.numel(); ++k) {
-      const double g = b.at(k);
-      const double e = want[k];
-      const double abs_err = std::fabs(g - e);
-      const double rel_err = abs_err / std::max(std::fabs(e), 1e-30);
-      const bool bad = std::isnan(g) != std::isnan(e) || abs_err > tol.atol + tol.rtol * std::fabs(e);
-      if (!std::isnan(abs_err)) {
+    const TensorArg& arg = schema.tensors[i];
+    if (!arg.written && !arg.inplace) continue;
+    const Buffer& g = got.tensors[i];
+    const Buffer& w = want.tensors[i];
+    const bool is_float = is_float_dtype(g.dtype());
+    const Tolerance tol = is_float ? schema.tolerance(g.dtype()) : Tolerance{};
+    double ulps_sum = 0;
+    for (size_t k = 0; k < g.numel(); ++k) {
+      const double gv = g.at(k);
+      const double wv = w.at(k);
+      const double abs_err = gv == wv ? 0.0 : std::fabs(gv - wv);  // equal infinities: no error
+      const double unit = ulp(g.dtype(), wv);
+      const bool bad = std::isnan(gv) != std::isnan(wv) || (!std::isnan(wv) && !(abs_err <= tol.ulps * unit + tol.atol));
+      if (std::isfinite(abs_err)) {
         c.max_abs_err = std::max(c.max_abs_err, abs_err);
-        if (std::fabs(e) > tol.atol) c.max_rel_err = std::max(c.max_rel_err, rel_err);
+        if (std::fabs(wv) > tol.atol) c.max_rel_err = std::max(c.max_rel_err, abs_err / std::fabs(wv));
+        const double beyond_floor = std::max(0.0, abs_err - tol.atol) / unit;
+        c.max_ulps = std::max(c.max_ulps, beyond_floor);
+        ulps_sum += beyond_floor;
       }
       if (bad && c.ok) {
         c.ok = false;
-        c.first_mismatch = fmt::format("{}[flat {}]: got {}, expected {} (atol {}, rtol {})", schema.tensors[i].name,
-                                       k, g, e, tol.atol, tol.rtol);
+        c.first_mismatch = fmt::format("{}[flat {}]: got {}, expected {} ({:.3g} ulps; allowed {} ulps + {})", arg.name,
+                                       k, gv, wv, abs_err / unit, tol.ulps, tol.atol);
       }
+    }
+    const double mean = g.numel() == 0 ? 0.0 : ulps_sum / static_cast<double>(g.numel());
+    c.mean_ulps = std::max(c.mean_ulps, mean);
+    if (!(mean <= tol.mean_ulps) && c.ok) {
+      c.ok = false;
+      c.first_mismatch = fmt::format("{}: mean error {:.3g} ulps (beyond {} each), allowed {}", arg.name, mean,
+                                     tol.atol, tol.mean_ulps);
     }
   }
   return c;

@@ -1,7 +1,7 @@
 // Test and benchmark harness shared by `kdispatch run`/`bench`, the
 // conformance suite and the benchmarks: tensors generated from an op schema,
 // placed on any backend's device through its kd_memory_api, compared with
-// per-dtype tolerances, and saved as .npy.
+// the op's reference within the tolerances of its schema, and saved as .npy.
 #pragma once
 
 #include <dlpack/dlpack.h>
@@ -17,15 +17,13 @@
 #include "kdispatch/dtype.hpp"
 #include "kdispatch/plugin_loader.hpp"
 #include "kdispatch/schema.hpp"
-#include "reference_ops.hpp"
+#include "dtype_codec.hpp"
 
 namespace kdispatch::harness {
 
-// --- element conversion -------------------------------------------------------
-float half_to_float(uint16_t h);
-uint16_t float_to_half(float f);  // round to nearest even
-float bf16_to_float(uint16_t b);
-uint16_t float_to_bf16(float f);  // round to nearest even
+// --- elements -------------------------------------------------------------------
+// An element as float64, and a float64 value stored rounded once to `dtype`
+// (the dtype codec of the reference plugin).
 double load(const void* data, Dtype dtype, size_t index);
 void store(void* data, Dtype dtype, size_t index, double value);
 
@@ -99,29 +97,28 @@ CallData clone_to(const CallData& data, DLDevice device, const kd_memory_api* me
 void download_all(CallData& data);
 
 // --- checking -------------------------------------------------------------------
-using reference::Tolerance;
 
-// The float dtypes of the core and of the float64 reference, one for the other
-// (a core dtype the reference does not model maps to float32).
+// The float dtypes of the core and of the dtype codec, one for the other (a
+// core dtype the codec does not model maps to float32).
 reference::Dtype to_reference(Dtype dtype);
 Dtype from_reference(reference::Dtype dtype);
-// The tolerance of `run`, `bench` and the conformance suite for results in `dtype`.
-Tolerance tolerance(Dtype dtype);
+
+// Spacing of `dtype` at |value| (subnormal spacing near zero; 1 for integers).
+double ulp(Dtype dtype, double value);
 
 struct Comparison {
   bool ok = true;
   double max_abs_err = 0;
   double max_rel_err = 0;
-  std::string first_mismatch;  // "out[3, 17]: got 1.25, expected 1.5"
+  // Errors beyond the tolerance's absolute floor, in ulps of the output
+  // dtype: the largest, and the largest mean over one output.
+  double max_ulps = 0;
+  double mean_ulps = 0;
+  std::string first_mismatch;  // "out[flat 17]: got 1.25, expected 1.5 (...)"
 };
-// Compares the written tensors of `got` with `expected` (same shapes).
-Comparison compare(const OpSchema& schema, const CallData& got, const std::vector<std::vector<double>>& expected);
-// Expected outputs (written tensors, in schema order, as doubles) of a
-// built-in op from the inputs of `data` in float64; nullopt for ops without a
-// reference.
-std::optional<std::vector<std::vector<double>>> reference_outputs(const OpSchema& schema, const CallData& data);
-// The written tensors of `data` as doubles (to use one backend as the reference).
-std::vector<std::vector<double>> written_values(const OpSchema& schema, const CallData& data);
+// Compares the written tensors of `got` with those of `want` (the same call
+// run by the op's reference), with the schema's tolerances.
+Comparison compare(const OpSchema& schema, const CallData& got, const CallData& want);
 
 // --- .npy -----------------------------------------------------------------------
 // Writes `buffer` as NumPy .npy; bfloat16 is stored as float32 (exact).

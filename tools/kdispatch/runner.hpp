@@ -1,6 +1,6 @@
 // The sweep behind `kdispatch run` and `kdispatch bench`: every op x backend
-// x usable device x dtype asked for, each call checked (cpu against the
-// float64 reference, other backends against the cpu backend) and timed.
+// x usable device x dtype asked for, each call checked against the op's
+// reference kernel (role "reference") and timed.
 #pragma once
 
 #include <optional>
@@ -29,17 +29,21 @@ struct SweepOptions {
 
 struct SweepResult {
   std::string op, backend, device, dtype, shapes;
-  bool ok = false;
-  bool checked = false;
-  std::string checked_against;  // "float64 reference", "cpu backend"
+  bool ok = false;       // false: failed
+  bool checked = false;  // ok and not checked: unchecked, never passed
+  std::string checked_against;  // "reference (reference)", or "not checked: <why>"
   std::string error;            // why not ok
   double max_abs_err = 0, max_rel_err = 0;
+  double max_ulps = 0, mean_ulps = 0;  // in ulps of the output dtype (harness::Comparison)
   double us_per_call = 0, gb_per_s = 0;
 };
 
 struct SweepSkip {
   std::string op, backend, reason;
 };
+
+// "passed", "failed" or "unchecked".
+std::string_view result_status(const SweepResult& r);
 
 struct Sweep {
   std::vector<SweepResult> results;

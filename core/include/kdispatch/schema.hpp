@@ -56,6 +56,25 @@ struct AttrArg {
   bool operator==(const AttrArg&) const = default;
 };
 
+// How far a backend's result in one dtype may be from the op's reference
+// (DESIGN.md 5). For every element, in units of the output dtype's spacing
+// at the expected value (ulp):
+//   |got - want| <= ulps * ulp(want) + atol
+// and over all elements of an output
+//   mean(max(0, |got - want| - atol) / ulp(want)) <= mean_ulps,
+// so rounding noise passes while a small systematic error, which stays
+// below the per-element bound where values are small, still fails. Integer
+// and bool outputs always compare exactly.
+struct Tolerance {
+  double ulps = 0;
+  double atol = 0;       // absolute floor, for results that cancel to near zero
+  double mean_ulps = 0;
+  bool operator==(const Tolerance&) const = default;
+};
+
+// The tolerance of an op schema that declares none for `dtype`.
+Tolerance default_tolerance(Dtype dtype);
+
 struct OpSchema {
   std::string op;   // "layernorm.rmsnorm"
   std::string doc;
@@ -66,6 +85,9 @@ struct OpSchema {
   // given here get a tool default.
   std::vector<int64_t> example_leading;
   std::map<std::string, int64_t> example_sizes;
+  // "tolerance": {"bfloat16": {"ulps": 2, "atol": 1e-5, "mean_ulps": 0.8}},
+  // keyed by the dtype of the output compared.
+  std::map<Dtype, Tolerance> tolerances;
   std::string source;  // file that defined it ("<builtin>/layernorm.json")
 
   // Same signature (doc and source are not compared).
@@ -75,6 +97,8 @@ struct OpSchema {
   }
   // The dtypes a tensor may take (its variable's list, or its one dtype).
   std::vector<Dtype> allowed_dtypes(const TensorArg& tensor) const;
+  // The declared tolerance for outputs of `dtype`, else default_tolerance.
+  Tolerance tolerance(Dtype dtype) const;
 };
 
 }  // namespace kdispatch
