@@ -357,7 +357,7 @@ TEST_CASE("usage errors with --json are one JSON document on stdout too") {
   }
 }
 
-TEST_CASE("run and bench: a bad --dtype, --shape, --iters or --save is a usage error naming it") {
+TEST_CASE("run and bench: a bad --dtype, --shape, --attr, --iters or --save is a usage error naming it") {
   struct Case {
     std::vector<std::string> args;
     std::vector<std::string> says;  // in stderr
@@ -377,6 +377,15 @@ TEST_CASE("run and bench: a bad --dtype, --shape, --iters or --save is a usage e
       {{"run", "layernorm.rmsnorm", "--iters", "0"}, {"--iters", "'0' is not a whole number of at least 1"}},
       {{"run", "layernorm.rmsnorm", "--iters", "-3"}, {"--iters", "'-3'"}},
       {{"run", "layernorm.rmsnorm", "--save", file + "/below"}, {"--save " + file + "/below", "cannot create"}},
+      {{"run", "layernorm.rmsnorm", "--attr", "epsilon=1"},
+       {"--attr epsilon=1", "op 'layernorm.rmsnorm' has no attribute 'epsilon' (attributes: eps)"}},
+      {{"run", "layernorm.rmsnorm", "--attr", "eps=small"},
+       {"--attr eps=small", "attribute 'eps' of op 'layernorm.rmsnorm' is a float; 'small' is not one"}},
+      {{"run", "layernorm.rmsnorm", "--attr", "eps=1e-5x"}, {"attribute 'eps'", "'1e-5x' is not one"}},
+      {{"bench", "moe.topk_softmax", "--attr", "renormalize=maybe"},
+       {"attribute 'renormalize' of op 'moe.topk_softmax' is a bool; 'maybe' is not one"}},
+      {{"run", "--all", "--attr", "nope=1"}, {"--attr nope=1", "no op has an attribute 'nope'"}},
+      {{"run", "layernorm.rmsnorm", "--attr", "eps"}, {"--attr 'eps': expected NAME=VALUE"}},
   };
   for (const Case& c : cases) {
     const ToolResult r = run_tool(c.args);
@@ -384,6 +393,22 @@ TEST_CASE("run and bench: a bad --dtype, --shape, --iters or --save is a usage e
     CHECK(r.exit_code == 1);
     for (const std::string& s : c.says) CHECK_MESSAGE(r.err.find(s) != std::string::npos, s);
   }
+}
+
+TEST_CASE("run --attr sets an attribute, typed by the schema, and the check follows it") {
+  for (const std::string value : {"true", "false"}) {
+    const ToolResult r = run_tool({"run", "moe.topk_softmax", "--backend", "cpu", "--dtype", "float32", "--iters", "1",
+                                   "--attr", "renormalize=" + value, "--save", make_temp_dir(), "--json"});
+    INFO("stdout: " << r.out << "\nstderr: " << r.err);
+    CHECK(r.exit_code == 0);
+    CHECK(json_of(r).at("results")[0].at("status") == "passed");
+  }
+  const std::string dir = make_temp_dir();
+  CHECK(run_tool({"run", "layernorm.rmsnorm", "--backend", "cpu", "--dtype", "float32", "--iters", "1", "--attr",
+                  "eps=0.25", "--save", dir})
+            .exit_code == 0);
+  std::ifstream attrs(dir + "/layernorm.rmsnorm.cpu.float32.attrs.json");
+  CHECK(Json::parse(attrs).at("eps") == 0.25);
 }
 
 TEST_CASE("run: a kernel that refuses its arguments fails its result with the kernel's message") {

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -107,6 +108,51 @@ void apply_overrides(Shapes& shapes, const std::vector<std::string>& overrides, 
                                               schema.op, name, fmt::join(known, ", ")));
     }
     shapes.symbols[name] = parse_size(value, "--shape " + name);
+  }
+}
+
+void apply_attr_overrides(std::vector<NamedAttr>& attrs, const std::vector<std::string>& overrides,
+                          const OpSchema& schema, bool skip_unknown) {
+  for (const std::string& o : overrides) {
+    const auto eq = o.find('=');
+    if (eq == std::string::npos) throw std::invalid_argument(fmt::format("--attr '{}': expected NAME=VALUE", o));
+    const std::string name = o.substr(0, eq);
+    const std::string text = o.substr(eq + 1);
+    const auto arg = std::find_if(schema.attrs.begin(), schema.attrs.end(), [&](const AttrArg& a) { return a.name == name; });
+    if (arg == schema.attrs.end()) {
+      if (skip_unknown) continue;
+      std::vector<std::string_view> known;
+      for (const AttrArg& a : schema.attrs) known.push_back(a.name);
+      throw std::invalid_argument(fmt::format("--attr {}: op '{}' has no attribute '{}' (attributes: {})", o, schema.op,
+                                              name, known.empty() ? "none" : fmt::format("{}", fmt::join(known, ", "))));
+    }
+    const auto bad = [&] {
+      return std::invalid_argument(fmt::format("--attr {}: attribute '{}' of op '{}' is a {}; '{}' is not one", o, name,
+                                               schema.op, attr_type_name(arg->type), text));
+    };
+    AttrValue value;
+    size_t used = 0;
+    try {
+      switch (arg->type) {
+        case AttrType::float_: value = std::stod(text, &used); break;
+        case AttrType::int_: value = static_cast<int64_t>(std::stoll(text, &used)); break;
+        case AttrType::bool_:
+          if (text != "true" && text != "false" && text != "1" && text != "0") throw bad();
+          value = text == "true" || text == "1";
+          used = text.size();
+          break;
+        case AttrType::string: value = text; used = text.size(); break;
+      }
+    } catch (const std::logic_error&) {  // std::stod's invalid_argument and out_of_range
+      throw bad();
+    }
+    if (used != text.size() || text.empty()) throw bad();
+    const auto existing = std::find_if(attrs.begin(), attrs.end(), [&](const NamedAttr& a) { return a.name == name; });
+    if (existing != attrs.end()) {
+      existing->value = std::move(value);
+    } else {
+      attrs.push_back({arg->name, std::move(value)});
+    }
   }
 }
 

@@ -37,6 +37,12 @@ Shapes example_shapes(const OpSchema& schema);
 // Applies "NAME=N" (and "*=a,b") overrides; throws std::invalid_argument.
 void apply_overrides(Shapes& shapes, const std::vector<std::string>& overrides, const OpSchema& schema);
 std::vector<int64_t> tensor_shape(const TensorArg& arg, const Shapes& shapes);
+// Sets attributes from "NAME=VALUE" texts, each value parsed as the type the
+// schema gives NAME (float, int, bool: true/false/1/0, string). Names the
+// schema lacks are skipped when `skip_unknown`, else, like a value that does
+// not parse, a std::invalid_argument naming the attribute.
+void apply_attr_overrides(std::vector<NamedAttr>& attrs, const std::vector<std::string>& overrides,
+                          const OpSchema& schema, bool skip_unknown);
 std::string shapes_str(const Shapes& shapes);  // "*=[64] H=4096"
 // Bytes of a tensor of `shape`, and of all the tensors of a call in `dtype`;
 // both throw std::invalid_argument, naming the tensor, where a size does not

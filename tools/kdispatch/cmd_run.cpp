@@ -114,6 +114,9 @@ Runner add_run(CLI::App& app) {
   cmd->add_option("--shape", options->sweep.shape_overrides,
                   "Size of a shape symbol, e.g. H=4096, or the leading dims, e.g. '*=4,7' (repeatable)")
       ->type_name("NAME=N");
+  cmd->add_option("--attr", options->sweep.attr_overrides,
+                  "An attribute's value, typed by the op schema, e.g. eps=1e-5 or is_neox=false (repeatable)")
+      ->type_name("NAME=VALUE");
   cmd->add_option("--iters", options->sweep.iters, "Timed calls per result, at least 1 (default 10)")
       ->type_name("N")
       ->check(CLI::Validator(at_least_one, ""));
@@ -157,6 +160,9 @@ Runner add_bench(CLI::App& app) {
                   "Size of a shape symbol, e.g. H=8192, or the leading dims, e.g. '*=65536' (repeatable; "
                   "by default 4096 rows)")
       ->type_name("NAME=N");
+  cmd->add_option("--attr", options->sweep.attr_overrides,
+                  "An attribute's value, typed by the op schema, e.g. renormalize=true (repeatable)")
+      ->type_name("NAME=VALUE");
   add_common_options(*cmd, options->common);
   cmd->footer(
       "Each result is the median time per call over >= 0.3 s of calls; GB/s counts every byte read and written.\n"

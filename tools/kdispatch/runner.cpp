@@ -167,6 +167,18 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
     }
   }
   check_dtype_flag(options.dtype, nullptr);
+  // With every op, an --attr applies to the ops that have it; it must name
+  // an attribute of one of them at least.
+  if (options.ops.empty()) {
+    for (const std::string& o : options.attr_overrides) {
+      const std::string name = o.substr(0, o.find('='));
+      bool known = false;
+      for (const std::string& op : ops) {
+        for (const AttrArg& a : ctx.registry().schema(op)->attrs) known = known || a.name == name;
+      }
+      if (!known) throw UsageError(fmt::format("--attr {}: no op has an attribute '{}'", o, name));
+    }
+  }
   make_save_dir(options.save_dir);
   const bool show_progress = options.progress && isatty(2);
   // The progress line is blanked when the sweep ends, by an error too.
@@ -196,6 +208,8 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
     if (options.default_rows && !shapes.leading.empty()) shapes.leading = {*options.default_rows};
     try {
       harness::apply_overrides(shapes, options.shape_overrides, schema);
+      std::vector<NamedAttr> attrs;  // --attr checked before anything runs
+      harness::apply_attr_overrides(attrs, options.attr_overrides, schema, options.ops.empty());
     } catch (const std::invalid_argument& e) {
       throw UsageError(e.what());
     }
@@ -252,7 +266,12 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
             std::fflush(stderr);
           }
           try {
-            const harness::CallData host = make_host_call(schema, dtype, shapes, 0x5eed + sweep.results.size());
+            harness::CallData host = make_host_call(schema, dtype, shapes, 0x5eed + sweep.results.size());
+            try {
+              harness::apply_attr_overrides(host.attrs, options.attr_overrides, schema, options.ops.empty());
+            } catch (const std::invalid_argument& e) {
+              throw UsageError(e.what());
+            }
             harness::CallData data = harness::clone_to(host, target.dl, target.memory);
             std::vector<DLTensor> tensors = data.dl();
             // The kernel first: where it refuses the arguments (K > E, say),

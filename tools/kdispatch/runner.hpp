@@ -18,6 +18,7 @@ struct SweepOptions {
   std::string device;            // empty: every device each backend probes
   std::string dtype;             // empty: every dtype the backend supports
   std::vector<std::string> shape_overrides;
+  std::vector<std::string> attr_overrides;  // "NAME=VALUE", typed by the op schema
   std::optional<int64_t> default_rows;  // bench: large leading dims
   int iters = 10;
   double min_seconds = 0;  // bench: time at least this long
