@@ -510,6 +510,20 @@ TEST_CASE("run: an op without a reference kernel is unchecked, never passed") {
   CHECK(human.out.find("\nrun: 0 passed, 0 failed, 1 unchecked, 0 skipped\n") != std::string::npos);
 }
 
+TEST_CASE("validate and doctor say which ops have no reference kernel") {
+  const std::string dir = std::string(KDISPATCH_BINARY_DIR) + "/tests/fixtures/plugins/fx_no_reference";
+  const ToolResult v = run_tool({"validate", dir + "/fx_no_reference.json", kManifests + "/cpu.json"});
+  CHECK(v.exit_code == 0);
+  CHECK(v.out.find("fx_no_reference.json: note: op 'fixture.scaled' has no reference kernel") != std::string::npos);
+  CHECK(v.out.find("cpu.json: note") == std::string::npos);
+  const ToolResult vj = run_tool({"validate", dir + "/fx_no_reference.json", "--json"});
+  CHECK(json_of(vj)["results"][0]["ops_without_reference"] == Json{"fixture.scaled"});
+  const ToolResult d = run_tool({"doctor", "--add-plugin-path", dir, "--json"});
+  CHECK(json_of(d)["ops_without_reference"] == Json{"fixture.scaled"});
+  const ToolResult shipped = run_tool({"doctor"});
+  CHECK(shipped.out.find("every op has a reference kernel") != std::string::npos);
+}
+
 TEST_CASE("the reference backend is chosen only when named or forced") {
   const ToolResult plain = run_tool({"select", "layernorm.rmsnorm", "--device", "cpu", "--json"});
   CHECK(json_of(plain)["backend"] == "cpu");
