@@ -398,6 +398,48 @@ TEST_CASE("op schema tolerances: declared per output dtype, defaults for the res
   }
 }
 
+TEST_CASE("op schema: input values, bench sizes and conformance cases") {
+  const auto parse = [](const std::string& rest) {
+    return parse_op_schemas(R"([{"op": "t.op", "tensors": [{"name": "a", "shape": ["*", "2*R"], "dtype": "float32",
+                                  "values": "cos_sin"}],
+                                 "attrs": [{"name": "flag", "type": "bool", "default": true},
+                                           {"name": "eps", "type": "float", "default": 0.5}])" +
+                                rest + "}]",
+                            "inline.json");
+  };
+  const auto good = parse(R"(, "bench": {"*": [8192], "R": 64},
+      "tests": {"sizes": [{"*": [1], "R": 1}, {"*": [2, 3], "R": 7}], "attrs": {"flag": [true, false], "eps": [1]}})");
+  REQUIRE(good.errors.empty());
+  const OpSchema& s = good.schemas.at(0);
+  CHECK(s.tensors[0].values == TensorValues::cos_sin);
+  REQUIRE(s.bench_sizes.has_value());
+  CHECK(*s.bench_sizes == Sizes{{8192}, {{"R", 64}}});
+  CHECK(s.test_sizes == std::vector<Sizes>{{{1}, {{"R", 1}}}, {{2, 3}, {{"R", 7}}}});
+  REQUIRE(s.test_attrs.size() == 2);
+  CHECK(s.test_attrs[0].first == "eps");                         // by name
+  CHECK(s.test_attrs[0].second == std::vector<AttrValue>{1.0});  // an integer is a float value
+  CHECK(s.test_attrs[1].first == "flag");
+  CHECK(s.test_attrs[1].second == std::vector<AttrValue>{true, false});
+  struct Bad {
+    std::string rest, says;
+  };
+  for (const Bad& bad : {Bad{R"(, "bench": {"R": -1})", "/0/bench/R: expected a size"},
+                         Bad{R"(, "tests": {"attrs": {}})", "/0/tests/sizes"},
+                         Bad{R"(, "tests": {"sizes": [], "attrs": {"nope": [1]}})", "the op has no attribute \"nope\""},
+                         Bad{R"(, "tests": {"sizes": [], "attrs": {"flag": [1]}})", "/0/tests/attrs/flag/0: expected a bool value"},
+                         Bad{R"(, "tests": {"sizes": [], "attrs": {"flag": []}})", "expected a non-empty list of bool values"}}) {
+    const auto r = parse(bad.rest);
+    INFO(bad.rest);
+    REQUIRE(r.errors.size() == 1);
+    CHECK(contains(r.errors[0].message, bad.says));
+  }
+  const auto bad_values = parse_op_schemas(
+      R"([{"op": "t.op", "tensors": [{"name": "a", "shape": ["N"], "dtype": "float32", "values": "gaussian"}]}])",
+      "inline.json");
+  REQUIRE(bad_values.errors.size() == 1);
+  CHECK(contains(bad_values.errors[0].message, "/0/tensors/0/values: expected \"uniform\" or \"cos_sin\""));
+}
+
 TEST_CASE("manifest rules beyond the fixtures") {
   SUBCASE("the same op twice with the same symbol only warns") {
     const auto r = parse_with(R"("kernels": [{"op": "g.x", "symbol": "x"}, {"op": "g.x", "symbol": "x"}])");

@@ -301,27 +301,22 @@ size_t CallData::bytes_moved(const OpSchema& schema) const {
 
 namespace {
 
-// Inputs that an op's meaning constrains. A rotary cos_sin_cache row holds
-// cos(phi) then sin(phi) of the same angles: random values there would scale
-// query and key at every call, and a benchmark repeating the in-place call
-// on the same data would soon run on Inf, NaN or subnormal numbers (which
-// some CPUs process a hundred times slower). The angles are random.
-void constrain_inputs(const OpSchema& schema, CallData& data, std::mt19937_64& rng) {
-  if (schema.op != "embeddings.rotary_embedding") return;
-  for (size_t t = 0; t < schema.tensors.size(); ++t) {
-    if (schema.tensors[t].name != "cos_sin_cache") continue;
-    Buffer& cache = data.tensors[t];
-    if (cache.shape().size() != 2 || cache.shape()[1] % 2 != 0) return;
-    const int64_t rows = cache.shape()[0];
-    const int64_t half = cache.shape()[1] / 2;
-    std::uniform_real_distribution<double> angle(0.0, 2.0 * std::numbers::pi);
-    for (int64_t p = 0; p < rows; ++p) {
-      for (int64_t i = 0; i < half; ++i) {
-        const double phi = angle(rng);
-        const auto at = static_cast<size_t>(p * 2 * half + i);
-        store(cache.host(), cache.dtype(), at, std::cos(phi));
-        store(cache.host(), cache.dtype(), at + static_cast<size_t>(half), std::sin(phi));
-      }
+// "values": "cos_sin": each row of the last dim holds cos(phi) in its first
+// half and sin(phi) of the same random angles in its second. Random values
+// there would scale, not rotate, and repeated in-place calls (a benchmark)
+// would soon run on Inf, NaN or subnormal numbers.
+void fill_cos_sin(Buffer& b, std::mt19937_64& rng) {
+  const int64_t width = b.shape().empty() ? 0 : b.shape().back();
+  if (width < 2) return;
+  const int64_t half = width / 2;
+  const auto rows = static_cast<int64_t>(b.numel()) / width;
+  std::uniform_real_distribution<double> angle(0.0, 2.0 * std::numbers::pi);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < half; ++i) {
+      const double phi = angle(rng);
+      const auto at = static_cast<size_t>(r * width + i);
+      store(b.host(), b.dtype(), at, std::cos(phi));
+      store(b.host(), b.dtype(), at + static_cast<size_t>(half), std::sin(phi));
     }
   }
 }
@@ -347,6 +342,7 @@ CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, ui
         nonzero = nonzero || b.at(i) != 0.0;
       }
       if (!nonzero && n > 0) store(b.host(), d, 0, 1.0);
+      if (arg.values == TensorValues::cos_sin) fill_cos_sin(b, rng);
     } else {
       int64_t lo = arg.range_min.value_or(0);
       int64_t hi = 100;
@@ -360,7 +356,6 @@ CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, ui
     }
     data.tensors.push_back(std::move(b));
   }
-  constrain_inputs(schema, data, rng);
   for (const AttrArg& attr : schema.attrs) {
     if (attr.default_value) data.attrs.push_back({attr.name, *attr.default_value});
   }

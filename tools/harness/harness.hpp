@@ -28,10 +28,7 @@ double load(const void* data, Dtype dtype, size_t index);
 void store(void* data, Dtype dtype, size_t index, double value);
 
 // --- shapes ---------------------------------------------------------------------
-struct Shapes {
-  std::vector<int64_t> leading;            // the "*" dims
-  std::map<std::string, int64_t> symbols;  // "H" -> 4096
-};
+using Shapes = Sizes;  // the "*" dims and each shape symbol
 // The schema's "example" sizes, with defaults for whatever it leaves out.
 Shapes example_shapes(const OpSchema& schema);
 // Applies "NAME=N" (and "*=a,b") overrides; throws std::invalid_argument.
@@ -92,11 +89,10 @@ struct CallData {
   size_t bytes_moved(const OpSchema& schema) const;  // read + written
 };
 
-// Random inputs, never all zeros (uniform in [-2, 2), integers in their
-// range), except where the op's meaning constrains them (a rotary
-// cos_sin_cache holds the cos and sin of random angles); outputs poisoned
-// with NaN (or an out-of-range integer). Host only: place() copies them to a
-// device.
+// Random inputs as each tensor's "values" says, never all zeros (uniform in
+// [-2, 2), integers in their range, or the cos and sin of random angles);
+// outputs poisoned with NaN (or an out-of-range integer). Host only:
+// clone_to() copies them to a device.
 CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, uint64_t seed);
 // The same values on another device (for checking one backend against another).
 CallData clone_to(const CallData& data, DLDevice device, const kd_memory_api* memory);

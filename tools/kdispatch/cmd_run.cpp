@@ -158,7 +158,7 @@ Runner add_bench(CLI::App& app) {
   cmd->add_option("--dtype", options->sweep.dtype, "Only this dtype")->type_name("T");
   cmd->add_option("--shape", options->sweep.shape_overrides,
                   "Size of a shape symbol, e.g. H=8192, or the leading dims, e.g. '*=65536' (repeatable; "
-                  "by default 4096 rows)")
+                  "by default the op schema's \"bench\" sizes)")
       ->type_name("NAME=N");
   cmd->add_option("--attr", options->sweep.attr_overrides,
                   "An attribute's value, typed by the op schema, e.g. renormalize=true (repeatable)")
@@ -171,7 +171,7 @@ Runner add_bench(CLI::App& app) {
 
   return [options]() -> int {
     options->sweep.ops = {options->op};
-    options->sweep.default_rows = 4096;
+    options->sweep.bench_sizes = true;
     options->sweep.iters = 5;
     options->sweep.min_seconds = 0.3;
     options->sweep.json = options->common.json;

@@ -205,7 +205,7 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
       specs = {s};
     }
     harness::Shapes shapes = harness::example_shapes(schema);
-    if (options.default_rows && !shapes.leading.empty()) shapes.leading = {*options.default_rows};
+    if (options.bench_sizes && schema.bench_sizes) shapes = *schema.bench_sizes;
     try {
       harness::apply_overrides(shapes, options.shape_overrides, schema);
       std::vector<NamedAttr> attrs;  // --attr checked before anything runs

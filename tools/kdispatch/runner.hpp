@@ -19,7 +19,7 @@ struct SweepOptions {
   std::string dtype;             // empty: every dtype the backend supports
   std::vector<std::string> shape_overrides;
   std::vector<std::string> attr_overrides;  // "NAME=VALUE", typed by the op schema
-  std::optional<int64_t> default_rows;  // bench: large leading dims
+  bool bench_sizes = false;  // start from the schema's "bench" sizes (else its "example")
   int iters = 10;
   double min_seconds = 0;  // bench: time at least this long
   bool check = true;

@@ -28,6 +28,13 @@ struct ShapeToken {
   bool operator==(const ShapeToken&) const = default;
 };
 
+// How tools fill an input tensor.
+enum class TensorValues : uint8_t {
+  uniform,  // random, uniform in [-2, 2) (integers: in their "range")
+  cos_sin,  // each row of the last dim holds cos(phi) in its first half and
+            // sin(phi) of the same random angles in its second
+};
+
 struct TensorArg {
   std::string name;
   std::vector<ShapeToken> shape;
@@ -40,6 +47,7 @@ struct TensorArg {
   // inputs for any op.
   std::optional<int64_t> range_min;
   std::optional<ShapeToken> range_max;
+  TensorValues values = TensorValues::uniform;  // "values"
   bool operator==(const TensorArg&) const = default;
 };
 
@@ -75,6 +83,13 @@ struct Tolerance {
 // The tolerance of an op schema that declares none for `dtype`.
 Tolerance default_tolerance(Dtype dtype);
 
+// Sizes of one call: the "*" dims and each shape symbol ({"*": [64], "H": 4096}).
+struct Sizes {
+  std::vector<int64_t> leading;
+  std::map<std::string, int64_t> symbols;
+  bool operator==(const Sizes&) const = default;
+};
+
 struct OpSchema {
   std::string op;   // "layernorm.rmsnorm"
   std::string doc;
@@ -85,6 +100,13 @@ struct OpSchema {
   // given here get a tool default.
   std::vector<int64_t> example_leading;
   std::map<std::string, int64_t> example_sizes;
+  // "tests": {"sizes": [...], "attrs": {"is_neox": [true, false]}}: the
+  // conformance suite runs every size with every combination of these
+  // attribute values (an attribute not listed keeps its default), by name.
+  std::vector<Sizes> test_sizes;
+  std::vector<std::pair<std::string, std::vector<AttrValue>>> test_attrs;
+  // "bench": the sizes benchmarks time.
+  std::optional<Sizes> bench_sizes;
   // "tolerance": {"bfloat16": {"ulps": 2, "atol": 1e-5, "mean_ulps": 0.8}},
   // keyed by the dtype of the output compared.
   std::map<Dtype, Tolerance> tolerances;
