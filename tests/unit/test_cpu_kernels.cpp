@@ -1,5 +1,5 @@
-// The cpu plugin's kernels against the float64 reference: loads the built
-// plugin with dlopen (as the core does), calls each kernel through the C ABI
+// The cpu plugin's kernels against the reference plugin's: loads both built
+// plugins with dlopen (as the core does), calls each kernel through the C ABI
 // with hand-built DLTensors, and compares every op x dtype. Outputs are
 // poisoned with NaN before each call, inputs are random (fixed seed, never
 // all zero), and sizes include 1, 7 and 4097 columns.
@@ -39,6 +39,13 @@ constexpr ref::DtypeTolerances tolerance_for{
 
 // topk_weights are float32 whatever the input dtype.
 constexpr Tolerance kTopkWeightTolerance{1e-5, 1e-6};
+
+// The expected values come from the reference plugin, opened before any
+// test runs (each test may be run alone).
+const bool kReferenceOpen = [] {
+  ref::open_reference_plugin(KDISPATCH_PLUGIN_DIR);
+  return true;
+}();
 
 const kd_plugin_api& cpu_plugin() {
   static const kd_plugin_api* api = [] {

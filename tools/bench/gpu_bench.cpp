@@ -3,9 +3,9 @@
 // would drive it. Host code only: links the CUDA runtime, launches no kernel
 // of its own.
 //
-//   gpu_bench check PLUGIN.so            every op x dtype against the float64
-//                                        reference of the harness
-//                                        (tools/harness/reference_ops.hpp)
+//   gpu_bench check PLUGIN.so            every op x dtype against the reference
+//                                        plugin beside PLUGIN.so, called through
+//                                        tools/harness/reference_ops.hpp
 //   gpu_bench bench PLUGIN.so [--csv F]  time large and small shapes; prints
 //                                        us, GB/s and % of the device-to-device
 //                                        copy bandwidth measured in the same run
@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -680,6 +681,11 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--csv") == 0) csv = argv[i + 1];
   }
   const Plugin plugin(argv[2]);
+  try {
+    ref::open_reference_plugin(std::filesystem::path(argv[2]).parent_path().string());
+  } catch (const std::exception& e) {
+    die(e.what());
+  }
   kd_device_info devices[8];
   for (kd_device_info& d : devices) {
     std::memset(&d, 0, sizeof d);
