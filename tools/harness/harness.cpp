@@ -11,6 +11,8 @@
 #include <random>
 #include <stdexcept>
 
+#include "kdispatch/context.hpp"
+
 namespace kdispatch::harness {
 
 // --- element conversion -------------------------------------------------------
@@ -400,6 +402,25 @@ Dtype from_reference(reference::Dtype dtype) {
     case reference::Dtype::kFloat32: break;
   }
   return Dtype::float32;
+}
+
+const OpSchema& builtin_schema(std::string_view op) {
+  static const std::unique_ptr<const Context> context = [] {
+    ContextOptions options;
+    options.search.use_environment = false;
+    options.search.use_default_path = false;  // the schemas only: no plugin
+    return std::make_unique<const Context>(options);
+  }();
+  const OpSchema* schema = context->registry().schema(op);
+  if (schema == nullptr) throw std::invalid_argument(fmt::format("no built-in op schema '{}'", op));
+  return *schema;
+}
+
+reference::Tolerance relative_tolerance(const OpSchema& schema, reference::Dtype dtype) {
+  const Dtype d = from_reference(dtype);
+  const Tolerance t = schema.tolerance(d);
+  // ulp(1) is 2^(1 - precision).
+  return {t.ulps * ulp(d, 1.0), t.atol};
 }
 
 double ulp(Dtype dtype, double value) {

@@ -18,6 +18,7 @@
 #include "kdispatch/plugin_loader.hpp"
 #include "kdispatch/schema.hpp"
 #include "dtype_codec.hpp"
+#include "reference_ops.hpp"
 
 namespace kdispatch::harness {
 
@@ -104,6 +105,17 @@ void download_all(CallData& data);
 // core dtype the codec does not model maps to float32).
 reference::Dtype to_reference(Dtype dtype);
 Dtype from_reference(reference::Dtype dtype);
+
+// The schema of a built-in op (manifests/ops/), for the tests and
+// benchmarks that drive a plugin without the core; throws
+// std::invalid_argument for an unknown op.
+const OpSchema& builtin_schema(std::string_view op);
+
+// The per-element bound of `schema`'s tolerance for outputs of `dtype` in
+// relative form, for checks against unrounded float64 values:
+// |got - want| <= atol + rtol * |want| with rtol = ulps * 2^(1 - precision),
+// which ulps * ulp(want) never exceeds.
+reference::Tolerance relative_tolerance(const OpSchema& schema, reference::Dtype dtype);
 
 // Spacing of `dtype` at |value| (subnormal spacing near zero; 1 for integers).
 double ulp(Dtype dtype, double value);

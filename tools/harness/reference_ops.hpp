@@ -28,22 +28,6 @@ struct Tolerance {
   double atol;
 };
 
-// A tolerance per float storage dtype; each checker sets its own values.
-struct DtypeTolerances {
-  Tolerance float32;
-  Tolerance float16;
-  Tolerance bfloat16;
-
-  constexpr Tolerance operator()(Dtype dtype) const {
-    switch (dtype) {
-      case Dtype::kFloat32: return float32;
-      case Dtype::kFloat16: return float16;
-      case Dtype::kBFloat16: return bfloat16;
-    }
-    return {0.0, 0.0};
-  }
-};
-
 // out[r, j] = x[r, j] / sqrt(mean_j(x[r, :]^2) + eps) * weight[j]
 std::vector<double> rmsnorm(std::span<const double> x, std::span<const double> weight,
                             int64_t rows, int64_t h, double eps);
