@@ -36,6 +36,7 @@ kd_status run_kernel(const kd_call_args* args, Body&& body) noexcept {
 
 kd_status rmsnorm(const kd_call_args* args) noexcept;
 kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept;
+kd_status layernorm(const kd_call_args* args) noexcept;
 kd_status silu_and_mul(const kd_call_args* args) noexcept;
 kd_status gelu_and_mul(const kd_call_args* args) noexcept;
 kd_status gelu_tanh_and_mul(const kd_call_args* args) noexcept;

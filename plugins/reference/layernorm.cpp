@@ -1,4 +1,5 @@
-// layernorm.rmsnorm and layernorm.fused_add_rmsnorm in float64.
+// layernorm.rmsnorm, layernorm.fused_add_rmsnorm and layernorm.layernorm in
+// float64.
 #include <cmath>
 #include <vector>
 
@@ -46,6 +47,29 @@ kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
       sum[i] = residual.get(i);
     }
     normalise(sum, weight, x.rows(1), x.dim(-1), float_attr(args, 0, "eps"), x);
+  });
+}
+
+// Tensors (out, x, weight, bias), attribute eps: out = (x - mean) /
+// sqrt(var + eps) * weight + bias over each row, var the biased variance.
+kd_status layernorm(const kd_call_args* args) noexcept {
+  return run_kernel(args, [&] {
+    expect_arity(args, 4, 1, "layernorm.layernorm");
+    const Tensor out(args->tensors[0]), x(args->tensors[1]), weight(args->tensors[2]), bias(args->tensors[3]);
+    const double eps = float_attr(args, 0, "eps");
+    const int64_t h = x.dim(-1);
+    for (int64_t r = 0; r < x.rows(1); ++r) {
+      double mean = 0;
+      for (int64_t j = 0; j < h; ++j) mean += x.get(r * h + j);
+      mean /= static_cast<double>(h);
+      double var = 0;
+      for (int64_t j = 0; j < h; ++j) var += (x.get(r * h + j) - mean) * (x.get(r * h + j) - mean);
+      var /= static_cast<double>(h);
+      const double inv_std = 1.0 / std::sqrt(var + eps);
+      for (int64_t j = 0; j < h; ++j) {
+        out.set(r * h + j, (x.get(r * h + j) - mean) * inv_std * weight.get(j) + bias.get(j));
+      }
+    }
   });
 }
 

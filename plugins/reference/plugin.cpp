@@ -12,6 +12,7 @@ namespace {
 constexpr kd_plugin::KernelEntry kKernels[] = {
     {"kd_ref_rmsnorm", rmsnorm},
     {"kd_ref_fused_add_rmsnorm", fused_add_rmsnorm},
+    {"kd_ref_layernorm", layernorm},
     {"kd_ref_silu_and_mul", silu_and_mul},
     {"kd_ref_gelu_and_mul", gelu_and_mul},
     {"kd_ref_gelu_tanh_and_mul", gelu_tanh_and_mul},
