@@ -60,11 +60,6 @@ bool is_identifier(std::string_view s) {
          std::all_of(s.begin() + 1, s.end(), [&](char c) { return head(c) || is_digit(c); });
 }
 
-bool is_hip_arch(std::string_view s) {
-  return s.size() > 3 && s.starts_with("gfx") &&
-         std::all_of(s.begin() + 3, s.end(), [](char c) { return is_digit(c) || (c >= 'a' && c <= 'z'); });
-}
-
 bool is_sha256_hex(std::string_view s) {
   return s.size() == 64 && std::all_of(s.begin(), s.end(), [](char c) {
            return is_digit(c) || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
