@@ -116,17 +116,6 @@ std::vector<std::string> KernelRegistry::ops() const {
   return out;
 }
 
-std::vector<const KernelSpec*> KernelRegistry::all() const {
-  std::shared_lock lock(mutex_);
-  std::vector<const KernelSpec*> out;
-  for (const auto& [op, by_backend] : kernels_) {
-    for (const auto& [backend, entry] : by_backend) {
-      if (!entry->withdrawn) out.push_back(&entry->spec);
-    }
-  }
-  return out;
-}
-
 const OpSchema* KernelRegistry::schema(std::string_view op) const {
   std::shared_lock lock(mutex_);
   auto it = schemas_.find(op);

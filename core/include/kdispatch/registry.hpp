@@ -62,7 +62,6 @@ class KernelRegistry {
     return get_backend(op, backend) != nullptr;
   }
   std::vector<std::string> ops() const;  // sorted, ops with a usable spec
-  std::vector<const KernelSpec*> all() const;
   const OpSchema* schema(std::string_view op) const;
   std::vector<const OpSchema*> schemas() const;  // sorted by op
   std::vector<PluginFailure> failures() const;
