@@ -20,8 +20,7 @@ constexpr kd_plugin::KernelEntry kKernels[] = {
     {"kd_ref_topk_softmax", topk_softmax},
 };
 
-kd_status probe(kd_device_info* devices, size_t capacity, size_t* count, char* error,
-                size_t error_capacity) noexcept {
+kd_status probe(kd_device_info* devices, size_t capacity, size_t* count, char* error, size_t error_capacity) noexcept {
   if (count == nullptr || (capacity > 0 && devices == nullptr)) {
     kd_plugin::copy_string(error, error_capacity, "probe: null output pointer");
     return KD_STATUS_INVALID_ARGUMENT;

@@ -32,8 +32,7 @@ void rotate(const Tensor& x, int64_t t, int64_t h, const Tensor& cos_sin, int64_
 kd_status rotary_embedding(const kd_call_args* args) noexcept {
   return run_kernel(args, [&] {
     expect_arity(args, 4, 1, "embeddings.rotary_embedding");
-    const Tensor positions(args->tensors[0]), query(args->tensors[1]), key(args->tensors[2]),
-        cache(args->tensors[3]);
+    const Tensor positions(args->tensors[0]), query(args->tensors[1]), key(args->tensors[2]), cache(args->tensors[3]);
     const bool is_neox = bool_attr(args, 0, "is_neox");
     const int64_t r = cache.dim(-1) / 2;
     const int64_t cache_rows = cache.dim(0);

@@ -10,14 +10,21 @@ Tensor::Tensor(const DLTensor& t)
   if (t.dtype.lanes != 1) throw std::invalid_argument("vector dtypes are not supported");
   const int code = t.dtype.code;
   const int bits = t.dtype.bits;
-  if (code == kDLFloat && bits == 32) kind_ = Kind::float32;
-  else if (code == kDLFloat && bits == 16) kind_ = Kind::float16;
-  else if (code == kDLBfloat && bits == 16) kind_ = Kind::bfloat16;
-  else if (code == kDLFloat && bits == 64) kind_ = Kind::float64;
-  else if (code == kDLInt && bits == 32) kind_ = Kind::int32;
-  else if (code == kDLInt && bits == 64) kind_ = Kind::int64;
-  else throw std::invalid_argument("dtype code " + std::to_string(code) + " bits " + std::to_string(bits) +
-                                   " is not supported");
+  if (code == kDLFloat && bits == 32)
+    kind_ = Kind::float32;
+  else if (code == kDLFloat && bits == 16)
+    kind_ = Kind::float16;
+  else if (code == kDLBfloat && bits == 16)
+    kind_ = Kind::bfloat16;
+  else if (code == kDLFloat && bits == 64)
+    kind_ = Kind::float64;
+  else if (code == kDLInt && bits == 32)
+    kind_ = Kind::int32;
+  else if (code == kDLInt && bits == 64)
+    kind_ = Kind::int64;
+  else
+    throw std::invalid_argument("dtype code " + std::to_string(code) + " bits " + std::to_string(bits) +
+                                " is not supported");
   if (t.strides != nullptr) {
     int64_t expected = 1;
     for (int i = ndim_ - 1; i >= 0; --i) {
@@ -76,11 +83,14 @@ void Tensor::set(int64_t i, double value) const {
     }
     case Kind::float16:
     case Kind::bfloat16: {
-      const auto bits = static_cast<uint16_t>(encode(kind_ == Kind::float16 ? Dtype::kFloat16 : Dtype::kBFloat16, value));
+      const auto bits =
+          static_cast<uint16_t>(encode(kind_ == Kind::float16 ? Dtype::kFloat16 : Dtype::kBFloat16, value));
       std::memcpy(data_ + i * 2, &bits, 2);
       return;
     }
-    case Kind::float64: std::memcpy(data_ + i * 8, &value, 8); return;
+    case Kind::float64:
+      std::memcpy(data_ + i * 8, &value, 8);
+      return;
     case Kind::int32: {
       const auto v = static_cast<int32_t>(value);
       std::memcpy(data_ + i * 4, &v, 4);

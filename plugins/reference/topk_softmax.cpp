@@ -22,8 +22,8 @@ kd_status topk_softmax(const kd_call_args* args) noexcept {
     const int64_t k = weights.dim(-1);
     const int64_t e = gating.dim(-1);
     if (k > e) {
-      throw std::invalid_argument("moe.topk_softmax: K=" + std::to_string(k) + " is larger than E=" +
-                                  std::to_string(e));
+      throw std::invalid_argument("moe.topk_softmax: K=" + std::to_string(k) +
+                                  " is larger than E=" + std::to_string(e));
     }
     std::vector<double> p(static_cast<size_t>(e));
     std::vector<int64_t> order(static_cast<size_t>(e));

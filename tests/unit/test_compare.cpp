@@ -47,9 +47,8 @@ TEST_CASE("compare: one-ulp noise passes, 1% off fails, in float32, float16 and 
     for (int64_t n : {1, 7, 4097}) {
       INFO("n = " << n);
       // Every seventh element one ulp off: the noise of a correct kernel.
-      const auto noisy = compare_with(dtype, n, [&](double v, size_t i) {
-        return i % 7 == 3 ? v + harness::ulp(dtype, v) : v;
-      });
+      const auto noisy =
+          compare_with(dtype, n, [&](double v, size_t i) { return i % 7 == 3 ? v + harness::ulp(dtype, v) : v; });
       CHECK_MESSAGE(noisy.ok, noisy.first_mismatch);
       CHECK(noisy.max_ulps <= 1.0);
       const auto same = compare_with(dtype, n, [](double v, size_t) { return v; });
