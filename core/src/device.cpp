@@ -59,13 +59,13 @@ std::optional<CudaArch> CudaArch::parse(std::string_view text) {
 
 std::string CudaArch::str() const { return fmt::format("{}.{}", major, minor); }
 
-namespace {
-
 bool is_hip_arch(std::string_view arch) {
   if (!arch.starts_with("gfx") || arch.size() < 4) return false;
   return std::all_of(arch.begin() + 3, arch.end(),
                      [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z'); });
 }
+
+namespace {
 
 std::vector<std::string> detect_cpu_features() {
   std::vector<std::string> features;

@@ -16,6 +16,7 @@
 #include <memory>
 
 #include "kdispatch/error.hpp"
+#include "unique_fd.hpp"
 
 namespace kdispatch {
 namespace {
@@ -29,13 +30,6 @@ std::string libelf_error() {
   const char* message = elf_errmsg(-1);
   return message != nullptr ? message : "unknown libelf error";
 }
-
-struct FdCloser {
-  int fd = -1;
-  ~FdCloser() {
-    if (fd >= 0) ::close(fd);
-  }
-};
 
 struct ElfEnd {
   void operator()(Elf* elf) const noexcept { elf_end(elf); }
@@ -144,7 +138,7 @@ std::string section_text(Elf_Scn* scn, const GElf_Shdr& shdr) {
 }  // namespace
 
 ElfInfo read_elf(const std::filesystem::path& path) {
-  FdCloser file{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
+  UniqueFd file{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
   if (file.fd < 0) fail(path, std::strerror(errno));
   struct stat st{};
   if (::fstat(file.fd, &st) != 0) fail(path, std::strerror(errno));

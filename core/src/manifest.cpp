@@ -34,6 +34,8 @@ using nlohmann::json;
 constexpr std::string_view kDtypeNames =
     "float32, float16, bfloat16, float64, int32, int64, uint8 or bool";
 constexpr std::string_view kNameExpected = "a name of [a-z0-9_]+";
+constexpr std::string_view kValuesExpected = "\"uniform\" or \"cos_sin\"";
+constexpr std::string_view kRoleExpected = "\"backend\" or \"reference\"";
 constexpr std::string_view kVersionExpected = "a string \"major.minor\" (e.g. \"1.0\")";
 constexpr std::string_view kArchExpected = "\"major.minor\" (e.g. \"9.0\")";
 constexpr std::string_view kIdentifierExpected = "an identifier [A-Za-z_][A-Za-z0-9_]*";
@@ -56,11 +58,6 @@ bool is_identifier(std::string_view s) {
   const auto head = [](char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_'; };
   return !s.empty() && head(s.front()) &&
          std::all_of(s.begin() + 1, s.end(), [&](char c) { return head(c) || is_digit(c); });
-}
-
-bool is_hip_arch(std::string_view s) {
-  return s.size() > 3 && s.starts_with("gfx") &&
-         std::all_of(s.begin() + 3, s.end(), [](char c) { return is_digit(c) || (c >= 'a' && c <= 'z'); });
 }
 
 bool is_sha256_hex(std::string_view s) {
@@ -499,7 +496,7 @@ std::optional<TensorArg> read_tensor(Reader& r, const json& j, const std::string
     return std::nullopt;
   }
   const size_t before = r.error_count();
-  r.unknown_keys(j, pointer, {"name", "shape", "dtype", "written", "inplace", "strided", "range"});
+  r.unknown_keys(j, pointer, {"name", "shape", "dtype", "written", "inplace", "strided", "range", "values"});
   TensorArg t;
   t.name = r.checked_string(j, pointer, "name", true, kIdentifierExpected, is_identifier).value_or("");
   if (const json* shape = r.array(j, pointer, "shape", true, "a list of shape tokens (e.g. [\"*\", \"H\"])")) {
@@ -533,6 +530,13 @@ std::optional<TensorArg> read_tensor(Reader& r, const json& j, const std::string
       t.range_max = std::move(*max);
     }
   }
+  if (auto values = r.string(j, pointer, "values", false, kValuesExpected)) {
+    if (*values == "cos_sin") {
+      t.values = TensorValues::cos_sin;
+    } else if (*values != "uniform") {
+      r.bad(pointer_key(pointer, "values"), kValuesExpected, j.at("values"));
+    }
+  }
   if (r.error_count() != before) return std::nullopt;
   return t;
 }
@@ -564,6 +568,134 @@ std::optional<AttrArg> read_attr(Reader& r, const json& j, const std::string& po
   return a;
 }
 
+// Sizes of one call: {"*": [64], "H": 4096}.
+std::optional<Sizes> read_sizes(Reader& r, const json& j, const std::string& pointer) {
+  if (!j.is_object()) {
+    r.bad(pointer, "an object of sizes, e.g. {\"*\": [64], \"H\": 4096}", j);
+    return std::nullopt;
+  }
+  const size_t before = r.error_count();
+  Sizes sizes;
+  for (const auto& item : j.items()) {
+    const auto item_pointer = pointer_key(pointer, item.key());
+    const json& v = item.value();
+    if (item.key() == "*") {
+      bool ok = v.is_array();
+      for (size_t i = 0; ok && i < v.size(); ++i) ok = v[i].is_number_integer() && v[i].get<int64_t>() >= 0;
+      if (!ok) {
+        r.bad(item_pointer, "a list of leading dim sizes, e.g. [64]", v);
+      } else {
+        sizes.leading = v.get<std::vector<int64_t>>();
+      }
+    } else if (!v.is_number_integer() || v.get<int64_t>() < 0) {
+      r.bad(item_pointer, "a size (a non-negative integer)", v);
+    } else {
+      sizes.symbols[item.key()] = v.get<int64_t>();
+    }
+  }
+  if (r.error_count() != before) return std::nullopt;
+  return sizes;
+}
+
+// "tests": {"sizes": [{...}, ...], "attrs": {"NAME": [values...]}}; the
+// attributes must be the schema's, which are read before.
+void read_tests(Reader& r, const json& j, const std::string& pointer, OpSchema& s) {
+  if (!j.is_object()) {
+    r.bad(pointer, "an object {\"sizes\": [...], \"attrs\": {...}}", j);
+    return;
+  }
+  r.unknown_keys(j, pointer, {"sizes", "attrs"});
+  if (const json* sizes = r.array(j, pointer, "sizes", true, "a list of size objects")) {
+    for (size_t i = 0; i < sizes->size(); ++i) {
+      if (auto one = read_sizes(r, (*sizes)[i], pointer_index(pointer_key(pointer, "sizes"), i))) {
+        s.test_sizes.push_back(std::move(*one));
+      }
+    }
+  }
+  const json* attrs = r.get(j, pointer, "attrs", false, "");
+  if (attrs == nullptr) return;
+  const auto attrs_pointer = pointer_key(pointer, "attrs");
+  if (!attrs->is_object()) {
+    r.bad(attrs_pointer, "an object of attribute value lists, e.g. {\"is_neox\": [true, false]}", *attrs);
+    return;
+  }
+  for (const auto& item : attrs->items()) {
+    const auto item_pointer = pointer_key(attrs_pointer, item.key());
+    const auto arg = std::find_if(s.attrs.begin(), s.attrs.end(), [&](const AttrArg& a) { return a.name == item.key(); });
+    if (arg == s.attrs.end()) {
+      r.error(ErrorCode::manifest_bad_field, item_pointer, fmt::format("the op has no attribute \"{}\"", item.key()));
+      continue;
+    }
+    const json& list = item.value();
+    if (!list.is_array() || list.empty()) {
+      r.bad(item_pointer, fmt::format("a non-empty list of {} values", attr_type_name(arg->type)), list);
+      continue;
+    }
+    std::vector<AttrValue> values;
+    for (size_t i = 0; i < list.size(); ++i) {
+      const json& v = list[i];
+      const bool ok = (arg->type == AttrType::float_ && v.is_number()) ||
+                      (arg->type == AttrType::int_ && v.is_number_integer()) ||
+                      (arg->type == AttrType::bool_ && v.is_boolean()) || (arg->type == AttrType::string && v.is_string());
+      if (!ok) {
+        r.bad(pointer_index(item_pointer, i), fmt::format("a {} value", attr_type_name(arg->type)), v);
+      } else if (arg->type == AttrType::float_) {
+        values.emplace_back(v.get<double>());
+      } else if (arg->type == AttrType::int_) {
+        values.emplace_back(v.get<int64_t>());
+      } else if (arg->type == AttrType::bool_) {
+        values.emplace_back(v.get<bool>());
+      } else {
+        values.emplace_back(v.get<std::string>());
+      }
+    }
+    s.test_attrs.emplace_back(item.key(), std::move(values));
+  }
+}
+
+// "tolerance": {"<dtype>": {"ulps": N, "atol": X, "mean_ulps": M}, ...}; a
+// dtype's entry replaces its default as a whole, so all three are required.
+void read_tolerances(Reader& r, const json& j, const std::string& pointer, std::map<Dtype, Tolerance>& out) {
+  constexpr std::string_view kExpected =
+      "an object of tolerances by output dtype, e.g. {\"bfloat16\": {\"ulps\": 2, \"atol\": 1e-5, "
+      "\"mean_ulps\": 0.8}}";
+  if (!j.is_object()) {
+    r.bad(pointer, kExpected, j);
+    return;
+  }
+  for (const auto& item : j.items()) {
+    const auto dtype_pointer = pointer_key(pointer, item.key());
+    const std::optional<Dtype> dtype = parse_dtype(item.key());
+    if (!dtype) {
+      r.error(ErrorCode::manifest_bad_field, dtype_pointer,
+              fmt::format("expected a dtype name, found \"{}\"", item.key()));
+      continue;
+    }
+    const json& v = item.value();
+    if (!v.is_object()) {
+      r.bad(dtype_pointer, "an object {\"ulps\", \"atol\", \"mean_ulps\"}", v);
+      continue;
+    }
+    r.unknown_keys(v, dtype_pointer, {"ulps", "atol", "mean_ulps"});
+    Tolerance t;
+    bool ok = true;
+    for (auto [key, field] : {std::pair{"ulps", &t.ulps}, std::pair{"atol", &t.atol}, std::pair{"mean_ulps", &t.mean_ulps}}) {
+      const auto field_pointer = pointer_key(dtype_pointer, key);
+      const auto it = v.find(key);
+      if (it == v.end()) {
+        r.error(ErrorCode::manifest_bad_field, field_pointer, "missing (a non-negative number)");
+        ok = false;
+      } else if (!it->is_number() || !(it->get<double>() >= 0)) {
+        r.bad(field_pointer, "a non-negative number", *it);
+        ok = false;
+      } else {
+        *field = it->get<double>();
+      }
+    }
+    if (ok) out[*dtype] = t;
+  }
+}
+
 // One op schema. A symbol seen only inside multiples ("2*R" with no plain
 // "R") is accepted: the checker binds it by dividing the dim by the factor,
 // which the rotary embedding's head dim needs.
@@ -573,7 +705,7 @@ std::optional<OpSchema> read_op_schema(Reader& r, const json& j, const std::stri
     return std::nullopt;
   }
   const size_t before = r.error_count();
-  r.unknown_keys(j, pointer, {"op", "doc", "tensors", "attrs", "dtypes", "example"});
+  r.unknown_keys(j, pointer, {"op", "doc", "tensors", "attrs", "dtypes", "example", "bench", "tests", "tolerance"});
   OpSchema s;
   s.source = r.file();
   s.op = r.checked_string(j, pointer, "op", true, "an op id <group>.<name> of [a-z0-9_]+", is_valid_op_id)
@@ -635,28 +767,19 @@ std::optional<OpSchema> read_op_schema(Reader& r, const json& j, const std::stri
   }
   // "example": sizes that tools use by default, {"*": [64], "H": 4096}.
   if (const json* example = r.get(j, pointer, "example", false, ""); example != nullptr) {
-    const auto ex_pointer = pointer_key(pointer, "example");
-    if (!example->is_object()) {
-      r.bad(ex_pointer, "an object of example sizes, e.g. {\"*\": [64], \"H\": 4096}", *example);
-    } else {
-      for (const auto& item : example->items()) {
-        const auto item_pointer = pointer_key(ex_pointer, item.key());
-        const json& v = item.value();
-        if (item.key() == "*") {
-          bool ok = v.is_array();
-          for (size_t i = 0; ok && i < v.size(); ++i) ok = v[i].is_number_integer() && v[i].get<int64_t>() >= 0;
-          if (!ok) {
-            r.bad(item_pointer, "a list of leading dim sizes, e.g. [64]", v);
-          } else {
-            s.example_leading = v.get<std::vector<int64_t>>();
-          }
-        } else if (!v.is_number_integer() || v.get<int64_t>() < 0) {
-          r.bad(item_pointer, "a size (a non-negative integer)", v);
-        } else {
-          s.example_sizes[item.key()] = v.get<int64_t>();
-        }
-      }
+    if (auto sizes = read_sizes(r, *example, pointer_key(pointer, "example"))) {
+      s.example_leading = std::move(sizes->leading);
+      s.example_sizes = std::move(sizes->symbols);
     }
+  }
+  if (const json* bench = r.get(j, pointer, "bench", false, ""); bench != nullptr) {
+    s.bench_sizes = read_sizes(r, *bench, pointer_key(pointer, "bench"));
+  }
+  if (const json* tests = r.get(j, pointer, "tests", false, ""); tests != nullptr) {
+    read_tests(r, *tests, pointer_key(pointer, "tests"), s);
+  }
+  if (const json* tolerance = r.get(j, pointer, "tolerance", false, ""); tolerance != nullptr) {
+    read_tolerances(r, *tolerance, pointer_key(pointer, "tolerance"), s.tolerances);
   }
   for (const auto& var : declared_vars) {
     if (used_vars.count(var) == 0) {
@@ -801,6 +924,7 @@ std::optional<KernelSpec> read_kernel(Reader& r, const json& j, const std::strin
   k.plugin = m.plugin;
   k.backend = m.backend;
   k.manifest = m.path;
+  k.role = m.role;
   if (r.error_count() != before) return std::nullopt;
   return k;
 }
@@ -863,7 +987,7 @@ void read_manifest_document(Reader& r, const json& doc, Manifest& m) {
   }
   if (!read_format_version(r, doc, m)) return;
   r.unknown_keys(doc, "", {"$schema", "kdispatch_manifest", "plugin", "backend", "library", "abi", "sha256",
-                           "description", "targets", "kernels", "ops"});
+                           "description", "role", "targets", "kernels", "ops"});
 
   m.plugin = r.checked_string(doc, "", "plugin", true, kNameExpected, is_valid_name).value_or("");
   m.backend = r.checked_string(doc, "", "backend", true, kNameExpected, is_valid_name).value_or("");
@@ -898,6 +1022,14 @@ void read_manifest_document(Reader& r, const json& doc, Manifest& m) {
     }
   }
   m.description = r.string(doc, "", "description", false, "a string").value_or("");
+  // "role" before kernels: every kernel of the manifest takes it.
+  if (auto role = r.string(doc, "", "role", false, kRoleExpected)) {
+    if (*role == "reference") {
+      m.role = KernelRole::reference;
+    } else if (*role != "backend") {
+      r.bad("/role", kRoleExpected, doc.at("role"));
+    }
+  }
 
   // Top-level targets before kernels: they are the kernels' default.
   if (const json* targets = r.array(doc, "", "targets", false, kTargetsExpected)) {

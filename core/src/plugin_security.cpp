@@ -16,6 +16,8 @@
 #include <stdexcept>
 #include <system_error>
 
+#include "unique_fd.hpp"
+
 namespace kdispatch {
 namespace fs = std::filesystem;
 
@@ -55,13 +57,6 @@ std::optional<std::string> insecure_reason(const fs::path& path, const char* wha
 
 struct MdCtxFree {
   void operator()(EVP_MD_CTX* ctx) const noexcept { EVP_MD_CTX_free(ctx); }
-};
-
-struct FdCloser {
-  int fd = -1;
-  ~FdCloser() {
-    if (fd >= 0) ::close(fd);
-  }
 };
 
 std::string lowercase(std::string text) {
@@ -141,7 +136,7 @@ std::optional<Problem> verify_library_checksum(const Manifest& manifest) {
 }
 
 std::string sha256_file(const fs::path& path) {
-  FdCloser file{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
+  UniqueFd file{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
   if (file.fd < 0) {
     throw std::runtime_error(fmt::format("cannot open {}: {}", path.string(), std::strerror(errno)));
   }

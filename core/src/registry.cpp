@@ -89,6 +89,19 @@ const KernelSpec* KernelRegistry::get_backend(std::string_view op, std::string_v
   return &jt->second->spec;
 }
 
+const KernelSpec* KernelRegistry::reference(std::string_view op) const {
+  std::shared_lock lock(mutex_);
+  auto it = kernels_.find(op);
+  if (it == kernels_.end()) return nullptr;
+  const KernelSpec* found = nullptr;
+  for (const auto& [backend, entry] : it->second) {
+    if (entry->withdrawn || !entry->spec.is_reference()) continue;
+    if (backend == "reference") return &entry->spec;
+    if (found == nullptr) found = &entry->spec;
+  }
+  return found;
+}
+
 std::vector<std::string> KernelRegistry::ops() const {
   std::shared_lock lock(mutex_);
   std::vector<std::string> out;
@@ -98,17 +111,6 @@ std::vector<std::string> KernelRegistry::ops() const {
         out.push_back(op);
         break;
       }
-    }
-  }
-  return out;
-}
-
-std::vector<const KernelSpec*> KernelRegistry::all() const {
-  std::shared_lock lock(mutex_);
-  std::vector<const KernelSpec*> out;
-  for (const auto& [op, by_backend] : kernels_) {
-    for (const auto& [backend, entry] : by_backend) {
-      if (!entry->withdrawn) out.push_back(&entry->spec);
     }
   }
   return out;

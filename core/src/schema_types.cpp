@@ -32,4 +32,20 @@ std::vector<Dtype> OpSchema::allowed_dtypes(const TensorArg& tensor) const {
   return {};
 }
 
+Tolerance default_tolerance(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::float64: return {.ulps = 1 << 20, .atol = 1e-12, .mean_ulps = 1 << 16};
+    case Dtype::float32: return {.ulps = 256, .atol = 1e-6, .mean_ulps = 16};
+    case Dtype::float16: return {.ulps = 4, .atol = 1e-5, .mean_ulps = 0.5};
+    case Dtype::bfloat16: return {.ulps = 2, .atol = 1e-5, .mean_ulps = 0.5};
+    case Dtype::int32: case Dtype::int64: case Dtype::uint8: case Dtype::bool_: break;
+  }
+  return {};
+}
+
+Tolerance OpSchema::tolerance(Dtype dtype) const {
+  const auto it = tolerances.find(dtype);
+  return it != tolerances.end() ? it->second : default_tolerance(dtype);
+}
+
 }  // namespace kdispatch

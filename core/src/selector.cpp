@@ -78,6 +78,9 @@ size_t edit_distance(std::string_view a, std::string_view b) {
 
 }  // namespace
 
+const char* const kReferenceOnlyWhenAsked =
+    "a reference kernel, which runs only when named (backend=...) or forced (KDISPATCH_FORCE_BACKEND)";
+
 SelectorOptions SelectorOptions::from_environment() {
   SelectorOptions options;
   if (auto force = get_env("KDISPATCH_FORCE_BACKEND")) options.force_backend = *force;
@@ -179,15 +182,20 @@ const KernelSpec& Selector::select_uncached(const SelectRequest& request) const 
     return spec;
   }
 
-  // Rule 3: filter by device and dtype, then choose.
+  // Rule 3: filter by device and dtype, then choose. A reference kernel
+  // can only be forced: it makes no call ambiguous and is never the one
+  // usable backend.
   const std::vector<Eligibility> checked = eligibility(request.op, request.device, request.dtype);
+  std::vector<const KernelSpec*> usable;  // references included: what force may pick
   std::vector<const KernelSpec*> eligible;
   for (const auto& e : checked) {
-    if (e.eligible) eligible.push_back(e.spec);
+    if (!e.eligible) continue;
+    usable.push_back(e.spec);
+    if (!e.spec->is_reference()) eligible.push_back(e.spec);
   }
 
   if (!options_.force_backend.empty()) {
-    for (const KernelSpec* s : eligible) {
+    for (const KernelSpec* s : usable) {
       if (s->backend == options_.force_backend) return *s;
     }
     bool first_time;
@@ -205,7 +213,10 @@ const KernelSpec& Selector::select_uncached(const SelectRequest& request) const 
 
   if (eligible.empty()) {
     std::vector<std::string> reasons;
-    for (const auto& e : checked) reasons.push_back(fmt::format("{}: {}", e.spec->backend, e.reason));
+    for (const auto& e : checked) {
+      reasons.push_back(fmt::format("{}: {}", e.spec->backend,
+                                    e.eligible ? std::string_view(kReferenceOnlyWhenAsked) : std::string_view(e.reason)));
+    }
     for (auto& line : failures_for(declares_op)) reasons.push_back(std::move(line));
     throw SelectionError(ErrorCode::no_usable_backend,
                          fmt::format("op '{}' has no backend usable on device '{}' (registered: {}): {}", request.op,

@@ -1,10 +1,13 @@
-// layernorm.rmsnorm and layernorm.fused_add_rmsnorm.
+// layernorm.rmsnorm, layernorm.fused_add_rmsnorm and layernorm.layernorm.
 //
 // out = T(float(x) * inv_rms * float(weight)), inv_rms = 1 / sqrt(mean(x^2) +
 // eps) with the mean accumulated in float32 (FlashInfer/SGLang rounding: one
 // rounding to T, at the end). fused_add_rmsnorm first stores residual =
 // T(x + residual) and normalises that rounded residual, as the GPU kernels do,
 // so that both outputs agree with a later unfused rmsnorm(residual).
+// layernorm takes the row's mean and then its (biased) variance about that
+// mean in two float32 passes over the widened row, and rounds
+// (x - mean) * inv_std * weight + bias once.
 
 #include <atomic>
 #include <cmath>
@@ -103,6 +106,36 @@ KD_CPU_MULTIVERSION void fused_add_rmsnorm_rows(T* x, T* residual, const float* 
   }
 }
 
+// `row` is scratch for h floats, the widened input row, read three times.
+template <class T>
+KD_CPU_MULTIVERSION void layernorm_rows(T* out, const T* x, const float* weight, const float* bias, int64_t h,
+                                        float eps, float* row, Store store, int64_t begin, int64_t end) {
+  float result[kBlock];
+  for (int64_t r = begin; r < end; ++r) {
+    const float* xr = as_float(x + r * h, row, h);
+    float partial[kReductionLanes] = {};
+    for (int64_t j = 0; j < h; ++j) partial[j % kReductionLanes] += xr[j];
+    float sum = 0.0f;
+    for (float p : partial) sum += p;
+    const float mean = sum / static_cast<float>(h);
+    float squares[kReductionLanes] = {};
+    for (int64_t j = 0; j < h; ++j) {
+      const float d = xr[j] - mean;
+      squares[j % kReductionLanes] += d * d;
+    }
+    float var = 0.0f;
+    for (float q : squares) var += q;
+    const float inv_std = 1.0f / std::sqrt(var / static_cast<float>(h) + eps);
+    T* outr = out + r * h;
+    for (int64_t j0 = 0; j0 < h; j0 += kBlock) {
+      const int64_t n = h - j0 < kBlock ? h - j0 : kBlock;
+      for (int64_t j = 0; j < n; ++j) result[j] = (xr[j0 + j] - mean) * inv_std * weight[j0 + j] + bias[j0 + j];
+      narrow(result, outr + j0, n, store);
+    }
+  }
+  if (store == Store::kStreaming) store_fence();
+}
+
 // The weight as float: the tensor itself for float32, else a converted copy.
 template <class T>
 const float* weight_as_float(const T* weight, int64_t h, std::vector<float>& storage) {
@@ -197,6 +230,49 @@ kd_status rmsnorm(const kd_call_args* args) noexcept {
         rmsnorm_rows<T>(data_as<T>(t[0]), data_as<T>(t[1]), c.weight, c.h, c.eps, row, store, begin,
                         end);
       });
+}
+
+// Tensors (out, x, weight, bias), attribute eps.
+kd_status layernorm(const kd_call_args* args) noexcept {
+  constexpr const char* kOp = "layernorm.layernorm";
+  return kd_plugin::guarded(args, [&]() -> kd_status {
+    constexpr int kMinNdim[] = {1, 1, 1, 1};
+    if (kd_status s = check_arguments(args, kOp, 1, kMinNdim); s != KD_STATUS_OK) return s;
+    const DLTensor* t = args->tensors;
+    const int64_t h = dim(t[1], -1);
+    if (dim(t[0], -1) != h || dim(t[2], -1) != h || dim(t[3], -1) != h || t[2].ndim != 1 || t[3].ndim != 1 ||
+        leading_rows(t[0], 1) != leading_rows(t[1], 1)) {
+      return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensor shapes disagree", kOp);
+    }
+    if (!same_dtype(t[0], t[1]) || !same_dtype(t[0], t[2]) || !same_dtype(t[0], t[3])) {
+      return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensor dtypes differ", kOp);
+    }
+    const kd_attr* eps = attr_of_type(args, 0, KD_ATTR_TYPE_FLOAT);
+    if (eps == nullptr) return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: attribute eps is not a float", kOp);
+    return dispatch_float_dtype(args, kOp, t[1], [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      std::vector<float> weight_storage, bias_storage;
+      const float* weight = weight_as_float(data_as<T>(t[2]), h, weight_storage);
+      const float* bias = weight_as_float(data_as<T>(t[3]), h, bias_storage);
+      const int64_t rows = leading_rows(t[1], 1);
+      const Store store = store_for(rows * h * int64_t{sizeof(T)});
+      std::atomic<bool> out_of_memory{false};
+      parallel_for(rows, h, [&](int64_t begin, int64_t end) noexcept {
+        std::unique_ptr<float[]> row;
+        if constexpr (!std::is_same_v<T, float>) {
+          row.reset(new (std::nothrow) float[h]);
+          if (!row) {
+            out_of_memory.store(true, std::memory_order_relaxed);
+            return;
+          }
+        }
+        layernorm_rows<T>(data_as<T>(t[0]), data_as<T>(t[1]), weight, bias, h, static_cast<float>(eps->value.f),
+                          row.get(), store, begin, end);
+      });
+      if (out_of_memory.load()) return kd_plugin::fail(args, KD_STATUS_INTERNAL, "%s: out of host memory", kOp);
+      return KD_STATUS_OK;
+    });
+  });
 }
 
 kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {

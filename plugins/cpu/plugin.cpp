@@ -15,6 +15,7 @@ namespace {
 constexpr kd_plugin::KernelEntry kKernels[] = {
     {"kd_cpu_rmsnorm", rmsnorm},
     {"kd_cpu_fused_add_rmsnorm", fused_add_rmsnorm},
+    {"kd_cpu_layernorm", layernorm},
     {"kd_cpu_silu_and_mul", silu_and_mul},
     {"kd_cpu_gelu_and_mul", gelu_and_mul},
     {"kd_cpu_gelu_tanh_and_mul", gelu_tanh_and_mul},

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 
 #include "run_tool.hpp"
 
@@ -273,7 +274,7 @@ TEST_CASE("validate: shipped manifests are clean and broken ones print FILE: KD-
   }
   const ToolResult ok = run_tool(args);
   CHECK(ok.exit_code == 0);
-  CHECK(ok.out.find(": ok (plugin 'cpu', backend 'cpu', 7 kernel(s))") != std::string::npos);
+  CHECK(ok.out.find("cpu.json: ok (plugin 'cpu', backend 'cpu', ") != std::string::npos);
 
   const std::string bad_dir = kFixtures + "/manifests/bad";
   int checked = 0;
@@ -377,7 +378,7 @@ TEST_CASE("usage errors with --json are one JSON document on stdout too") {
   }
 }
 
-TEST_CASE("run and bench: a bad --dtype, --shape, --iters or --save is a usage error naming it") {
+TEST_CASE("run and bench: a bad --dtype, --shape, --attr, --iters or --save is a usage error naming it") {
   struct Case {
     std::vector<std::string> args;
     std::vector<std::string> says;  // in stderr
@@ -397,6 +398,15 @@ TEST_CASE("run and bench: a bad --dtype, --shape, --iters or --save is a usage e
       {{"run", "layernorm.rmsnorm", "--iters", "0"}, {"--iters", "'0' is not a whole number of at least 1"}},
       {{"run", "layernorm.rmsnorm", "--iters", "-3"}, {"--iters", "'-3'"}},
       {{"run", "layernorm.rmsnorm", "--save", file + "/below"}, {"--save " + file + "/below", "cannot create"}},
+      {{"run", "layernorm.rmsnorm", "--attr", "epsilon=1"},
+       {"--attr epsilon=1", "op 'layernorm.rmsnorm' has no attribute 'epsilon' (attributes: eps)"}},
+      {{"run", "layernorm.rmsnorm", "--attr", "eps=small"},
+       {"--attr eps=small", "attribute 'eps' of op 'layernorm.rmsnorm' is a float; 'small' is not one"}},
+      {{"run", "layernorm.rmsnorm", "--attr", "eps=1e-5x"}, {"attribute 'eps'", "'1e-5x' is not one"}},
+      {{"bench", "moe.topk_softmax", "--attr", "renormalize=maybe"},
+       {"attribute 'renormalize' of op 'moe.topk_softmax' is a bool; 'maybe' is not one"}},
+      {{"run", "--all", "--attr", "nope=1"}, {"--attr nope=1", "no op has an attribute 'nope'"}},
+      {{"run", "layernorm.rmsnorm", "--attr", "eps"}, {"--attr 'eps': expected NAME=VALUE"}},
   };
   for (const Case& c : cases) {
     const ToolResult r = run_tool(c.args);
@@ -404,6 +414,22 @@ TEST_CASE("run and bench: a bad --dtype, --shape, --iters or --save is a usage e
     CHECK(r.exit_code == 1);
     for (const std::string& s : c.says) CHECK_MESSAGE(r.err.find(s) != std::string::npos, s);
   }
+}
+
+TEST_CASE("run --attr sets an attribute, typed by the schema, and the check follows it") {
+  for (const std::string value : {"true", "false"}) {
+    const ToolResult r = run_tool({"run", "moe.topk_softmax", "--backend", "cpu", "--dtype", "float32", "--iters", "1",
+                                   "--attr", "renormalize=" + value, "--save", make_temp_dir(), "--json"});
+    INFO("stdout: " << r.out << "\nstderr: " << r.err);
+    CHECK(r.exit_code == 0);
+    CHECK(json_of(r).at("results")[0].at("status") == "passed");
+  }
+  const std::string dir = make_temp_dir();
+  CHECK(run_tool({"run", "layernorm.rmsnorm", "--backend", "cpu", "--dtype", "float32", "--iters", "1", "--attr",
+                  "eps=0.25", "--save", dir})
+            .exit_code == 0);
+  std::ifstream attrs(dir + "/layernorm.rmsnorm.cpu.float32.attrs.json");
+  CHECK(Json::parse(attrs).at("eps") == 0.25);
 }
 
 TEST_CASE("run: a kernel that refuses its arguments fails its result with the kernel's message") {
@@ -437,13 +463,109 @@ TEST_CASE("KDISPATCH_CPU_THREADS that is not a thread count is ignored with a wa
   CHECK(good.err.find("KDISPATCH_CPU_THREADS") == std::string::npos);
 }
 
-TEST_CASE("the first call of a kernel opens exactly its plugin") {
+TEST_CASE("the first call of a kernel opens exactly its plugin, and the check its reference") {
   const ToolResult r = run_tool({"run", "layernorm.rmsnorm", "--backend", "cpu", "--iters", "1", "--json"},
                                 {{"LD_DEBUG", "files"}});
   CHECK(r.exit_code == 0);
   CHECK(r.err.find("libkdispatch-cpu.so") != std::string::npos);
+  CHECK(r.err.find("libkdispatch-reference.so") != std::string::npos);
   CHECK(r.err.find("libkdispatch-cuda.so") == std::string::npos);
   CHECK(r.err.find("libkdispatch-hip.so") == std::string::npos);
+}
+
+TEST_CASE("run --all: every op and dtype on cpu checked against the reference, none unchecked") {
+  const ToolResult r = run_tool({"run", "--all", "--device", "cpu", "--iters", "1", "--json"});
+  INFO("stdout: " << r.out << "\nstderr: " << r.err);
+  CHECK(r.exit_code == 0);
+  const Json j = json_of(r);
+  size_t cpu_results = 0;
+  for (const Json& result : j.at("results")) {
+    CHECK(result.at("backend") != "reference");  // the oracle is not a result of its own
+    CHECK(result.at("status") == "passed");
+    CHECK(result.at("checked_against") == "reference (reference)");
+    cpu_results += result.at("backend") == "cpu";
+  }
+  // Every op of the cpu backend in each of its dtypes, as `list` counts them.
+  size_t cpu_ops = 0;
+  const Json listed = json_of(run_tool({"list", "--device", "cpu", "--json"}));
+  for (const Json& op : listed.at("ops")) {
+    for (const Json& b : op.at("backends")) cpu_ops += b.at("backend") == "cpu";
+  }
+  CHECK(cpu_ops >= 7);
+  CHECK(cpu_results == 3 * cpu_ops);
+  CHECK(j.at("summary").at("passed") == j.at("results").size());
+  CHECK(j.at("summary").at("failed") == 0);
+  CHECK(j.at("summary").at("unchecked") == 0);
+  CHECK(j.at("summary").at("skipped") == j.at("skipped").size());
+  const ToolResult human = run_tool({"run", "--all", "--backend", "cpu", "--iters", "1"});
+  CHECK(human.exit_code == 0);
+  CHECK(human.out.find(fmt::format("\nrun: {} passed, 0 failed, 0 unchecked, 0 skipped\n", cpu_results)) !=
+        std::string::npos);
+}
+
+TEST_CASE("run: a kernel 1% wrong fails in float32, float16 and bfloat16") {
+  const std::string dir = std::string(KDISPATCH_BINARY_DIR) + "/tests/fixtures/plugins/fx_wrong";
+  const ToolResult r = run_tool({"run", "activation.silu_and_mul", "--backend", "fx_wrong", "--add-plugin-path", dir,
+                                 "--iters", "1", "--json"});
+  INFO("stdout: " << r.out << "\nstderr: " << r.err);
+  CHECK(r.exit_code == 3);
+  const Json j = json_of(r);
+  std::set<std::string> failed;
+  for (const Json& result : j.at("results")) {
+    CHECK(result.at("status") == "failed");
+    failed.insert(result.at("dtype").get<std::string>());
+  }
+  CHECK(failed == std::set<std::string>{"float32", "float16", "bfloat16"});
+  CHECK(j.at("summary").at("failed") == 3);
+  // At an odd size too.
+  const ToolResult odd = run_tool({"run", "activation.silu_and_mul", "--backend", "fx_wrong", "--add-plugin-path", dir,
+                                   "--iters", "1", "--json", "--shape", "*=7", "--shape", "D=4097"});
+  CHECK(json_of(odd).at("summary").at("failed") == 3);
+}
+
+TEST_CASE("run: an op without a reference kernel is unchecked, never passed") {
+  const std::string dir = std::string(KDISPATCH_BINARY_DIR) + "/tests/fixtures/plugins/fx_no_reference";
+  const ToolResult r =
+      run_tool({"run", "fixture.scaled", "--add-plugin-path", dir, "--iters", "1", "--json"});
+  INFO("stdout: " << r.out << "\nstderr: " << r.err);
+  CHECK(r.exit_code == 0);
+  const Json j = json_of(r);
+  REQUIRE(j.at("results").size() == 1);
+  CHECK(j.at("results")[0].at("status") == "unchecked");
+  CHECK(j.at("results")[0].at("checked") == false);
+  CHECK(j.at("summary") == Json{{"passed", 0}, {"failed", 0}, {"unchecked", 1}, {"skipped", 0}});
+  const ToolResult human = run_tool({"run", "fixture.scaled", "--add-plugin-path", dir, "--iters", "1"});
+  CHECK(human.out.find("unchecked: fixture.scaled: not checked: the op has no reference kernel") != std::string::npos);
+  CHECK(human.out.find("\nrun: 0 passed, 0 failed, 1 unchecked, 0 skipped\n") != std::string::npos);
+}
+
+TEST_CASE("validate and doctor say which ops have no reference kernel") {
+  const std::string dir = std::string(KDISPATCH_BINARY_DIR) + "/tests/fixtures/plugins/fx_no_reference";
+  const ToolResult v = run_tool({"validate", dir + "/fx_no_reference.json", kManifests + "/cpu.json"});
+  CHECK(v.exit_code == 0);
+  CHECK(v.out.find("fx_no_reference.json: note: op 'fixture.scaled' has no reference kernel") != std::string::npos);
+  CHECK(v.out.find("cpu.json: note") == std::string::npos);
+  const ToolResult vj = run_tool({"validate", dir + "/fx_no_reference.json", "--json"});
+  CHECK(json_of(vj)["results"][0]["ops_without_reference"] == Json{"fixture.scaled"});
+  const ToolResult d = run_tool({"doctor", "--add-plugin-path", dir, "--json"});
+  CHECK(json_of(d)["ops_without_reference"] == Json{"fixture.scaled"});
+  const ToolResult shipped = run_tool({"doctor"});
+  CHECK(shipped.out.find("every op has a reference kernel") != std::string::npos);
+}
+
+TEST_CASE("the reference backend is chosen only when named or forced") {
+  const ToolResult plain = run_tool({"select", "layernorm.rmsnorm", "--device", "cpu", "--json"});
+  CHECK(json_of(plain)["backend"] == "cpu");
+  const ToolResult named = run_tool({"select", "layernorm.rmsnorm", "--device", "cpu", "--backend", "reference", "--json"});
+  CHECK(json_of(named)["backend"] == "reference");
+  const ToolResult forced =
+      run_tool({"select", "layernorm.rmsnorm", "--device", "cpu", "--json"}, {{"KDISPATCH_FORCE_BACKEND", "reference"}});
+  CHECK(json_of(forced)["backend"] == "reference");
+  // Alone, it is not the one usable backend.
+  const ToolResult alone = run_tool({"select", "layernorm.rmsnorm", "--device", "cpu", "--json"},
+                                    {{"KDISPATCH_PLUGINS_SELECT", "reference"}});
+  CHECK(alone.exit_code == 2);
+  CHECK(json_of(alone)["error"]["code"] == "KD-E003");
 }
 
 TEST_CASE("doctor --json over the broken fixture plugins: each with its code, the good ones loaded") {

@@ -32,6 +32,12 @@ def rmsnorm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
+def layernorm(x, w, b, eps):
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * w + b
+
+
 def gelu(a):
     return 0.5 * a * (1.0 + np.vectorize(math.erf)(a / math.sqrt(2.0)))
 
@@ -84,6 +90,8 @@ def expected(op, dtype, t, attrs):
     if op == "layernorm.fused_add_rmsnorm":
         residual = round_to(dtype, t["x"] + t["residual"])
         return {"x": rmsnorm(residual, t["weight"], attrs["eps"]), "residual": residual}
+    if op == "layernorm.layernorm":
+        return {"out": layernorm(t["x"], t["weight"], t["bias"], attrs["eps"])}
     if op == "activation.silu_and_mul":
         return {"out": act_and_mul(silu, t["x"])}
     if op == "activation.gelu_and_mul":

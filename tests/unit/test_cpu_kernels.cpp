@@ -1,5 +1,5 @@
-// The cpu plugin's kernels against the float64 reference: loads the built
-// plugin with dlopen (as the core does), calls each kernel through the C ABI
+// The cpu plugin's kernels against the reference plugin's: loads both built
+// plugins with dlopen (as the core does), calls each kernel through the C ABI
 // with hand-built DLTensors, and compares every op x dtype. Outputs are
 // poisoned with NaN before each call, inputs are random (fixed seed, never
 // all zero), and sizes include 1, 7 and 4097 columns.
@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "harness.hpp"
 #include "raw_call.hpp"
 #include "reference_ops.hpp"
 
@@ -31,14 +32,18 @@ using ref::Tolerance;
 
 constexpr Dtype kFloatDtypes[] = {Dtype::kFloat32, Dtype::kFloat16, Dtype::kBFloat16};
 
-// |got - want| <= atol + rtol * |want|, per storage dtype of the output.
-// float16/bfloat16 are dominated by the final rounding (2^-11, 2^-8
-// relative); float32 by float32 accumulation and the kernels' exp/erf.
-constexpr ref::DtypeTolerances tolerance_for{
-    .float32 = {1e-5, 1e-5}, .float16 = {2e-3, 1e-3}, .bfloat16 = {1.6e-2, 1e-2}};
+// |got - want| <= atol + rtol * |want|: the tolerance the op's schema
+// declares for outputs of `dtype`, in relative form.
+Tolerance tolerance_for(const char* op, Dtype dtype) {
+  return kdispatch::harness::relative_tolerance(kdispatch::harness::builtin_schema(op), dtype);
+}
 
-// topk_weights are float32 whatever the input dtype.
-constexpr Tolerance kTopkWeightTolerance{1e-5, 1e-6};
+// The expected values come from the reference plugin, opened before any
+// test runs (each test may be run alone).
+const bool kReferenceOpen = [] {
+  ref::open_reference_plugin(KDISPATCH_PLUGIN_DIR);
+  return true;
+}();
 
 const kd_plugin_api& cpu_plugin() {
   static const kd_plugin_api* api = [] {
@@ -227,7 +232,7 @@ TEST_CASE("cpu layernorm.rmsnorm matches the float64 reference") {
           kernel("kd_cpu_rmsnorm"), {out.tensor.dl(), x.tensor.dl(), weight.tensor.dl()}, {float_attr("eps", eps)}};
       REQUIRE_MESSAGE(call.run() == KD_STATUS_OK, call.error);
       check_close(out.read(), ref::rmsnorm(x.values, weight.values, s.rows, s.cols, eps),
-                  tolerance_for(dtype), what);
+                  tolerance_for("layernorm.rmsnorm", dtype), what);
     }
   }
 }
@@ -244,7 +249,7 @@ TEST_CASE("cpu layernorm.rmsnorm flattens leading dims") {
       kernel("kd_cpu_rmsnorm"), {out.tensor.dl(), x.tensor.dl(), weight.tensor.dl()}, {float_attr("eps", 1e-5)}};
   REQUIRE(call.run() == KD_STATUS_OK);
   check_close(out.read(), ref::rmsnorm(x.values, weight.values, 6, 33, 1e-5),
-              tolerance_for(Dtype::kBFloat16), "rmsnorm [2, 3, 33]");
+              tolerance_for("layernorm.rmsnorm", Dtype::kBFloat16), "rmsnorm [2, 3, 33]");
 }
 
 TEST_CASE("cpu kernels may be called from several threads at once") {
@@ -280,7 +285,7 @@ TEST_CASE("cpu kernels may be called from several threads at once") {
   for (Job& job : jobs) {
     REQUIRE(job.status == KD_STATUS_OK);
     check_close(job.out.read(), ref::rmsnorm(job.x.values, job.weight.values, rows, h, 1e-6),
-                tolerance_for(Dtype::kFloat16), "concurrent rmsnorm");
+                tolerance_for("layernorm.rmsnorm", Dtype::kFloat16), "concurrent rmsnorm");
   }
 }
 
@@ -304,7 +309,7 @@ TEST_CASE("cpu layernorm.fused_add_rmsnorm matches the float64 reference") {
       REQUIRE_MESSAGE(call.run() == KD_STATUS_OK, call.error);
       // The residual is one correctly rounded addition: exact.
       check_close(residual.read(), want.residual, {0.0, 0.0}, what + " residual");
-      check_close(x.read(), want.x, tolerance_for(dtype), what + " x");
+      check_close(x.read(), want.x, tolerance_for("layernorm.fused_add_rmsnorm", dtype), what + " x");
     }
   }
 }
@@ -355,12 +360,14 @@ namespace {
 
 // The activation kernels and their float64 references.
 struct ActivationOp {
+  const char* op;
   const char* symbol;
   std::vector<double> (*reference)(std::span<const double>, int64_t, int64_t);
 };
-const ActivationOp kActivationOps[] = {{"kd_cpu_silu_and_mul", ref::silu_and_mul},
-                                       {"kd_cpu_gelu_and_mul", ref::gelu_and_mul},
-                                       {"kd_cpu_gelu_tanh_and_mul", ref::gelu_tanh_and_mul}};
+const ActivationOp kActivationOps[] = {
+    {"activation.silu_and_mul", "kd_cpu_silu_and_mul", ref::silu_and_mul},
+    {"activation.gelu_and_mul", "kd_cpu_gelu_and_mul", ref::gelu_and_mul},
+    {"activation.gelu_tanh_and_mul", "kd_cpu_gelu_tanh_and_mul", ref::gelu_tanh_and_mul}};
 
 }  // namespace
 
@@ -377,7 +384,7 @@ TEST_CASE("cpu activation.*_and_mul match the float64 reference") {
         out.poison();
         RawCall call{kernel(op.symbol), {out.tensor.dl(), x.tensor.dl()}, {}};
         REQUIRE_MESSAGE(call.run() == KD_STATUS_OK, call.error);
-        check_close(out.read(), op.reference(x.values, s.rows, s.cols), tolerance_for(dtype),
+        check_close(out.read(), op.reference(x.values, s.rows, s.cols), tolerance_for(op.op, dtype),
                     what);
       }
     }
@@ -410,7 +417,7 @@ TEST_CASE("cpu activation.*_and_mul at the edges: infinities, NaN, zeros, far ta
       REQUIRE_MESSAGE(call.run() == KD_STATUS_OK, call.error);
       const std::vector<double> got = out.read();
       const std::vector<double> want = op.reference(x.values, 1, d);
-      const Tolerance tol = tolerance_for(dtype);
+      const Tolerance tol = tolerance_for(op.op, dtype);
       for (int64_t j = 0; j < d; ++j) {
         const double a = x.values[static_cast<size_t>(j)];
         const double g = got[static_cast<size_t>(j)];
@@ -456,7 +463,7 @@ TEST_CASE("cpu activation.*_and_mul in 16 bits: every gate value") {
       REQUIRE_MESSAGE(call.run() == KD_STATUS_OK, call.error);
       const std::vector<double> got = out.read();
       const std::vector<double> want = op.reference(x.values, rows, d);
-      const Tolerance tol = tolerance_for(dtype);
+      const Tolerance tol = tolerance_for(op.op, dtype);
       int64_t bad = 0;
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t j = 0; j < d; ++j) {
@@ -533,8 +540,8 @@ TEST_CASE("cpu embeddings.rotary_embedding matches the float64 reference, both s
                      {positions.dl(), query.tensor.dl(), key.tensor.dl(), cache.tensor.dl()},
                      {bool_attr("is_neox", neox)}};
         REQUIRE_MESSAGE(call.run() == KD_STATUS_OK, call.error);
-        check_close(query.read(), want.query, tolerance_for(dtype), what + " query");
-        check_close(key.read(), want.key, tolerance_for(dtype), what + " key");
+        check_close(query.read(), want.query, tolerance_for("embeddings.rotary_embedding", dtype), what + " query");
+        check_close(key.read(), want.key, tolerance_for("embeddings.rotary_embedding", dtype), what + " key");
       }
     }
   }
@@ -574,6 +581,7 @@ void check_topk(const std::vector<int32_t>& ids, const std::vector<float>& weigh
                 const ref::TopkSoftmaxResult& want, int64_t rows, int64_t e, int64_t k,
                 const std::string& what) {
   size_t bad = 0;
+  const Tolerance weight_tolerance = tolerance_for("moe.topk_softmax", Dtype::kFloat32);  // float32 weights
   for (int64_t r = 0; r < rows; ++r) {
     std::vector<bool> seen(static_cast<size_t>(e), false);
     for (int64_t i = 0; i < k; ++i) {
@@ -585,12 +593,12 @@ void check_topk(const std::vector<int32_t>& ids, const std::vector<float>& weigh
         const double p_got = want.probabilities[r * e + got];
         const double p_want = want.probabilities[r * e + expected];
         ok = got == expected ||
-             std::fabs(p_got - p_want) <= kTopkWeightTolerance.atol +
-                                              kTopkWeightTolerance.rtol * p_want;
+             std::fabs(p_got - p_want) <= weight_tolerance.atol +
+                                              weight_tolerance.rtol * p_want;
       }
       const double w_want = want.weights[r * k + i];
       ok = ok && std::fabs(weights[r * k + i] - w_want) <=
-                     kTopkWeightTolerance.atol + kTopkWeightTolerance.rtol * std::fabs(w_want);
+                     weight_tolerance.atol + weight_tolerance.rtol * std::fabs(w_want);
       if (!ok && ++bad <= 3) {
         FAIL_CHECK(what << ": row " << r << " slot " << i << " got id " << got << " weight "
                         << weights[r * k + i] << ", want id " << expected << " weight "

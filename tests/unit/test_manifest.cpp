@@ -9,6 +9,7 @@
 #include <map>
 #include <random>
 #include <sstream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -209,29 +210,36 @@ TEST_CASE("shipped manifests and op schemas parse with no errors and no warnings
     CAPTURE(all_messages(r.errors) + all_messages(r.warnings));
     REQUIRE(r.ok());
     CHECK(r.warnings.empty());
-    CHECK(r.manifest->kernels.size() == 7);
+    CHECK_FALSE(r.manifest->kernels.empty());
     CHECK(r.manifest->plugin == r.manifest->backend);
     CHECK(r.manifest->library == "libkdispatch-" + r.manifest->plugin + ".so");
     for (const auto& k : r.manifest->kernels) CHECK(k.targets == r.manifest->targets);
   }
   const auto schema_files = json_files(kSource / "manifests" / "ops");
   CHECK(schema_files.size() >= 4);
-  size_t ops = 0;
+  std::set<std::string> ops;
   for (const auto& path : schema_files) {
     CAPTURE(path.string());
     const auto r = parse_op_schemas(read_text(path), path.string());
     CAPTURE(all_messages(r.errors) + all_messages(r.warnings));
     CHECK(r.errors.empty());
     CHECK(r.warnings.empty());
-    ops += r.schemas.size();
+    for (const auto& s : r.schemas) ops.insert(s.op);
   }
-  CHECK(ops == 7);
+  CHECK(ops.size() >= 7);
+  // Every shipped op has its reference kernel.
+  const auto reference = read_manifest(kSource / "manifests" / "reference.json");
+  REQUIRE(reference.ok());
+  CHECK(reference.manifest->role == KernelRole::reference);
+  std::set<std::string> referenced;
+  for (const auto& k : reference.manifest->kernels) referenced.insert(k.op);
+  CHECK(referenced == ops);
 }
 
 TEST_CASE("shipped op schemas: tokens, dtypes and attributes") {
   const auto path = kSource / "manifests" / "ops";
   const auto layernorm = parse_op_schemas(read_text(path / "layernorm.json"), "layernorm.json");
-  REQUIRE(layernorm.schemas.size() == 2);
+  REQUIRE(layernorm.schemas.size() >= 2);
   const OpSchema& rms = layernorm.schemas[0];
   CHECK(rms.op == "layernorm.rmsnorm");
   REQUIRE(rms.tensors.size() == 3);
@@ -348,6 +356,96 @@ TEST_CASE("target inheritance and replacement") {
   const auto none = parse_with(R"("kernels": [{"op": "g.x", "symbol": "x"}])");
   REQUIRE(none.ok());
   CHECK(none.manifest->kernels.at(0).targets.empty());
+}
+
+TEST_CASE("a manifest's role reaches every kernel") {
+  const auto reference = parse_with(R"("role": "reference", "kernels": [{"op": "g.x", "symbol": "x"}])");
+  REQUIRE(reference.ok());
+  CHECK(reference.manifest->role == KernelRole::reference);
+  CHECK(reference.manifest->kernels.at(0).is_reference());
+  const auto plain = parse_with(R"("kernels": [{"op": "g.x", "symbol": "x"}])");
+  REQUIRE(plain.ok());
+  CHECK_FALSE(plain.manifest->kernels.at(0).is_reference());
+  CHECK(parse_with(R"("role": "backend", "kernels": [])").ok());
+  const auto bad = parse_with(R"("role": "oracle", "kernels": [])");
+  REQUIRE(bad.errors.size() == 1);
+  CHECK(bad.errors[0].code == ErrorCode::manifest_bad_field);
+  CHECK(contains(bad.errors[0].message, "/role: expected \"backend\" or \"reference\""));
+}
+
+TEST_CASE("op schema tolerances: declared per output dtype, defaults for the rest") {
+  const auto with_tolerance = [](const std::string& tolerance) {
+    return parse_op_schemas(R"([{"op": "t.op", "tensors": [{"name": "a", "shape": ["N"], "dtype": "T"}],
+                                 "dtypes": {"T": ["float32", "bfloat16"]}, "tolerance": )" +
+                                tolerance + "}]",
+                            "inline.json");
+  };
+  const auto good = with_tolerance(R"({"bfloat16": {"ulps": 3, "atol": 1e-4, "mean_ulps": 0.25}})");
+  REQUIRE(good.errors.empty());
+  REQUIRE(good.schemas.size() == 1);
+  const OpSchema& s = good.schemas[0];
+  CHECK(s.tolerance(Dtype::bfloat16) == Tolerance{3, 1e-4, 0.25});
+  CHECK(s.tolerance(Dtype::float32) == default_tolerance(Dtype::float32));
+  CHECK(default_tolerance(Dtype::int32) == Tolerance{});  // integers compare exactly
+  struct Bad {
+    std::string tolerance, says;
+  };
+  for (const Bad& bad : {Bad{R"([1])", "/0/tolerance: expected an object of tolerances by output dtype"},
+                         Bad{R"({"float8": {"ulps": 1, "atol": 0, "mean_ulps": 0}})",
+                             "/0/tolerance/float8: expected a dtype name"},
+                         Bad{R"({"float32": {"ulps": 1, "atol": 0}})", "/0/tolerance/float32/mean_ulps: missing"},
+                         Bad{R"({"float32": {"ulps": -1, "atol": 0, "mean_ulps": 0}})",
+                             "/0/tolerance/float32/ulps: expected a non-negative number, found"},
+                         Bad{R"({"float32": {"ulps": "4", "atol": 0, "mean_ulps": 0}})",
+                             "/0/tolerance/float32/ulps: expected a non-negative number"}}) {
+    const auto r = with_tolerance(bad.tolerance);
+    INFO(bad.tolerance);
+    REQUIRE(r.errors.size() == 1);
+    CHECK(r.errors[0].code == ErrorCode::manifest_bad_field);
+    CHECK(contains(r.errors[0].message, bad.says));
+  }
+}
+
+TEST_CASE("op schema: input values, bench sizes and conformance cases") {
+  const auto parse = [](const std::string& rest) {
+    return parse_op_schemas(R"([{"op": "t.op", "tensors": [{"name": "a", "shape": ["*", "2*R"], "dtype": "float32",
+                                  "values": "cos_sin"}],
+                                 "attrs": [{"name": "flag", "type": "bool", "default": true},
+                                           {"name": "eps", "type": "float", "default": 0.5}])" +
+                                rest + "}]",
+                            "inline.json");
+  };
+  const auto good = parse(R"(, "bench": {"*": [8192], "R": 64},
+      "tests": {"sizes": [{"*": [1], "R": 1}, {"*": [2, 3], "R": 7}], "attrs": {"flag": [true, false], "eps": [1]}})");
+  REQUIRE(good.errors.empty());
+  const OpSchema& s = good.schemas.at(0);
+  CHECK(s.tensors[0].values == TensorValues::cos_sin);
+  REQUIRE(s.bench_sizes.has_value());
+  CHECK(*s.bench_sizes == Sizes{{8192}, {{"R", 64}}});
+  CHECK(s.test_sizes == std::vector<Sizes>{{{1}, {{"R", 1}}}, {{2, 3}, {{"R", 7}}}});
+  REQUIRE(s.test_attrs.size() == 2);
+  CHECK(s.test_attrs[0].first == "eps");                         // by name
+  CHECK(s.test_attrs[0].second == std::vector<AttrValue>{1.0});  // an integer is a float value
+  CHECK(s.test_attrs[1].first == "flag");
+  CHECK(s.test_attrs[1].second == std::vector<AttrValue>{true, false});
+  struct Bad {
+    std::string rest, says;
+  };
+  for (const Bad& bad : {Bad{R"(, "bench": {"R": -1})", "/0/bench/R: expected a size"},
+                         Bad{R"(, "tests": {"attrs": {}})", "/0/tests/sizes"},
+                         Bad{R"(, "tests": {"sizes": [], "attrs": {"nope": [1]}})", "the op has no attribute \"nope\""},
+                         Bad{R"(, "tests": {"sizes": [], "attrs": {"flag": [1]}})", "/0/tests/attrs/flag/0: expected a bool value"},
+                         Bad{R"(, "tests": {"sizes": [], "attrs": {"flag": []}})", "expected a non-empty list of bool values"}}) {
+    const auto r = parse(bad.rest);
+    INFO(bad.rest);
+    REQUIRE(r.errors.size() == 1);
+    CHECK(contains(r.errors[0].message, bad.says));
+  }
+  const auto bad_values = parse_op_schemas(
+      R"([{"op": "t.op", "tensors": [{"name": "a", "shape": ["N"], "dtype": "float32", "values": "gaussian"}]}])",
+      "inline.json");
+  REQUIRE(bad_values.errors.size() == 1);
+  CHECK(contains(bad_values.errors[0].message, "/0/tensors/0/values: expected \"uniform\" or \"cos_sin\""));
 }
 
 TEST_CASE("manifest rules beyond the fixtures") {

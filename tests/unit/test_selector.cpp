@@ -244,6 +244,52 @@ TEST_CASE("forced backend wins when eligible and warns once and falls back when 
   }
 }
 
+TEST_CASE("a reference kernel runs only when named or forced") {
+  KernelRegistry reg;
+  KernelSpec ref = spec("x.y", "reference", {cpu_target()});
+  ref.role = KernelRole::reference;
+  reg.add(ref);
+  SUBCASE("alone it is not the one usable backend: KD-E003 says why") {
+    Selector sel(reg);
+    const std::string message = error_of([&] { sel.select(req("x.y", "cpu")); }, ErrorCode::no_usable_backend);
+    CHECK(message.find("reference: a reference kernel, which runs only when named") != std::string::npos);
+  }
+  SUBCASE("beside one backend it makes no call ambiguous") {
+    reg.add(spec("x.y", "cpu", {cpu_target()}));
+    Selector sel(reg);
+    CHECK(sel.select(req("x.y", "cpu")).backend == "cpu");
+    SUBCASE("nor does a preference order pick it") {
+      Selector ordered(reg, SelectorOptions{{}, {"reference", "cpu"}});
+      CHECK(ordered.select(req("x.y", "cpu")).backend == "cpu");
+    }
+  }
+  SUBCASE("beside two backends the call stays ambiguous between those two") {
+    reg.add(spec("x.y", "cpu", {cpu_target()}));
+    reg.add(spec("x.y", "fast", {cpu_target()}));
+    Selector sel(reg);
+    const std::string message = error_of([&] { sel.select(req("x.y", "cpu")); }, ErrorCode::ambiguous_backend);
+    CHECK(message.find("([cpu, fast])") != std::string::npos);
+  }
+  SUBCASE("named, it runs") {
+    reg.add(spec("x.y", "cpu", {cpu_target()}));
+    Selector sel(reg);
+    CHECK(sel.select(req("x.y", "cpu", "reference")).backend == "reference");
+  }
+  SUBCASE("forced, it runs where it is usable") {
+    reg.add(spec("x.y", "cpu", {cpu_target()}));
+    reg.add(spec("x.y", "cuda", {cuda_target("9.0")}));
+    Selector sel(reg, SelectorOptions{"reference", {}});
+    CHECK(sel.select(req("x.y", "cpu")).backend == "reference");
+    CHECK(sel.select(req("x.y", "cuda:9.0")).backend == "cuda");  // not usable there: the normal rules
+  }
+  SUBCASE("the registry names it as the op's reference") {
+    reg.add(spec("x.y", "cpu", {cpu_target()}));
+    REQUIRE(reg.reference("x.y") != nullptr);
+    CHECK(reg.reference("x.y")->backend == "reference");
+    CHECK(reg.reference("x.z") == nullptr);
+  }
+}
+
 TEST_CASE("a preference order breaks ties, and only ties") {
   KernelRegistry reg;
   reg.add(spec("x.y", "cuda", {cuda_target("9.0")}));

@@ -29,21 +29,6 @@ using namespace kdispatch;
 
 namespace {
 
-struct Shape {
-  const char* op;
-  harness::Shapes shapes;
-};
-
-const Shape kShapes[] = {
-    {"layernorm.rmsnorm", {{8192}, {{"H", 4096}}}},
-    {"layernorm.fused_add_rmsnorm", {{8192}, {{"H", 4096}}}},
-    {"activation.silu_and_mul", {{8192}, {{"D", 4096}}}},
-    {"activation.gelu_and_mul", {{8192}, {{"D", 4096}}}},
-    {"activation.gelu_tanh_and_mul", {{8192}, {{"D", 4096}}}},
-    {"embeddings.rotary_embedding", {{8192}, {{"HQ", 32}, {"HK", 8}, {"R", 64}, {"P", 8192}}}},
-    {"moe.topk_softmax", {{65536}, {{"E", 256}, {"K", 8}}}},
-};
-
 // The threads the cpu kernels run on (the cpu plugin's pool decides; the
 // memcpy runs on one), so that the table says what it compares.
 std::string kernel_threads() {
@@ -91,12 +76,12 @@ class RatioReporter : public benchmark::ConsoleReporter {
   std::map<std::string, double> times_;
 };
 
-void register_op(const Shape& s, Dtype dtype) {
-  const std::string suffix = fmt::format("{}/{}", s.op, dtype_name(dtype));
-  const OpSchema* schema = g_context->registry().schema(s.op);
-  auto data = std::make_shared<harness::CallData>(harness::make_call(*schema, dtype, s.shapes, 7));
-  const size_t bytes = data->bytes_moved(*schema);
-  benchmark::RegisterBenchmark(("kernel/" + suffix).c_str(), [data, op = std::string(s.op), bytes](benchmark::State& st) {
+void register_op(const OpSchema& schema, Dtype dtype) {
+  const std::string suffix = fmt::format("{}/{}", schema.op, dtype_name(dtype));
+  const harness::Shapes shapes = schema.bench_sizes.value_or(harness::example_shapes(schema));
+  auto data = std::make_shared<harness::CallData>(harness::make_call(schema, dtype, shapes, 7));
+  const size_t bytes = data->bytes_moved(schema);
+  benchmark::RegisterBenchmark(("kernel/" + suffix).c_str(), [data, op = schema.op, bytes](benchmark::State& st) {
     const OpHandle handle = g_dispatch->op(op, "cpu");
     std::vector<DLTensor> tensors = data->dl();
     for (auto _ : st) handle(tensors, data->attrs);
@@ -121,8 +106,12 @@ int main(int argc, char** argv) {
   options.search.use_environment = false;
   g_context = std::make_unique<Context>(options);
   g_dispatch = std::make_unique<Dispatcher>(*g_context);
-  for (const Shape& s : kShapes) {
-    for (Dtype d : {Dtype::float32, Dtype::bfloat16, Dtype::float16}) register_op(s, d);
+  // Every op of the cpu backend at its schema's "bench" sizes, in each dtype
+  // the kernel declares.
+  for (const OpSchema* schema : g_context->registry().schemas()) {
+    const KernelSpec* spec = g_context->registry().get_backend(schema->op, "cpu");
+    if (spec == nullptr) continue;
+    for (Dtype d : spec->dtypes) register_op(*schema, d);
   }
   // The defaults of bench_defaults.hpp (5 shuffled repetitions, medians),
   // unless the command line sets them.

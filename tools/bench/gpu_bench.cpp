@@ -3,9 +3,9 @@
 // would drive it. Host code only: links the CUDA runtime, launches no kernel
 // of its own.
 //
-//   gpu_bench check PLUGIN.so            every op x dtype against the float64
-//                                        reference of the harness
-//                                        (tools/harness/reference_ops.hpp)
+//   gpu_bench check PLUGIN.so            every op x dtype against the reference
+//                                        plugin beside PLUGIN.so, called through
+//                                        tools/harness/reference_ops.hpp
 //   gpu_bench bench PLUGIN.so [--csv F]  time large and small shapes; prints
 //                                        us, GB/s and % of the device-to-device
 //                                        copy bandwidth measured in the same run
@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -72,10 +73,11 @@ std::vector<double> from_bytes(Dtype t, const std::vector<uint8_t>& bytes) {
   return values;
 }
 
-// Largest relative rounding error of one result, with headroom for float32
-// accumulation order and fast exp/rsqrt on the device.
-constexpr ref::DtypeTolerances tolerance{
-    .float32 = {1e-4, 1e-5}, .float16 = {2e-3, 1e-4}, .bfloat16 = {8e-3, 1e-3}};
+// The tolerance the schema of op `group.name` declares for outputs of `t`,
+// in relative form (harness::relative_tolerance).
+Tolerance tolerance(const std::string& op, Dtype t) {
+  return harness::relative_tolerance(harness::builtin_schema(op), t);
+}
 
 // --- device tensors -----------------------------------------------------------
 
@@ -259,7 +261,7 @@ void check_norm(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, bo
   const std::string name = label(op, t, std::to_string(rows) + "x" + std::to_string(hidden), offset);
   if (kd_status s = call.run(nullptr); s != KD_STATUS_OK) return checker.status(name, s, call);
   cuda_ok(cudaDeviceSynchronize(), op);
-  const Tolerance tol = tolerance(t);
+  const Tolerance tol = tolerance(std::string("layernorm.") + op, t);
   if (!fused) {
     checker.result(name, compare(read_floats(t, tout), ref::rmsnorm(x, w, rows, hidden, eps), tol));
     return;
@@ -281,7 +283,8 @@ void check_act(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, con
   const std::string name = label(op.name, t, std::to_string(rows) + "x" + std::to_string(d), offset);
   if (kd_status s = call.run(nullptr); s != KD_STATUS_OK) return checker.status(name, s, call);
   cuda_ok(cudaDeviceSynchronize(), op.name);
-  checker.result(name, compare(read_floats(t, tout), op.reference(x, rows, d), tolerance(t)));
+  checker.result(name, compare(read_floats(t, tout), op.reference(x, rows, d),
+                               tolerance(std::string("activation.") + op.name, t)));
 }
 
 void check_rotary(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, Dtype t, int64_t tokens,
@@ -338,7 +341,7 @@ void check_rotary(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, 
         if (outside(tok)) {
           c.add(i, got[i], in[i], {0, 0});
         } else {
-          c.add(i, got[i], rotated[i], tolerance(t));
+          c.add(i, got[i], rotated[i], tolerance("embeddings.rotary_embedding", t));
         }
       }
     }
@@ -372,7 +375,7 @@ void check_topk(const Plugin& plugin, Checker& checker, std::mt19937_64& rng, Dt
   tid.download(ids.data());
   Comparison c;
   int64_t bad_ids = 0;
-  const Tolerance tol{1e-4, 1e-7};
+  const Tolerance tol = tolerance("moe.topk_softmax", Dtype::kFloat32);  // float32 weights
   const ref::TopkSoftmaxResult want = ref::topk_softmax(g, rows, experts, k, renormalize);
   for (int64_t row = 0; row < rows; ++row) {
     const double* p = want.probabilities.data() + row * experts;
@@ -680,6 +683,11 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--csv") == 0) csv = argv[i + 1];
   }
   const Plugin plugin(argv[2]);
+  try {
+    ref::open_reference_plugin(std::filesystem::path(argv[2]).parent_path().string());
+  } catch (const std::exception& e) {
+    die(e.what());
+  }
   kd_device_info devices[8];
   for (kd_device_info& d : devices) {
     std::memset(&d, 0, sizeof d);

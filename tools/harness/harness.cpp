@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -10,76 +11,17 @@
 #include <random>
 #include <stdexcept>
 
+#include "kdispatch/context.hpp"
+
 namespace kdispatch::harness {
 
 // --- element conversion -------------------------------------------------------
 
-float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  uint32_t mant = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      int e = -1;
-      do {
-        ++e;
-        mant <<= 1;
-      } while ((mant & 0x400u) == 0);
-      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (mant & 0x3ffu) << 13;
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | mant << 13;
-  } else {
-    bits = sign | (exp + 127 - 15) << 23 | mant << 13;
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-uint16_t float_to_half(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
-  const uint32_t abs = bits & 0x7fffffffu;
-  if (abs >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
-  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
-  if (abs < 0x38800000u) {
-    // Below half's smallest normal: a subnormal, in units of 2^-24. Scaling
-    // by a power of two is exact; nearbyint rounds to nearest even.
-    float magnitude;
-    std::memcpy(&magnitude, &abs, sizeof magnitude);
-    return static_cast<uint16_t>(sign | static_cast<uint16_t>(std::nearbyint(magnitude * 16777216.0f)));
-  }
-  uint32_t result = ((abs >> 13) - ((127 - 15) << 10)) & 0xffffu;
-  const uint32_t rem = abs & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (result & 1u))) ++result;
-  return static_cast<uint16_t>(sign | result);
-}
-
-float bf16_to_float(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);  // quiet NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 double load(const void* data, Dtype dtype, size_t i) {
   switch (dtype) {
     case Dtype::float32: return static_cast<const float*>(data)[i];
-    case Dtype::float16: return half_to_float(static_cast<const uint16_t*>(data)[i]);
-    case Dtype::bfloat16: return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
+    case Dtype::float16: return reference::decode(reference::Dtype::kFloat16, static_cast<const uint16_t*>(data)[i]);
+    case Dtype::bfloat16: return reference::decode(reference::Dtype::kBFloat16, static_cast<const uint16_t*>(data)[i]);
     case Dtype::float64: return static_cast<const double*>(data)[i];
     case Dtype::int32: return static_cast<const int32_t*>(data)[i];
     case Dtype::int64: return static_cast<double>(static_cast<const int64_t*>(data)[i]);
@@ -91,8 +33,12 @@ double load(const void* data, Dtype dtype, size_t i) {
 void store(void* data, Dtype dtype, size_t i, double v) {
   switch (dtype) {
     case Dtype::float32: static_cast<float*>(data)[i] = static_cast<float>(v); break;
-    case Dtype::float16: static_cast<uint16_t*>(data)[i] = float_to_half(static_cast<float>(v)); break;
-    case Dtype::bfloat16: static_cast<uint16_t*>(data)[i] = float_to_bf16(static_cast<float>(v)); break;
+    case Dtype::float16:
+      static_cast<uint16_t*>(data)[i] = static_cast<uint16_t>(reference::encode(reference::Dtype::kFloat16, v));
+      break;
+    case Dtype::bfloat16:
+      static_cast<uint16_t*>(data)[i] = static_cast<uint16_t>(reference::encode(reference::Dtype::kBFloat16, v));
+      break;
     case Dtype::float64: static_cast<double*>(data)[i] = v; break;
     case Dtype::int32: static_cast<int32_t*>(data)[i] = static_cast<int32_t>(v); break;
     case Dtype::int64: static_cast<int64_t*>(data)[i] = static_cast<int64_t>(v); break;
@@ -164,6 +110,51 @@ void apply_overrides(Shapes& shapes, const std::vector<std::string>& overrides, 
                                               schema.op, name, fmt::join(known, ", ")));
     }
     shapes.symbols[name] = parse_size(value, "--shape " + name);
+  }
+}
+
+void apply_attr_overrides(std::vector<NamedAttr>& attrs, const std::vector<std::string>& overrides,
+                          const OpSchema& schema, bool skip_unknown) {
+  for (const std::string& o : overrides) {
+    const auto eq = o.find('=');
+    if (eq == std::string::npos) throw std::invalid_argument(fmt::format("--attr '{}': expected NAME=VALUE", o));
+    const std::string name = o.substr(0, eq);
+    const std::string text = o.substr(eq + 1);
+    const auto arg = std::find_if(schema.attrs.begin(), schema.attrs.end(), [&](const AttrArg& a) { return a.name == name; });
+    if (arg == schema.attrs.end()) {
+      if (skip_unknown) continue;
+      std::vector<std::string_view> known;
+      for (const AttrArg& a : schema.attrs) known.push_back(a.name);
+      throw std::invalid_argument(fmt::format("--attr {}: op '{}' has no attribute '{}' (attributes: {})", o, schema.op,
+                                              name, known.empty() ? "none" : fmt::format("{}", fmt::join(known, ", "))));
+    }
+    const auto bad = [&] {
+      return std::invalid_argument(fmt::format("--attr {}: attribute '{}' of op '{}' is a {}; '{}' is not one", o, name,
+                                               schema.op, attr_type_name(arg->type), text));
+    };
+    AttrValue value;
+    size_t used = 0;
+    try {
+      switch (arg->type) {
+        case AttrType::float_: value = std::stod(text, &used); break;
+        case AttrType::int_: value = static_cast<int64_t>(std::stoll(text, &used)); break;
+        case AttrType::bool_:
+          if (text != "true" && text != "false" && text != "1" && text != "0") throw bad();
+          value = text == "true" || text == "1";
+          used = text.size();
+          break;
+        case AttrType::string: value = text; used = text.size(); break;
+      }
+    } catch (const std::logic_error&) {  // std::stod's invalid_argument and out_of_range
+      throw bad();
+    }
+    if (used != text.size() || text.empty()) throw bad();
+    const auto existing = std::find_if(attrs.begin(), attrs.end(), [&](const NamedAttr& a) { return a.name == name; });
+    if (existing != attrs.end()) {
+      existing->value = std::move(value);
+    } else {
+      attrs.push_back({arg->name, std::move(value)});
+    }
   }
 }
 
@@ -312,27 +303,22 @@ size_t CallData::bytes_moved(const OpSchema& schema) const {
 
 namespace {
 
-// Inputs that an op's meaning constrains. A rotary cos_sin_cache row holds
-// cos(phi) then sin(phi) of the same angles: random values there would scale
-// query and key at every call, and a benchmark repeating the in-place call
-// on the same data would soon run on Inf, NaN or subnormal numbers (which
-// some CPUs process a hundred times slower). The angles are random.
-void constrain_inputs(const OpSchema& schema, CallData& data, std::mt19937_64& rng) {
-  if (schema.op != "embeddings.rotary_embedding") return;
-  for (size_t t = 0; t < schema.tensors.size(); ++t) {
-    if (schema.tensors[t].name != "cos_sin_cache") continue;
-    Buffer& cache = data.tensors[t];
-    if (cache.shape().size() != 2 || cache.shape()[1] % 2 != 0) return;
-    const int64_t rows = cache.shape()[0];
-    const int64_t half = cache.shape()[1] / 2;
-    std::uniform_real_distribution<double> angle(0.0, 2.0 * std::numbers::pi);
-    for (int64_t p = 0; p < rows; ++p) {
-      for (int64_t i = 0; i < half; ++i) {
-        const double phi = angle(rng);
-        const auto at = static_cast<size_t>(p * 2 * half + i);
-        store(cache.host(), cache.dtype(), at, std::cos(phi));
-        store(cache.host(), cache.dtype(), at + static_cast<size_t>(half), std::sin(phi));
-      }
+// "values": "cos_sin": each row of the last dim holds cos(phi) in its first
+// half and sin(phi) of the same random angles in its second. Random values
+// there would scale, not rotate, and repeated in-place calls (a benchmark)
+// would soon run on Inf, NaN or subnormal numbers.
+void fill_cos_sin(Buffer& b, std::mt19937_64& rng) {
+  const int64_t width = b.shape().empty() ? 0 : b.shape().back();
+  if (width < 2) return;
+  const int64_t half = width / 2;
+  const auto rows = static_cast<int64_t>(b.numel()) / width;
+  std::uniform_real_distribution<double> angle(0.0, 2.0 * std::numbers::pi);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < half; ++i) {
+      const double phi = angle(rng);
+      const auto at = static_cast<size_t>(r * width + i);
+      store(b.host(), b.dtype(), at, std::cos(phi));
+      store(b.host(), b.dtype(), at + static_cast<size_t>(half), std::sin(phi));
     }
   }
 }
@@ -358,6 +344,7 @@ CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, ui
         nonzero = nonzero || b.at(i) != 0.0;
       }
       if (!nonzero && n > 0) store(b.host(), d, 0, 1.0);
+      if (arg.values == TensorValues::cos_sin) fill_cos_sin(b, rng);
     } else {
       int64_t lo = arg.range_min.value_or(0);
       int64_t hi = 100;
@@ -371,7 +358,6 @@ CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, ui
     }
     data.tensors.push_back(std::move(b));
   }
-  constrain_inputs(schema, data, rng);
   for (const AttrArg& attr : schema.attrs) {
     if (attr.default_value) data.attrs.push_back({attr.name, *attr.default_value});
   }
@@ -395,6 +381,12 @@ void download_all(CallData& data) {
 
 // --- checking -------------------------------------------------------------------
 
+namespace {
+bool is_float_dtype(Dtype d) {
+  return d == Dtype::float32 || d == Dtype::float16 || d == Dtype::bfloat16 || d == Dtype::float64;
+}
+}  // namespace
+
 reference::Dtype to_reference(Dtype dtype) {
   switch (dtype) {
     case Dtype::float16: return reference::Dtype::kFloat16;
@@ -412,50 +404,74 @@ Dtype from_reference(reference::Dtype dtype) {
   return Dtype::float32;
 }
 
-Tolerance tolerance(Dtype dtype) {
+const OpSchema& builtin_schema(std::string_view op) {
+  static const std::unique_ptr<const Context> context = [] {
+    ContextOptions options;
+    options.search.use_environment = false;
+    options.search.use_default_path = false;  // the schemas only: no plugin
+    return std::make_unique<const Context>(options);
+  }();
+  const OpSchema* schema = context->registry().schema(op);
+  if (schema == nullptr) throw std::invalid_argument(fmt::format("no built-in op schema '{}'", op));
+  return *schema;
+}
+
+reference::Tolerance relative_tolerance(const OpSchema& schema, reference::Dtype dtype) {
+  const Dtype d = from_reference(dtype);
+  const Tolerance t = schema.tolerance(d);
+  // ulp(1) is 2^(1 - precision).
+  return {t.ulps * ulp(d, 1.0), t.atol};
+}
+
+double ulp(Dtype dtype, double value) {
+  int precision = 0;     // significand bits, the implicit one included
+  int min_exponent = 0;  // exponent of the smallest normal number
   switch (dtype) {
-    case Dtype::float32: return {.rtol = 1e-4, .atol = 1e-5};
-    case Dtype::float16: return {.rtol = 4e-3, .atol = 2e-3};
-    case Dtype::bfloat16: return {.rtol = 3.2e-2, .atol = 1.6e-2};
-    default: return {0, 0};
+    case Dtype::float64: precision = 53; min_exponent = -1022; break;
+    case Dtype::float32: precision = 24; min_exponent = -126; break;
+    case Dtype::float16: precision = 11; min_exponent = -14; break;
+    case Dtype::bfloat16: precision = 8; min_exponent = -126; break;
+    default: return 1.0;  // integers
   }
+  const int exponent = value == 0 || !std::isfinite(value) ? min_exponent : std::max(std::ilogb(value), min_exponent);
+  return std::ldexp(1.0, exponent - precision + 1);
 }
 
-std::vector<std::vector<double>> written_values(const OpSchema& schema, const CallData& data) {
-  std::vector<std::vector<double>> out;
-  for (size_t i = 0; i < schema.tensors.size(); ++i) {
-    if (!schema.tensors[i].written && !schema.tensors[i].inplace) continue;
-    const Buffer& b = data.tensors[i];
-    std::vector<double> v(b.numel());
-    for (size_t k = 0; k < v.size(); ++k) v[k] = b.at(k);
-    out.push_back(std::move(v));
-  }
-  return out;
-}
-
-Comparison compare(const OpSchema& schema, const CallData& got, const std::vector<std::vector<double>>& expected) {
+Comparison compare(const OpSchema& schema, const CallData& got, const CallData& want) {
   Comparison c;
-  size_t out_index = 0;
   for (size_t i = 0; i < schema.tensors.size(); ++i) {
-    if (!schema.tensors[i].written && !schema.tensors[i].inplace) continue;
-    const Buffer& b = got.tensors[i];
-    const std::vector<double>& want = expected.at(out_index++);
-    const Tolerance tol = tolerance(b.dtype());
-    for (size_t k = 0; k < b.numel(); ++k) {
-      const double g = b.at(k);
-      const double e = want[k];
-      const double abs_err = std::fabs(g - e);
-      const double rel_err = abs_err / std::max(std::fabs(e), 1e-30);
-      const bool bad = std::isnan(g) != std::isnan(e) || abs_err > tol.atol + tol.rtol * std::fabs(e);
-      if (!std::isnan(abs_err)) {
+    const TensorArg& arg = schema.tensors[i];
+    if (!arg.written && !arg.inplace) continue;
+    const Buffer& g = got.tensors[i];
+    const Buffer& w = want.tensors[i];
+    const bool is_float = is_float_dtype(g.dtype());
+    const Tolerance tol = is_float ? schema.tolerance(g.dtype()) : Tolerance{};
+    double ulps_sum = 0;
+    for (size_t k = 0; k < g.numel(); ++k) {
+      const double gv = g.at(k);
+      const double wv = w.at(k);
+      const double abs_err = gv == wv ? 0.0 : std::fabs(gv - wv);  // equal infinities: no error
+      const double unit = ulp(g.dtype(), wv);
+      const bool bad = std::isnan(gv) != std::isnan(wv) || (!std::isnan(wv) && !(abs_err <= tol.ulps * unit + tol.atol));
+      if (std::isfinite(abs_err)) {
         c.max_abs_err = std::max(c.max_abs_err, abs_err);
-        if (std::fabs(e) > tol.atol) c.max_rel_err = std::max(c.max_rel_err, rel_err);
+        if (std::fabs(wv) > tol.atol) c.max_rel_err = std::max(c.max_rel_err, abs_err / std::fabs(wv));
+        const double beyond_floor = std::max(0.0, abs_err - tol.atol) / unit;
+        c.max_ulps = std::max(c.max_ulps, beyond_floor);
+        ulps_sum += beyond_floor;
       }
       if (bad && c.ok) {
         c.ok = false;
-        c.first_mismatch = fmt::format("{}[flat {}]: got {}, expected {} (atol {}, rtol {})", schema.tensors[i].name,
-                                       k, g, e, tol.atol, tol.rtol);
+        c.first_mismatch = fmt::format("{}[flat {}]: got {}, expected {} ({:.3g} ulps; allowed {} ulps + {})", arg.name,
+                                       k, gv, wv, abs_err / unit, tol.ulps, tol.atol);
       }
+    }
+    const double mean = g.numel() == 0 ? 0.0 : ulps_sum / static_cast<double>(g.numel());
+    c.mean_ulps = std::max(c.mean_ulps, mean);
+    if (!(mean <= tol.mean_ulps) && c.ok) {
+      c.ok = false;
+      c.first_mismatch = fmt::format("{}: mean error {:.3g} ulps (beyond {} each), allowed {}", arg.name, mean,
+                                     tol.atol, tol.mean_ulps);
     }
   }
   return c;

@@ -1,7 +1,7 @@
 // Test and benchmark harness shared by `kdispatch run`/`bench`, the
 // conformance suite and the benchmarks: tensors generated from an op schema,
 // placed on any backend's device through its kd_memory_api, compared with
-// per-dtype tolerances, and saved as .npy.
+// the op's reference within the tolerances of its schema, and saved as .npy.
 #pragma once
 
 #include <dlpack/dlpack.h>
@@ -17,28 +17,30 @@
 #include "kdispatch/dtype.hpp"
 #include "kdispatch/plugin.hpp"
 #include "kdispatch/schema.hpp"
+#include "dtype_codec.hpp"
 #include "reference_ops.hpp"
 
 namespace kdispatch::harness {
 
-// --- element conversion -------------------------------------------------------
-float half_to_float(uint16_t h);
-uint16_t float_to_half(float f);  // round to nearest even
-float bf16_to_float(uint16_t b);
-uint16_t float_to_bf16(float f);  // round to nearest even
+// --- elements -------------------------------------------------------------------
+// An element as float64, and a float64 value stored rounded once to `dtype`
+// (the dtype codec of the reference plugin).
 double load(const void* data, Dtype dtype, size_t index);
 void store(void* data, Dtype dtype, size_t index, double value);
 
 // --- shapes ---------------------------------------------------------------------
-struct Shapes {
-  std::vector<int64_t> leading;            // the "*" dims
-  std::map<std::string, int64_t> symbols;  // "H" -> 4096
-};
+using Shapes = Sizes;  // the "*" dims and each shape symbol
 // The schema's "example" sizes, with defaults for whatever it leaves out.
 Shapes example_shapes(const OpSchema& schema);
 // Applies "NAME=N" (and "*=a,b") overrides; throws std::invalid_argument.
 void apply_overrides(Shapes& shapes, const std::vector<std::string>& overrides, const OpSchema& schema);
 std::vector<int64_t> tensor_shape(const TensorArg& arg, const Shapes& shapes);
+// Sets attributes from "NAME=VALUE" texts, each value parsed as the type the
+// schema gives NAME (float, int, bool: true/false/1/0, string). Names the
+// schema lacks are skipped when `skip_unknown`, else, like a value that does
+// not parse, a std::invalid_argument naming the attribute.
+void apply_attr_overrides(std::vector<NamedAttr>& attrs, const std::vector<std::string>& overrides,
+                          const OpSchema& schema, bool skip_unknown);
 std::string shapes_str(const Shapes& shapes);  // "*=[64] H=4096"
 // Bytes of a tensor of `shape`, and of all the tensors of a call in `dtype`;
 // both throw std::invalid_argument, naming the tensor, where a size does not
@@ -88,40 +90,49 @@ struct CallData {
   size_t bytes_moved(const OpSchema& schema) const;  // read + written
 };
 
-// Random inputs, never all zeros (uniform in [-2, 2), integers in their
-// range), except where the op's meaning constrains them (a rotary
-// cos_sin_cache holds the cos and sin of random angles); outputs poisoned
-// with NaN (or an out-of-range integer). Host only: place() copies them to a
-// device.
+// Random inputs as each tensor's "values" says, never all zeros (uniform in
+// [-2, 2), integers in their range, or the cos and sin of random angles);
+// outputs poisoned with NaN (or an out-of-range integer). Host only:
+// clone_to() copies them to a device.
 CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, uint64_t seed);
 // The same values on another device (for checking one backend against another).
 CallData clone_to(const CallData& data, DLDevice device, const kd_memory_api* memory);
 void download_all(CallData& data);
 
 // --- checking -------------------------------------------------------------------
-using reference::Tolerance;
 
-// The float dtypes of the core and of the float64 reference, one for the other
-// (a core dtype the reference does not model maps to float32).
+// The float dtypes of the core and of the dtype codec, one for the other (a
+// core dtype the codec does not model maps to float32).
 reference::Dtype to_reference(Dtype dtype);
 Dtype from_reference(reference::Dtype dtype);
-// The tolerance of `run`, `bench` and the conformance suite for results in `dtype`.
-Tolerance tolerance(Dtype dtype);
+
+// The schema of a built-in op (manifests/ops/), for the tests and
+// benchmarks that drive a plugin without the core; throws
+// std::invalid_argument for an unknown op.
+const OpSchema& builtin_schema(std::string_view op);
+
+// The per-element bound of `schema`'s tolerance for outputs of `dtype` in
+// relative form, for checks against unrounded float64 values:
+// |got - want| <= atol + rtol * |want| with rtol = ulps * 2^(1 - precision),
+// which ulps * ulp(want) never exceeds.
+reference::Tolerance relative_tolerance(const OpSchema& schema, reference::Dtype dtype);
+
+// Spacing of `dtype` at |value| (subnormal spacing near zero; 1 for integers).
+double ulp(Dtype dtype, double value);
 
 struct Comparison {
   bool ok = true;
   double max_abs_err = 0;
   double max_rel_err = 0;
-  std::string first_mismatch;  // "out[3, 17]: got 1.25, expected 1.5"
+  // Errors beyond the tolerance's absolute floor, in ulps of the output
+  // dtype: the largest, and the largest mean over one output.
+  double max_ulps = 0;
+  double mean_ulps = 0;
+  std::string first_mismatch;  // "out[flat 17]: got 1.25, expected 1.5 (...)"
 };
-// Compares the written tensors of `got` with `expected` (same shapes).
-Comparison compare(const OpSchema& schema, const CallData& got, const std::vector<std::vector<double>>& expected);
-// Expected outputs (written tensors, in schema order, as doubles) of a
-// built-in op from the inputs of `data` in float64; nullopt for ops without a
-// reference.
-std::optional<std::vector<std::vector<double>>> reference_outputs(const OpSchema& schema, const CallData& data);
-// The written tensors of `data` as doubles (to use one backend as the reference).
-std::vector<std::vector<double>> written_values(const OpSchema& schema, const CallData& data);
+// Compares the written tensors of `got` with those of `want` (the same call
+// run by the op's reference), with the schema's tolerances.
+Comparison compare(const OpSchema& schema, const CallData& got, const CallData& want);
 
 // --- .npy -----------------------------------------------------------------------
 // Writes `buffer` as NumPy .npy; bfloat16 is stored as float32 (exact).

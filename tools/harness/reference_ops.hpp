@@ -1,19 +1,25 @@
-// float64 reference of every op of the first op set: the documented formulas
-// of manifests/ops/*.json evaluated in double, with no shortcut. Backends are
-// checked against these within per-dtype tolerances.
-//
-// Inputs are the values the kernel sees (already rounded to the storage
-// dtype); "*" leading dims are flattened into `rows` (or `tokens`). Plain C++,
-// independent of the core library and of any backend.
+// The reference plugin's kernels (plugins/reference) as plain functions on
+// float64 vectors, for the tests and benchmarks that drive one plugin's
+// kernels directly through the C ABI, without the core. Each call runs the
+// reference kernel on float64 tensors (fused_add_rmsnorm: on tensors of the
+// storage dtype, whose residual it rounds), so the formulas exist once, in
+// the reference plugin. "*" leading dims are flattened into `rows` (or
+// `tokens`).
 #pragma once
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "dtype_codec.hpp"
 
 namespace kdispatch::reference {
+
+// Opens the reference plugin (libkdispatch-reference.so) in `plugin_dir`;
+// the functions below throw std::runtime_error until it has been opened.
+// Throws std::runtime_error when the library cannot be opened.
+void open_reference_plugin(const std::string& plugin_dir);
 
 // How far a backend's result may be from the reference:
 // |got - want| <= atol + rtol * |want|.
@@ -22,33 +28,18 @@ struct Tolerance {
   double atol;
 };
 
-// A tolerance per float storage dtype; each checker sets its own values.
-struct DtypeTolerances {
-  Tolerance float32;
-  Tolerance float16;
-  Tolerance bfloat16;
-
-  constexpr Tolerance operator()(Dtype dtype) const {
-    switch (dtype) {
-      case Dtype::kFloat32: return float32;
-      case Dtype::kFloat16: return float16;
-      case Dtype::kBFloat16: return bfloat16;
-    }
-    return {0.0, 0.0};
-  }
-};
-
 // out[r, j] = x[r, j] / sqrt(mean_j(x[r, :]^2) + eps) * weight[j]
 std::vector<double> rmsnorm(std::span<const double> x, std::span<const double> weight,
                             int64_t rows, int64_t h, double eps);
 
 struct FusedAddRmsnormResult {
-  std::vector<double> x;         // normalised output
+  std::vector<double> x;         // normalised output, rounded to the dtype
   std::vector<double> residual;  // x + residual, rounded to the dtype
 };
 
 // residual = round_to(dtype, x + residual); x = rmsnorm(residual) with the
-// rounded residual, as the kernels store and reuse it.
+// rounded residual, as the kernels store and reuse it. `x`, `residual` and
+// `weight` hold values of `dtype`.
 FusedAddRmsnormResult fused_add_rmsnorm(std::span<const double> x,
                                         std::span<const double> residual,
                                         std::span<const double> weight, int64_t rows, int64_t h,

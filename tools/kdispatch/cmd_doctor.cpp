@@ -1,5 +1,6 @@
 // kdispatch doctor: the search path, every plugin found, whether it loads,
-// its ABI and the devices its probe reports, and every problem with its code.
+// its ABI and the devices its probe reports, every problem with its code,
+// and the ops that have no reference kernel.
 // Unlike list and select, doctor opens each plugin: that is what it checks.
 #include <fmt/format.h>
 
@@ -51,6 +52,11 @@ Runner add_doctor(CLI::App& app) {
     for (const auto& p : plugins) {
       for (const auto& q : p["problems"]) problems.push_back(q);
     }
+    // Ops whose results run and bench cannot check.
+    std::vector<std::string> without_reference;
+    for (const auto& op : ctx->registry().ops()) {
+      if (ctx->registry().reference(op) == nullptr) without_reference.push_back(op);
+    }
 
     if (options->common.json) {
       Json search = Json::array();
@@ -59,6 +65,7 @@ Runner add_doctor(CLI::App& app) {
       doc["search_path"] = search;
       doc["plugins"] = plugins;
       doc["problems"] = problems;
+      doc["ops_without_reference"] = without_reference;
       print_json(doc);
       return any_error ? kDispatchError : kOk;
     }
@@ -95,6 +102,12 @@ Runner add_doctor(CLI::App& app) {
       for (const auto& q : p["problems"]) {
         fmt::print("    {}: {}\n", q["code"].get<std::string>(), q["message"].get<std::string>());
       }
+    }
+    if (without_reference.empty()) {
+      fmt::print("\nevery op has a reference kernel\n");
+    } else {
+      fmt::print("\nops without a reference kernel (run and bench report them unchecked): {}\n",
+                 fmt::join(without_reference, ", "));
     }
     fmt::print("\n{}\n", any_error ? "problems found (kdispatch explain KD-Ennn says how to fix each)"
                                    : "no problems found");

@@ -38,6 +38,7 @@ Runner add_list(CLI::App& app) {
         for (const auto& e : sel.eligibility(op, device.device, std::nullopt)) {
           backends.push_back({{"backend", e.spec->backend},
                               {"plugin", e.spec->plugin},
+                              {"role", e.spec->is_reference() ? "reference" : "backend"},
                               {"eligible", e.eligible},
                               {"reason", e.eligible ? Json(nullptr) : Json(e.reason)}});
         }
@@ -73,8 +74,9 @@ Runner add_list(CLI::App& app) {
     for (const auto& op : ops) {
       bool first = true;
       for (const auto& e : sel.eligibility(op, device.device, std::nullopt)) {
+        const std::string note = e.eligible && e.spec->is_reference() ? kReferenceOnlyWhenAsked : e.reason;
         fmt::print("{:<{}}  {:<{}} {:<7} {}\n", first ? op : "", width, e.spec->backend, backend_width,
-                   e.eligible ? "yes" : "no", e.reason);
+                   e.eligible ? "yes" : "no", note);
         first = false;
       }
     }

@@ -2,16 +2,33 @@
 // generated from their schemas, check each result, report time per call.
 #include <fmt/format.h>
 
+#include <set>
+
 #include "runner.hpp"
 
 namespace kdispatch::cli {
 
 namespace {
 
+struct Counts {
+  size_t passed = 0, failed = 0, unchecked = 0, skipped = 0;
+};
+
+Counts count(const Sweep& sweep) {
+  Counts c;
+  for (const auto& r : sweep.results) {
+    const std::string_view status = result_status(r);
+    (status == "passed" ? c.passed : status == "failed" ? c.failed : c.unchecked)++;
+  }
+  c.skipped = sweep.skipped.size();
+  return c;
+}
+
 Json results_json(const Sweep& sweep) {
   Json results = Json::array();
   for (const auto& r : sweep.results) {
     results.push_back({{"op", r.op},
+                       {"status", result_status(r)},
                        {"backend", r.backend},
                        {"device", r.device},
                        {"dtype", r.dtype},
@@ -22,12 +39,17 @@ Json results_json(const Sweep& sweep) {
                        {"error", r.error.empty() ? Json(nullptr) : Json(r.error)},
                        {"max_abs_err", r.max_abs_err},
                        {"max_rel_err", r.max_rel_err},
+                       {"max_ulps", r.max_ulps},
+                       {"mean_ulps", r.mean_ulps},
                        {"us_per_call", r.us_per_call},
                        {"gb_per_s", r.gb_per_s}});
   }
   Json skipped = Json::array();
   for (const auto& s : sweep.skipped) skipped.push_back({{"op", s.op}, {"backend", s.backend}, {"reason", s.reason}});
-  return Json{{"results", results}, {"skipped", skipped}};
+  const Counts c = count(sweep);
+  return Json{{"results", results},
+              {"skipped", skipped},
+              {"summary", {{"passed", c.passed}, {"failed", c.failed}, {"unchecked", c.unchecked}, {"skipped", c.skipped}}}};
 }
 
 // --iters' check: an error message, or empty.
@@ -42,22 +64,25 @@ std::string at_least_one(const std::string& text) {
 void print_sweep(const Sweep& sweep, bool bench) {
   size_t width = 2;
   for (const auto& r : sweep.results) width = std::max(width, r.op.size());
-  fmt::print("{:<{}}  {:<8} {:<7} {:<9} {:<28} {:<6} {:>9} {:>9} {:>10} {:>8}\n", "OP", width, "BACKEND", "DEVICE",
-             "DTYPE", "SHAPES", "CHECK", "MAX_ABS", "MAX_REL", "US/CALL", "GB/S");
-  size_t ok = 0;
-  size_t failed = 0;
+  fmt::print("{:<{}}  {:<9} {:<7} {:<9} {:<28} {:<6} {:>9} {:>9} {:>9} {:>10} {:>8}\n", "OP", width, "BACKEND",
+             "DEVICE", "DTYPE", "SHAPES", "CHECK", "MAX_ABS", "MAX_ULPS", "MEAN_ULPS", "US/CALL", "GB/S");
   for (const auto& r : sweep.results) {
-    const std::string check = !r.ok ? "FAIL" : r.checked ? "ok" : "-";
-    fmt::print("{:<{}}  {:<8} {:<7} {:<9} {:<28} {:<6} {:>9.2e} {:>9.2e} {:>10.2f} {:>8.2f}\n", r.op, width, r.backend,
-               r.device, r.dtype, r.shapes, check, r.max_abs_err, r.max_rel_err, r.us_per_call, r.gb_per_s);
+    const std::string_view status = result_status(r);
+    const std::string_view check = status == "passed" ? "ok" : status == "failed" ? "FAIL" : "-";
+    fmt::print("{:<{}}  {:<9} {:<7} {:<9} {:<28} {:<6} {:>9.2e} {:>9.3g} {:>9.3g} {:>10.2f} {:>8.2f}\n", r.op, width,
+               r.backend, r.device, r.dtype, r.shapes, check, r.max_abs_err, r.max_ulps, r.mean_ulps, r.us_per_call,
+               r.gb_per_s);
     if (!r.ok) fmt::print("{:<{}}  -> {}\n", "", width, r.error);
-    (r.ok ? ok : failed)++;
   }
   for (const auto& s : sweep.skipped) fmt::print("skipped: {} on {}: {}\n", s.op, s.backend, s.reason);
-  size_t checked = 0;
-  for (const auto& r : sweep.results) checked += r.checked && r.ok;
-  fmt::print("\n{}: {} passed, {} failed, {} skipped ({} checked against a reference)\n", bench ? "bench" : "run", ok,
-             failed, sweep.skipped.size(), checked);
+  std::set<std::string> unchecked_ops;
+  for (const auto& r : sweep.results) {
+    if (result_status(r) == "unchecked") unchecked_ops.insert(fmt::format("{}: {}", r.op, r.checked_against));
+  }
+  for (const auto& u : unchecked_ops) fmt::print("unchecked: {}\n", u);
+  const Counts c = count(sweep);
+  fmt::print("\n{}: {} passed, {} failed, {} unchecked, {} skipped\n", bench ? "bench" : "run", c.passed, c.failed,
+             c.unchecked, c.skipped);
 }
 
 int print_sweep_result(const Sweep& sweep, bool json, bool bench) {
@@ -89,6 +114,9 @@ Runner add_run(CLI::App& app) {
   cmd->add_option("--shape", options->sweep.shape_overrides,
                   "Size of a shape symbol, e.g. H=4096, or the leading dims, e.g. '*=4,7' (repeatable)")
       ->type_name("NAME=N");
+  cmd->add_option("--attr", options->sweep.attr_overrides,
+                  "An attribute's value, typed by the op schema, e.g. eps=1e-5 or is_neox=false (repeatable)")
+      ->type_name("NAME=VALUE");
   cmd->add_option("--iters", options->sweep.iters, "Timed calls per result, at least 1 (default 10)")
       ->type_name("N")
       ->check(CLI::Validator(at_least_one, ""));
@@ -99,7 +127,8 @@ Runner add_run(CLI::App& app) {
       ->type_name("DIR");
   add_common_options(*cmd, options->common);
   cmd->footer(
-      "Checks the cpu backend against a float64 reference and every other backend against the cpu backend.\n"
+      "Checks every result against the op's reference kernel (role \"reference\") within the tolerances of the op's\n"
+      "schema; an op without a reference is reported unchecked, never passed.\n"
       "Exit code 3 when a result does not match or a kernel fails.\n"
       "Example: kdispatch run --all; kdispatch run layernorm.rmsnorm --dtype bfloat16 --shape H=8192");
 
@@ -129,8 +158,11 @@ Runner add_bench(CLI::App& app) {
   cmd->add_option("--dtype", options->sweep.dtype, "Only this dtype")->type_name("T");
   cmd->add_option("--shape", options->sweep.shape_overrides,
                   "Size of a shape symbol, e.g. H=8192, or the leading dims, e.g. '*=65536' (repeatable; "
-                  "by default 4096 rows)")
+                  "by default the op schema's \"bench\" sizes)")
       ->type_name("NAME=N");
+  cmd->add_option("--attr", options->sweep.attr_overrides,
+                  "An attribute's value, typed by the op schema, e.g. renormalize=true (repeatable)")
+      ->type_name("NAME=VALUE");
   add_common_options(*cmd, options->common);
   cmd->footer(
       "Each result is the median time per call over >= 0.3 s of calls; GB/s counts every byte read and written.\n"
@@ -139,7 +171,7 @@ Runner add_bench(CLI::App& app) {
 
   return [options]() -> int {
     options->sweep.ops = {options->op};
-    options->sweep.default_rows = 4096;
+    options->sweep.bench_sizes = true;
     options->sweep.iters = 5;
     options->sweep.min_seconds = 0.3;
     options->sweep.json = options->common.json;

@@ -152,6 +152,11 @@ void save_call(const std::string& dir, const OpSchema& schema, const std::string
 
 }  // namespace
 
+std::string_view result_status(const SweepResult& r) {
+  if (!r.ok) return "failed";
+  return r.checked ? "passed" : "unchecked";
+}
+
 Sweep run_sweep(Context& ctx, const SweepOptions& options) {
   Sweep sweep;
   Dispatcher dispatch(ctx);
@@ -162,6 +167,18 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
     }
   }
   check_dtype_flag(options.dtype, nullptr);
+  // With every op, an --attr applies to the ops that have it; it must name
+  // an attribute of one of them at least.
+  if (options.ops.empty()) {
+    for (const std::string& o : options.attr_overrides) {
+      const std::string name = o.substr(0, o.find('='));
+      bool known = false;
+      for (const std::string& op : ops) {
+        for (const AttrArg& a : ctx.registry().schema(op)->attrs) known = known || a.name == name;
+      }
+      if (!known) throw UsageError(fmt::format("--attr {}: no op has an attribute '{}'", o, name));
+    }
+  }
   make_save_dir(options.save_dir);
   const bool show_progress = options.progress && isatty(2);
   // The progress line is blanked when the sweep ends, by an error too.
@@ -188,20 +205,32 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
       specs = {s};
     }
     harness::Shapes shapes = harness::example_shapes(schema);
-    if (options.default_rows && !shapes.leading.empty()) shapes.leading = {*options.default_rows};
+    if (options.bench_sizes && schema.bench_sizes) shapes = *schema.bench_sizes;
     try {
       harness::apply_overrides(shapes, options.shape_overrides, schema);
+      std::vector<NamedAttr> attrs;  // --attr checked before anything runs
+      harness::apply_attr_overrides(attrs, options.attr_overrides, schema, options.ops.empty());
     } catch (const std::invalid_argument& e) {
       throw UsageError(e.what());
     }
-    const bool has_cpu_reference = ctx.registry().has(op, "cpu");
+    // The op's oracle. It is run only when named: as a backend of its own
+    // it would only be compared with itself.
+    const KernelSpec* reference = ctx.registry().reference(op);
 
     for (const KernelSpec* spec : specs) {
+      if (spec->is_reference() && options.backend.empty()) continue;
       const PluginBinary* binary = nullptr;
       try {
         binary = &ctx.load_plugin(spec->plugin);
       } catch (const Error& e) {
-        sweep.results.push_back({op, spec->backend, "-", "-", "-", false, false, "", fmt::format("[{}] {}", e.code_string(), e.message())});
+        SweepResult failed;
+        failed.op = op;
+        failed.backend = spec->backend;
+        failed.device = "-";
+        failed.dtype = "-";
+        failed.shapes = "-";
+        failed.error = fmt::format("[{}] {}", e.code_string(), e.message());
+        sweep.results.push_back(std::move(failed));
         fail_dispatch();
         continue;
       }
@@ -226,14 +255,23 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
         }
         const OpHandle backend_handle = dispatch.op(op, spec->backend);
         for (Dtype dtype : dtypes) {
-          SweepResult r{op, spec->backend, fmt::format("{}:{}", device_type_name(target.device.device.type), target.device.id),
-                        std::string(dtype_name(dtype)), harness::shapes_str(shapes), false, false, "", "", 0, 0, 0, 0};
+          SweepResult r;
+          r.op = op;
+          r.backend = spec->backend;
+          r.device = fmt::format("{}:{}", device_type_name(target.device.device.type), target.device.id);
+          r.dtype = dtype_name(dtype);
+          r.shapes = harness::shapes_str(shapes);
           if (show_progress) {
             fmt::print(stderr, "  running {} on {} {} {} ...\r", op, r.backend, r.device, r.dtype);
             std::fflush(stderr);
           }
           try {
-            const harness::CallData host = make_host_call(schema, dtype, shapes, 0x5eed + sweep.results.size());
+            harness::CallData host = make_host_call(schema, dtype, shapes, 0x5eed + sweep.results.size());
+            try {
+              harness::apply_attr_overrides(host.attrs, options.attr_overrides, schema, options.ops.empty());
+            } catch (const std::invalid_argument& e) {
+              throw UsageError(e.what());
+            }
             harness::CallData data = harness::clone_to(host, target.dl, target.memory);
             std::vector<DLTensor> tensors = data.dl();
             // The kernel first: where it refuses the arguments (K > E, say),
@@ -241,31 +279,36 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
             backend_handle(tensors, data.attrs);
             synchronize(target);
             harness::download_all(data);
-            // Expected outputs: the float64 reference for the cpu backend,
-            // the cpu backend for every other one.
-            std::optional<std::vector<std::vector<double>>> expected;
-            if (options.check) {
-              if (spec->backend != "cpu" && has_cpu_reference) {
-                harness::CallData ref = harness::clone_to(host, DLDevice{kDLCPU, 0}, nullptr);
-                std::vector<DLTensor> t = ref.dl();
-                dispatch.op(op, "cpu")(t, ref.attrs);
-                expected = harness::written_values(schema, ref);
-                r.checked_against = "cpu backend";
-              } else {
-                expected = harness::reference_outputs(schema, host);
-                r.checked_against = "float64 reference";
+            // Expected outputs: the op's reference kernel on the same inputs,
+            // on the host.
+            if (!options.check) {
+              r.ok = true;
+              r.checked_against = "not checked: --no-check";
+            } else if (reference == nullptr) {
+              r.ok = true;
+              r.checked_against = "not checked: the op has no reference kernel";
+            } else if (reference == spec) {
+              r.ok = true;
+              r.checked_against = "not checked: it is the op's reference";
+            } else {
+              harness::CallData ref = harness::clone_to(host, DLDevice{kDLCPU, 0}, nullptr);
+              std::vector<DLTensor> t = ref.dl();
+              try {
+                dispatch.op(op, reference->backend)(t, ref.attrs);
+              } catch (const Error& e) {
+                throw KernelError(ErrorCode::kernel_failed,
+                                  fmt::format("the reference ('{}') failed: [{}] {}", reference->backend,
+                                              e.code_string(), e.message()));
               }
-            }
-            if (expected) {
-              const harness::Comparison c = harness::compare(schema, data, *expected);
+              const harness::Comparison c = harness::compare(schema, data, ref);
               r.checked = true;
+              r.checked_against = fmt::format("reference ({})", reference->backend);
               r.ok = c.ok;
               r.max_abs_err = c.max_abs_err;
               r.max_rel_err = c.max_rel_err;
+              r.max_ulps = c.max_ulps;
+              r.mean_ulps = c.mean_ulps;
               if (!c.ok) r.error = c.first_mismatch;
-            } else {
-              r.ok = true;
-              r.checked_against = options.check ? "nothing (no reference for this op)" : "nothing (--no-check)";
             }
             if (!options.save_dir.empty()) save_call(options.save_dir, schema, spec->backend, host, data);
             // Timing: in-place ops keep transforming their tensors, which is

@@ -1,6 +1,6 @@
 // The sweep behind `kdispatch run` and `kdispatch bench`: every op x backend
-// x usable device x dtype asked for, each call checked (cpu against the
-// float64 reference, other backends against the cpu backend) and timed.
+// x usable device x dtype asked for, each call checked against the op's
+// reference kernel (role "reference") and timed.
 #pragma once
 
 #include <optional>
@@ -18,7 +18,8 @@ struct SweepOptions {
   std::string device;            // empty: every device each backend probes
   std::string dtype;             // empty: every dtype the backend supports
   std::vector<std::string> shape_overrides;
-  std::optional<int64_t> default_rows;  // bench: large leading dims
+  std::vector<std::string> attr_overrides;  // "NAME=VALUE", typed by the op schema
+  bool bench_sizes = false;  // start from the schema's "bench" sizes (else its "example")
   int iters = 10;
   double min_seconds = 0;  // bench: time at least this long
   bool check = true;
@@ -29,17 +30,21 @@ struct SweepOptions {
 
 struct SweepResult {
   std::string op, backend, device, dtype, shapes;
-  bool ok = false;
-  bool checked = false;
-  std::string checked_against;  // "float64 reference", "cpu backend"
+  bool ok = false;       // false: failed
+  bool checked = false;  // ok and not checked: unchecked, never passed
+  std::string checked_against;  // "reference (reference)", or "not checked: <why>"
   std::string error;            // why not ok
   double max_abs_err = 0, max_rel_err = 0;
+  double max_ulps = 0, mean_ulps = 0;  // in ulps of the output dtype (harness::Comparison)
   double us_per_call = 0, gb_per_s = 0;
 };
 
 struct SweepSkip {
   std::string op, backend, reason;
 };
+
+// "passed", "failed" or "unchecked".
+std::string_view result_status(const SweepResult& r);
 
 struct Sweep {
   std::vector<SweepResult> results;

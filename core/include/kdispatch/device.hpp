@@ -29,6 +29,9 @@ struct CudaArch {
   friend auto operator<=>(const CudaArch&, const CudaArch&) = default;
 };
 
+// A HIP arch name: "gfx" and at least one of [0-9a-z] ("gfx90a").
+bool is_hip_arch(std::string_view arch);
+
 struct Device {
   DeviceType type = DeviceType::cpu;
   // cuda: "9.0"; hip: "gfx90a"; cpu: "". Empty for cuda/hip means "arch

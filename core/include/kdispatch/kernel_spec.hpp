@@ -4,6 +4,7 @@
 
 #include <kdispatch/export.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -11,6 +12,11 @@
 #include "kdispatch/dtype.hpp"
 
 namespace kdispatch KDISPATCH_API {
+
+// What a kernel is for. A reference kernel is the oracle of its op: the
+// selector never picks one on its own, only when it is named or forced, and
+// the checks of every other backend compare against it (DESIGN.md 4, 5).
+enum class KernelRole : uint8_t { backend, reference };
 
 struct KernelSpec {
   std::string op;           // "layernorm.rmsnorm"
@@ -21,6 +27,9 @@ struct KernelSpec {
   std::vector<Dtype> dtypes;    // empty = any dtype
   std::string description;
   std::string manifest;     // path of the manifest that declared it
+  KernelRole role = KernelRole::backend;  // the manifest's "role"
+
+  bool is_reference() const { return role == KernelRole::reference; }
 
   bool supports(Dtype dtype) const;
   // Same plugin and symbol: registering it again is a no-op.

@@ -29,6 +29,7 @@ struct Manifest {
   std::string abi;           // "1.0"
   std::optional<std::string> sha256;  // 64 lowercase hex digits
   std::string description;
+  KernelRole role = KernelRole::backend;  // "role": "backend" (default) or "reference"
   std::vector<Target> targets;        // default for kernels without their own
   std::vector<KernelSpec> kernels;    // targets resolved, plugin/backend/manifest filled
   std::vector<OpSchema> ops;          // op schemas this plugin defines

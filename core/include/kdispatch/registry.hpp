@@ -56,11 +56,14 @@ class KernelRegistry {
   std::vector<const KernelSpec*> get(std::string_view op) const;
   const KernelSpec* get_backend(std::string_view op, std::string_view backend) const;
   bool has(std::string_view op) const { return !get(op).empty(); }
+  // The op's reference kernel (role "reference"), the oracle its checks
+  // compare against; nullptr when it has none. Where several plugins provide
+  // one, the backend named "reference" wins, else the first by backend name.
+  const KernelSpec* reference(std::string_view op) const;
   bool has(std::string_view op, std::string_view backend) const {
     return get_backend(op, backend) != nullptr;
   }
   std::vector<std::string> ops() const;  // sorted, ops with a usable spec
-  std::vector<const KernelSpec*> all() const;
   const OpSchema* schema(std::string_view op) const;
   std::vector<const OpSchema*> schemas() const;  // sorted by op
   std::vector<PluginFailure> failures() const;

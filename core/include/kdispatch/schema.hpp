@@ -30,6 +30,13 @@ struct ShapeToken {
   bool operator==(const ShapeToken&) const = default;
 };
 
+// How tools fill an input tensor.
+enum class TensorValues : uint8_t {
+  uniform,  // random, uniform in [-2, 2) (integers: in their "range")
+  cos_sin,  // each row of the last dim holds cos(phi) in its first half and
+            // sin(phi) of the same random angles in its second
+};
+
 struct TensorArg {
   std::string name;
   std::vector<ShapeToken> shape;
@@ -42,6 +49,7 @@ struct TensorArg {
   // inputs for any op.
   std::optional<int64_t> range_min;
   std::optional<ShapeToken> range_max;
+  TensorValues values = TensorValues::uniform;  // "values"
   bool operator==(const TensorArg&) const = default;
 };
 
@@ -58,6 +66,32 @@ struct AttrArg {
   bool operator==(const AttrArg&) const = default;
 };
 
+// How far a backend's result in one dtype may be from the op's reference
+// (DESIGN.md 5). For every element, in units of the output dtype's spacing
+// at the expected value (ulp):
+//   |got - want| <= ulps * ulp(want) + atol
+// and over all elements of an output
+//   mean(max(0, |got - want| - atol) / ulp(want)) <= mean_ulps,
+// so rounding noise passes while a small systematic error, which stays
+// below the per-element bound where values are small, still fails. Integer
+// and bool outputs always compare exactly.
+struct Tolerance {
+  double ulps = 0;
+  double atol = 0;       // absolute floor, for results that cancel to near zero
+  double mean_ulps = 0;
+  bool operator==(const Tolerance&) const = default;
+};
+
+// The tolerance of an op schema that declares none for `dtype`.
+Tolerance default_tolerance(Dtype dtype);
+
+// Sizes of one call: the "*" dims and each shape symbol ({"*": [64], "H": 4096}).
+struct Sizes {
+  std::vector<int64_t> leading;
+  std::map<std::string, int64_t> symbols;
+  bool operator==(const Sizes&) const = default;
+};
+
 struct OpSchema {
   std::string op;   // "layernorm.rmsnorm"
   std::string doc;
@@ -68,6 +102,16 @@ struct OpSchema {
   // given here get a tool default.
   std::vector<int64_t> example_leading;
   std::map<std::string, int64_t> example_sizes;
+  // "tests": {"sizes": [...], "attrs": {"is_neox": [true, false]}}: the
+  // conformance suite runs every size with every combination of these
+  // attribute values (an attribute not listed keeps its default), by name.
+  std::vector<Sizes> test_sizes;
+  std::vector<std::pair<std::string, std::vector<AttrValue>>> test_attrs;
+  // "bench": the sizes benchmarks time.
+  std::optional<Sizes> bench_sizes;
+  // "tolerance": {"bfloat16": {"ulps": 2, "atol": 1e-5, "mean_ulps": 0.8}},
+  // keyed by the dtype of the output compared.
+  std::map<Dtype, Tolerance> tolerances;
   std::string source;  // file that defined it ("<builtin>/layernorm.json")
 
   // Same signature (doc and source are not compared).
@@ -77,6 +121,8 @@ struct OpSchema {
   }
   // The dtypes a tensor may take (its variable's list, or its one dtype).
   std::vector<Dtype> allowed_dtypes(const TensorArg& tensor) const;
+  // The declared tolerance for outputs of `dtype`, else default_tolerance.
+  Tolerance tolerance(Dtype dtype) const;
 };
 
 }  // namespace kdispatch

@@ -46,6 +46,10 @@ struct Eligibility {
   std::string reason;  // empty when eligible
 };
 
+// Why a reference kernel usable on the device was not chosen (KD-E003's
+// reason, and what `kdispatch list` says).
+extern const char* const kReferenceOnlyWhenAsked;
+
 class Selector {
  public:
   explicit Selector(const KernelRegistry& registry, SelectorOptions options = {});

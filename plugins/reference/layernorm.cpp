@@ -1,0 +1,76 @@
+// layernorm.rmsnorm, layernorm.fused_add_rmsnorm and layernorm.layernorm in
+// float64.
+#include <cmath>
+#include <vector>
+
+#include "kernels.hpp"
+#include "tensor.hpp"
+
+namespace kdispatch::reference {
+namespace {
+
+// out[r, j] = x[r, j] / sqrt(mean(x[r, :]^2) + eps) * weight[j], for rows of
+// width h given as float64 values.
+void normalise(const std::vector<double>& x, const Tensor& weight, int64_t rows, int64_t h, double eps,
+               const Tensor& out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    double sum = 0;
+    for (int64_t j = 0; j < h; ++j) sum += x[r * h + j] * x[r * h + j];
+    const double inv_rms = 1.0 / std::sqrt(sum / static_cast<double>(h) + eps);
+    for (int64_t j = 0; j < h; ++j) out.set(r * h + j, x[r * h + j] * inv_rms * weight.get(j));
+  }
+}
+
+}  // namespace
+
+// Tensors (out, x, weight), attribute eps.
+kd_status rmsnorm(const kd_call_args* args) noexcept {
+  return run_kernel(args, [&] {
+    expect_arity(args, 3, 1, "layernorm.rmsnorm");
+    const Tensor out(args->tensors[0]), x(args->tensors[1]), weight(args->tensors[2]);
+    const int64_t h = x.dim(-1);
+    std::vector<double> values(static_cast<size_t>(x.numel()));
+    for (int64_t i = 0; i < x.numel(); ++i) values[i] = x.get(i);
+    normalise(values, weight, x.rows(1), h, float_attr(args, 0, "eps"), out);
+  });
+}
+
+// Tensors (x, residual, weight), both of the first updated in place:
+// residual = x + residual, stored in its dtype; x = rmsnorm(stored residual).
+kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
+  return run_kernel(args, [&] {
+    expect_arity(args, 3, 1, "layernorm.fused_add_rmsnorm");
+    const Tensor x(args->tensors[0]), residual(args->tensors[1]), weight(args->tensors[2]);
+    std::vector<double> sum(static_cast<size_t>(x.numel()));
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      residual.set(i, x.get(i) + residual.get(i));
+      sum[i] = residual.get(i);
+    }
+    normalise(sum, weight, x.rows(1), x.dim(-1), float_attr(args, 0, "eps"), x);
+  });
+}
+
+// Tensors (out, x, weight, bias), attribute eps: out = (x - mean) /
+// sqrt(var + eps) * weight + bias over each row, var the biased variance.
+kd_status layernorm(const kd_call_args* args) noexcept {
+  return run_kernel(args, [&] {
+    expect_arity(args, 4, 1, "layernorm.layernorm");
+    const Tensor out(args->tensors[0]), x(args->tensors[1]), weight(args->tensors[2]), bias(args->tensors[3]);
+    const double eps = float_attr(args, 0, "eps");
+    const int64_t h = x.dim(-1);
+    for (int64_t r = 0; r < x.rows(1); ++r) {
+      double mean = 0;
+      for (int64_t j = 0; j < h; ++j) mean += x.get(r * h + j);
+      mean /= static_cast<double>(h);
+      double var = 0;
+      for (int64_t j = 0; j < h; ++j) var += (x.get(r * h + j) - mean) * (x.get(r * h + j) - mean);
+      var /= static_cast<double>(h);
+      const double inv_std = 1.0 / std::sqrt(var + eps);
+      for (int64_t j = 0; j < h; ++j) {
+        out.set(r * h + j, (x.get(r * h + j) - mean) * inv_std * weight.get(j) + bias.get(j));
+      }
+    }
+  });
+}
+
+}  // namespace kdispatch::reference

@@ -1,0 +1,48 @@
+// A kernel argument seen as a flat array of float64 values: reading an
+// element decodes it exactly, writing one rounds the float64 value once to
+// the tensor's dtype. Slow on purpose and short enough to check by eye.
+#pragma once
+
+#include <kdispatch/plugin_api.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "dtype_codec.hpp"
+
+namespace kdispatch::reference {
+
+class Tensor {
+ public:
+  explicit Tensor(const DLTensor& t);
+
+  int64_t numel() const { return numel_; }
+  int ndim() const { return ndim_; }
+  // Size of dimension `i`, counted from the end when negative.
+  int64_t dim(int i) const;
+  // Product of every dimension but the last `trailing`.
+  int64_t rows(int trailing) const;
+
+  double get(int64_t i) const;
+  void set(int64_t i, double value) const;  // rounds once to the dtype
+
+ private:
+  enum class Kind { float32, float16, bfloat16, float64, int32, int64 };
+  char* data_;
+  const int64_t* shape_;
+  int ndim_;
+  int64_t numel_;
+  Kind kind_;
+};
+
+// The attribute `index` of the call (the host passes every attribute of the
+// schema, in schema order); throws when it is missing or of another type.
+double float_attr(const kd_call_args* args, int index, const char* name);
+bool bool_attr(const kd_call_args* args, int index, const char* name);
+
+// Throws std::invalid_argument unless the call has `tensors` tensors and
+// `attrs` attributes.
+void expect_arity(const kd_call_args* args, int tensors, int attrs, const char* op);
+
+}  // namespace kdispatch::reference
