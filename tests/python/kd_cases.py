@@ -16,6 +16,12 @@ def rmsnorm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
+def layernorm(x, w, b, eps):
+    mean = np.mean(x, axis=-1, keepdims=True)
+    var = np.mean((x - mean) ** 2, axis=-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * w + b
+
+
 def silu(a):
     return a / (1.0 + np.exp(-a))
 
@@ -82,6 +88,8 @@ class Case:
 CASES = {
     "layernorm.rmsnorm": Case(lambda t, a, r: {"out": rmsnorm(t["x"], t["weight"], a["eps"])},
                               [{"*": (1,), "H": 4097}, {"*": (3, 5), "H": 37}], ({}, {"eps": 1e-5})),
+    "layernorm.layernorm": Case(lambda t, a, r: {"out": layernorm(t["x"], t["weight"], t["bias"], a["eps"])},
+                                [{"*": (1,), "H": 4097}, {"*": (3, 5), "H": 37}], ({}, {"eps": 1e-6})),
     "layernorm.fused_add_rmsnorm": Case(fused_add_rmsnorm, [{"*": (1,), "H": 4097}, {"*": (7,), "H": 129}]),
     "activation.silu_and_mul": Case(act_and_mul(silu), [{"*": (1,), "D": 4097}, {"*": (2, 3), "D": 67}]),
     "activation.gelu_and_mul": Case(act_and_mul(gelu), [{"*": (1,), "D": 1031}, {"*": (2, 3), "D": 67}]),

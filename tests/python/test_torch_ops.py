@@ -38,7 +38,7 @@ def check_op(op, rng):
     case = kd_cases.CASES.get(op)
     if case is None:
         print(f"FAIL {op}: no case in tests/python/kd_cases.py (sizes and formula)")
-        return 0, 1
+        return 1, 1  # one check, failed
     name = kt.registered[op]
     opfn = getattr(torch.ops.kdispatch, name)
     group, short = op.split(".", 1)
