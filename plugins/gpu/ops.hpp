@@ -8,6 +8,7 @@ namespace kd_gpu {
 
 kd_status rmsnorm(const kd_call_args* args) noexcept;
 kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept;
+kd_status layernorm(const kd_call_args* args) noexcept;
 kd_status silu_and_mul(const kd_call_args* args) noexcept;
 kd_status gelu_and_mul(const kd_call_args* args) noexcept;
 kd_status gelu_tanh_and_mul(const kd_call_args* args) noexcept;

@@ -14,6 +14,7 @@ namespace {
 constexpr kd_plugin::KernelEntry kKernels[] = {
     {KD_GPU_SYMBOL("rmsnorm"), rmsnorm},
     {KD_GPU_SYMBOL("fused_add_rmsnorm"), fused_add_rmsnorm},
+    {KD_GPU_SYMBOL("layernorm"), layernorm},
     {KD_GPU_SYMBOL("silu_and_mul"), silu_and_mul},
     {KD_GPU_SYMBOL("gelu_and_mul"), gelu_and_mul},
     {KD_GPU_SYMBOL("gelu_tanh_and_mul"), gelu_tanh_and_mul},

@@ -4,6 +4,7 @@
 set(KDISPATCH_GPU_DIR "${CMAKE_CURRENT_LIST_DIR}")
 set(KDISPATCH_GPU_SOURCES
   "${CMAKE_CURRENT_LIST_DIR}/activation.cu"
+  "${CMAKE_CURRENT_LIST_DIR}/layernorm.cu"
   "${CMAKE_CURRENT_LIST_DIR}/plugin.cu"
   "${CMAKE_CURRENT_LIST_DIR}/rmsnorm.cu"
   "${CMAKE_CURRENT_LIST_DIR}/rotary_embedding.cu"

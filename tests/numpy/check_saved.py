@@ -14,7 +14,23 @@ except ImportError:
     print("numpy: SKIPPED, this python has no numpy (Debian: python3-numpy)")
     sys.exit(77)
 
-TOLERANCE = {"float32": (1e-5, 1e-4), "float16": (2e-3, 4e-3), "bfloat16": (1.6e-2, 3.2e-2)}
+# Significand bits of each float dtype, the implicit one included.
+PRECISION = {"float32": 24, "float16": 11, "bfloat16": 8}
+SCHEMAS = pathlib.Path(__file__).resolve().parents[2] / "manifests" / "ops"
+
+
+def tolerances():
+    """{op: {dtype: (atol, rtol)}}: each op schema's "tolerance" in relative form,
+    rtol = ulps * 2^(1 - precision), for comparison with unrounded float64 values."""
+    out = {}
+    for path in SCHEMAS.glob("*.json"):
+        for schema in json.loads(path.read_text()):
+            out[schema["op"]] = {d: (t["atol"], t["ulps"] * 2.0 ** (1 - PRECISION[d]))
+                                 for d, t in schema.get("tolerance", {}).items()}
+    return out
+
+
+TOLERANCES = tolerances()
 
 
 def round_to(dtype, x):
@@ -133,7 +149,8 @@ def check(work):
                 ok = np.array_equal(got, value)
                 err = float(np.abs(got - value).max())
             else:
-                atol, rtol = (1e-5, 1e-4) if arg == "topk_weights" else TOLERANCE[dtype]
+                # topk_weights are float32 whatever the input dtype.
+                atol, rtol = TOLERANCES[op]["float32" if arg == "topk_weights" else dtype]
                 ok = bool(np.all(np.abs(got - value) <= atol + rtol * np.abs(value)))
                 err = float(np.abs(got - value).max())
             checked += 1
