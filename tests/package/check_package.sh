@@ -64,17 +64,19 @@ for f in lib/kdispatch/plugins/libkdispatch-example-cpu.so lib/kdispatch/plugins
   echo "$work/example-prefix/$f"
 done
 
+# The example is a cpu backend: selection is asked for the cpu, also on a
+# machine whose default device is a GPU.
 kd=("$prefix/bin/kdispatch" --add-plugin-path "$plugins")
 step "kdispatch --version"
 "$prefix/bin/kdispatch" --version
 
 step "kdispatch list: both ops of the example"
-"${kd[@]}" list | tee "$work/list.txt"
+"${kd[@]}" list --device cpu | tee "$work/list.txt"
 grep -Eq '^elementwise\.scaled_add +example_cpu +yes' "$work/list.txt" || fail "list: no usable scaled_add"
 grep -Eq '^ +example_cpu +yes' "$work/list.txt" || fail "list: no example_cpu silu_and_mul"
 
 step "kdispatch select elementwise.scaled_add"
-"${kd[@]}" select elementwise.scaled_add --json | tee "$work/select.json"
+"${kd[@]}" select elementwise.scaled_add --device cpu --json | tee "$work/select.json"
 grep -q '"backend": "example_cpu"' "$work/select.json" || fail "select did not pick example_cpu"
 
 step "kdispatch run activation.silu_and_mul --backend example_cpu (checked)"
@@ -83,7 +85,7 @@ grep -Eq '^run: 3 passed, 0 failed' "$work/run.txt" || fail "run of example_cpu"
 
 step "two usable backends, none chosen: KD-E004"
 set +e
-"${kd[@]}" select activation.silu_and_mul 2>"$work/e004.txt"
+"${kd[@]}" select activation.silu_and_mul --device cpu 2>"$work/e004.txt"
 rc=$?
 set -e
 cat "$work/e004.txt"
@@ -91,7 +93,7 @@ cat "$work/e004.txt"
 grep -q -- '--backend' "$work/e004.txt" || fail "the message does not name --backend"
 
 step "KDISPATCH_BACKEND_ORDER=example_cpu,cpu resolves it"
-KDISPATCH_BACKEND_ORDER=example_cpu,cpu "${kd[@]}" select activation.silu_and_mul | tee "$work/order.txt"
+KDISPATCH_BACKEND_ORDER=example_cpu,cpu "${kd[@]}" select activation.silu_and_mul --device cpu | tee "$work/order.txt"
 grep -q "backend 'example_cpu'" "$work/order.txt" || fail "KDISPATCH_BACKEND_ORDER was not followed"
 
 step "consumer built with find_package"
