@@ -15,6 +15,8 @@ extern char** environ;
 
 namespace {
 
+constexpr unsigned kToolTimeoutSeconds = 60;
+
 std::string slurp(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::ostringstream s;
@@ -58,6 +60,10 @@ ToolResult run_tool(const std::vector<std::string>& args, const std::map<std::st
     dup2(err, 2);
     const int devnull = open("/dev/null", O_RDONLY);
     dup2(devnull, 0);
+    // A command that hangs (a FIFO opened for reading, a plugin that loops)
+    // dies of SIGALRM and fails its test instead of stalling the suite; the
+    // timer survives execve.
+    alarm(kToolTimeoutSeconds);
     execve(argv[0], argv.data(), envp.data());
     _exit(127);
   }
