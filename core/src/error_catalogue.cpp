@@ -294,6 +294,20 @@ constexpr CatalogueEntry kCatalogue[] = {
      "- Free device memory or use smaller inputs\n"
      "- Make sure tensors really live on the device passed in; rerun with CUDA_LAUNCH_BLOCKING=1 (or compute-sanitizer) to find the failing launch\n"
      "- Compare with the reference: KDISPATCH_FORCE_BACKEND=cpu"sv},
+
+    // ---------------------------------------------------------------- output files
+    {ErrorCode::file_not_writable,
+     "A file kdispatch writes cannot be written"sv,
+     "A file named for output (KDISPATCH_TRACE, the files of `run --save DIR`) is not a "
+     "regular file, or creating, writing or renaming it failed. The message names the "
+     "file and the cause. kdispatch never opens a FIFO or a device for writing: it "
+     "would block or write somewhere unexpected."sv,
+     "- The path names a FIFO, a device, a socket or a directory\n"
+     "- The directory does not exist, is not writable, or is on a read-only file system\n"
+     "- The disk is full or a quota is exceeded"sv,
+     "- Point KDISPATCH_TRACE or --save at a regular file or directory you can write\n"
+     "- Check free space: `df -h DIR`\n"
+     "- Remove what is in the way (a directory or FIFO under the file's name)"sv},
 };
 
 constexpr bool sorted_and_unique() {

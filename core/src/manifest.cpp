@@ -8,7 +8,9 @@
 // and what was found.
 #include "kdispatch/manifest.hpp"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -23,6 +25,7 @@
 #include <memory>
 #include <set>
 
+#include "file_check.hpp"
 #include "kdispatch/plugin_api.h"
 
 namespace kdispatch {
@@ -951,22 +954,25 @@ std::optional<std::string> read_manifest_text(const std::filesystem::path& path,
     problem = {ErrorCode::manifest_bad_json, name, fmt::format("{}: cannot read: {}", name, why)};
     return std::nullopt;
   };
-  // A lambda, not &std::fclose: taking a standard function's address is unspecified.
-  const auto close = [](std::FILE* f) { std::fclose(f); };
-  const std::unique_ptr<std::FILE, decltype(close)> file(std::fopen(name.c_str(), "rb"), close);
-  if (!file) return unreadable(std::strerror(errno));
+  std::string why;
+  const int fd = open_regular_file(path, O_RDONLY, why);
+  if (fd < 0) return unreadable(why);
+  const struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
   std::string text;
   char buffer[16384];
   while (true) {
-    const size_t n = std::fread(buffer, 1, sizeof buffer, file.get());
-    text.append(buffer, n);
+    const ssize_t n = ::read(fd, buffer, sizeof buffer);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return unreadable(std::strerror(errno));
+    if (n == 0) break;
+    text.append(buffer, static_cast<size_t>(n));
     if (text.size() > kMaxManifestBytes) {
       return unreadable(fmt::format("larger than the {} MiB a manifest may have", kMaxManifestBytes >> 20));
     }
-    if (n < sizeof buffer) break;
   }
-  // fopen succeeds on a directory; the read is what fails (EISDIR).
-  if (std::ferror(file.get())) return unreadable(std::strerror(errno));
   return text;
 }
 

@@ -16,6 +16,8 @@
 #include <stdexcept>
 #include <system_error>
 
+#include "file_check.hpp"
+
 namespace kdispatch {
 namespace fs = std::filesystem;
 
@@ -141,10 +143,9 @@ std::optional<Problem> verify_library_checksum(const Manifest& manifest) {
 }
 
 std::string sha256_file(const fs::path& path) {
-  FdCloser file{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
-  if (file.fd < 0) {
-    throw std::runtime_error(fmt::format("cannot open {}: {}", path.string(), std::strerror(errno)));
-  }
+  std::string why;
+  FdCloser file{open_regular_file(path, O_RDONLY, why)};
+  if (file.fd < 0) throw std::runtime_error(fmt::format("cannot open {}: {}", path.string(), why));
   std::unique_ptr<EVP_MD_CTX, MdCtxFree> ctx(EVP_MD_CTX_new());
   if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1) {
     throw std::runtime_error("libcrypto could not start a SHA-256 digest");

@@ -38,6 +38,7 @@ constexpr ErrorCode kAllCodes[] = {
     ErrorCode::dtype_not_supported,
     ErrorCode::kernel_failed,
     ErrorCode::device_error,
+    ErrorCode::file_not_writable,
 };
 
 // Every line non-empty and starting with "- "; no leading/trailing newline.

@@ -35,6 +35,8 @@ enum class ErrorCode : int {
   dtype_not_supported = 31,       // KD-E031
   kernel_failed = 40,             // KD-E040
   device_error = 41,              // KD-E041
+  // files kdispatch writes
+  file_not_writable = 50,         // KD-E050
 };
 
 // "KD-E002" for ErrorCode::backend_not_registered.
