@@ -1,6 +1,7 @@
 // Hostile input to the core: pathological JSON (deep nesting with repeated
 // keys, a million unknown keys, a huge op id) must be diagnosed in linear
-// time with capped output.
+// time with capped output, and sizes that overflow or lie through the C++
+// API must be refused with KD-E030 naming the argument, never reach a kernel.
 #include <doctest/doctest.h>
 
 #include <chrono>
@@ -10,6 +11,7 @@
 
 #include "kdispatch/error.hpp"
 #include "kdispatch/manifest.hpp"
+#include "kdispatch/schema_check.hpp"
 #include "kdispatch/selector.hpp"
 
 using namespace kdispatch;
@@ -73,4 +75,86 @@ TEST_CASE("hostile json: did-you-mean for a 1 MB op id returns at once") {
   // Typos still get their suggestion.
   CHECK(closest_ops("layernorm.rmsnrom", ops) == std::vector<std::string>{"layernorm.rmsnorm"});
   CHECK(closest_ops("rmsnorm", ops) == std::vector<std::string>{"layernorm.rmsnorm"});
+}
+
+// --- sizes that overflow or lie -----------------------------------------------------
+
+namespace {
+
+OpSchema scale_schema() {
+  SchemaFileResult parsed = parse_op_schemas(R"([{"op": "test.scale",
+    "tensors": [{"name": "out", "shape": ["*", "H"], "dtype": "float32", "written": true},
+                {"name": "x", "shape": ["*", "H"], "dtype": "float32"}]}])",
+                                             "<test>");
+  REQUIRE(parsed.errors.empty());
+  return parsed.schemas.at(0);
+}
+
+std::string refusal(const CompiledSchema& schema, std::vector<DLTensor> tensors) {
+  try {
+    schema.check(tensors);
+  } catch (const CallError& e) {
+    CHECK(e.code() == ErrorCode::bad_arguments);
+    return e.what();
+  }
+  return "accepted";
+}
+
+}  // namespace
+
+TEST_CASE("hostile sizes: overflowing counts, negative dims and bad byte_offset are KD-E030 naming the argument") {
+  const OpSchema schema = scale_schema();
+  const CompiledSchema compiled(schema);
+  std::vector<float> storage(64);
+  int64_t good_shape[2] = {4, 16};
+  const DLTensor good{storage.data(), {kDLCPU, 0}, 2, {kDLFloat, 32, 1}, good_shape, nullptr, 0};
+  CHECK(refusal(compiled, {good, good}) == "accepted");
+
+  SUBCASE("element count past 64 bits, null data") {
+    // 2^32 * 2^32 elements wrap to 0, which would make null data look fine.
+    int64_t shape[2] = {int64_t{1} << 32, int64_t{1} << 32};
+    DLTensor t{nullptr, {kDLCPU, 0}, 2, {kDLFloat, 32, 1}, shape, nullptr, 0};
+    const std::string why = refusal(compiled, {t, t});
+    CHECK(why.find("argument 0 'out'") != std::string::npos);
+    CHECK(why.find("more elements or bytes than 64 bits count") != std::string::npos);
+  }
+  SUBCASE("byte count past 64 bits") {
+    int64_t shape[2] = {int64_t{1} << 31, int64_t{1} << 31};
+    DLTensor t{storage.data(), {kDLCPU, 0}, 2, {kDLFloat, 32, 1}, shape, nullptr, 0};
+    CHECK(refusal(compiled, {t, t}).find("more elements or bytes than 64 bits count") != std::string::npos);
+  }
+  SUBCASE("negative leading dim") {
+    int64_t shape[2] = {-4, 16};
+    DLTensor t{storage.data(), {kDLCPU, 0}, 2, {kDLFloat, 32, 1}, shape, nullptr, 0};
+    const std::string why = refusal(compiled, {t, t});
+    CHECK(why.find("argument 0 'out': has a negative dim in [-4, 16]") != std::string::npos);
+    CHECK(why.find("no detail found") == std::string::npos);
+  }
+  SUBCASE("byte_offset of 2^40 past real data") {
+    DLTensor t = good;
+    t.byte_offset = uint64_t{1} << 40;
+    const std::string why = refusal(compiled, {good, t});
+    CHECK(why.find("argument 1 'x'") != std::string::npos);
+    CHECK(why.find("byte_offset 1099511627776 puts the tensor's 256 bytes outside this process's memory") !=
+          std::string::npos);
+  }
+  SUBCASE("byte_offset that overflows or is misaligned") {
+    DLTensor t = good;
+    t.byte_offset = ~uint64_t{0} - 15;
+    CHECK(refusal(compiled, {t, good}).find("overflows 64 bits") != std::string::npos);
+    t.byte_offset = 2;
+    CHECK(refusal(compiled, {t, good}).find("not a multiple of the element size (4 bytes)") != std::string::npos);
+  }
+  SUBCASE("a valid byte_offset still passes, every time") {
+    DLTensor t = good;
+    int64_t shape[2] = {3, 16};
+    t.shape = shape;
+    t.byte_offset = 16 * sizeof(float);
+    DLTensor o = t;
+    o.byte_offset = 0;
+    CHECK(refusal(compiled, {o, t}) == "accepted");
+    CHECK(refusal(compiled, {o, t}) == "accepted");
+    t.byte_offset = uint64_t{1} << 40;  // same shapes as an accepted call: still checked
+    CHECK(refusal(compiled, {o, t}) != "accepted");
+  }
 }
