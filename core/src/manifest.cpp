@@ -27,6 +27,7 @@
 
 #include "file_check.hpp"
 #include "kdispatch/plugin_api.h"
+#include "kdispatch/schema_check.hpp"
 
 namespace kdispatch {
 
@@ -724,6 +725,16 @@ std::optional<OpSchema> read_op_schema(Reader& r, const json& j, const std::stri
     }
   }
   if (r.error_count() != before) return std::nullopt;
+  // A schema the call checker cannot compile (more shape symbols or tensors
+  // than it has slots for) could be listed but never called.
+  try {
+    const CompiledSchema compiled(s);
+  } catch (const Error& e) {
+    std::string why = e.message();
+    if (why.starts_with(s.source + ": ")) why.erase(0, s.source.size() + 2);
+    r.error(ErrorCode::manifest_bad_field, pointer, fmt::format("the call checker cannot take it: {}", why));
+    return std::nullopt;
+  }
   return s;
 }
 

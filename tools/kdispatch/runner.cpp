@@ -174,125 +174,152 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
   const auto fail_dispatch = [&] { sweep.exit_code = std::max(sweep.exit_code, static_cast<int>(kDispatchError)); };
 
   for (const std::string& op : ops) {
-    // Resolving the handle checks that the op exists and has a schema.
-    OpHandle handle = dispatch.op(op);
-    const OpSchema& schema = handle.schema();
-    if (!options.ops.empty()) check_dtype_flag(options.dtype, &schema);
-    std::vector<const KernelSpec*> specs = ctx.registry().get(op);
-    if (!options.backend.empty()) {
-      const KernelSpec* s = ctx.registry().get_backend(op, options.backend);
-      if (s == nullptr) {
-        // The selector words KD-E002, with why a plugin did not load.
-        ctx.select({op, options.backend, Device::host_cpu(), std::nullopt});
-      }
-      specs = {s};
-    }
-    harness::Shapes shapes = harness::example_shapes(schema);
-    if (options.default_rows && !shapes.leading.empty()) shapes.leading = {*options.default_rows};
+    // With --all, an op that cannot be run at all (its schema is past what
+    // the checker handles, its example sizes cannot be allocated, ...) is
+    // reported and the sweep goes on; an op named on the command line stops
+    // it with its error, as a usage error where it is one.
     try {
-      harness::apply_overrides(shapes, options.shape_overrides, schema);
-    } catch (const std::invalid_argument& e) {
-      throw UsageError(e.what());
-    }
-    const bool has_cpu_reference = ctx.registry().has(op, "cpu");
-
-    for (const KernelSpec* spec : specs) {
-      const PluginBinary* binary = nullptr;
+      // Resolving the handle checks that the op exists and has a schema.
+      OpHandle handle = dispatch.op(op);
+      const OpSchema& schema = handle.schema();
+      if (!options.ops.empty()) check_dtype_flag(options.dtype, &schema);
+      std::vector<const KernelSpec*> specs = ctx.registry().get(op);
+      if (!options.backend.empty()) {
+        const KernelSpec* s = ctx.registry().get_backend(op, options.backend);
+        if (s == nullptr) {
+          // The selector words KD-E002, with why a plugin did not load.
+          ctx.select({op, options.backend, Device::host_cpu(), std::nullopt});
+        }
+        specs = {s};
+      }
+      harness::Shapes shapes = harness::example_shapes(schema);
+      if (options.default_rows && !shapes.leading.empty()) shapes.leading = {*options.default_rows};
       try {
-        binary = &ctx.load_plugin(spec->plugin);
-      } catch (const Error& e) {
-        sweep.results.push_back({op, spec->backend, "-", "-", "-", false, false, "", fmt::format("[{}] {}", e.code_string(), e.message())});
-        fail_dispatch();
-        continue;
+        harness::apply_overrides(shapes, options.shape_overrides, schema);
+      } catch (const std::invalid_argument& e) {
+        throw UsageError(e.what());
       }
-      const std::vector<Target> targets = targets_of(*binary, options.device);
-      if (targets.empty()) {
-        sweep.skipped.push_back({op, spec->backend,
-                                 options.device.empty() ? "its plugin reports no device here"
-                                                        : fmt::format("no {} device here", options.device)});
-        continue;
-      }
-      for (const Target& target : targets) {
+      const bool has_cpu_reference = ctx.registry().has(op, "cpu");
+
+      for (const KernelSpec* spec : specs) {
+        const PluginBinary* binary = nullptr;
         try {
-          ctx.select({op, spec->backend, target.device.device, std::nullopt});
+          binary = &ctx.load_plugin(spec->plugin);
         } catch (const Error& e) {
-          sweep.skipped.push_back({op, spec->backend, e.message()});
+          sweep.results.push_back({op, spec->backend, "-", "-", "-", false, false, "", fmt::format("[{}] {}", e.code_string(), e.message())});
+          fail_dispatch();
           continue;
         }
-        const std::vector<Dtype> dtypes = dtypes_for(schema, *spec, options.dtype);
-        if (dtypes.empty()) {
-          sweep.skipped.push_back({op, spec->backend, fmt::format("does not support dtype '{}'", options.dtype)});
+        const std::vector<Target> targets = targets_of(*binary, options.device);
+        if (targets.empty()) {
+          sweep.skipped.push_back({op, spec->backend,
+                                   options.device.empty() ? "its plugin reports no device here"
+                                                          : fmt::format("no {} device here", options.device)});
           continue;
         }
-        const OpHandle backend_handle = dispatch.op(op, spec->backend);
-        for (Dtype dtype : dtypes) {
-          SweepResult r{op, spec->backend, fmt::format("{}:{}", device_type_name(target.device.device.type), target.device.id),
-                        std::string(dtype_name(dtype)), harness::shapes_str(shapes), false, false, "", "", 0, 0, 0, 0};
-          if (show_progress) {
-            fmt::print(stderr, "  running {} on {} {} {} ...\r", op, r.backend, r.device, r.dtype);
-            std::fflush(stderr);
-          }
+        for (const Target& target : targets) {
           try {
-            const harness::CallData host = make_host_call(schema, dtype, shapes, 0x5eed + sweep.results.size());
-            harness::CallData data = harness::clone_to(host, target.dl, target.memory);
-            std::vector<DLTensor> tensors = data.dl();
-            // The kernel first: where it refuses the arguments (K > E, say),
-            // its message is the result's, and no reference is computed.
-            backend_handle(tensors, data.attrs);
-            synchronize(target);
-            harness::download_all(data);
-            // Expected outputs: the float64 reference for the cpu backend,
-            // the cpu backend for every other one.
-            std::optional<std::vector<std::vector<double>>> expected;
-            if (options.check) {
-              if (spec->backend != "cpu" && has_cpu_reference) {
-                harness::CallData ref = harness::clone_to(host, DLDevice{kDLCPU, 0}, nullptr);
-                std::vector<DLTensor> t = ref.dl();
-                dispatch.op(op, "cpu")(t, ref.attrs);
-                expected = harness::written_values(schema, ref);
-                r.checked_against = "cpu backend";
-              } else {
-                expected = harness::reference_outputs(schema, host);
-                r.checked_against = "float64 reference";
-              }
-            }
-            if (expected) {
-              const harness::Comparison c = harness::compare(schema, data, *expected);
-              r.checked = true;
-              r.ok = c.ok;
-              r.max_abs_err = c.max_abs_err;
-              r.max_rel_err = c.max_rel_err;
-              if (!c.ok) r.error = c.first_mismatch;
-            } else {
-              r.ok = true;
-              r.checked_against = options.check ? "nothing (no reference for this op)" : "nothing (--no-check)";
-            }
-            if (!options.save_dir.empty()) save_call(options.save_dir, schema, spec->backend, host, data);
-            // Timing: in-place ops keep transforming their tensors, which is
-            // fine for timing (values stay finite) and never checked.
-            int iters = std::max(options.iters, 1);
-            double seconds = 0;
-            std::vector<double> samples;
-            const auto deadline = Clock::now() + std::chrono::duration<double>(options.min_seconds);
-            do {
-              const auto start = Clock::now();
-              for (int i = 0; i < iters; ++i) backend_handle(tensors, data.attrs);
-              synchronize(target);
-              const double s = std::chrono::duration<double>(Clock::now() - start).count();
-              samples.push_back(s / iters);
-              seconds += s;
-            } while (Clock::now() < deadline && samples.size() < 1000);
-            std::sort(samples.begin(), samples.end());
-            r.us_per_call = samples[samples.size() / 2] * 1e6;
-            r.gb_per_s = static_cast<double>(data.bytes_moved(schema)) / (r.us_per_call * 1e3);
-          } catch (const KernelError& e) {
-            r.ok = false;
-            r.error = fmt::format("[{}] {}", e.code_string(), e.message());
+            ctx.select({op, spec->backend, target.device.device, std::nullopt});
+          } catch (const Error& e) {
+            sweep.skipped.push_back({op, spec->backend, e.message()});
+            continue;
           }
-          if (!r.ok) sweep.exit_code = std::max(sweep.exit_code, static_cast<int>(kKernelFailure));
-          sweep.results.push_back(std::move(r));
+          const std::vector<Dtype> dtypes = dtypes_for(schema, *spec, options.dtype);
+          if (dtypes.empty()) {
+            sweep.skipped.push_back({op, spec->backend, fmt::format("does not support dtype '{}'", options.dtype)});
+            continue;
+          }
+          const OpHandle backend_handle = dispatch.op(op, spec->backend);
+          for (Dtype dtype : dtypes) {
+            SweepResult r{op, spec->backend, fmt::format("{}:{}", device_type_name(target.device.device.type), target.device.id),
+                          std::string(dtype_name(dtype)), harness::shapes_str(shapes), false, false, "", "", 0, 0, 0, 0};
+            if (show_progress) {
+              fmt::print(stderr, "  running {} on {} {} {} ...\r", op, r.backend, r.device, r.dtype);
+              std::fflush(stderr);
+            }
+            try {
+              const harness::CallData host = make_host_call(schema, dtype, shapes, 0x5eed + sweep.results.size());
+              harness::CallData data = harness::clone_to(host, target.dl, target.memory);
+              std::vector<DLTensor> tensors = data.dl();
+              // The kernel first: where it refuses the arguments (K > E, say),
+              // its message is the result's, and no reference is computed.
+              backend_handle(tensors, data.attrs);
+              synchronize(target);
+              harness::download_all(data);
+              // Expected outputs: the float64 reference for the cpu backend,
+              // the cpu backend for every other one.
+              std::optional<std::vector<std::vector<double>>> expected;
+              if (options.check) {
+                if (spec->backend != "cpu" && has_cpu_reference) {
+                  harness::CallData ref = harness::clone_to(host, DLDevice{kDLCPU, 0}, nullptr);
+                  std::vector<DLTensor> t = ref.dl();
+                  dispatch.op(op, "cpu")(t, ref.attrs);
+                  expected = harness::written_values(schema, ref);
+                  r.checked_against = "cpu backend";
+                } else {
+                  expected = harness::reference_outputs(schema, host);
+                  r.checked_against = "float64 reference";
+                }
+              }
+              if (expected) {
+                const harness::Comparison c = harness::compare(schema, data, *expected);
+                r.checked = true;
+                r.ok = c.ok;
+                r.max_abs_err = c.max_abs_err;
+                r.max_rel_err = c.max_rel_err;
+                if (!c.ok) r.error = c.first_mismatch;
+              } else {
+                r.ok = true;
+                r.checked_against = options.check ? "nothing (no reference for this op)" : "nothing (--no-check)";
+              }
+              if (!options.save_dir.empty()) save_call(options.save_dir, schema, spec->backend, host, data);
+              // Timing: in-place ops keep transforming their tensors, which is
+              // fine for timing (values stay finite) and never checked.
+              int iters = std::max(options.iters, 1);
+              double seconds = 0;
+              std::vector<double> samples;
+              const auto deadline = Clock::now() + std::chrono::duration<double>(options.min_seconds);
+              do {
+                const auto start = Clock::now();
+                for (int i = 0; i < iters; ++i) backend_handle(tensors, data.attrs);
+                synchronize(target);
+                const double s = std::chrono::duration<double>(Clock::now() - start).count();
+                samples.push_back(s / iters);
+                seconds += s;
+              } while (Clock::now() < deadline && samples.size() < 1000);
+              std::sort(samples.begin(), samples.end());
+              r.us_per_call = samples[samples.size() / 2] * 1e6;
+              r.gb_per_s = static_cast<double>(data.bytes_moved(schema)) / (r.us_per_call * 1e3);
+            } catch (const KernelError& e) {
+              r.ok = false;
+              r.error = fmt::format("[{}] {}", e.code_string(), e.message());
+            } catch (const CallError& e) {
+              // The generated call does not fit the op (a required attribute
+              // without default, say): this result fails, the sweep goes on.
+              r.ok = false;
+              r.error = fmt::format("[{}] {}", e.code_string(), e.message());
+              fail_dispatch();
+            } catch (const std::bad_alloc&) {
+              r.ok = false;
+              r.error = fmt::format("not enough memory for the tensors at {}", r.shapes);
+              fail_dispatch();
+            }
+            if (!r.ok) sweep.exit_code = std::max(sweep.exit_code, static_cast<int>(kKernelFailure));
+            sweep.results.push_back(std::move(r));
+          }
         }
       }
+    } catch (const UsageError& e) {
+      if (!options.ops.empty()) throw;
+      sweep.skipped.push_back({op, "-", e.what()});
+    } catch (const Error& e) {
+      if (!options.ops.empty()) throw;
+      sweep.results.push_back(
+          {op, "-", "-", "-", "-", false, false, "", fmt::format("[{}] {}", e.code_string(), e.message())});
+      fail_dispatch();
+    } catch (const std::bad_alloc&) {
+      if (!options.ops.empty()) throw;
+      sweep.skipped.push_back({op, "-", "not enough memory for its example sizes"});
     }
   }
   return sweep;
