@@ -93,6 +93,7 @@ struct NameFilter {
 struct DirectoryListing {
   std::vector<fs::path> manifests;
   std::vector<Problem> special;  // *.json entries that are not regular files
+  std::optional<Problem> unreadable;  // the directory itself could not be listed
 };
 
 // The *.json regular files of `dir`, sorted. Entries named *.json that are
@@ -111,7 +112,13 @@ DirectoryListing manifests_in(const fs::path& dir) {
     }
     out.manifests.push_back(path);
   }
-  if (ec) log(LogLevel::warn, "cannot list plugin directory {}: {}", dir.string(), ec.message());
+  if (ec) {
+    // An existing directory that cannot be read hides every plugin in it.
+    out.unreadable = Problem{ErrorCode::manifest_bad_json, dir.string(),
+                             fmt::format("cannot list plugin directory {}: {}; no manifest in it was read",
+                                         dir.string(), ec.message())};
+    log(LogLevel::warn, "{}", out.unreadable->message);
+  }
   std::sort(out.manifests.begin(), out.manifests.end());
   std::sort(out.special.begin(), out.special.end(),
             [](const Problem& a, const Problem& b) { return a.file < b.file; });
@@ -142,6 +149,7 @@ DiscoveryResult discover_plugins(const SearchPathOptions& options) {
     }
     log(LogLevel::debug, "searching plugin directory {} ({})", dir.path.string(), dir.origin);
     DirectoryListing listing = manifests_in(dir.path);
+    if (listing.unreadable) result.problems.push_back(std::move(*listing.unreadable));
     for (Problem& problem : listing.special) {
       log(LogLevel::warn, "skipping manifest {}: {}: {}", problem.file, code_string(problem.code), problem.message);
       PluginRecord rec;
@@ -153,6 +161,14 @@ DiscoveryResult discover_plugins(const SearchPathOptions& options) {
     for (const fs::path& file : listing.manifests) {
       PluginRecord rec;
       rec.manifest_path = file.string();
+      if (auto problem = check_manifest_security(file)) {
+        log(LogLevel::warn, "skipping manifest {}: {}: {}", rec.manifest_path, code_string(problem->code),
+            problem->message);
+        rec.state = PluginState::error;
+        rec.problems.push_back(std::move(*problem));
+        result.plugins.push_back(std::move(rec));
+        continue;
+      }
       ManifestResult parsed = read_manifest(file);
       for (const auto& w : parsed.warnings) {
         log(LogLevel::warn, "{}", w.message);

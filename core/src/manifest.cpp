@@ -202,7 +202,7 @@ class Reader {
   }
   void raw_error(ErrorCode code, std::string message) { errors_.push_back({code, file_, std::move(message)}); }
   void warn(ErrorCode code, std::string_view pointer, std::string_view what) {
-    warnings_.push_back({code, file_, format(pointer, what)});
+    warnings_.push_back({code, file_, format(pointer, what), /*warning=*/true});
   }
   void bad(std::string_view pointer, std::string_view expected, const json& found) {
     error(ErrorCode::manifest_bad_field, pointer, fmt::format("expected {}, found {}", expected, describe(found)));
@@ -284,7 +284,8 @@ class Reader {
     if (unknown_keys_ > kMaxUnknownKeys) {
       warnings_.push_back({ErrorCode::manifest_bad_field, file_,
                            fmt::format("{}: and {} more unknown keys, ignored", file_,
-                                       with_thousands(unknown_keys_ - kMaxUnknownKeys))});
+                                       with_thousands(unknown_keys_ - kMaxUnknownKeys)),
+                           /*warning=*/true});
     }
   }
 

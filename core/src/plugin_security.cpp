@@ -123,6 +123,21 @@ std::optional<Problem> check_library_location(const Manifest& manifest) {
   return std::nullopt;
 }
 
+std::optional<Problem> check_manifest_security(const fs::path& manifest) {
+  // The manifest decides which library is loaded and holds its sha256, so
+  // whoever can rewrite it can choose the code that runs: the rule for
+  // libraries applies to it and its directory too.
+  std::optional<std::string> reason = insecure_reason(manifest, "plugin manifest");
+  if (!reason) {
+    std::error_code ec;
+    const fs::path dir = fs::canonical(fs::absolute(manifest).parent_path(), ec);
+    if (!ec) reason = insecure_reason(dir, "plugin directory");
+  }
+  if (!reason) return std::nullopt;
+  return Problem{ErrorCode::plugin_insecure, manifest.string(),
+                 fmt::format("refusing to read manifest {}: {}", manifest.string(), *reason)};
+}
+
 std::optional<Problem> verify_library_checksum(const Manifest& manifest) {
   if (!manifest.sha256) return std::nullopt;
   const fs::path library = fs::absolute(manifest.library_path());

@@ -58,7 +58,10 @@ Json error_json(std::string_view code, std::string_view message, const std::vect
 void print_json(const Json& doc) { std::cout << json_text(doc) << std::endl; }
 
 Json problem_json(const Problem& problem) {
-  return {{"code", code_string(problem.code)}, {"file", problem.file}, {"message", problem.message}};
+  return {{"code", code_string(problem.code)},
+          {"file", problem.file},
+          {"message", problem.message},
+          {"severity", problem.warning ? "warning" : "error"}};
 }
 
 Json problems_json(const std::vector<Problem>& problems) {

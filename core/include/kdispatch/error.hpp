@@ -98,6 +98,7 @@ struct Problem {
   ErrorCode code;
   std::string file;     // manifest or library path; may be empty
   std::string message;  // names the field or cause
+  bool warning = false;  // reported, but stops nothing (an unknown key, a newer minor format)
 };
 
 }  // namespace kdispatch
