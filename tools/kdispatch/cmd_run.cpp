@@ -50,7 +50,7 @@ void print_sweep(const Sweep& sweep, bool bench) {
     const std::string check = !r.ok ? "FAIL" : r.checked ? "ok" : "-";
     fmt::print("{:<{}}  {:<8} {:<7} {:<9} {:<28} {:<6} {:>9.2e} {:>9.2e} {:>10.2f} {:>8.2f}\n", r.op, width, r.backend,
                r.device, r.dtype, r.shapes, check, r.max_abs_err, r.max_rel_err, r.us_per_call, r.gb_per_s);
-    if (!r.ok) fmt::print("{:<{}}  -> {}\n", "", width, r.error);
+    if (!r.ok || !r.error.empty()) fmt::print("{:<{}}  -> {}\n", "", width, r.error);
     (r.ok ? ok : failed)++;
   }
   for (const auto& s : sweep.skipped) fmt::print("skipped: {} on {}: {}\n", s.op, s.backend, s.reason);

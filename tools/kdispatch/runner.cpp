@@ -1,13 +1,17 @@
 #include "runner.hpp"
 
 #include <fmt/format.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
+#include "json_text.hpp"
+#include "save_files.hpp"
 #include "kdispatch/dispatcher.hpp"
 
 namespace kdispatch::cli {
@@ -106,20 +110,52 @@ std::string human_bytes(double bytes) {
   return u == 0 ? fmt::format("{:.0f} bytes", bytes) : fmt::format("{:.1f} {}", bytes, units[u]);
 }
 
+// Bytes this process may allocate: the machine's memory, or less where an
+// address-space or data limit (ulimit -v, -d) is lower.
+double usable_memory() {
+  double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+  for (const int resource : {RLIMIT_AS, RLIMIT_DATA}) {
+    rlimit limit{};
+    if (getrlimit(resource, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+      memory = std::min(memory, static_cast<double>(limit.rlim_cur));
+    }
+  }
+  return memory;
+}
+
+// What one checked call of the sweep holds at its peak, in bytes: the host
+// inputs, the copy the kernel writes, a second copy for the cpu backend's
+// result when another backend is checked against it, and the float64
+// reference, which reads every tensor as doubles and returns its outputs as
+// doubles too (8 bytes per element, twice). Without checks: the inputs and
+// the working copy.
+double peak_bytes(const OpSchema& schema, Dtype dtype, const harness::Shapes& shapes, bool check) {
+  const auto bytes = static_cast<double>(harness::call_bytes(schema, dtype, shapes));
+  if (!check) return 2.0 * bytes;
+  double elements = 0;
+  for (const TensorArg& arg : schema.tensors) {
+    double n = 1;
+    for (int64_t d : harness::tensor_shape(arg, shapes)) n *= static_cast<double>(d);
+    elements += n;
+  }
+  return 3.0 * bytes + 16.0 * elements;
+}
+
 // The host tensors of one call, or a usage error naming the shapes where
-// they cannot be made: sizes past 64 bits, more than the machine's memory
-// (the sweep holds the inputs and a working copy at least), or a shape that
-// leaves an index tensor no valid value.
-harness::CallData make_host_call(const OpSchema& schema, Dtype dtype, const harness::Shapes& shapes, uint64_t seed) {
+// they cannot be made: sizes past 64 bits, a peak use (peak_bytes) past the
+// memory this process may use, or a shape that leaves an index tensor no valid value.
+harness::CallData make_host_call(const OpSchema& schema, Dtype dtype, const harness::Shapes& shapes, uint64_t seed,
+                                 bool check) {
   const std::string where = fmt::format("{} {} at {}", schema.op, dtype_name(dtype), harness::shapes_str(shapes));
   try {
-    const size_t bytes = harness::call_bytes(schema, dtype, shapes);
-    const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
-    if (memory > 0 && 2.0 * static_cast<double>(bytes) > memory) {
-      throw UsageError(
-          fmt::format("{}: the call's tensors take {}, and a run holds two copies of them at least; "
-                      "this machine has {} of memory",
-                      where, human_bytes(static_cast<double>(bytes)), human_bytes(memory)));
+    const double bytes = static_cast<double>(harness::call_bytes(schema, dtype, shapes));
+    const double peak = peak_bytes(schema, dtype, shapes, check);
+    const double memory = usable_memory();
+    if (memory > 0 && peak > memory) {
+      throw UsageError(fmt::format(
+          "{}: the call's tensors take {}, and running it needs about {} (copies and a float64 reference); "
+          "this process may use {} of memory",
+          where, human_bytes(bytes), human_bytes(peak), human_bytes(memory)));
     }
     return harness::make_call(schema, dtype, shapes, seed);
   } catch (const std::invalid_argument& e) {
@@ -127,27 +163,44 @@ harness::CallData make_host_call(const OpSchema& schema, Dtype dtype, const harn
   }
 }
 
-// --save's directory, made before anything runs.
-void make_save_dir(const std::string& dir) {
-  if (dir.empty()) return;
-  std::error_code error;
-  std::filesystem::create_directories(dir, error);
-  if (error) throw UsageError(fmt::format("--save {}: cannot create the directory: {}", dir, error.message()));
-}
-
+// Writes every file of one result; a file that fails does not stop the
+// others. Throws the first failure (KD-E050), with how many more failed.
 void save_call(const std::string& dir, const OpSchema& schema, const std::string& backend, const harness::CallData& in,
                const harness::CallData& out) {
   const std::string stem = fmt::format("{}/{}.{}.{}", dir, schema.op, backend, dtype_name(in.dtype));
+  std::vector<Error> failures;
+  const auto save = [&](const std::string& path, const std::function<void(const std::string&)>& write) {
+    try {
+      write_atomically(path, write);
+    } catch (const Error& e) {
+      failures.push_back(e);
+    }
+  };
   for (size_t i = 0; i < schema.tensors.size(); ++i) {
     const TensorArg& a = schema.tensors[i];
-    if (!a.written || a.inplace) harness::save_npy(fmt::format("{}.{}.in.npy", stem, a.name), in.tensors[i]);
-    if (a.written || a.inplace) harness::save_npy(fmt::format("{}.{}.out.npy", stem, a.name), out.tensors[i]);
+    if (!a.written || a.inplace) {
+      save(fmt::format("{}.{}.in.npy", stem, a.name),
+           [&](const std::string& temporary) { harness::save_npy(temporary, in.tensors[i]); });
+    }
+    if (a.written || a.inplace) {
+      save(fmt::format("{}.{}.out.npy", stem, a.name),
+           [&](const std::string& temporary) { harness::save_npy(temporary, out.tensors[i]); });
+    }
   }
   Json attrs = Json::object();
   for (const auto& attr : in.attrs) {
     std::visit([&](const auto& v) { attrs[std::string(attr.name)] = v; }, attr.value);
   }
-  std::ofstream(stem + ".attrs.json") << attrs.dump(2) << "\n";
+  save(stem + ".attrs.json", [&](const std::string& temporary) {
+    std::ofstream file(temporary);
+    file << json_text(attrs) << "\n";
+    file.close();
+    if (!file) throw std::runtime_error("error writing " + temporary);
+  });
+  if (failures.empty()) return;
+  if (failures.size() == 1) throw failures.front();
+  throw Error(failures.front().code(),
+              fmt::format("{} (and {} more files)", failures.front().message(), failures.size() - 1));
 }
 
 }  // namespace
@@ -162,7 +215,7 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
     }
   }
   check_dtype_flag(options.dtype, nullptr);
-  make_save_dir(options.save_dir);
+  if (!options.save_dir.empty()) check_save_dir(options.save_dir);
   const bool show_progress = options.progress && isatty(2);
   // The progress line is blanked when the sweep ends, by an error too.
   struct ProgressLine {
@@ -238,7 +291,8 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
               std::fflush(stderr);
             }
             try {
-              const harness::CallData host = make_host_call(schema, dtype, shapes, 0x5eed + sweep.results.size());
+              const harness::CallData host =
+                  make_host_call(schema, dtype, shapes, 0x5eed + sweep.results.size(), options.check);
               harness::CallData data = harness::clone_to(host, target.dl, target.memory);
               std::vector<DLTensor> tensors = data.dl();
               // The kernel first: where it refuses the arguments (K > E, say),
@@ -272,7 +326,15 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
                 r.ok = true;
                 r.checked_against = options.check ? "nothing (no reference for this op)" : "nothing (--no-check)";
               }
-              if (!options.save_dir.empty()) save_call(options.save_dir, schema, spec->backend, host, data);
+              if (!options.save_dir.empty()) {
+              try {
+                save_call(options.save_dir, schema, spec->backend, host, data);
+              } catch (const Error& e) {
+                // The result stands; the files it could not write fail the run.
+                r.error = fmt::format("[{}] {}", e.code_string(), e.message());
+                fail_dispatch();
+              }
+            }
               // Timing: in-place ops keep transforming their tensors, which is
               // fine for timing (values stay finite) and never checked.
               int iters = std::max(options.iters, 1);
