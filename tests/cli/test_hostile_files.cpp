@@ -91,3 +91,33 @@ TEST_CASE("hostile special files: KDISPATCH_TRACE naming a FIFO or a directory")
   CHECK(Json::parse(line)["op"] == "layernorm.rmsnorm");
   fs::remove_all(dir.parent_path());
 }
+
+// --- a corrupt ELF file ------------------------------------------------------------
+
+TEST_CASE("hostile elf: a library with one program-header byte changed is refused before dlopen") {
+  const fs::path dir = dir_with_cpu_plugin();
+  add_fixture(dir, "fx_corrupt_elf");
+  const ToolResult doctor = run_tool({"doctor", "--json", "--plugin-path", dir.string()});
+  CHECK(doctor.exit_code == 2);
+  const Json doc = json_of(doctor);
+  const Json* bad = plugin_named(doc, "fx_good");
+  REQUIRE(bad != nullptr);
+  CHECK((*bad)["loaded"] == false);
+  const Json& problem = (*bad)["problems"].back();
+  CHECK(problem["code"] == "KD-E020");
+  CHECK(problem["message"].get<std::string>().find("corrupt ELF file") != std::string::npos);
+  CHECK((*plugin_named(doc, "cpu"))["loaded"] == true);
+  const ToolResult run = run_tool({"run", "--all", "--json", "--iters", "1", "--dtype", "float32", "--plugin-path",
+                                   dir.string()});
+  CHECK(run.exit_code == 2);
+  size_t cpu_ok = 0;
+  const Json results = json_of(run)["results"];
+  bool refused = false;
+  for (const auto& r : results) {
+    cpu_ok += r["backend"] == "cpu" && r["ok"] == true;
+    if (r["op"] == "fixture.scale") refused = r["error"].get<std::string>().find("[KD-E020]") == 0;
+  }
+  CHECK(cpu_ok >= 7);
+  CHECK(refused);
+  fs::remove_all(dir.parent_path());
+}
