@@ -10,6 +10,7 @@
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+#include <string_view>
 
 extern char** environ;
 
@@ -38,7 +39,10 @@ ToolResult run_tool(const std::vector<std::string>& args, const std::map<std::st
   const std::string err_path = dir + "/err";
   std::vector<std::string> env_strings;
   for (char** e = environ; *e != nullptr; ++e) {
-    if (std::strncmp(*e, "KDISPATCH_", 10) != 0) env_strings.emplace_back(*e);
+    if (std::strncmp(*e, "KDISPATCH_", 10) == 0) continue;
+    const std::string_view entry = *e;
+    if (env.count(std::string(entry.substr(0, entry.find('=')))) != 0) continue;  // set (or unset) below
+    env_strings.emplace_back(*e);
   }
   for (const auto& [k, v] : env) {
     if (!v.empty()) env_strings.push_back(k + "=" + v);

@@ -34,6 +34,7 @@ constexpr ErrorCode kAllCodes[] = {
     ErrorCode::plugin_probe_failed,
     ErrorCode::plugin_insecure,
     ErrorCode::plugin_checksum_mismatch,
+    ErrorCode::plugin_scan_failed,
     ErrorCode::bad_arguments,
     ErrorCode::dtype_not_supported,
     ErrorCode::kernel_failed,

@@ -30,6 +30,7 @@ enum class ErrorCode : int {
   plugin_probe_failed = 24,       // KD-E024
   plugin_insecure = 25,           // KD-E025
   plugin_checksum_mismatch = 26,  // KD-E026
+  plugin_scan_failed = 27,        // KD-E027
   // calls
   bad_arguments = 30,             // KD-E030
   dtype_not_supported = 31,       // KD-E031
