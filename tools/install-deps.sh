@@ -4,6 +4,7 @@
 #
 #   tools/install-deps.sh           build + test dependencies (CPU and HIP plugins)
 #   KDISPATCH_DEPS_NO_HIP=1 ...     skip hipcc / libamdhip64-dev
+#   KDISPATCH_DEPS_NO_FUZZ=1 ...    skip clang / libFuzzer (tools/fuzz.sh)
 set -euo pipefail
 
 packages=(
@@ -18,6 +19,9 @@ packages=(
   libelf-dev                 # kdispatch inspect reads ELF without loading it
   python3-numpy              # tests check saved .npy files against numpy
 )
+if [[ "${KDISPATCH_DEPS_NO_FUZZ:-0}" != 1 ]]; then
+  packages+=(clang libfuzzer-14-dev)  # tools/fuzz.sh
+fi
 if [[ "${KDISPATCH_DEPS_NO_HIP:-0}" != 1 ]]; then
   packages+=(hipcc libamdhip64-dev)
 fi
