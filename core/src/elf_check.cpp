@@ -37,22 +37,41 @@ constexpr uint64_t kMaxProgramHeaders = 256;
 constexpr uint32_t kRelative = R_X86_64_RELATIVE;
 bool known_relocation(uint32_t type) {
   switch (type) {
-    case R_X86_64_64: case R_X86_64_PC32: case R_X86_64_GLOB_DAT: case R_X86_64_JUMP_SLOT: case R_X86_64_RELATIVE:
-    case R_X86_64_DTPMOD64: case R_X86_64_DTPOFF64: case R_X86_64_TPOFF64: case R_X86_64_IRELATIVE:
-    case R_X86_64_TLSDESC: case R_X86_64_32: case R_X86_64_PC64: case R_X86_64_COPY:
+    case R_X86_64_64:
+    case R_X86_64_PC32:
+    case R_X86_64_GLOB_DAT:
+    case R_X86_64_JUMP_SLOT:
+    case R_X86_64_RELATIVE:
+    case R_X86_64_DTPMOD64:
+    case R_X86_64_DTPOFF64:
+    case R_X86_64_TPOFF64:
+    case R_X86_64_IRELATIVE:
+    case R_X86_64_TLSDESC:
+    case R_X86_64_32:
+    case R_X86_64_PC64:
+    case R_X86_64_COPY:
       return true;
-    default: return false;
+    default:
+      return false;
   }
 }
 #elif defined(__aarch64__)
 constexpr uint32_t kRelative = R_AARCH64_RELATIVE;
 bool known_relocation(uint32_t type) {
   switch (type) {
-    case R_AARCH64_ABS64: case R_AARCH64_GLOB_DAT: case R_AARCH64_JUMP_SLOT: case R_AARCH64_RELATIVE:
-    case R_AARCH64_TLS_DTPMOD: case R_AARCH64_TLS_DTPREL: case R_AARCH64_TLS_TPREL: case R_AARCH64_TLSDESC:
-    case R_AARCH64_IRELATIVE: case R_AARCH64_COPY:
+    case R_AARCH64_ABS64:
+    case R_AARCH64_GLOB_DAT:
+    case R_AARCH64_JUMP_SLOT:
+    case R_AARCH64_RELATIVE:
+    case R_AARCH64_TLS_DTPMOD:
+    case R_AARCH64_TLS_DTPREL:
+    case R_AARCH64_TLS_TPREL:
+    case R_AARCH64_TLSDESC:
+    case R_AARCH64_IRELATIVE:
+    case R_AARCH64_COPY:
       return true;
-    default: return false;
+    default:
+      return false;
   }
 }
 #else
@@ -99,7 +118,8 @@ class Checker {
   explicit Checker(std::span<const unsigned char> bytes) : image_(bytes) {}
 
   std::string run() {
-    if (header() && program_headers() && dynamic_entries() && sections() && tables() && relocations() && versions()) return {};
+    if (header() && program_headers() && dynamic_entries() && sections() && tables() && relocations() && versions())
+      return {};
     return why_;
   }
 
@@ -158,8 +178,8 @@ class Checker {
     }
     if (ehdr_.e_phoff % alignof(Elf64_Phdr) != 0 ||
         !image_.contains(ehdr_.e_phoff, uint64_t{ehdr_.e_phnum} * sizeof(Elf64_Phdr))) {
-      return fail(fmt::format("the program header table at offset {} lies outside the file of {} bytes",
-                              ehdr_.e_phoff, image_.size()));
+      return fail(fmt::format("the program header table at offset {} lies outside the file of {} bytes", ehdr_.e_phoff,
+                              image_.size()));
     }
     return true;
   }
@@ -174,18 +194,21 @@ class Checker {
       if (p.p_align > 1 && (p.p_align & (p.p_align - 1)) != 0) {
         return fail(fmt::format("{}: alignment {} is not a power of two", what, p.p_align));
       }
-      if (p.p_filesz > p.p_memsz) return fail(fmt::format("{}: file size {} > memory size {}", what, p.p_filesz, p.p_memsz));
+      if (p.p_filesz > p.p_memsz)
+        return fail(fmt::format("{}: file size {} > memory size {}", what, p.p_filesz, p.p_memsz));
       if (p.p_memsz > kMaxSpan || p.p_vaddr > kMaxSpan) {
         return fail(fmt::format("{}: address {:#x} + {} bytes is past any library's span", what, p.p_vaddr, p.p_memsz));
       }
-      const bool in_file = p.p_type == PT_LOAD || p.p_type == PT_DYNAMIC || p.p_type == PT_NOTE || p.p_type == PT_INTERP ||
-                           p.p_type == PT_GNU_PROPERTY || p.p_type == PT_TLS || p.p_type == PT_GNU_EH_FRAME;
+      const bool in_file = p.p_type == PT_LOAD || p.p_type == PT_DYNAMIC || p.p_type == PT_NOTE ||
+                           p.p_type == PT_INTERP || p.p_type == PT_GNU_PROPERTY || p.p_type == PT_TLS ||
+                           p.p_type == PT_GNU_EH_FRAME;
       if (in_file && !image_.contains(p.p_offset, p.p_filesz)) {
         return fail(fmt::format("{}: bytes {}..{} lie outside the file of {} bytes", what, p.p_offset,
                                 p.p_offset + p.p_filesz, image_.size()));
       }
       if (p.p_type == PT_LOAD) {
-        if (p.p_align < page) return fail(fmt::format("{}: alignment {} is below the page size {}", what, p.p_align, page));
+        if (p.p_align < page)
+          return fail(fmt::format("{}: alignment {} is below the page size {}", what, p.p_align, page));
         if ((p.p_vaddr - p.p_offset) % p.p_align != 0) {
           return fail(fmt::format("{}: address {:#x} and offset {:#x} disagree modulo the alignment {}", what,
                                   p.p_vaddr, p.p_offset, p.p_align));
@@ -258,46 +281,136 @@ class Checker {
       const auto e = image_.read<Elf64_Dyn>(d.p_offset + i * sizeof(Elf64_Dyn));
       const uint64_t v = e.d_un.d_val;
       switch (e.d_tag) {
-        case DT_NULL: ended = true; break;
-        case DT_NEEDED: strings_.push_back({"DT_NEEDED", v}); break;
-        case DT_SONAME: strings_.push_back({"DT_SONAME", v}); break;
-        case DT_RPATH: strings_.push_back({"DT_RPATH", v}); break;
-        case DT_RUNPATH: strings_.push_back({"DT_RUNPATH", v}); break;
-        case DT_STRTAB: strtab_ = v; break;
-        case DT_STRSZ: strsz_ = v; break;
-        case DT_SYMTAB: symtab_ = v; break;
-        case DT_SYMENT: syment_ = v; break;
-        case DT_HASH: hash_ = v; break;
-        case DT_GNU_HASH: gnu_hash_ = v; break;
-        case DT_RELA: rela_ = v; break;
-        case DT_RELASZ: relasz_ = v; break;
-        case DT_RELAENT: relaent_ = v; break;
-        case DT_REL: return fail("DT_REL relocations on a 64-bit library (RELA expected)");
-        case DT_JMPREL: jmprel_ = v; break;
-        case DT_PLTRELSZ: pltrelsz_ = v; break;
-        case DT_PLTREL: pltrel_ = v; break;
-        case DT_RELR: relr_ = v; break;
-        case DT_RELRSZ: relrsz_ = v; break;
-        case DT_RELRENT: relrent_ = v; break;
-        case DT_INIT: code_.push_back({"DT_INIT", v}); break;
-        case DT_FINI: code_.push_back({"DT_FINI", v}); break;
-        case DT_INIT_ARRAY: init_array_ = v; break;
-        case DT_INIT_ARRAYSZ: init_arraysz_ = v; break;
-        case DT_FINI_ARRAY: fini_array_ = v; break;
-        case DT_FINI_ARRAYSZ: fini_arraysz_ = v; break;
-        case DT_PREINIT_ARRAY: return fail("DT_PREINIT_ARRAY in a shared library");
-        case DT_VERSYM: versym_ = v; break;
-        case DT_VERNEED: verneed_ = v; break;
-        case DT_VERNEEDNUM: verneednum_ = v; break;
-        case DT_VERDEF: verdef_ = v; break;
-        case DT_VERDEFNUM: verdefnum_ = v; break;
-        case DT_TEXTREL: return fail("DT_TEXTREL: relocations in read-only code are not loaded");
-        case DT_PLTGOT: case DT_SYMBOLIC: case DT_DEBUG: case DT_BIND_NOW: case DT_FLAGS: case DT_FLAGS_1:
-        case DT_RELACOUNT: case DT_RELCOUNT: case DT_GNU_PRELINKED: case DT_GNU_CONFLICTSZ: case DT_GNU_LIBLISTSZ:
-        case DT_CHECKSUM: case DT_PLTPADSZ: case DT_MOVEENT: case DT_MOVESZ: case DT_POSFLAG_1: case DT_SYMINSZ:
-        case DT_SYMINENT: case DT_GNU_CONFLICT: case DT_GNU_LIBLIST: case DT_CONFIG: case DT_DEPAUDIT:
-        case DT_AUDIT: case DT_PLTPAD: case DT_MOVETAB: case DT_SYMINFO: case DT_AUXILIARY: case DT_FILTER:
-        case DT_PREINIT_ARRAYSZ: case DT_TLSDESC_PLT: case DT_TLSDESC_GOT:
+        case DT_NULL:
+          ended = true;
+          break;
+        case DT_NEEDED:
+          strings_.push_back({"DT_NEEDED", v});
+          break;
+        case DT_SONAME:
+          strings_.push_back({"DT_SONAME", v});
+          break;
+        case DT_RPATH:
+          strings_.push_back({"DT_RPATH", v});
+          break;
+        case DT_RUNPATH:
+          strings_.push_back({"DT_RUNPATH", v});
+          break;
+        case DT_STRTAB:
+          strtab_ = v;
+          break;
+        case DT_STRSZ:
+          strsz_ = v;
+          break;
+        case DT_SYMTAB:
+          symtab_ = v;
+          break;
+        case DT_SYMENT:
+          syment_ = v;
+          break;
+        case DT_HASH:
+          hash_ = v;
+          break;
+        case DT_GNU_HASH:
+          gnu_hash_ = v;
+          break;
+        case DT_RELA:
+          rela_ = v;
+          break;
+        case DT_RELASZ:
+          relasz_ = v;
+          break;
+        case DT_RELAENT:
+          relaent_ = v;
+          break;
+        case DT_REL:
+          return fail("DT_REL relocations on a 64-bit library (RELA expected)");
+        case DT_JMPREL:
+          jmprel_ = v;
+          break;
+        case DT_PLTRELSZ:
+          pltrelsz_ = v;
+          break;
+        case DT_PLTREL:
+          pltrel_ = v;
+          break;
+        case DT_RELR:
+          relr_ = v;
+          break;
+        case DT_RELRSZ:
+          relrsz_ = v;
+          break;
+        case DT_RELRENT:
+          relrent_ = v;
+          break;
+        case DT_INIT:
+          code_.push_back({"DT_INIT", v});
+          break;
+        case DT_FINI:
+          code_.push_back({"DT_FINI", v});
+          break;
+        case DT_INIT_ARRAY:
+          init_array_ = v;
+          break;
+        case DT_INIT_ARRAYSZ:
+          init_arraysz_ = v;
+          break;
+        case DT_FINI_ARRAY:
+          fini_array_ = v;
+          break;
+        case DT_FINI_ARRAYSZ:
+          fini_arraysz_ = v;
+          break;
+        case DT_PREINIT_ARRAY:
+          return fail("DT_PREINIT_ARRAY in a shared library");
+        case DT_VERSYM:
+          versym_ = v;
+          break;
+        case DT_VERNEED:
+          verneed_ = v;
+          break;
+        case DT_VERNEEDNUM:
+          verneednum_ = v;
+          break;
+        case DT_VERDEF:
+          verdef_ = v;
+          break;
+        case DT_VERDEFNUM:
+          verdefnum_ = v;
+          break;
+        case DT_TEXTREL:
+          return fail("DT_TEXTREL: relocations in read-only code are not loaded");
+        case DT_PLTGOT:
+        case DT_SYMBOLIC:
+        case DT_DEBUG:
+        case DT_BIND_NOW:
+        case DT_FLAGS:
+        case DT_FLAGS_1:
+        case DT_RELACOUNT:
+        case DT_RELCOUNT:
+        case DT_GNU_PRELINKED:
+        case DT_GNU_CONFLICTSZ:
+        case DT_GNU_LIBLISTSZ:
+        case DT_CHECKSUM:
+        case DT_PLTPADSZ:
+        case DT_MOVEENT:
+        case DT_MOVESZ:
+        case DT_POSFLAG_1:
+        case DT_SYMINSZ:
+        case DT_SYMINENT:
+        case DT_GNU_CONFLICT:
+        case DT_GNU_LIBLIST:
+        case DT_CONFIG:
+        case DT_DEPAUDIT:
+        case DT_AUDIT:
+        case DT_PLTPAD:
+        case DT_MOVETAB:
+        case DT_SYMINFO:
+        case DT_AUXILIARY:
+        case DT_FILTER:
+        case DT_PREINIT_ARRAYSZ:
+        case DT_TLSDESC_PLT:
+        case DT_TLSDESC_GOT:
           break;
         default:
           // A tag the loader does not know is a corrupted one (a size or
@@ -336,8 +449,8 @@ class Checker {
     if (ehdr_.e_shentsize != sizeof(Elf64_Shdr) ||
         !image_.contains(ehdr_.e_shoff, uint64_t{ehdr_.e_shnum} * sizeof(Elf64_Shdr)) ||
         ehdr_.e_shstrndx >= ehdr_.e_shnum) {
-      return fail(fmt::format("the section header table ({} entries at offset {}) lies outside the file",
-                              ehdr_.e_shnum, ehdr_.e_shoff));
+      return fail(fmt::format("the section header table ({} entries at offset {}) lies outside the file", ehdr_.e_shnum,
+                              ehdr_.e_shoff));
     }
     const auto section = [&](uint64_t i) { return image_.read<Elf64_Shdr>(ehdr_.e_shoff + i * sizeof(Elf64_Shdr)); };
     const Elf64_Shdr names = section(ehdr_.e_shstrndx);
@@ -352,22 +465,37 @@ class Checker {
       const Elf64_Shdr sh = section(i);
       bool ok = true;
       switch (sh.sh_type) {
-        case SHT_DYNSYM: ok = agrees("DT_SYMTAB", symtab_, sh.sh_addr); break;
-        case SHT_GNU_HASH: ok = agrees("DT_GNU_HASH", gnu_hash_, sh.sh_addr); break;
-        case SHT_HASH: ok = agrees("DT_HASH", hash_, sh.sh_addr); break;
-        case SHT_GNU_versym: ok = agrees("DT_VERSYM", versym_, sh.sh_addr); break;
-        case SHT_GNU_verneed: ok = agrees("DT_VERNEED", verneed_, sh.sh_addr); break;
-        case SHT_GNU_verdef: ok = agrees("DT_VERDEF", verdef_, sh.sh_addr); break;
-        case SHT_DYNAMIC: ok = agrees("the dynamic segment", dynamic_->p_vaddr, sh.sh_addr); break;
+        case SHT_DYNSYM:
+          ok = agrees("DT_SYMTAB", symtab_, sh.sh_addr);
+          break;
+        case SHT_GNU_HASH:
+          ok = agrees("DT_GNU_HASH", gnu_hash_, sh.sh_addr);
+          break;
+        case SHT_HASH:
+          ok = agrees("DT_HASH", hash_, sh.sh_addr);
+          break;
+        case SHT_GNU_versym:
+          ok = agrees("DT_VERSYM", versym_, sh.sh_addr);
+          break;
+        case SHT_GNU_verneed:
+          ok = agrees("DT_VERNEED", verneed_, sh.sh_addr);
+          break;
+        case SHT_GNU_verdef:
+          ok = agrees("DT_VERDEF", verdef_, sh.sh_addr);
+          break;
+        case SHT_DYNAMIC:
+          ok = agrees("the dynamic segment", dynamic_->p_vaddr, sh.sh_addr);
+          break;
         case SHT_INIT_ARRAY:
-          ok = agrees("DT_INIT_ARRAY", init_array_, sh.sh_addr) && (!init_array_ || sh.sh_size == init_arraysz_ ||
-                                                                       fail("DT_INIT_ARRAYSZ differs from its section"));
+          ok = agrees("DT_INIT_ARRAY", init_array_, sh.sh_addr) &&
+               (!init_array_ || sh.sh_size == init_arraysz_ || fail("DT_INIT_ARRAYSZ differs from its section"));
           break;
         case SHT_FINI_ARRAY:
-          ok = agrees("DT_FINI_ARRAY", fini_array_, sh.sh_addr) && (!fini_array_ || sh.sh_size == fini_arraysz_ ||
-                                                                       fail("DT_FINI_ARRAYSZ differs from its section"));
+          ok = agrees("DT_FINI_ARRAY", fini_array_, sh.sh_addr) &&
+               (!fini_array_ || sh.sh_size == fini_arraysz_ || fail("DT_FINI_ARRAYSZ differs from its section"));
           break;
-        default: break;
+        default:
+          break;
       }
       if (!ok) return false;
     }
@@ -378,7 +506,8 @@ class Checker {
   bool in_file(const char* what, std::optional<uint64_t> vaddr, uint64_t size, uint64_t* offset = nullptr) {
     if (!vaddr) return true;
     const std::optional<uint64_t> at = file_offset(*vaddr, size);
-    if (!at) return fail(fmt::format("{} at {:#x} ({} bytes) lies outside the file-backed segments", what, *vaddr, size));
+    if (!at)
+      return fail(fmt::format("{} at {:#x} ({} bytes) lies outside the file-backed segments", what, *vaddr, size));
     if (offset != nullptr) *offset = *at;
     return true;
   }
@@ -394,12 +523,12 @@ class Checker {
     }
     for (const auto& [what, vaddr] : code_) {
       bool executable = false;
-      for (const Segment& s : loads_) executable = executable || ((s.flags & PF_X) != 0 && vaddr >= s.vaddr &&
-                                                                  vaddr - s.vaddr < s.memsz);
+      for (const Segment& s : loads_)
+        executable = executable || ((s.flags & PF_X) != 0 && vaddr >= s.vaddr && vaddr - s.vaddr < s.memsz);
       if (!executable) return fail(fmt::format("{} {:#x} is not in an executable segment", what, vaddr));
     }
     for (const auto& [what, vaddr, size] : {std::tuple{"DT_INIT_ARRAY", init_array_, init_arraysz_},
-                                             std::tuple{"DT_FINI_ARRAY", fini_array_, fini_arraysz_}}) {
+                                            std::tuple{"DT_FINI_ARRAY", fini_array_, fini_arraysz_}}) {
       if (vaddr && (size % 8 != 0 || !mapped(*vaddr, size))) {
         return fail(fmt::format("{} at {:#x} ({} bytes) lies outside the loadable segments", what, *vaddr, size));
       }
@@ -427,13 +556,15 @@ class Checker {
         for (const Segment& seg : loads_) {
           code = code || ((seg.flags & PF_X) != 0 && sym.st_value >= seg.vaddr && sym.st_value - seg.vaddr < seg.memsz);
         }
-        if (!code) return fail(fmt::format("dynamic symbol {} resolves through {:#x}, outside the code", i, sym.st_value));
+        if (!code)
+          return fail(fmt::format("dynamic symbol {} resolves through {:#x}, outside the code", i, sym.st_value));
       }
       if (sym.st_shndx != SHN_UNDEF && sym.st_shndx != SHN_ABS && (type == STT_FUNC || type == STT_OBJECT)) {
         bool inside = false;
         for (const Segment& seg : loads_) {
-          inside = inside || (sym.st_value >= seg.vaddr && sym.st_value - seg.vaddr < std::max<uint64_t>(seg.memsz, 1) &&
-                              (type != STT_FUNC || (seg.flags & PF_X) != 0));
+          inside =
+              inside || (sym.st_value >= seg.vaddr && sym.st_value - seg.vaddr < std::max<uint64_t>(seg.memsz, 1) &&
+                         (type != STT_FUNC || (seg.flags & PF_X) != 0));
         }
         if (!inside) {
           return fail(fmt::format("dynamic symbol {} ({}) at {:#x} lies outside the {}", i,
@@ -526,8 +657,8 @@ class Checker {
       // checked where it lies.
       const uint64_t sym = ELF64_R_SYM(r.r_info);
       if (sym >= symbols_ && !symbol_ok(sym)) {
-        return fail(fmt::format("{} entry {} names symbol {}, which lies outside the file or names no string", what,
-                                i, sym));
+        return fail(
+            fmt::format("{} entry {} names symbol {}, which lies outside the file or names no string", what, i, sym));
       }
       if (!mapped(r.r_offset, 8, /*writable=*/true)) {
         return fail(fmt::format("{} entry {} writes {:#x}, outside the writable segments", what, i, r.r_offset));
@@ -609,7 +740,8 @@ class Checker {
       uint64_t a = at + aux;
       for (uint64_t k = 0; k < aux_count; ++k) {
         const uint64_t size = need ? sizeof(Elf64_Vernaux) : sizeof(Elf64_Verdaux);
-        if (a < at || !image_.contains(a, size)) return fail(fmt::format("{} record {} entry {} lies outside the file", what, i, k));
+        if (a < at || !image_.contains(a, size))
+          return fail(fmt::format("{} record {} entry {} lies outside the file", what, i, k));
         uint64_t name = 0, link = 0;
         if (need) {
           const auto x = image_.read<Elf64_Vernaux>(a);
@@ -652,7 +784,7 @@ std::string elf_file_load_problem(const std::filesystem::path& path) {
   std::string why;
   const int fd = open_regular_file(path, O_RDONLY, why);
   if (fd < 0) return why;
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd, &st) != 0 || st.st_size <= 0) {
     ::close(fd);
     return "empty or unreadable";

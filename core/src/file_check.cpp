@@ -23,14 +23,14 @@ std::string_view file_kind(mode_t mode) {
 }
 
 std::string regular_file_problem(const std::filesystem::path& path) {
-  struct stat st{};
+  struct stat st {};
   if (::stat(path.c_str(), &st) != 0) return std::strerror(errno);
   if (!S_ISREG(st.st_mode)) return fmt::format("{}, not a regular file", file_kind(st.st_mode));
   return {};
 }
 
 int open_regular_file(const std::filesystem::path& path, int flags, std::string& why, mode_t mode) {
-  struct stat st{};
+  struct stat st {};
   const bool exists = ::stat(path.c_str(), &st) == 0;
   if (!exists && !(errno == ENOENT && (flags & O_CREAT) != 0)) {
     why = std::strerror(errno);

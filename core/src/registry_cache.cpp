@@ -43,7 +43,7 @@ std::mutex& cache_mutex() {
 }
 
 std::optional<Stamp> stamp_of(const Manifest& manifest) {
-  struct stat st{};
+  struct stat st {};
   const fs::path library = fs::absolute(manifest.library_path());
   if (::stat(library.c_str(), &st) != 0) return std::nullopt;
   Stamp s;
@@ -120,7 +120,8 @@ std::map<std::string, Entry> read_cache() {
   std::istringstream in(text);
   std::string line;
   if (!std::getline(in, line) || line != kHeader) {
-    if (!text.empty()) log(LogLevel::warn, "registry cache {} is not a cache of this format; rebuilding it", path.string());
+    if (!text.empty())
+      log(LogLevel::warn, "registry cache {} is not a cache of this format; rebuilding it", path.string());
     return entries;
   }
   size_t dropped = 0;

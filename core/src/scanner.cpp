@@ -63,12 +63,18 @@ std::string shown(std::string text) {
 
 std::string_view scan_verdict_name(ScanVerdict verdict) {
   switch (verdict) {
-    case ScanVerdict::ok: return "ok";
-    case ScanVerdict::incompatible: return "incompatible";
-    case ScanVerdict::crashed: return "crashed";
-    case ScanVerdict::hung: return "hung";
-    case ScanVerdict::exited: return "exited";
-    case ScanVerdict::wrote_stdout: return "wrote-stdout";
+    case ScanVerdict::ok:
+      return "ok";
+    case ScanVerdict::incompatible:
+      return "incompatible";
+    case ScanVerdict::crashed:
+      return "crashed";
+    case ScanVerdict::hung:
+      return "hung";
+    case ScanVerdict::exited:
+      return "exited";
+    case ScanVerdict::wrote_stdout:
+      return "wrote-stdout";
   }
   return "?";
 }
@@ -90,7 +96,8 @@ ScanPolicy scan_policy() {
   if (*value == "always") return ScanPolicy::always;
   if (*value == "off") return ScanPolicy::off;
   static std::once_flag warned;
-  std::call_once(warned, [&] { log(LogLevel::warn, "KDISPATCH_SCAN={}: expected cache, always or off; using cache", *value); });
+  std::call_once(warned,
+                 [&] { log(LogLevel::warn, "KDISPATCH_SCAN={}: expected cache, always or off; using cache", *value); });
   return ScanPolicy::cache;
 }
 
@@ -129,14 +136,16 @@ ScanOutcome run_scanner(const fs::path& program, const fs::path& manifest_path, 
   posix_spawn_file_actions_destroy(&actions);
   out_write.reset();
   result_write.reset();
-  if (spawned != 0) return {ScanVerdict::exited, -1, fmt::format("cannot run {}: {}", program_text, std::strerror(spawned))};
+  if (spawned != 0)
+    return {ScanVerdict::exited, -1, fmt::format("cannot run {}: {}", program_text, std::strerror(spawned))};
 
   std::string printed;
   std::string result;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   bool timed_out = false;
   while (out_read.fd >= 0 || result_read.fd >= 0) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) {
       timed_out = true;
       break;
@@ -192,12 +201,18 @@ std::optional<Problem> scan_problem(const Manifest& manifest, const ScanOutcome&
                                library, what)};
   };
   switch (outcome.verdict) {
-    case ScanVerdict::ok: return std::nullopt;
-    case ScanVerdict::incompatible: return Problem{static_cast<ErrorCode>(outcome.code), library, outcome.detail};
-    case ScanVerdict::crashed: return failed(fmt::format("crashed with {}", outcome.detail));
-    case ScanVerdict::hung: return failed(fmt::format("hung ({})", outcome.detail));
-    case ScanVerdict::exited: return failed(fmt::format("exited with status {} ({})", outcome.code, outcome.detail));
-    case ScanVerdict::wrote_stdout: return failed(fmt::format("wrote to stdout (\"{}\")", outcome.detail));
+    case ScanVerdict::ok:
+      return std::nullopt;
+    case ScanVerdict::incompatible:
+      return Problem{static_cast<ErrorCode>(outcome.code), library, outcome.detail};
+    case ScanVerdict::crashed:
+      return failed(fmt::format("crashed with {}", outcome.detail));
+    case ScanVerdict::hung:
+      return failed(fmt::format("hung ({})", outcome.detail));
+    case ScanVerdict::exited:
+      return failed(fmt::format("exited with status {} ({})", outcome.code, outcome.detail));
+    case ScanVerdict::wrote_stdout:
+      return failed(fmt::format("wrote to stdout (\"{}\")", outcome.detail));
   }
   return std::nullopt;
 }

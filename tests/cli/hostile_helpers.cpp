@@ -17,15 +17,13 @@ Json json_of(const ToolResult& r) {
   return Json::parse(r.out);
 }
 
-void write_file(const fs::path& path, const std::string& text) {
-  std::ofstream(path, std::ios::binary) << text;
-}
+void write_file(const fs::path& path, const std::string& text) { std::ofstream(path, std::ios::binary) << text; }
 
 fs::path dir_with_cpu_plugin(const std::string& name) {
   const fs::path dir = fs::path(make_temp_dir()) / name;
   fs::create_directories(dir);
-  fs::permissions(dir, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
-                           fs::perms::others_read | fs::perms::others_exec);
+  fs::permissions(dir, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec | fs::perms::others_read |
+                           fs::perms::others_exec);
   fs::copy_file(kPluginDir + "/cpu.json", dir / "cpu.json");
   fs::copy_file(kPluginDir + "/libkdispatch-cpu.so", dir / "libkdispatch-cpu.so");
   return dir;

@@ -71,9 +71,9 @@ TEST_CASE("hostile special files: KDISPATCH_TRACE naming a FIFO or a directory")
   const fs::path dir = dir_with_cpu_plugin();
   REQUIRE(mkfifo((dir.parent_path() / "trace.fifo").c_str(), 0644) == 0);
   for (const fs::path& trace : {dir.parent_path() / "trace.fifo", dir.parent_path()}) {
-    const ToolResult r = run_tool({"run", "layernorm.rmsnorm", "--dtype", "float32", "--iters", "1", "--plugin-path",
-                                   dir.string()},
-                                  {{"KDISPATCH_TRACE", trace.string()}});
+    const ToolResult r =
+        run_tool({"run", "layernorm.rmsnorm", "--dtype", "float32", "--iters", "1", "--plugin-path", dir.string()},
+                 {{"KDISPATCH_TRACE", trace.string()}});
     CHECK(r.exit_code == 0);
     CHECK(r.err.find("KD-E050") != std::string::npos);
     CHECK(r.err.find(trace.string()) != std::string::npos);
@@ -81,9 +81,9 @@ TEST_CASE("hostile special files: KDISPATCH_TRACE naming a FIFO or a directory")
   }
   // A regular file still gets one JSON line per call.
   const fs::path trace = dir.parent_path() / "trace.jsonl";
-  const ToolResult ok = run_tool({"run", "layernorm.rmsnorm", "--dtype", "float32", "--iters", "1", "--no-check",
-                                  "--plugin-path", dir.string()},
-                                 {{"KDISPATCH_TRACE", trace.string()}});
+  const ToolResult ok = run_tool(
+      {"run", "layernorm.rmsnorm", "--dtype", "float32", "--iters", "1", "--no-check", "--plugin-path", dir.string()},
+      {{"KDISPATCH_TRACE", trace.string()}});
   CHECK(ok.exit_code == 0);
   std::ifstream in(trace);
   std::string line;
@@ -107,8 +107,8 @@ TEST_CASE("hostile elf: a library with one program-header byte changed is refuse
   CHECK(problem["code"] == "KD-E020");
   CHECK(problem["message"].get<std::string>().find("corrupt ELF file") != std::string::npos);
   CHECK((*plugin_named(doc, "cpu"))["loaded"] == true);
-  const ToolResult run = run_tool({"run", "--all", "--json", "--iters", "1", "--dtype", "float32", "--plugin-path",
-                                   dir.string()});
+  const ToolResult run =
+      run_tool({"run", "--all", "--json", "--iters", "1", "--dtype", "float32", "--plugin-path", dir.string()});
   CHECK(run.exit_code == 2);
   size_t cpu_ok = 0;
   const Json results = json_of(run)["results"];

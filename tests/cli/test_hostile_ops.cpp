@@ -75,21 +75,22 @@ TEST_CASE("hostile ops: a schema past the call checker's limits is refused by va
   std::string tensors;
   for (int i = 0; i < 3; ++i) {
     tensors += fmt::format("{}{{\"name\": \"t{}\", \"shape\": [{}], \"dtype\": \"float32\"}}", i == 0 ? "" : ", ", i,
-                           i == 0 ? "\"S0\", \"S1\", \"S2\", \"S3\", \"S4\", \"S5\"" :
-                           i == 1 ? "\"S6\", \"S7\", \"S8\", \"S9\", \"S10\", \"S11\"" :
-                                    "\"S12\", \"S13\", \"S14\", \"S15\", \"S16\"");
+                           i == 0   ? "\"S0\", \"S1\", \"S2\", \"S3\", \"S4\", \"S5\""
+                           : i == 1 ? "\"S6\", \"S7\", \"S8\", \"S9\", \"S10\", \"S11\""
+                                    : "\"S12\", \"S13\", \"S14\", \"S15\", \"S16\"");
   }
   write_file(dir / "wide.json", fmt::format(R"({{"kdispatch_manifest": "1.0", "plugin": "wide", "backend": "wide",
     "library": "libwide.so", "abi": "1.0",
     "kernels": [{{"op": "fixture.wide", "symbol": "kd_wide"}}],
-    "ops": [{{"op": "fixture.wide", "tensors": [{}]}}]}})", tensors));
+    "ops": [{{"op": "fixture.wide", "tensors": [{}]}}]}})",
+                                            tensors));
   const ToolResult v = run_tool({"validate", (dir / "wide.json").string()});
   CHECK(v.exit_code == 2);
   CHECK(v.out.find("KD-E011") != std::string::npos);
   CHECK(v.out.find("/ops/0: the call checker cannot take it: op 'fixture.wide' has 17 shape symbols, at most 16") !=
         std::string::npos);
-  const ToolResult r = run_tool({"run", "--all", "--json", "--iters", "1", "--dtype", "float32", "--plugin-path",
-                                 dir.string()});
+  const ToolResult r =
+      run_tool({"run", "--all", "--json", "--iters", "1", "--dtype", "float32", "--plugin-path", dir.string()});
   CHECK(r.exit_code == 0);
   CHECK(json_of(r)["results"].size() >= 7);
   fs::remove_all(dir.parent_path());

@@ -18,8 +18,8 @@ TEST_CASE("hostile save: a --save path that cannot be a directory is a usage err
   const fs::path dir = dir_with_cpu_plugin();
   const fs::path file = dir.parent_path() / "plain-file";
   write_file(file, "x");
-  const ToolResult r = run_tool({"run", "layernorm.rmsnorm", "--json", "--save", file.string(), "--plugin-path",
-                                 dir.string()});
+  const ToolResult r =
+      run_tool({"run", "layernorm.rmsnorm", "--json", "--save", file.string(), "--plugin-path", dir.string()});
   CHECK(r.exit_code == 1);
   const Json doc = json_of(r);
   CHECK(doc["error"]["code"] == "usage");
@@ -35,8 +35,8 @@ TEST_CASE("hostile save: files are renamed into place whole, and one that cannot
   // A directory under the name of one of the files.
   const fs::path blocked = save / "layernorm.rmsnorm.cpu.float32.x.in.npy";
   fs::create_directory(blocked);
-  const ToolResult r = run_tool({"run", "layernorm.rmsnorm", "--dtype", "float32", "--iters", "1", "--json",
-                                 "--save", save.string(), "--plugin-path", dir.string()});
+  const ToolResult r = run_tool({"run", "layernorm.rmsnorm", "--dtype", "float32", "--iters", "1", "--json", "--save",
+                                 save.string(), "--plugin-path", dir.string()});
   CHECK(r.exit_code == 2);
   const Json doc = json_of(r);
   REQUIRE(doc["results"].size() == 1);

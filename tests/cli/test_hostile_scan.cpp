@@ -35,8 +35,8 @@ Folder hostile_folder() {
   Folder f;
   f.plugins = dir_with_cpu_plugin();
   f.cache = f.plugins.parent_path() / "cache";
-  for (const char* name : {"fx_ctor_segv", "fx_ctor_abort", "fx_ctor_exit", "fx_ctor_loop", "fx_ctor_stdout",
-                           "fx_corrupt_elf"}) {
+  for (const char* name :
+       {"fx_ctor_segv", "fx_ctor_abort", "fx_ctor_exit", "fx_ctor_loop", "fx_ctor_stdout", "fx_corrupt_elf"}) {
     add_fixture(f.plugins, name);
   }
   return f;
@@ -89,9 +89,8 @@ TEST_CASE("hostile scan: doctor and run --all finish with valid JSON and every c
       REQUIRE(plugin_named(doc, name) != nullptr);
       CHECK((*plugin_named(doc, name))["problems"].back()["code"] == "KD-E027");
     }
-    const ToolResult run =
-        run_tool({"run", "--all", "--json", "--iters", "1", "--dtype", "float32", "--plugin-path", f.plugins.string()},
-                 f.env());
+    const ToolResult run = run_tool(
+        {"run", "--all", "--json", "--iters", "1", "--dtype", "float32", "--plugin-path", f.plugins.string()}, f.env());
     CHECK(run.exit_code == 2);
     size_t cpu_ok = 0;
     const Json results = json_of(run)["results"];
@@ -127,8 +126,10 @@ TEST_CASE("hostile scan: a corrupt, truncated or unwritable registry cache never
   std::ifstream in(cache_file, std::ios::binary);
   const std::string text((std::istreambuf_iterator<char>(in)), {});
   in.close();
-  for (const std::string& broken : {std::string("\x7f" "ELF garbage\n\t\t\n"), text.substr(0, text.size() / 2),
-                                    text.substr(0, text.find('\n') + 1) + "a\tb\tc\n\\\\\t\n"}) {
+  for (const std::string& broken :
+       {std::string("\x7f"
+                    "ELF garbage\n\t\t\n"),
+        text.substr(0, text.size() / 2), text.substr(0, text.find('\n') + 1) + "a\tb\tc\n\\\\\t\n"}) {
     write_file(cache_file, broken);
     const ToolResult r = run_tool({"doctor", "--json", "--plugin-path", f.plugins.string()}, f.env());
     CHECK(r.exit_code == 2);

@@ -38,8 +38,8 @@ TEST_CASE("hostile utf8: names, manifest text and arguments that are not UTF-8 k
   CHECK(json_of(v)["results"][0]["errors"][0]["code"] == "KD-E010");
 
   // An argument that is not UTF-8: KD-E001 as a JSON document.
-  const ToolResult s = run_tool({"select", "layernorm.\xff\xfe", "--device", "cpu", "--json",
-                                 "--plugin-path", dir.string()});
+  const ToolResult s =
+      run_tool({"select", "layernorm.\xff\xfe", "--device", "cpu", "--json", "--plugin-path", dir.string()});
   CHECK(s.exit_code == 2);
   CHECK(json_of(s)["error"]["code"] == "KD-E001");
   const ToolResult u = run_tool({"run", "--json", "--device", "\xff"});

@@ -94,8 +94,8 @@ TEST_CASE("hostile verdicts: an unreadable plugin directory is a problem") {
   fs::create_directory(locked);
   fs::permissions(locked, fs::perms::owner_all);
   fs::permissions(dir.parent_path(), fs::perms::owner_all | fs::perms::others_read | fs::perms::others_exec);
-  const ToolResult r = run_unprivileged({"doctor", "--json", "--no-load", "--plugin-path", dir.string(),
-                                         "--plugin-path", locked.string()});
+  const ToolResult r = run_unprivileged(
+      {"doctor", "--json", "--no-load", "--plugin-path", dir.string(), "--plugin-path", locked.string()});
   CHECK(r.exit_code == 2);
   const Json doc = json_of(r);
   REQUIRE(doc["problems"].size() >= 1);

@@ -50,7 +50,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     for (size_t i = 0; i < count; ++i) {
       DLTensor& t = tensors[i];
       t.ndim = static_cast<int32_t>(in.next<uint8_t>() % 9);
-      for (int k = 0; k < t.ndim; ++k) shapes[i][static_cast<size_t>(k)] = in.next<int8_t>() % 9 == 0 ? in.next<int64_t>() : in.next<uint8_t>() % 9;
+      for (int k = 0; k < t.ndim; ++k)
+        shapes[i][static_cast<size_t>(k)] = in.next<int8_t>() % 9 == 0 ? in.next<int64_t>() : in.next<uint8_t>() % 9;
       t.shape = shapes[i].data();
       const uint8_t dtype = in.next<uint8_t>();
       t.dtype = DLDataType{static_cast<uint8_t>(dtype % 6), static_cast<uint8_t>(8u << (dtype / 6 % 4)), 1};

@@ -42,13 +42,14 @@ TEST_CASE("elf check: corrupted bytes are named, not loaded") {
     return elf_load_problem(bad);
   };
   CHECK(problem(0, 0) == "not an ELF file (no ELF magic)");
-  CHECK(problem(33, 0xff).find("the program header table at offset") == 0);        // e_phoff
+  CHECK(problem(33, 0xff).find("the program header table at offset") == 0);                  // e_phoff
   CHECK(problem(64, 0xff).find("lies outside the loadable segments") != std::string::npos);  // first p_type
-  CHECK_FALSE(problem(56, 0x7f).empty());  // e_phnum
+  CHECK_FALSE(problem(56, 0x7f).empty());                                                    // e_phnum
   // Truncated: the segments end past the file.
   CHECK(elf_load_problem(std::span(good).first(4096)).find("lie outside the file") != std::string::npos);
   // Every prefix and every single-byte change of the header and program
   // headers is checked without crashing the checker itself.
   for (size_t n = 0; n < 1024; n += 7) (void)elf_load_problem(std::span(good).first(n));
-  for (size_t i = 0; i < 64 + 56 * 12 && i < good.size(); ++i) (void)problem(i, static_cast<unsigned char>(good[i] ^ 0x80));
+  for (size_t i = 0; i < 64 + 56 * 12 && i < good.size(); ++i)
+    (void)problem(i, static_cast<unsigned char>(good[i] ^ 0x80));
 }

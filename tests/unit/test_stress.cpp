@@ -23,8 +23,13 @@ constexpr int kThreads = 16;
 constexpr int kCallsPerThread = 300;
 
 DLTensor tensor(std::vector<float>& data, std::vector<int64_t>& shape) {
-  return DLTensor{data.empty() ? nullptr : data.data(), {kDLCPU, 0}, static_cast<int32_t>(shape.size()),
-                  {kDLFloat, 32, 1}, shape.data(), nullptr, 0};
+  return DLTensor{data.empty() ? nullptr : data.data(),
+                  {kDLCPU, 0},
+                  static_cast<int32_t>(shape.size()),
+                  {kDLFloat, 32, 1},
+                  shape.data(),
+                  nullptr,
+                  0};
 }
 
 bool close(double got, double want) { return std::abs(got - want) <= 1e-4 * (1 + std::abs(want)); }
@@ -46,13 +51,13 @@ void one_call(Dispatcher& dispatch, std::mt19937& rng, Counts& counts) {
       w(static_cast<size_t>(h));
   for (float& v : x) v = value(rng);
   for (float& v : w) v = value(rng);
-  if (broken == 0) x_shape[1] += 1;                   // a dim that disagrees
-  if (broken == 1) out_shape[0] = -rows;              // a negative dim
+  if (broken == 0) x_shape[1] += 1;       // a dim that disagrees
+  if (broken == 1) out_shape[0] = -rows;  // a negative dim
   std::vector<float> none;
   DLTensor t_out = tensor(broken == 2 ? none : out, out_shape);  // null data
   DLTensor t_x = tensor(x, x_shape);
   DLTensor t_w = tensor(w, w_shape);
-  if (broken == 3) t_x.dtype = {kDLFloat, 64, 1};     // a dtype the op does not take
+  if (broken == 3) t_x.dtype = {kDLFloat, 64, 1};  // a dtype the op does not take
   try {
     if (rms) {
       std::vector<DLTensor> args{t_out, t_x, t_w};

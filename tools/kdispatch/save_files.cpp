@@ -59,7 +59,7 @@ void check_save_dir(const std::string& dir) {
 }
 
 void write_atomically(const std::string& path, const std::function<void(const std::string&)>& write) {
-  struct stat st{};
+  struct stat st {};
   if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) fail(path, "exists and is not a regular file");
   const std::string temporary = make_temporary(path);
   try {
