@@ -4,6 +4,7 @@
 #
 #   tools/install-deps.sh           build + test dependencies (CPU and HIP plugins)
 #   KDISPATCH_DEPS_NO_HIP=1 ...     skip hipcc / libamdhip64-dev
+#   KDISPATCH_DEPS_NO_FUZZ=1 ...    skip clang / libFuzzer (tools/fuzz.sh)
 set -euo pipefail
 
 packages=(
@@ -20,6 +21,9 @@ packages=(
   python3-dev pybind11-dev   # the Python module (tools/python)
   python3-torch              # kdispatch.torch and its tests (torch 1.13, CPU; about 240 packages)
 )
+if [[ "${KDISPATCH_DEPS_NO_FUZZ:-0}" != 1 ]]; then
+  packages+=(clang libfuzzer-14-dev)  # tools/fuzz.sh
+fi
 if [[ "${KDISPATCH_DEPS_NO_HIP:-0}" != 1 ]]; then
   packages+=(hipcc libamdhip64-dev)
 fi

@@ -7,6 +7,7 @@
 #include "builtin_schemas.hpp"
 #include "kdispatch/platform.hpp"
 #include "kdispatch/log.hpp"
+#include "scanner.hpp"
 
 namespace kdispatch {
 namespace {
@@ -129,6 +130,9 @@ const PluginBinary& Context::load_plugin(const std::string& plugin) {
   }
   try {
     log(LogLevel::info, "loading plugin '{}' from {}", plugin, manifest->library_path().string());
+    // A helper process opens it first (or the registry cache says how that
+    // went): a plugin that crashes or hangs there is never opened here.
+    if (auto problem = scan_before_load(*manifest)) throw PluginError(problem->code, problem->message);
     auto binary = load_plugin_binary(*manifest);
     const PluginBinary& ref = *binary;
     loaded_.emplace(plugin, std::move(binary));
@@ -140,6 +144,20 @@ const PluginBinary& Context::load_plugin(const std::string& plugin) {
     registry_->withdraw_plugin(plugin, problem);
     throw;
   }
+}
+
+std::vector<PluginScanResult> Context::scan_plugins() {
+  std::vector<PluginScanResult> out;
+  for (const auto& rec : discovery_.plugins) {
+    if (rec.state != PluginState::found || !rec.manifest) continue;
+    PluginScanResult r{rec.name, rec.library_path, "unscanned", std::nullopt};
+    if (const std::optional<ScanOutcome> outcome = scan_now(*rec.manifest)) {
+      r.verdict = std::string(scan_verdict_name(outcome->verdict));
+      r.problem = scan_problem(*rec.manifest, *outcome);
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
 }
 
 std::optional<PluginLoadState> Context::load_state(const std::string& plugin) const {

@@ -8,6 +8,7 @@
 #include <set>
 #include <system_error>
 
+#include "file_check.hpp"
 #include "kdispatch/environment.hpp"
 #include "kdispatch/log.hpp"
 #include "kdispatch/plugin_security.hpp"
@@ -89,15 +90,39 @@ struct NameFilter {
   }
 };
 
-std::vector<fs::path> manifests_in(const fs::path& dir) {
-  std::vector<fs::path> files;
+struct DirectoryListing {
+  std::vector<fs::path> manifests;
+  std::vector<Problem> special;  // *.json entries that are not regular files
+  std::optional<Problem> unreadable;  // the directory itself could not be listed
+};
+
+// The *.json regular files of `dir`, sorted. Entries named *.json that are
+// FIFOs, devices or directories are never opened (a FIFO would block the
+// read): each is a problem naming the file and what it is.
+DirectoryListing manifests_in(const fs::path& dir) {
+  DirectoryListing out;
   std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    if (entry.path().extension() == ".json" && entry.is_regular_file(ec)) files.push_back(entry.path());
+  for (auto it = fs::directory_iterator(dir, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const fs::path& path = it->path();
+    if (path.extension() != ".json") continue;
+    if (std::string why = regular_file_problem(path); !why.empty()) {
+      out.special.push_back({ErrorCode::manifest_bad_json, path.string(),
+                             fmt::format("{}: cannot read: {}; skipped", path.string(), why)});
+      continue;
+    }
+    out.manifests.push_back(path);
   }
-  if (ec) log(LogLevel::warn, "cannot list plugin directory {}: {}", dir.string(), ec.message());
-  std::sort(files.begin(), files.end());
-  return files;
+  if (ec) {
+    // An existing directory that cannot be read hides every plugin in it.
+    out.unreadable = Problem{ErrorCode::manifest_bad_json, dir.string(),
+                             fmt::format("cannot list plugin directory {}: {}; no manifest in it was read",
+                                         dir.string(), ec.message())};
+    log(LogLevel::warn, "{}", out.unreadable->message);
+  }
+  std::sort(out.manifests.begin(), out.manifests.end());
+  std::sort(out.special.begin(), out.special.end(),
+            [](const Problem& a, const Problem& b) { return a.file < b.file; });
+  return out;
 }
 
 }  // namespace
@@ -123,9 +148,27 @@ DiscoveryResult discover_plugins(const SearchPathOptions& options) {
       continue;
     }
     log(LogLevel::debug, "searching plugin directory {} ({})", dir.path.string(), dir.origin);
-    for (const fs::path& file : manifests_in(dir.path)) {
+    DirectoryListing listing = manifests_in(dir.path);
+    if (listing.unreadable) result.problems.push_back(std::move(*listing.unreadable));
+    for (Problem& problem : listing.special) {
+      log(LogLevel::warn, "skipping manifest {}: {}: {}", problem.file, code_string(problem.code), problem.message);
+      PluginRecord rec;
+      rec.manifest_path = problem.file;
+      rec.state = PluginState::error;
+      rec.problems.push_back(std::move(problem));
+      result.plugins.push_back(std::move(rec));
+    }
+    for (const fs::path& file : listing.manifests) {
       PluginRecord rec;
       rec.manifest_path = file.string();
+      if (auto problem = check_manifest_security(file)) {
+        log(LogLevel::warn, "skipping manifest {}: {}: {}", rec.manifest_path, code_string(problem->code),
+            problem->message);
+        rec.state = PluginState::error;
+        rec.problems.push_back(std::move(*problem));
+        result.plugins.push_back(std::move(rec));
+        continue;
+      }
       ManifestResult parsed = read_manifest(file);
       for (const auto& w : parsed.warnings) {
         log(LogLevel::warn, "{}", w.message);

@@ -1,12 +1,15 @@
 #include "kdispatch/dispatcher.hpp"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <array>
 #include <chrono>
 #include <cstring>
 #include <functional>
 
+#include "file_check.hpp"
 #include "kdispatch/environment.hpp"
 #include "kdispatch/log.hpp"
 #include "kdispatch/platform.hpp"
@@ -226,9 +229,16 @@ Dispatcher::Dispatcher(Context& context)
     : context_(context), intern_slots_(new std::atomic<OpState*>[kInternSlots]) {
   for (size_t i = 0; i < kInternSlots; ++i) intern_slots_[i].store(nullptr, std::memory_order_relaxed);
   if (auto path = get_env("KDISPATCH_TRACE"); path && !path->empty()) {
-    trace_file_ = std::fopen(path->c_str(), "a");
+    std::string why;
+    const int fd = open_regular_file(*path, O_WRONLY | O_APPEND | O_CREAT, why);
+    if (fd >= 0) trace_file_ = ::fdopen(fd, "a");
+    if (fd >= 0 && trace_file_ == nullptr) {
+      why = std::strerror(errno);
+      ::close(fd);
+    }
     if (trace_file_ == nullptr) {
-      log(LogLevel::warn, "KDISPATCH_TRACE={}: cannot open for appending: {}", *path, std::strerror(errno));
+      log(LogLevel::warn, "{}: KDISPATCH_TRACE={}: cannot open for appending, not tracing: {}",
+          code_string(ErrorCode::file_not_writable), *path, why);
     }
   }
 }

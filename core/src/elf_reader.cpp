@@ -15,6 +15,7 @@
 #include <cstring>
 #include <memory>
 
+#include "file_check.hpp"
 #include "kdispatch/error.hpp"
 #include "unique_fd.hpp"
 
@@ -138,11 +139,11 @@ std::string section_text(Elf_Scn* scn, const GElf_Shdr& shdr) {
 }  // namespace
 
 ElfInfo read_elf(const std::filesystem::path& path) {
-  UniqueFd file{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
-  if (file.fd < 0) fail(path, std::strerror(errno));
+  std::string why;
+  UniqueFd file{open_regular_file(path, O_RDONLY, why)};
+  if (file.fd < 0) fail(path, why);
   struct stat st{};
   if (::fstat(file.fd, &st) != 0) fail(path, std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) fail(path, "not a regular file");
   const auto file_size = static_cast<uint64_t>(st.st_size);
 
   if (elf_version(EV_CURRENT) == EV_NONE) fail(path, "libelf is unusable: " + libelf_error());

@@ -245,6 +245,22 @@ constexpr CatalogueEntry kCatalogue[] = {
      "- Otherwise reinstall the plugin from a trusted source; do not just edit the hash"sv},
 
     // -------------------------------------------------------------------- calls
+    {ErrorCode::plugin_scan_failed,
+     "Plugin crashed, hung, exited or printed when the scanner opened it"sv,
+     "Before a plugin library is opened in a process for the first time, a helper process "
+     "(kdispatch-plugin-scanner) opens it, calls its entry and probe and reports back. This "
+     "plugin's code killed or stalled the helper, ended it, or printed to stdout, so it is not "
+     "opened in-process: it would have done the same to your program. The outcome is kept in "
+     "the registry cache under $XDG_CACHE_HOME/kdispatch/ until the library or manifest changes."sv,
+     "- A constructor or the entry function of the plugin dereferences a bad pointer or aborts\n"
+     "- The plugin calls exit() or loops while it is loaded (waiting for a device, a lock, input)\n"
+     "- The plugin prints to stdout when loaded\n"
+     "- The library file is damaged"sv,
+     "- Run `kdispatch scan` to see every plugin's outcome; KDISPATCH_LOG=debug shows each scan\n"
+     "- Fix or remove the plugin; rebuilding it changes the file and it is scanned again\n"
+     "- A slow but healthy probe: raise KDISPATCH_SCAN_TIMEOUT (seconds, default 10)\n"
+     "- KDISPATCH_SCAN=always rescans every time; KDISPATCH_SCAN=off opens plugins in-process without a scan"sv},
+
     {ErrorCode::bad_arguments,
      "Call arguments do not match the op schema"sv,
      "The tensors or attributes of a call do not fit the op's schema. The message "
@@ -294,6 +310,20 @@ constexpr CatalogueEntry kCatalogue[] = {
      "- Free device memory or use smaller inputs\n"
      "- Make sure tensors really live on the device passed in; rerun with CUDA_LAUNCH_BLOCKING=1 (or compute-sanitizer) to find the failing launch\n"
      "- Compare with the reference: KDISPATCH_FORCE_BACKEND=cpu"sv},
+
+    // ---------------------------------------------------------------- output files
+    {ErrorCode::file_not_writable,
+     "A file kdispatch writes cannot be written"sv,
+     "A file named for output (KDISPATCH_TRACE, the files of `run --save DIR`) is not a "
+     "regular file, or creating, writing or renaming it failed. The message names the "
+     "file and the cause. kdispatch never opens a FIFO or a device for writing: it "
+     "would block or write somewhere unexpected."sv,
+     "- The path names a FIFO, a device, a socket or a directory\n"
+     "- The directory does not exist, is not writable, or is on a read-only file system\n"
+     "- The disk is full or a quota is exceeded"sv,
+     "- Point KDISPATCH_TRACE or --save at a regular file or directory you can write\n"
+     "- Check free space: `df -h DIR`\n"
+     "- Remove what is in the way (a directory or FIFO under the file's name)"sv},
 };
 
 constexpr bool sorted_and_unique() {

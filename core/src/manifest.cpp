@@ -8,7 +8,9 @@
 // and what was found.
 #include "kdispatch/manifest.hpp"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -23,7 +25,9 @@
 #include <memory>
 #include <set>
 
+#include "file_check.hpp"
 #include "kdispatch/plugin_api.h"
+#include "kdispatch/schema_check.hpp"
 
 namespace kdispatch {
 
@@ -121,6 +125,17 @@ std::string library_name_problem(std::string_view name) {
   return {};
 }
 
+// 999990 -> "999,990", as counts read in summaries.
+std::string with_thousands(size_t n) {
+  const std::string digits = std::to_string(n);
+  std::string out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i != 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
 std::string pointer_key(std::string_view pointer, std::string_view key) {
   std::string out(pointer);
   out += '/';
@@ -184,7 +199,7 @@ class Reader {
   }
   void raw_error(ErrorCode code, std::string message) { errors_.push_back({code, file_, std::move(message)}); }
   void warn(ErrorCode code, std::string_view pointer, std::string_view what) {
-    warnings_.push_back({code, file_, format(pointer, what)});
+    warnings_.push_back({code, file_, format(pointer, what), /*warning=*/true});
   }
   void bad(std::string_view pointer, std::string_view expected, const json& found) {
     error(ErrorCode::manifest_bad_field, pointer, fmt::format("expected {}, found {}", expected, describe(found)));
@@ -250,43 +265,75 @@ class Reader {
 
   // Unknown keys are warnings: a newer minor format may add keys, and an
   // older kdispatch must still load the manifest.
+  // The first kMaxUnknownKeys are reported one by one; finish() sums up
+  // the rest in one line.
   void unknown_keys(const json& object, std::string_view pointer, std::initializer_list<std::string_view> known) {
     for (const auto& item : object.items()) {
       if (std::find(known.begin(), known.end(), item.key()) != known.end()) continue;
+      if (++unknown_keys_ > kMaxUnknownKeys) continue;
       warn(ErrorCode::manifest_bad_field, pointer_key(pointer, item.key()),
            fmt::format("unknown key, ignored (known keys here: {})", join_keys(known)));
     }
   }
 
+  // Adds the summary of what was counted but not reported one by one.
+  void finish() {
+    if (unknown_keys_ > kMaxUnknownKeys) {
+      warnings_.push_back({ErrorCode::manifest_bad_field, file_,
+                           fmt::format("{}: and {} more unknown keys, ignored", file_,
+                                       with_thousands(unknown_keys_ - kMaxUnknownKeys)),
+                           /*warning=*/true});
+    }
+  }
+
+  static constexpr size_t kMaxUnknownKeys = 10;
+
  private:
+  // A pointer into a deeply nested document can be longer than the document
+  // is useful to read: its middle is cut, its ends stay.
   std::string format(std::string_view pointer, std::string_view what) const {
+    constexpr size_t kKeep = 100;
+    if (pointer.size() > 2 * kKeep + 40) {
+      return fmt::format("{}: {}...({} characters)...{}: {}", file_, pointer.substr(0, kKeep),
+                         with_thousands(pointer.size() - 2 * kKeep), pointer.substr(pointer.size() - kKeep), what);
+    }
     return fmt::format("{}: {}: {}", file_, pointer.empty() ? "(top level)" : pointer, what);
   }
 
   std::string file_;
   std::vector<Problem>& errors_;
   std::vector<Problem>& warnings_;
+  size_t unknown_keys_ = 0;
 };
 
 // --- JSON text -----------------------------------------------------------------
 
 // nlohmann keeps the last of repeated object keys silently. A repeated
 // "library" or "sha256" could then mean different things to different tools,
-// so repeats are found while parsing and reported with their pointer.
+// so repeats are found while parsing and reported with their pointer. The
+// pointer of the current position is kept as one string that grows and
+// shrinks with the nesting, so each event costs the length of its own key,
+// not the depth of the document.
 class DuplicateKeyFinder {
  public:
   bool on_event(json::parse_event_t event, const json& parsed) {
     switch (event) {
-      case json::parse_event_t::object_start: frames_.push_back({true, 0, {}, {}}); break;
-      case json::parse_event_t::array_start: frames_.push_back({false, 0, {}, {}}); break;
+      case json::parse_event_t::object_start: push(true); break;
+      case json::parse_event_t::array_start: push(false); break;
       case json::parse_event_t::key: {
         Frame& top = frames_.back();
-        top.key = parsed.get<std::string>();
-        if (!top.keys.insert(top.key).second) duplicates_.push_back(pointer());
+        std::string key = parsed.get<std::string>();
+        pointer_.resize(top.base);
+        pointer_ += pointer_key("", key);
+        if (!top.keys.insert(std::move(key)).second) {
+          if (duplicates_.size() < kMaxReported) duplicates_.push_back(pointer_);
+          ++duplicate_count_;
+        }
         break;
       }
       case json::parse_event_t::object_end:
       case json::parse_event_t::array_end:
+        pointer_.resize(frames_.back().base);
         frames_.pop_back();
         next_element();
         break;
@@ -294,25 +341,36 @@ class DuplicateKeyFinder {
     }
     return true;
   }
+  // The first kMaxReported repeats; duplicate_count() counts all of them.
   const std::vector<std::string>& duplicates() const { return duplicates_; }
+  size_t duplicate_count() const { return duplicate_count_; }
+
+  static constexpr size_t kMaxReported = 10;
 
  private:
   struct Frame {
     bool object;
+    size_t base;   // length of the pointer of this container
     size_t index;  // arrays: elements seen so far
-    std::string key;
     std::set<std::string> keys;
   };
+  void push(bool object) {
+    // The container is the current element of its parent array, if any.
+    if (!frames_.empty() && !frames_.back().object) set_index(frames_.back());
+    frames_.push_back({object, pointer_.size(), 0, {}});
+  }
+  void set_index(const Frame& array) {
+    pointer_.resize(array.base);
+    pointer_ += '/';
+    pointer_ += std::to_string(array.index);
+  }
   void next_element() {
     if (!frames_.empty() && !frames_.back().object) ++frames_.back().index;
   }
-  std::string pointer() const {
-    std::string out;
-    for (const auto& f : frames_) out = f.object ? pointer_key(out, f.key) : pointer_index(out, f.index);
-    return out;
-  }
   std::vector<Frame> frames_;
+  std::string pointer_;
   std::vector<std::string> duplicates_;
+  size_t duplicate_count_ = 0;
 };
 
 // 1-based line and column (in bytes) of nlohmann's error position, which
@@ -363,13 +421,16 @@ std::optional<json> parse_json(std::string_view text, Reader& r) {
                 fmt::format("{}:{}:{}: {}", r.file(), line, column, parser_message(e)));
     return std::nullopt;
   }
-  const size_t before = r.error_count();
   for (const auto& pointer : finder.duplicates()) {
     r.error(ErrorCode::manifest_bad_field, pointer,
             "key appears more than once in this object; parsers disagree on which one counts, so "
             "repeats are refused");
   }
-  if (r.error_count() != before) return std::nullopt;
+  if (const size_t more = finder.duplicate_count() - finder.duplicates().size(); more > 0) {
+    r.raw_error(ErrorCode::manifest_bad_field,
+                fmt::format("{}: and {} more repeated keys", r.file(), with_thousands(more)));
+  }
+  if (finder.duplicate_count() != 0) return std::nullopt;
   return doc;
 }
 
@@ -788,6 +849,16 @@ std::optional<OpSchema> read_op_schema(Reader& r, const json& j, const std::stri
     }
   }
   if (r.error_count() != before) return std::nullopt;
+  // A schema the call checker cannot compile (more shape symbols or tensors
+  // than it has slots for) could be listed but never called.
+  try {
+    const CompiledSchema compiled(s);
+  } catch (const Error& e) {
+    std::string why = e.message();
+    if (why.starts_with(s.source + ": ")) why.erase(0, s.source.size() + 2);
+    r.error(ErrorCode::manifest_bad_field, pointer, fmt::format("the call checker cannot take it: {}", why));
+    return std::nullopt;
+  }
   return s;
 }
 
@@ -1067,6 +1138,7 @@ ManifestResult parse_manifest(std::string_view text, const std::string& path) {
     Manifest m;
     m.path = path;
     read_manifest_document(r, *doc, m);
+    r.finish();
     if (result.errors.empty()) result.manifest = std::move(m);
   } catch (const std::exception& e) {
     // Validation reports problems instead of throwing; reaching this is a bug
@@ -1083,22 +1155,25 @@ std::optional<std::string> read_manifest_text(const std::filesystem::path& path,
     problem = {ErrorCode::manifest_bad_json, name, fmt::format("{}: cannot read: {}", name, why)};
     return std::nullopt;
   };
-  // A lambda, not &std::fclose: taking a standard function's address is unspecified.
-  const auto close = [](std::FILE* f) { std::fclose(f); };
-  const std::unique_ptr<std::FILE, decltype(close)> file(std::fopen(name.c_str(), "rb"), close);
-  if (!file) return unreadable(std::strerror(errno));
+  std::string why;
+  const int fd = open_regular_file(path, O_RDONLY, why);
+  if (fd < 0) return unreadable(why);
+  const struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
   std::string text;
   char buffer[16384];
   while (true) {
-    const size_t n = std::fread(buffer, 1, sizeof buffer, file.get());
-    text.append(buffer, n);
+    const ssize_t n = ::read(fd, buffer, sizeof buffer);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return unreadable(std::strerror(errno));
+    if (n == 0) break;
+    text.append(buffer, static_cast<size_t>(n));
     if (text.size() > kMaxManifestBytes) {
       return unreadable(fmt::format("larger than the {} MiB a manifest may have", kMaxManifestBytes >> 20));
     }
-    if (n < sizeof buffer) break;
   }
-  // fopen succeeds on a directory; the read is what fails (EISDIR).
-  if (std::ferror(file.get())) return unreadable(std::strerror(errno));
   return text;
 }
 
@@ -1124,6 +1199,7 @@ SchemaFileResult parse_op_schemas(std::string_view text, const std::string& path
       return result;
     }
     read_op_schema_list(r, *doc, "", result.schemas);
+    r.finish();
   } catch (const std::exception& e) {
     r.error(ErrorCode::manifest_bad_field, "", fmt::format("internal error while validating: {}", e.what()));
   }

@@ -15,6 +15,7 @@
 #include <system_error>
 #include <utility>
 
+#include "elf_check.hpp"
 #include "kdispatch/elf_reader.hpp"
 #include "kdispatch/error.hpp"
 #include "kdispatch/plugin_security.hpp"
@@ -109,6 +110,13 @@ dll::shared_library* open_library(const std::string& library) {
     fail(ErrorCode::plugin_open_failed,
          fmt::format("cannot open plugin library {}: wrong architecture: built for {}, this process is {}",
                      library, elf.machine, host));
+  }
+  // The dynamic loader trusts every header, table and offset of the file:
+  // one corrupted byte there is a SIGSEGV inside dlopen. The strict check
+  // reads what the loader reads first.
+  if (const std::string problem = elf_file_load_problem(library); !problem.empty()) {
+    fail(ErrorCode::plugin_open_failed,
+         fmt::format("cannot open plugin library {}: corrupt ELF file: {}", library, problem));
   }
 
   std::error_code ec;

@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <system_error>
 
+#include "file_check.hpp"
 #include "unique_fd.hpp"
 
 namespace kdispatch {
@@ -116,6 +117,21 @@ std::optional<Problem> check_library_location(const Manifest& manifest) {
   return std::nullopt;
 }
 
+std::optional<Problem> check_manifest_security(const fs::path& manifest) {
+  // The manifest decides which library is loaded and holds its sha256, so
+  // whoever can rewrite it can choose the code that runs: the rule for
+  // libraries applies to it and its directory too.
+  std::optional<std::string> reason = insecure_reason(manifest, "plugin manifest");
+  if (!reason) {
+    std::error_code ec;
+    const fs::path dir = fs::canonical(fs::absolute(manifest).parent_path(), ec);
+    if (!ec) reason = insecure_reason(dir, "plugin directory");
+  }
+  if (!reason) return std::nullopt;
+  return Problem{ErrorCode::plugin_insecure, manifest.string(),
+                 fmt::format("refusing to read manifest {}: {}", manifest.string(), *reason)};
+}
+
 std::optional<Problem> verify_library_checksum(const Manifest& manifest) {
   if (!manifest.sha256) return std::nullopt;
   const fs::path library = fs::absolute(manifest.library_path());
@@ -136,10 +152,9 @@ std::optional<Problem> verify_library_checksum(const Manifest& manifest) {
 }
 
 std::string sha256_file(const fs::path& path) {
-  UniqueFd file{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
-  if (file.fd < 0) {
-    throw std::runtime_error(fmt::format("cannot open {}: {}", path.string(), std::strerror(errno)));
-  }
+  std::string why;
+  UniqueFd file{open_regular_file(path, O_RDONLY, why)};
+  if (file.fd < 0) throw std::runtime_error(fmt::format("cannot open {}: {}", path.string(), why));
   std::unique_ptr<EVP_MD_CTX, MdCtxFree> ctx(EVP_MD_CTX_new());
   if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1) {
     throw std::runtime_error("libcrypto could not start a SHA-256 digest");

@@ -2,7 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <limits>
 
 #include "kdispatch/device.hpp"
 #include "kdispatch/error.hpp"
@@ -40,6 +45,59 @@ int64_t numel(const DLTensor& t) {
   int64_t n = 1;
   for (int i = 0; i < t.ndim; ++i) n *= t.shape[i];
   return n;
+}
+
+std::optional<uint64_t> checked_bytes(const DLTensor& t) noexcept {
+  int64_t n = 1;
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] < 0 || __builtin_mul_overflow(n, t.shape[i], &n)) return std::nullopt;
+  }
+  const int64_t item = (int64_t{t.dtype.bits} * t.dtype.lanes + 7) / 8;
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(n, item, &bytes)) return std::nullopt;
+  return static_cast<uint64_t>(bytes);
+}
+
+namespace {
+
+// Highest user-space address plus one: a tensor ending above it cannot be
+// memory of this process.
+#if defined(__x86_64__) || defined(__aarch64__)
+constexpr uint64_t kAddressSpaceEnd = uint64_t{1} << 47;
+#else
+constexpr uint64_t kAddressSpaceEnd = ~uint64_t{0};
+#endif
+
+// Whether the page holding `address` is mapped in this process. msync on a
+// page that is not mapped fails with ENOMEM, and on one that is mapped
+// with MS_ASYNC writes nothing back: the cheapest probe there is.
+bool page_mapped(uint64_t address) noexcept {
+  const auto page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  void* start = reinterpret_cast<void*>(address & ~(page - 1));
+  return ::msync(start, page, MS_ASYNC) == 0 || errno != ENOMEM;
+}
+
+}  // namespace
+
+std::string byte_offset_problem(const DLTensor& t, uint64_t bytes) {
+  if (t.byte_offset == 0) return {};
+  const uint64_t item = (uint64_t{t.dtype.bits} * t.dtype.lanes + 7) / 8;
+  if (item > 1 && t.byte_offset % item != 0) {
+    return fmt::format("byte_offset {} is not a multiple of the element size ({} bytes)", t.byte_offset, item);
+  }
+  const auto data = reinterpret_cast<uintptr_t>(t.data);
+  uint64_t start = 0;
+  uint64_t end = 0;
+  if (__builtin_add_overflow(uint64_t{data}, t.byte_offset, &start) || __builtin_add_overflow(start, bytes, &end) ||
+      t.byte_offset > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    return fmt::format("byte_offset {} with {} bytes of data overflows 64 bits", t.byte_offset, bytes);
+  }
+  if (t.device.device_type != kDLCPU || bytes == 0) return {};
+  if (end > kAddressSpaceEnd || !page_mapped(start) || !page_mapped(end - 1)) {
+    return fmt::format("byte_offset {} puts the tensor's {} bytes outside this process's memory", t.byte_offset,
+                       bytes);
+  }
+  return {};
 }
 
 CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
@@ -221,8 +279,12 @@ bool CompiledSchema::check_fast(std::span<const DLTensor> tensors, CallInfo* inf
         if (size != dims[k].constant + dims[k].factor * value[dims[k].match]) return false;
       }
     }
-    // Null data is fine only for an empty tensor: count elements only then.
-    if (t.data == nullptr && numel(t) != 0) return false;
+    // Sizes whose element or byte count overflows are refused before null
+    // data is allowed for an empty tensor: an overflow can read as zero.
+    const std::optional<uint64_t> bytes = checked_bytes(t);
+    if (!bytes) return false;
+    if (t.data == nullptr && *bytes != 0) return false;
+    if (t.byte_offset != 0 && !byte_offset_problem(t, *bytes).empty()) return false;
     if (t.strides != nullptr && !(spec.flags & kStrided) && !is_contiguous(t)) return false;
   }
   // Each dtype variable's code (bound by its first tensor) must be allowed.
@@ -302,6 +364,9 @@ void CompiledSchema::diagnose(std::span<const DLTensor> tensors) const {
       fail(i, fmt::format("expected shape {} ({}{} dims), got {}", pattern_str(schema_.tensors[i]),
                           leading ? "at least " : "", fixed, shape_str(t)));
     }
+    for (int k = 0; k < t.ndim; ++k) {
+      if (t.shape[k] < 0) fail(i, fmt::format("has a negative dim in {}", shape_str(t)));
+    }
     // Leading dims: the same for every tensor that has them.
     const int64_t lead = t.ndim - fixed;
     if (leading) {
@@ -344,7 +409,13 @@ void CompiledSchema::diagnose(std::span<const DLTensor> tensors) const {
       }
     }
     // Memory.
-    if (t.data == nullptr && numel(t) > 0) fail(i, "has null data");
+    const std::optional<uint64_t> bytes = checked_bytes(t);
+    if (!bytes) {
+      fail(i, fmt::format("shape {} of {} has more elements or bytes than 64 bits count", shape_str(t),
+                          dtype_str(t.dtype)));
+    }
+    if (t.data == nullptr && *bytes > 0) fail(i, "has null data");
+    if (std::string why = byte_offset_problem(t, *bytes); !why.empty()) fail(i, why);
     if (!(spec.flags & kStrided) && !is_contiguous(t)) {
       std::vector<int64_t> strides(t.strides, t.strides + t.ndim);
       fail(i, fmt::format("must be contiguous, got strides [{}] for shape {}", fmt::join(strides, ", "), shape_str(t)));

@@ -90,13 +90,25 @@ SelectorOptions SelectorOptions::from_environment() {
 
 std::vector<std::string> closest_ops(std::string_view op, const std::vector<std::string>& candidates,
                                      size_t max_results) {
+  // Suggestions are for typos. The distance is quadratic in the lengths, so
+  // an id longer than any real op id gets none, and a pair whose lengths
+  // differ by more than the limit (a lower bound of their distance) is not
+  // compared at all.
+  constexpr size_t kMaxSuggestedLength = 256;
+  if (op.size() > kMaxSuggestedLength) return {};
   std::vector<std::pair<size_t, std::string>> scored;
   const size_t limit = std::max<size_t>(2, op.size() / 3);
+  const auto within = [&](std::string_view c, size_t extra) {
+    const size_t gap = op.size() > c.size() ? op.size() - c.size() : c.size() - op.size();
+    return gap + extra <= limit;
+  };
   for (const auto& c : candidates) {
-    size_t d = edit_distance(op, c);
+    size_t d = within(c, 0) ? edit_distance(op, c) : limit + 1;
     // "rmsnorm" should suggest "layernorm.rmsnorm": a match on the name part.
     const auto dot = c.find('.');
-    if (dot != std::string::npos) d = std::min(d, edit_distance(op, std::string_view(c).substr(dot + 1)) + 1);
+    if (dot != std::string::npos && within(std::string_view(c).substr(dot + 1), 1)) {
+      d = std::min(d, edit_distance(op, std::string_view(c).substr(dot + 1)) + 1);
+    }
     if (d <= limit) scored.emplace_back(d, c);
   }
   std::sort(scored.begin(), scored.end());

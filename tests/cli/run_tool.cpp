@@ -10,10 +10,13 @@
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+#include <string_view>
 
 extern char** environ;
 
 namespace {
+
+constexpr unsigned kToolTimeoutSeconds = 60;
 
 std::string slurp(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -36,7 +39,10 @@ ToolResult run_tool(const std::vector<std::string>& args, const std::map<std::st
   const std::string err_path = dir + "/err";
   std::vector<std::string> env_strings;
   for (char** e = environ; *e != nullptr; ++e) {
-    if (std::strncmp(*e, "KDISPATCH_", 10) != 0) env_strings.emplace_back(*e);
+    if (std::strncmp(*e, "KDISPATCH_", 10) == 0) continue;
+    const std::string_view entry = *e;
+    if (env.count(std::string(entry.substr(0, entry.find('=')))) != 0) continue;  // set (or unset) below
+    env_strings.emplace_back(*e);
   }
   for (const auto& [k, v] : env) {
     if (!v.empty()) env_strings.push_back(k + "=" + v);
@@ -58,6 +64,10 @@ ToolResult run_tool(const std::vector<std::string>& args, const std::map<std::st
     dup2(err, 2);
     const int devnull = open("/dev/null", O_RDONLY);
     dup2(devnull, 0);
+    // A command that hangs (a FIFO opened for reading, a plugin that loops)
+    // dies of SIGALRM and fails its test instead of stalling the suite; the
+    // timer survives execve.
+    alarm(kToolTimeoutSeconds);
     execve(argv[0], argv.data(), envp.data());
     _exit(127);
   }

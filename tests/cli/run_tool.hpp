@@ -11,8 +11,10 @@ struct ToolResult {
   std::string err;
 };
 
-// `env` entries are set in the child (an empty value unsets the variable).
-// The child never inherits KDISPATCH_* from the test's environment.
+// `env` entries are set in the child, replacing inherited ones (an empty
+// value unsets the variable).
+// The child never inherits KDISPATCH_* from the test's environment, and is
+// killed by SIGALRM (exit code 142) after 60 s.
 ToolResult run_tool(const std::vector<std::string>& args, const std::map<std::string, std::string>& env = {});
 
 // A fresh empty directory under the system temp dir.

@@ -291,11 +291,17 @@ TEST_CASE("validate: shipped manifests are clean and broken ones print FILE: KD-
 }
 
 TEST_CASE("validate reads no further than a manifest may be long: an endless file is an error, not a hang") {
-  const ToolResult r = run_tool({"validate", "/dev/zero", kManifests + "/cpu.json"});
+  // A device is refused before it is read; a long regular file after 16 MiB.
+  const std::string dir = make_temp_dir();
+  { std::ofstream(dir + "/long.json") << std::string((size_t{16} << 20) + 1, ' '); }
+  const ToolResult r = run_tool({"validate", "/dev/zero", dir + "/long.json", kManifests + "/cpu.json"});
   CHECK(r.exit_code == 2);
   CHECK(r.out.find("/dev/zero: KD-E010:") != std::string::npos);
+  CHECK(r.out.find("a character device, not a regular file") != std::string::npos);
+  CHECK(r.out.find("long.json: KD-E010:") != std::string::npos);
   CHECK(r.out.find("larger than the 16 MiB a manifest may have") != std::string::npos);
   CHECK(r.out.find("cpu.json: ok") != std::string::npos);
+  fs::remove_all(dir);
 }
 
 TEST_CASE("doctor --json reports search path, plugins and problems") {

@@ -34,10 +34,12 @@ constexpr ErrorCode kAllCodes[] = {
     ErrorCode::plugin_probe_failed,
     ErrorCode::plugin_insecure,
     ErrorCode::plugin_checksum_mismatch,
+    ErrorCode::plugin_scan_failed,
     ErrorCode::bad_arguments,
     ErrorCode::dtype_not_supported,
     ErrorCode::kernel_failed,
     ErrorCode::device_error,
+    ErrorCode::file_not_writable,
 };
 
 // Every line non-empty and starting with "- "; no leading/trailing newline.

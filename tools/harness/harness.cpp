@@ -516,6 +516,8 @@ void save_npy(const std::string& path, const Buffer& buffer) {
   } else {
     out.write(static_cast<const char*>(buffer.host()), static_cast<std::streamsize>(buffer.bytes()));
   }
+  // close() writes what is still buffered: a full disk shows up here.
+  out.close();
   if (!out) throw std::runtime_error(fmt::format("error writing {}", path));
 }
 

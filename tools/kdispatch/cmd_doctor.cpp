@@ -27,7 +27,10 @@ Runner add_doctor(CLI::App& app) {
     Json plugins = Json::array();
     for (const auto& rec : ctx->discovery().plugins) {
       Json p = plugin_json(rec);
+      // The verdict follows what was found: a plugin in error, or any
+      // problem that is not a warning (KD-E005 leaves the plugin loaded).
       if (rec.state == PluginState::error) any_error = true;
+      for (const Problem& q : rec.problems) any_error = any_error || !q.warning;
       if (rec.state == PluginState::found && !options->no_load) {
         try {
           const PluginBinary& bin = ctx->load_plugin(rec.name);
@@ -49,6 +52,10 @@ Runner add_doctor(CLI::App& app) {
       plugins.push_back(std::move(p));
     }
     Json problems = Json::array();
+    for (const Problem& q : ctx->discovery().problems) {
+      problems.push_back(problem_json(q));
+      any_error = true;
+    }
     for (const auto& p : plugins) {
       for (const auto& q : p["problems"]) problems.push_back(q);
     }
@@ -82,6 +89,7 @@ Runner add_doctor(CLI::App& app) {
     } catch (const std::exception& e) {
       fmt::print("\nplatform: {}\n", e.what());
     }
+    for (const Problem& q : ctx->discovery().problems) fmt::print("  {}: {}\n", code_string(q.code), q.message);
     fmt::print("\nplugins:\n");
     if (plugins.empty()) fmt::print("  none found\n");
     for (const auto& p : plugins) {
@@ -100,7 +108,8 @@ Runner add_doctor(CLI::App& app) {
         }
       }
       for (const auto& q : p["problems"]) {
-        fmt::print("    {}: {}\n", q["code"].get<std::string>(), q["message"].get<std::string>());
+        fmt::print("    {}{}: {}\n", q["severity"] == "warning" ? "warning " : "", q["code"].get<std::string>(),
+                   q["message"].get<std::string>());
       }
     }
     if (without_reference.empty()) {

@@ -63,16 +63,20 @@ std::string at_least_one(const std::string& text) {
 
 void print_sweep(const Sweep& sweep, bool bench) {
   size_t width = 2;
-  for (const auto& r : sweep.results) width = std::max(width, r.op.size());
-  fmt::print("{:<{}}  {:<9} {:<7} {:<9} {:<28} {:<6} {:>9} {:>9} {:>9} {:>10} {:>8}\n", "OP", width, "BACKEND",
-             "DEVICE", "DTYPE", "SHAPES", "CHECK", "MAX_ABS", "MAX_ULPS", "MEAN_ULPS", "US/CALL", "GB/S");
+  size_t backend_width = 9;
+  for (const auto& r : sweep.results) {
+    width = std::max(width, r.op.size());
+    backend_width = std::max(backend_width, r.backend.size());
+  }
+  fmt::print("{:<{}}  {:<{}} {:<7} {:<9} {:<28} {:<6} {:>9} {:>9} {:>9} {:>10} {:>8}\n", "OP", width, "BACKEND",
+             backend_width, "DEVICE", "DTYPE", "SHAPES", "CHECK", "MAX_ABS", "MAX_ULPS", "MEAN_ULPS", "US/CALL", "GB/S");
   for (const auto& r : sweep.results) {
     const std::string_view status = result_status(r);
     const std::string_view check = status == "passed" ? "ok" : status == "failed" ? "FAIL" : "-";
-    fmt::print("{:<{}}  {:<9} {:<7} {:<9} {:<28} {:<6} {:>9.2e} {:>9.3g} {:>9.3g} {:>10.2f} {:>8.2f}\n", r.op, width,
-               r.backend, r.device, r.dtype, r.shapes, check, r.max_abs_err, r.max_ulps, r.mean_ulps, r.us_per_call,
-               r.gb_per_s);
-    if (!r.ok) fmt::print("{:<{}}  -> {}\n", "", width, r.error);
+    fmt::print("{:<{}}  {:<{}} {:<7} {:<9} {:<28} {:<6} {:>9.2e} {:>9.3g} {:>9.3g} {:>10.2f} {:>8.2f}\n", r.op, width,
+               r.backend, backend_width, r.device, r.dtype, r.shapes, check, r.max_abs_err, r.max_ulps, r.mean_ulps,
+               r.us_per_call, r.gb_per_s);
+    if (!r.ok || !r.error.empty()) fmt::print("{:<{}}  -> {}\n", "", width, r.error);
   }
   for (const auto& s : sweep.skipped) fmt::print("skipped: {} on {}: {}\n", s.op, s.backend, s.reason);
   std::set<std::string> unchecked_ops;

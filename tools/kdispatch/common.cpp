@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <iostream>
 
+#include "json_text.hpp"
 #include "kdispatch/platform.hpp"
 
 namespace kdispatch::cli {
@@ -116,10 +117,13 @@ Json error_json(std::string_view code, std::string_view message, const std::vect
   return Json{{"error", {{"code", code}, {"message", message}, {"hints", hints}}}};
 }
 
-void print_json(const Json& doc) { std::cout << doc.dump(2) << std::endl; }
+void print_json(const Json& doc) { std::cout << json_text(doc) << std::endl; }
 
 Json problem_json(const Problem& problem) {
-  return {{"code", code_string(problem.code)}, {"file", problem.file}, {"message", problem.message}};
+  return {{"code", code_string(problem.code)},
+          {"file", problem.file},
+          {"message", problem.message},
+          {"severity", problem.warning ? "warning" : "error"}};
 }
 
 Json problems_json(const std::vector<Problem>& problems) {

@@ -84,5 +84,6 @@ Runner add_doctor(CLI::App& app);
 Runner add_inspect(CLI::App& app);
 Runner add_run(CLI::App& app);
 Runner add_bench(CLI::App& app);
+Runner add_scan(CLI::App& app);
 
 }  // namespace kdispatch::cli

@@ -44,7 +44,8 @@ int main(int argc, char** argv) {
       "declare in their manifests, and explains every error.\n\n"
       "Environment: KDISPATCH_PLUGIN_PATH, KDISPATCH_ADD_PLUGIN_PATH, KDISPATCH_PLUGINS_DISABLE,\n"
       "KDISPATCH_PLUGINS_SELECT, KDISPATCH_DEVICE, KDISPATCH_FORCE_BACKEND, KDISPATCH_BACKEND_ORDER,\n"
-      "KDISPATCH_LOG=error|warn|info|debug, KDISPATCH_TRACE=FILE, KDISPATCH_CPU_THREADS=N (see README.md).\n"
+      "KDISPATCH_LOG=error|warn|info|debug, KDISPATCH_TRACE=FILE, KDISPATCH_CPU_THREADS=N,\n"
+      "KDISPATCH_SCAN=cache|always|off, KDISPATCH_SCAN_TIMEOUT=SECONDS (see README.md).\n"
       "Exit codes: 0 ok, 1 usage, 2 dispatch or manifest error, 3 kernel failure or result mismatch.",
       "kdispatch"};
   app.require_subcommand(0, 1);
@@ -57,7 +58,7 @@ int main(int argc, char** argv) {
 
   std::vector<Runner> runners;
   std::vector<CLI::App*> commands;
-  for (auto add : {add_list, add_select, add_run, add_bench, add_doctor, add_inspect, add_validate, add_explain}) {
+  for (auto add : {add_list, add_select, add_run, add_bench, add_doctor, add_scan, add_inspect, add_validate, add_explain}) {
     runners.push_back(add(app));
     commands.push_back(app.get_subcommands({}).back());
   }

@@ -1,13 +1,17 @@
 #include "runner.hpp"
 
 #include <fmt/format.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
+#include "json_text.hpp"
+#include "save_files.hpp"
 #include "kdispatch/dispatcher.hpp"
 
 namespace kdispatch::cli {
@@ -106,20 +110,52 @@ std::string human_bytes(double bytes) {
   return u == 0 ? fmt::format("{:.0f} bytes", bytes) : fmt::format("{:.1f} {}", bytes, units[u]);
 }
 
+// Bytes this process may allocate: the machine's memory, or less where an
+// address-space or data limit (ulimit -v, -d) is lower.
+double usable_memory() {
+  double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+  for (const int resource : {RLIMIT_AS, RLIMIT_DATA}) {
+    rlimit limit{};
+    if (getrlimit(resource, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+      memory = std::min(memory, static_cast<double>(limit.rlim_cur));
+    }
+  }
+  return memory;
+}
+
+// What one checked call of the sweep holds at its peak, in bytes: the host
+// inputs, the copy the kernel writes, a second copy for the cpu backend's
+// result when another backend is checked against it, and the float64
+// reference, which reads every tensor as doubles and returns its outputs as
+// doubles too (8 bytes per element, twice). Without checks: the inputs and
+// the working copy.
+double peak_bytes(const OpSchema& schema, Dtype dtype, const harness::Shapes& shapes, bool check) {
+  const auto bytes = static_cast<double>(harness::call_bytes(schema, dtype, shapes));
+  if (!check) return 2.0 * bytes;
+  double elements = 0;
+  for (const TensorArg& arg : schema.tensors) {
+    double n = 1;
+    for (int64_t d : harness::tensor_shape(arg, shapes)) n *= static_cast<double>(d);
+    elements += n;
+  }
+  return 3.0 * bytes + 16.0 * elements;
+}
+
 // The host tensors of one call, or a usage error naming the shapes where
-// they cannot be made: sizes past 64 bits, more than the machine's memory
-// (the sweep holds the inputs and a working copy at least), or a shape that
-// leaves an index tensor no valid value.
-harness::CallData make_host_call(const OpSchema& schema, Dtype dtype, const harness::Shapes& shapes, uint64_t seed) {
+// they cannot be made: sizes past 64 bits, a peak use (peak_bytes) past the
+// memory this process may use, or a shape that leaves an index tensor no valid value.
+harness::CallData make_host_call(const OpSchema& schema, Dtype dtype, const harness::Shapes& shapes, uint64_t seed,
+                                 bool check) {
   const std::string where = fmt::format("{} {} at {}", schema.op, dtype_name(dtype), harness::shapes_str(shapes));
   try {
-    const size_t bytes = harness::call_bytes(schema, dtype, shapes);
-    const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
-    if (memory > 0 && 2.0 * static_cast<double>(bytes) > memory) {
-      throw UsageError(
-          fmt::format("{}: the call's tensors take {}, and a run holds two copies of them at least; "
-                      "this machine has {} of memory",
-                      where, human_bytes(static_cast<double>(bytes)), human_bytes(memory)));
+    const double bytes = static_cast<double>(harness::call_bytes(schema, dtype, shapes));
+    const double peak = peak_bytes(schema, dtype, shapes, check);
+    const double memory = usable_memory();
+    if (memory > 0 && peak > memory) {
+      throw UsageError(fmt::format(
+          "{}: the call's tensors take {}, and running it needs about {} (copies and a float64 reference); "
+          "this process may use {} of memory",
+          where, human_bytes(bytes), human_bytes(peak), human_bytes(memory)));
     }
     return harness::make_call(schema, dtype, shapes, seed);
   } catch (const std::invalid_argument& e) {
@@ -127,27 +163,44 @@ harness::CallData make_host_call(const OpSchema& schema, Dtype dtype, const harn
   }
 }
 
-// --save's directory, made before anything runs.
-void make_save_dir(const std::string& dir) {
-  if (dir.empty()) return;
-  std::error_code error;
-  std::filesystem::create_directories(dir, error);
-  if (error) throw UsageError(fmt::format("--save {}: cannot create the directory: {}", dir, error.message()));
-}
-
+// Writes every file of one result; a file that fails does not stop the
+// others. Throws the first failure (KD-E050), with how many more failed.
 void save_call(const std::string& dir, const OpSchema& schema, const std::string& backend, const harness::CallData& in,
                const harness::CallData& out) {
   const std::string stem = fmt::format("{}/{}.{}.{}", dir, schema.op, backend, dtype_name(in.dtype));
+  std::vector<Error> failures;
+  const auto save = [&](const std::string& path, const std::function<void(const std::string&)>& write) {
+    try {
+      write_atomically(path, write);
+    } catch (const Error& e) {
+      failures.push_back(e);
+    }
+  };
   for (size_t i = 0; i < schema.tensors.size(); ++i) {
     const TensorArg& a = schema.tensors[i];
-    if (!a.written || a.inplace) harness::save_npy(fmt::format("{}.{}.in.npy", stem, a.name), in.tensors[i]);
-    if (a.written || a.inplace) harness::save_npy(fmt::format("{}.{}.out.npy", stem, a.name), out.tensors[i]);
+    if (!a.written || a.inplace) {
+      save(fmt::format("{}.{}.in.npy", stem, a.name),
+           [&](const std::string& temporary) { harness::save_npy(temporary, in.tensors[i]); });
+    }
+    if (a.written || a.inplace) {
+      save(fmt::format("{}.{}.out.npy", stem, a.name),
+           [&](const std::string& temporary) { harness::save_npy(temporary, out.tensors[i]); });
+    }
   }
   Json attrs = Json::object();
   for (const auto& attr : in.attrs) {
     std::visit([&](const auto& v) { attrs[std::string(attr.name)] = v; }, attr.value);
   }
-  std::ofstream(stem + ".attrs.json") << attrs.dump(2) << "\n";
+  save(stem + ".attrs.json", [&](const std::string& temporary) {
+    std::ofstream file(temporary);
+    file << json_text(attrs) << "\n";
+    file.close();
+    if (!file) throw std::runtime_error("error writing " + temporary);
+  });
+  if (failures.empty()) return;
+  if (failures.size() == 1) throw failures.front();
+  throw Error(failures.front().code(),
+              fmt::format("{} (and {} more files)", failures.front().message(), failures.size() - 1));
 }
 
 }  // namespace
@@ -179,7 +232,7 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
       if (!known) throw UsageError(fmt::format("--attr {}: no op has an attribute '{}'", o, name));
     }
   }
-  make_save_dir(options.save_dir);
+  if (!options.save_dir.empty()) check_save_dir(options.save_dir);
   const bool show_progress = options.progress && isatty(2);
   // The progress line is blanked when the sweep ends, by an error too.
   struct ProgressLine {
@@ -189,153 +242,188 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
     }
   } const progress_line{show_progress};
   const auto fail_dispatch = [&] { sweep.exit_code = std::max(sweep.exit_code, static_cast<int>(kDispatchError)); };
+  const auto failed_result = [](const std::string& op, const std::string& backend, const Error& e) {
+    SweepResult failed;
+    failed.op = op;
+    failed.backend = backend;
+    failed.device = "-";
+    failed.dtype = "-";
+    failed.shapes = "-";
+    failed.error = fmt::format("[{}] {}", e.code_string(), e.message());
+    return failed;
+  };
 
   for (const std::string& op : ops) {
-    // Resolving the handle checks that the op exists and has a schema.
-    OpHandle handle = dispatch.op(op);
-    const OpSchema& schema = handle.schema();
-    if (!options.ops.empty()) check_dtype_flag(options.dtype, &schema);
-    std::vector<const KernelSpec*> specs = ctx.registry().get(op);
-    if (!options.backend.empty()) {
-      const KernelSpec* s = ctx.registry().get_backend(op, options.backend);
-      if (s == nullptr) {
-        // The selector words KD-E002, with why a plugin did not load.
-        ctx.select({op, options.backend, Device::host_cpu(), std::nullopt});
-      }
-      specs = {s};
-    }
-    harness::Shapes shapes = harness::example_shapes(schema);
-    if (options.bench_sizes && schema.bench_sizes) shapes = *schema.bench_sizes;
+    // With --all, an op that cannot be run at all (its schema is past what
+    // the checker handles, its example sizes cannot be allocated, ...) is
+    // reported and the sweep goes on; an op named on the command line stops
+    // it with its error, as a usage error where it is one.
     try {
-      harness::apply_overrides(shapes, options.shape_overrides, schema);
-      std::vector<NamedAttr> attrs;  // --attr checked before anything runs
-      harness::apply_attr_overrides(attrs, options.attr_overrides, schema, options.ops.empty());
-    } catch (const std::invalid_argument& e) {
-      throw UsageError(e.what());
-    }
-    // The op's oracle. It is run only when named: as a backend of its own
-    // it would only be compared with itself.
-    const KernelSpec* reference = ctx.registry().reference(op);
-
-    for (const KernelSpec* spec : specs) {
-      if (spec->is_reference() && options.backend.empty()) continue;
-      const PluginBinary* binary = nullptr;
+      // Resolving the handle checks that the op exists and has a schema.
+      OpHandle handle = dispatch.op(op);
+      const OpSchema& schema = handle.schema();
+      if (!options.ops.empty()) check_dtype_flag(options.dtype, &schema);
+      std::vector<const KernelSpec*> specs = ctx.registry().get(op);
+      if (!options.backend.empty()) {
+        const KernelSpec* s = ctx.registry().get_backend(op, options.backend);
+        if (s == nullptr) {
+          // The selector words KD-E002, with why a plugin did not load.
+          ctx.select({op, options.backend, Device::host_cpu(), std::nullopt});
+        }
+        specs = {s};
+      }
+      harness::Shapes shapes = harness::example_shapes(schema);
+      if (options.bench_sizes && schema.bench_sizes) shapes = *schema.bench_sizes;
       try {
-        binary = &ctx.load_plugin(spec->plugin);
-      } catch (const Error& e) {
-        SweepResult failed;
-        failed.op = op;
-        failed.backend = spec->backend;
-        failed.device = "-";
-        failed.dtype = "-";
-        failed.shapes = "-";
-        failed.error = fmt::format("[{}] {}", e.code_string(), e.message());
-        sweep.results.push_back(std::move(failed));
-        fail_dispatch();
-        continue;
+        harness::apply_overrides(shapes, options.shape_overrides, schema);
+        std::vector<NamedAttr> attrs;  // --attr checked before anything runs
+        harness::apply_attr_overrides(attrs, options.attr_overrides, schema, options.ops.empty());
+      } catch (const std::invalid_argument& e) {
+        throw UsageError(e.what());
       }
-      const std::vector<Target> targets = targets_of(*binary, options.device);
-      if (targets.empty()) {
-        sweep.skipped.push_back({op, spec->backend,
-                                 options.device.empty() ? "its plugin reports no device here"
-                                                        : fmt::format("no {} device here", options.device)});
-        continue;
-      }
-      for (const Target& target : targets) {
+      // The op's oracle. It is run only when named: as a backend of its own
+      // it would only be compared with itself.
+      const KernelSpec* reference = ctx.registry().reference(op);
+
+      for (const KernelSpec* spec : specs) {
+        if (spec->is_reference() && options.backend.empty()) continue;
+        const PluginBinary* binary = nullptr;
         try {
-          ctx.select({op, spec->backend, target.device.device, std::nullopt});
+          binary = &ctx.load_plugin(spec->plugin);
         } catch (const Error& e) {
-          sweep.skipped.push_back({op, spec->backend, e.message()});
+          sweep.results.push_back(failed_result(op, spec->backend, e));
+          fail_dispatch();
           continue;
         }
-        const std::vector<Dtype> dtypes = dtypes_for(schema, *spec, options.dtype);
-        if (dtypes.empty()) {
-          sweep.skipped.push_back({op, spec->backend, fmt::format("does not support dtype '{}'", options.dtype)});
+        const std::vector<Target> targets = targets_of(*binary, options.device);
+        if (targets.empty()) {
+          sweep.skipped.push_back({op, spec->backend,
+                                   options.device.empty() ? "its plugin reports no device here"
+                                                          : fmt::format("no {} device here", options.device)});
           continue;
         }
-        const OpHandle backend_handle = dispatch.op(op, spec->backend);
-        for (Dtype dtype : dtypes) {
-          SweepResult r;
-          r.op = op;
-          r.backend = spec->backend;
-          r.device = fmt::format("{}:{}", device_type_name(target.device.device.type), target.device.id);
-          r.dtype = dtype_name(dtype);
-          r.shapes = harness::shapes_str(shapes);
-          if (show_progress) {
-            fmt::print(stderr, "  running {} on {} {} {} ...\r", op, r.backend, r.device, r.dtype);
-            std::fflush(stderr);
-          }
+        for (const Target& target : targets) {
           try {
-            harness::CallData host = make_host_call(schema, dtype, shapes, 0x5eed + sweep.results.size());
-            try {
-              harness::apply_attr_overrides(host.attrs, options.attr_overrides, schema, options.ops.empty());
-            } catch (const std::invalid_argument& e) {
-              throw UsageError(e.what());
-            }
-            harness::CallData data = harness::clone_to(host, target.dl, target.memory);
-            std::vector<DLTensor> tensors = data.dl();
-            // The kernel first: where it refuses the arguments (K > E, say),
-            // its message is the result's, and no reference is computed.
-            backend_handle(tensors, data.attrs);
-            synchronize(target);
-            harness::download_all(data);
-            // Expected outputs: the op's reference kernel on the same inputs,
-            // on the host.
-            if (!options.check) {
-              r.ok = true;
-              r.checked_against = "not checked: --no-check";
-            } else if (reference == nullptr) {
-              r.ok = true;
-              r.checked_against = "not checked: the op has no reference kernel";
-            } else if (reference == spec) {
-              r.ok = true;
-              r.checked_against = "not checked: it is the op's reference";
-            } else {
-              harness::CallData ref = harness::clone_to(host, DLDevice{kDLCPU, 0}, nullptr);
-              std::vector<DLTensor> t = ref.dl();
-              try {
-                dispatch.op(op, reference->backend)(t, ref.attrs);
-              } catch (const Error& e) {
-                throw KernelError(ErrorCode::kernel_failed,
-                                  fmt::format("the reference ('{}') failed: [{}] {}", reference->backend,
-                                              e.code_string(), e.message()));
-              }
-              const harness::Comparison c = harness::compare(schema, data, ref);
-              r.checked = true;
-              r.checked_against = fmt::format("reference ({})", reference->backend);
-              r.ok = c.ok;
-              r.max_abs_err = c.max_abs_err;
-              r.max_rel_err = c.max_rel_err;
-              r.max_ulps = c.max_ulps;
-              r.mean_ulps = c.mean_ulps;
-              if (!c.ok) r.error = c.first_mismatch;
-            }
-            if (!options.save_dir.empty()) save_call(options.save_dir, schema, spec->backend, host, data);
-            // Timing: in-place ops keep transforming their tensors, which is
-            // fine for timing (values stay finite) and never checked.
-            int iters = std::max(options.iters, 1);
-            double seconds = 0;
-            std::vector<double> samples;
-            const auto deadline = Clock::now() + std::chrono::duration<double>(options.min_seconds);
-            do {
-              const auto start = Clock::now();
-              for (int i = 0; i < iters; ++i) backend_handle(tensors, data.attrs);
-              synchronize(target);
-              const double s = std::chrono::duration<double>(Clock::now() - start).count();
-              samples.push_back(s / iters);
-              seconds += s;
-            } while (Clock::now() < deadline && samples.size() < 1000);
-            std::sort(samples.begin(), samples.end());
-            r.us_per_call = samples[samples.size() / 2] * 1e6;
-            r.gb_per_s = static_cast<double>(data.bytes_moved(schema)) / (r.us_per_call * 1e3);
-          } catch (const KernelError& e) {
-            r.ok = false;
-            r.error = fmt::format("[{}] {}", e.code_string(), e.message());
+            ctx.select({op, spec->backend, target.device.device, std::nullopt});
+          } catch (const Error& e) {
+            sweep.skipped.push_back({op, spec->backend, e.message()});
+            continue;
           }
-          if (!r.ok) sweep.exit_code = std::max(sweep.exit_code, static_cast<int>(kKernelFailure));
-          sweep.results.push_back(std::move(r));
+          const std::vector<Dtype> dtypes = dtypes_for(schema, *spec, options.dtype);
+          if (dtypes.empty()) {
+            sweep.skipped.push_back({op, spec->backend, fmt::format("does not support dtype '{}'", options.dtype)});
+            continue;
+          }
+          const OpHandle backend_handle = dispatch.op(op, spec->backend);
+          for (Dtype dtype : dtypes) {
+            SweepResult r;
+            r.op = op;
+            r.backend = spec->backend;
+            r.device = fmt::format("{}:{}", device_type_name(target.device.device.type), target.device.id);
+            r.dtype = dtype_name(dtype);
+            r.shapes = harness::shapes_str(shapes);
+            if (show_progress) {
+              fmt::print(stderr, "  running {} on {} {} {} ...\r", op, r.backend, r.device, r.dtype);
+              std::fflush(stderr);
+            }
+            try {
+              harness::CallData host =
+                  make_host_call(schema, dtype, shapes, 0x5eed + sweep.results.size(), options.check);
+              try {
+                harness::apply_attr_overrides(host.attrs, options.attr_overrides, schema, options.ops.empty());
+              } catch (const std::invalid_argument& e) {
+                throw UsageError(e.what());
+              }
+              harness::CallData data = harness::clone_to(host, target.dl, target.memory);
+              std::vector<DLTensor> tensors = data.dl();
+              // The kernel first: where it refuses the arguments (K > E, say),
+              // its message is the result's, and no reference is computed.
+              backend_handle(tensors, data.attrs);
+              synchronize(target);
+              harness::download_all(data);
+              // Expected outputs: the op's reference kernel on the same
+              // inputs, on the host.
+              if (!options.check) {
+                r.ok = true;
+                r.checked_against = "not checked: --no-check";
+              } else if (reference == nullptr) {
+                r.ok = true;
+                r.checked_against = "not checked: the op has no reference kernel";
+              } else if (reference == spec) {
+                r.ok = true;
+                r.checked_against = "not checked: it is the op's reference";
+              } else {
+                harness::CallData ref = harness::clone_to(host, DLDevice{kDLCPU, 0}, nullptr);
+                std::vector<DLTensor> t = ref.dl();
+                try {
+                  dispatch.op(op, reference->backend)(t, ref.attrs);
+                } catch (const Error& e) {
+                  throw KernelError(ErrorCode::kernel_failed,
+                                    fmt::format("the reference ('{}') failed: [{}] {}", reference->backend,
+                                                e.code_string(), e.message()));
+                }
+                const harness::Comparison c = harness::compare(schema, data, ref);
+                r.checked = true;
+                r.checked_against = fmt::format("reference ({})", reference->backend);
+                r.ok = c.ok;
+                r.max_abs_err = c.max_abs_err;
+                r.max_rel_err = c.max_rel_err;
+                r.max_ulps = c.max_ulps;
+                r.mean_ulps = c.mean_ulps;
+                if (!c.ok) r.error = c.first_mismatch;
+              }
+              if (!options.save_dir.empty()) {
+                try {
+                  save_call(options.save_dir, schema, spec->backend, host, data);
+                } catch (const Error& e) {
+                  // The result stands; the files it could not write fail the run.
+                  r.error = fmt::format("[{}] {}", e.code_string(), e.message());
+                  fail_dispatch();
+                }
+              }
+              // Timing: in-place ops keep transforming their tensors, which is
+              // fine for timing (values stay finite) and never checked.
+              int iters = std::max(options.iters, 1);
+              std::vector<double> samples;
+              const auto deadline = Clock::now() + std::chrono::duration<double>(options.min_seconds);
+              do {
+                const auto start = Clock::now();
+                for (int i = 0; i < iters; ++i) backend_handle(tensors, data.attrs);
+                synchronize(target);
+                samples.push_back(std::chrono::duration<double>(Clock::now() - start).count() / iters);
+              } while (Clock::now() < deadline && samples.size() < 1000);
+              std::sort(samples.begin(), samples.end());
+              r.us_per_call = samples[samples.size() / 2] * 1e6;
+              r.gb_per_s = static_cast<double>(data.bytes_moved(schema)) / (r.us_per_call * 1e3);
+            } catch (const KernelError& e) {
+              r.ok = false;
+              r.error = fmt::format("[{}] {}", e.code_string(), e.message());
+            } catch (const CallError& e) {
+              // The generated call does not fit the op (a required attribute
+              // without default, say): this result fails, the sweep goes on.
+              r.ok = false;
+              r.error = fmt::format("[{}] {}", e.code_string(), e.message());
+              fail_dispatch();
+            } catch (const std::bad_alloc&) {
+              r.ok = false;
+              r.error = fmt::format("not enough memory for the tensors at {}", r.shapes);
+              fail_dispatch();
+            }
+            if (!r.ok) sweep.exit_code = std::max(sweep.exit_code, static_cast<int>(kKernelFailure));
+            sweep.results.push_back(std::move(r));
+          }
         }
       }
+    } catch (const UsageError& e) {
+      if (!options.ops.empty()) throw;
+      sweep.skipped.push_back({op, "-", e.what()});
+    } catch (const Error& e) {
+      if (!options.ops.empty()) throw;
+      sweep.results.push_back(failed_result(op, "-", e));
+      fail_dispatch();
+    } catch (const std::bad_alloc&) {
+      if (!options.ops.empty()) throw;
+      sweep.skipped.push_back({op, "-", "not enough memory for its example sizes"});
     }
   }
   return sweep;

@@ -42,6 +42,13 @@ struct PluginLoadState {
   std::optional<Problem> failure;        // set when loading failed
 };
 
+struct PluginScanResult {
+  std::string plugin;
+  std::string library;
+  std::string verdict;             // ok, incompatible, crashed, hung, exited, wrote-stdout; unscanned without a helper
+  std::optional<Problem> problem;  // what stops it from loading, with its code
+};
+
 class Context {
  public:
   explicit Context(ContextOptions options = {});
@@ -74,6 +81,10 @@ class Context {
   const PluginBinary& load_plugin(const std::string& plugin);
   // nullopt when the plugin was never asked for.
   std::optional<PluginLoadState> load_state(const std::string& plugin) const;
+  // `kdispatch scan`: every plugin found is opened now in the helper process
+  // (DESIGN.md section 6), whatever the registry cache holds, and the
+  // outcome recorded there. Nothing is opened in this process.
+  std::vector<PluginScanResult> scan_plugins();
 
  private:
   void register_record(PluginRecord& record);

@@ -65,6 +65,7 @@ struct PluginRecord {
 struct DiscoveryResult {
   std::vector<SearchDir> search_path;
   std::vector<PluginRecord> plugins;  // in discovery order
+  std::vector<Problem> problems;      // of the search path itself: directories that cannot be listed
 };
 
 DiscoveryResult discover_plugins(const SearchPathOptions& options);

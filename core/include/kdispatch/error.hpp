@@ -32,11 +32,14 @@ enum class ErrorCode : int {
   plugin_probe_failed = 24,       // KD-E024
   plugin_insecure = 25,           // KD-E025
   plugin_checksum_mismatch = 26,  // KD-E026
+  plugin_scan_failed = 27,        // KD-E027
   // calls
   bad_arguments = 30,             // KD-E030
   dtype_not_supported = 31,       // KD-E031
   kernel_failed = 40,             // KD-E040
   device_error = 41,              // KD-E041
+  // files kdispatch writes
+  file_not_writable = 50,         // KD-E050
 };
 
 // "KD-E002" for ErrorCode::backend_not_registered.
@@ -98,6 +101,7 @@ struct Problem {
   ErrorCode code;
   std::string file;     // manifest or library path; may be empty
   std::string message;  // names the field or cause
+  bool warning = false;  // reported, but stops nothing (an unknown key, a newer minor format)
 };
 
 }  // namespace kdispatch

@@ -54,8 +54,9 @@ ManifestResult parse_manifest(std::string_view text, const std::string& path);
 ManifestResult read_manifest(const std::filesystem::path& path);
 
 // The text of a manifest or op-schema file, read up to the size a manifest
-// may have (16 MiB; a device or a pipe is read no further); otherwise the
-// problem (KD-E010, naming the file) in `problem`.
+// may have (16 MiB); otherwise the problem (KD-E010, naming the file) in
+// `problem`. A FIFO, device or directory is refused as not a regular file,
+// without blocking.
 std::optional<std::string> read_manifest_text(const std::filesystem::path& path, Problem& problem);
 
 struct SchemaFileResult {

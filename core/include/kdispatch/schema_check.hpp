@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -169,6 +170,13 @@ inline bool is_contiguous(const DLTensor& t) {
   return true;
 }
 int64_t numel(const DLTensor& t);
+// Bytes of the tensor's elements, or nullopt when a dim is negative or the
+// element or byte count overflows int64.
+std::optional<uint64_t> checked_bytes(const DLTensor& t) noexcept;
+// Why the tensor's byte_offset is unusable, or empty: not a multiple of the
+// element size, overflowing with the data pointer and `bytes`, or (cpu)
+// putting the data outside mapped memory.
+std::string byte_offset_problem(const DLTensor& t, uint64_t bytes);
 
 // Inline: the whole per-call cost of a checked call's validation.
 inline bool CompiledSchema::matches(const Accepted& accepted, std::span<const DLTensor> tensors,
@@ -203,6 +211,9 @@ inline bool CompiledSchema::matches(const Accepted& accepted, std::span<const DL
     if (diff != 0) return false;
     // What the words do not cover is checked as in the plan.
     if (t.data == nullptr) return false;
+    // A byte_offset is checked against the data pointer, so only the plan
+    // can pass it.
+    if (t.byte_offset != 0) return false;
     if (t.strides != nullptr && !(plan_[i].flags & kStrided) && !is_contiguous(t)) return false;
   }
   info->dtype = accepted.dtype.load(std::memory_order_acquire);

@@ -16,6 +16,10 @@ namespace kdispatch {
 // or owned by another non-root user (KD-E025). Uses stat only.
 std::optional<Problem> check_library_location(const Manifest& manifest);
 
+// The same rule for a manifest file and its directory (KD-E025): the
+// manifest names the library and its checksum.
+std::optional<Problem> check_manifest_security(const std::filesystem::path& manifest);
+
 // When the manifest has "sha256", the library's digest matches (KD-E026).
 std::optional<Problem> verify_library_checksum(const Manifest& manifest);
 

@@ -1,0 +1,172 @@
+// Out-of-process scanning: plugins whose constructors segfault, abort,
+// exit(0), loop forever or print to stdout, and a corrupted ELF file, beside
+// the cpu plugin. `kdispatch scan` reports each with its code and cause;
+// doctor and run --all then finish with valid JSON and every cpu result;
+// the registry cache keeps the outcomes until a file changes, and a broken
+// cache never stops the tool.
+#include <doctest/doctest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "hostile_helpers.hpp"
+
+using namespace hostile;
+
+namespace {
+
+struct Folder {
+  fs::path plugins;
+  fs::path cache;  // XDG_CACHE_HOME of the commands
+  // Under the sanitizer presets the helper is instrumented too: its SIGSEGV
+  // must stay a signal (not a sanitizer report and exit 1), and the exit(0)
+  // of a constructor must stay status 0 (no leak check at that exit).
+  std::map<std::string, std::string> env() const {
+    return {{"XDG_CACHE_HOME", cache.string()},
+            {"KDISPATCH_SCAN_TIMEOUT", "2"},
+            {"ASAN_OPTIONS", "handle_segv=0:detect_leaks=0"},
+            {"TSAN_OPTIONS", "handle_segv=0"}};
+  }
+  ~Folder() { fs::remove_all(plugins.parent_path()); }
+};
+
+Folder hostile_folder() {
+  Folder f;
+  f.plugins = dir_with_cpu_plugin();
+  f.cache = f.plugins.parent_path() / "cache";
+  for (const char* name :
+       {"fx_ctor_segv", "fx_ctor_abort", "fx_ctor_exit", "fx_ctor_loop", "fx_ctor_stdout", "fx_corrupt_elf"}) {
+    add_fixture(f.plugins, name);
+  }
+  return f;
+}
+
+std::map<std::string, std::string> env_with(std::map<std::string, std::string> env, const std::string& key,
+                                            const std::string& value) {
+  env[key] = value;
+  return env;
+}
+
+}  // namespace
+
+TEST_CASE("hostile scan: every misbehaving plugin is reported with its code and cause") {
+  const Folder f = hostile_folder();
+  const ToolResult r = run_tool({"scan", "--json", "--plugin-path", f.plugins.string()}, f.env());
+  CHECK(r.exit_code == 2);
+  const Json doc = json_of(r);
+  std::map<std::string, Json> by_name;
+  for (const auto& p : doc["plugins"]) by_name[p["name"]] = p;
+  CHECK(by_name["cpu"]["verdict"] == "ok");
+  CHECK(by_name["cpu"]["problem"].is_null());
+  const std::map<std::string, std::pair<std::string, std::string>> expected = {
+      {"fx_ctor_segv", {"crashed", "crashed with signal 11"}},
+      {"fx_ctor_abort", {"crashed", "crashed with signal 6"}},
+      {"fx_ctor_exit", {"exited", "exited with status 0"}},
+      {"fx_ctor_loop", {"hung", "hung (still running after 2.0 s, killed)"}},
+      {"fx_ctor_stdout", {"wrote-stdout", "wrote to stdout (\"hello from a plugin constructor"}},
+  };
+  for (const auto& [name, verdict] : expected) {
+    INFO(name);
+    CHECK(by_name[name]["verdict"] == verdict.first);
+    CHECK(by_name[name]["problem"]["code"] == "KD-E027");
+    CHECK(by_name[name]["problem"]["message"].get<std::string>().find(verdict.second) != std::string::npos);
+  }
+  // The corrupt ELF file is refused by the helper's ELF check, with its code.
+  CHECK(by_name["fx_good"]["verdict"] == "incompatible");
+  CHECK(by_name["fx_good"]["problem"]["code"] == "KD-E020");
+}
+
+namespace {
+// One float32 result per kernel of the cpu backend's manifest.
+size_t cpu_kernels() {
+  std::ifstream in(std::string(KDISPATCH_SOURCE_DIR) + "/manifests/cpu.json");
+  return Json::parse(in)["kernels"].size();
+}
+}  // namespace
+
+TEST_CASE("hostile scan: doctor and run --all finish with valid JSON and every cpu result") {
+  const Folder f = hostile_folder();
+  for (int pass = 0; pass < 2; ++pass) {  // a cold cache, then a warm one
+    INFO("pass " << pass);
+    const ToolResult doctor = run_tool({"doctor", "--json", "--plugin-path", f.plugins.string()}, f.env());
+    CHECK(doctor.exit_code == 2);
+    const Json doc = json_of(doctor);
+    CHECK((*plugin_named(doc, "cpu"))["loaded"] == true);
+    for (const char* name : {"fx_ctor_segv", "fx_ctor_abort", "fx_ctor_exit", "fx_ctor_loop", "fx_ctor_stdout"}) {
+      REQUIRE(plugin_named(doc, name) != nullptr);
+      CHECK((*plugin_named(doc, name))["problems"].back()["code"] == "KD-E027");
+    }
+    const ToolResult run = run_tool(
+        {"run", "--all", "--json", "--iters", "1", "--dtype", "float32", "--plugin-path", f.plugins.string()}, f.env());
+    CHECK(run.exit_code == 2);
+    size_t cpu_ok = 0;
+    const Json results = json_of(run)["results"];
+    for (const auto& result : results) cpu_ok += result["backend"] == "cpu" && result["ok"] == true;
+    CHECK(cpu_ok == cpu_kernels());
+  }
+}
+
+TEST_CASE("hostile scan: outcomes are cached until the plugin's file changes") {
+  const Folder f = hostile_folder();
+  const auto info = env_with(f.env(), "KDISPATCH_LOG", "info");
+  CHECK(run_tool({"scan", "--plugin-path", f.plugins.string()}, f.env()).exit_code == 2);
+  const ToolResult warm = run_tool({"doctor", "--plugin-path", f.plugins.string()}, info);
+  CHECK(warm.err.find("plugin scanner:") == std::string::npos);  // every outcome from the cache
+  CHECK(warm.out.find("crashed with signal 11") != std::string::npos);
+  // A new modification time makes the entry stale: scanned again.
+  fs::last_write_time(f.plugins / "libfx_ctor_segv.so", fs::file_time_type::clock::now());
+  const ToolResult touched = run_tool({"doctor", "--plugin-path", f.plugins.string()}, info);
+  CHECK(touched.err.find("plugin scanner: 'fx_ctor_segv': crashed") != std::string::npos);
+  CHECK(touched.err.find("plugin scanner: 'fx_ctor_abort'") == std::string::npos);
+  // KDISPATCH_SCAN=always scans all of them again.
+  const ToolResult always =
+      run_tool({"doctor", "--plugin-path", f.plugins.string()}, env_with(info, "KDISPATCH_SCAN", "always"));
+  CHECK(always.err.find("plugin scanner: 'fx_ctor_abort': crashed") != std::string::npos);
+}
+
+TEST_CASE("hostile scan: a corrupt, truncated or unwritable registry cache never stops the tool") {
+  const Folder f = hostile_folder();
+  CHECK(run_tool({"scan", "--plugin-path", f.plugins.string()}, f.env()).exit_code == 2);
+  fs::path cache_file;
+  for (const auto& entry : fs::directory_iterator(f.cache / "kdispatch")) cache_file = entry.path();
+  REQUIRE(!cache_file.empty());
+  std::ifstream in(cache_file, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), {});
+  in.close();
+  for (const std::string& broken :
+       {std::string("\x7f"
+                    "ELF garbage\n\t\t\n"),
+        text.substr(0, text.size() / 2), text.substr(0, text.find('\n') + 1) + "a\tb\tc\n\\\\\t\n"}) {
+    write_file(cache_file, broken);
+    const ToolResult r = run_tool({"doctor", "--json", "--plugin-path", f.plugins.string()}, f.env());
+    CHECK(r.exit_code == 2);
+    const Json doc = json_of(r);
+    CHECK((*plugin_named(doc, "cpu"))["loaded"] == true);
+    CHECK((*plugin_named(doc, "fx_ctor_segv"))["problems"].back()["code"] == "KD-E027");
+  }
+  // Rebuilt: the file is a cache again.
+  std::ifstream again(cache_file);
+  std::string first;
+  std::getline(again, first);
+  CHECK(first == "kdispatch-scan-cache 1");
+  // A cache directory that cannot be made (a file stands in its way).
+  const fs::path blocked = f.plugins.parent_path() / "not-a-dir";
+  write_file(blocked, "x");
+  const ToolResult r = run_tool({"doctor", "--json", "--plugin-path", f.plugins.string()},
+                                env_with(f.env(), "XDG_CACHE_HOME", blocked.string()));
+  CHECK(r.exit_code == 2);
+  CHECK((*plugin_named(json_of(r), "cpu"))["loaded"] == true);
+  CHECK(r.err.find("cannot be written") != std::string::npos);
+}
+
+TEST_CASE("hostile scan: KDISPATCH_SCAN=off opens plugins in-process and writes no cache") {
+  const fs::path dir = dir_with_cpu_plugin();
+  const fs::path cache = dir.parent_path() / "cache";
+  const ToolResult r = run_tool({"doctor", "--json", "--plugin-path", dir.string()},
+                                {{"XDG_CACHE_HOME", cache.string()}, {"KDISPATCH_SCAN", "off"}});
+  CHECK(r.exit_code == 0);
+  CHECK((*plugin_named(json_of(r), "cpu"))["loaded"] == true);
+  CHECK_FALSE(fs::exists(cache / "kdispatch"));
+  fs::remove_all(dir.parent_path());
+}

@@ -1,0 +1,175 @@
+// Hostile input to the core: pathological JSON (deep nesting with repeated
+// keys, a million unknown keys, a huge op id) must be diagnosed in linear
+// time with capped output, and sizes that overflow or lie through the C++
+// API must be refused with KD-E030 naming the argument, never reach a kernel.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kdispatch/error.hpp"
+#include "kdispatch/manifest.hpp"
+#include "kdispatch/schema_check.hpp"
+#include "kdispatch/selector.hpp"
+
+using namespace kdispatch;
+
+namespace {
+
+constexpr const char* kHead = R"({"kdispatch_manifest": "1.0", "plugin": "p", "backend": "p",
+  "library": "libp.so", "abi": "1.0", "kernels": [])";
+
+// Sanitizer builds run this code several times slower, and map shadow
+// memory over most of the address space, so a wild pointer there can look
+// like mapped memory to the byte_offset probe.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+constexpr double kSlowdown = kSanitized ? 10.0 : 1.0;
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+// --- pathological JSON ------------------------------------------------------------
+
+TEST_CASE("hostile json: 200,000-deep nesting with repeated keys at the bottom is diagnosed in linear time") {
+  constexpr size_t kDepth = 200000;
+  std::string text = std::string(kHead) + ", \"x\": ";
+  for (size_t i = 0; i < kDepth; ++i) text += "{\"a\": [";
+  for (int i = 0; i < 50; ++i) text += R"({"k": 1, "k": 2},)";
+  text += "{}";
+  for (size_t i = 0; i < kDepth; ++i) text += "]}";
+  text += "}";
+  const auto start = std::chrono::steady_clock::now();
+  const ManifestResult r = parse_manifest(text, "deep.json");
+  const double took = seconds_since(start);
+  CHECK(took < 10.0 * kSlowdown);
+  CHECK_FALSE(r.ok());
+  // Ten repeats one by one, then one line for the rest.
+  REQUIRE(r.errors.size() == 11);
+  const std::string& first = r.errors[0].message;
+  CHECK(first.find("deep.json: /x/a/0/a/0/a/0") == 0);
+  CHECK(first.find("characters)...") != std::string::npos);
+  CHECK(first.find("/a/0/k: key appears more than once") != std::string::npos);
+  CHECK(first.size() < 500);
+  CHECK(r.errors.back().message == "deep.json: and 40 more repeated keys");
+}
+
+TEST_CASE("hostile json: a million unknown keys give ten warnings and a summary") {
+  std::string text = kHead;
+  for (int i = 0; i < 1000000; ++i) text += ", \"u" + std::to_string(i) + "\": 0";
+  text += "}";
+  const auto start = std::chrono::steady_clock::now();
+  const ManifestResult r = parse_manifest(text, "many.json");
+  CHECK(seconds_since(start) < 20.0 * kSlowdown);
+  CHECK(r.ok());
+  REQUIRE(r.warnings.size() == 11);
+  CHECK(r.warnings[0].message.find("unknown key, ignored") != std::string::npos);
+  CHECK(r.warnings.back().message == "many.json: and 999,990 more unknown keys, ignored");
+}
+
+TEST_CASE("hostile json: did-you-mean for a 1 MB op id returns at once") {
+  const std::vector<std::string> ops{"layernorm.rmsnorm", "activation.silu_and_mul", "moe.topk_softmax"};
+  const std::string huge(size_t{1} << 20, 'r');
+  const auto start = std::chrono::steady_clock::now();
+  CHECK(closest_ops(huge, ops).empty());
+  CHECK(closest_ops(std::string(200, 'x') + "rmsnorm", ops).empty());
+  CHECK(seconds_since(start) < 1.0 * kSlowdown);
+  // Typos still get their suggestion.
+  CHECK(closest_ops("layernorm.rmsnrom", ops) == std::vector<std::string>{"layernorm.rmsnorm"});
+  CHECK(closest_ops("rmsnorm", ops) == std::vector<std::string>{"layernorm.rmsnorm"});
+}
+
+// --- sizes that overflow or lie -----------------------------------------------------
+
+namespace {
+
+OpSchema scale_schema() {
+  SchemaFileResult parsed = parse_op_schemas(R"([{"op": "test.scale",
+    "tensors": [{"name": "out", "shape": ["*", "H"], "dtype": "float32", "written": true},
+                {"name": "x", "shape": ["*", "H"], "dtype": "float32"}]}])",
+                                             "<test>");
+  REQUIRE(parsed.errors.empty());
+  return parsed.schemas.at(0);
+}
+
+std::string refusal(const CompiledSchema& schema, std::vector<DLTensor> tensors) {
+  try {
+    schema.check(tensors);
+  } catch (const CallError& e) {
+    CHECK(e.code() == ErrorCode::bad_arguments);
+    return e.what();
+  }
+  return "accepted";
+}
+
+}  // namespace
+
+TEST_CASE("hostile sizes: overflowing counts, negative dims and bad byte_offset are KD-E030 naming the argument") {
+  const OpSchema schema = scale_schema();
+  const CompiledSchema compiled(schema);
+  std::vector<float> storage(64);
+  int64_t good_shape[2] = {4, 16};
+  const DLTensor good{storage.data(), {kDLCPU, 0}, 2, {kDLFloat, 32, 1}, good_shape, nullptr, 0};
+  CHECK(refusal(compiled, {good, good}) == "accepted");
+
+  SUBCASE("element count past 64 bits, null data") {
+    // 2^32 * 2^32 elements wrap to 0, which would make null data look fine.
+    int64_t shape[2] = {int64_t{1} << 32, int64_t{1} << 32};
+    DLTensor t{nullptr, {kDLCPU, 0}, 2, {kDLFloat, 32, 1}, shape, nullptr, 0};
+    const std::string why = refusal(compiled, {t, t});
+    CHECK(why.find("argument 0 'out'") != std::string::npos);
+    CHECK(why.find("more elements or bytes than 64 bits count") != std::string::npos);
+  }
+  SUBCASE("byte count past 64 bits") {
+    int64_t shape[2] = {int64_t{1} << 31, int64_t{1} << 31};
+    DLTensor t{storage.data(), {kDLCPU, 0}, 2, {kDLFloat, 32, 1}, shape, nullptr, 0};
+    CHECK(refusal(compiled, {t, t}).find("more elements or bytes than 64 bits count") != std::string::npos);
+  }
+  SUBCASE("negative leading dim") {
+    int64_t shape[2] = {-4, 16};
+    DLTensor t{storage.data(), {kDLCPU, 0}, 2, {kDLFloat, 32, 1}, shape, nullptr, 0};
+    const std::string why = refusal(compiled, {t, t});
+    CHECK(why.find("argument 0 'out': has a negative dim in [-4, 16]") != std::string::npos);
+    CHECK(why.find("no detail found") == std::string::npos);
+  }
+  SUBCASE("byte_offset of 2^40 past real data") {
+    DLTensor t = good;
+    t.byte_offset = uint64_t{1} << 40;
+    if (!kSanitized) {
+      const std::string why = refusal(compiled, {good, t});
+      CHECK(why.find("argument 1 'x'") != std::string::npos);
+      CHECK(why.find("byte_offset 1099511627776 puts the tensor's 256 bytes outside this process's memory") !=
+            std::string::npos);
+    }
+    // Past the end of the address space: refused under any memory layout.
+    t.byte_offset = uint64_t{1} << 47;
+    CHECK(refusal(compiled, {good, t}).find("outside this process's memory") != std::string::npos);
+  }
+  SUBCASE("byte_offset that overflows or is misaligned") {
+    DLTensor t = good;
+    t.byte_offset = ~uint64_t{0} - 15;
+    CHECK(refusal(compiled, {t, good}).find("overflows 64 bits") != std::string::npos);
+    t.byte_offset = 2;
+    CHECK(refusal(compiled, {t, good}).find("not a multiple of the element size (4 bytes)") != std::string::npos);
+  }
+  SUBCASE("a valid byte_offset still passes, every time") {
+    DLTensor t = good;
+    int64_t shape[2] = {3, 16};
+    t.shape = shape;
+    t.byte_offset = 16 * sizeof(float);
+    DLTensor o = t;
+    o.byte_offset = 0;
+    CHECK(refusal(compiled, {o, t}) == "accepted");
+    CHECK(refusal(compiled, {o, t}) == "accepted");
+    t.byte_offset = uint64_t{1} << 47;  // same shapes as an accepted call: still checked
+    CHECK(refusal(compiled, {o, t}) != "accepted");
+  }
+}

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets of tests/fuzz with clang in build/fuzz and runs
+# each for SECONDS (default 60), seeded from the repository's manifests, op
+# schemas and fixtures, and from the plugin libraries of build/default when
+# they are built. Corpora grow in build/fuzz/corpus/<target>; a crashing
+# input is written to build/fuzz/artifacts/ and stops that target.
+#
+#   tools/fuzz.sh [SECONDS] [TARGET...]     targets: manifest op_schema elf_check
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+seconds=${1:-60}
+shift || true
+targets=("$@")
+((${#targets[@]})) || targets=(manifest op_schema elf_check)
+build="$root/build/fuzz"
+
+cmake -S "$root/tests/fuzz" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER="${CXX:-clang++}" >/dev/null
+cmake --build "$build" -j "${FUZZ_BUILD_JOBS:-2}"
+
+seed() {  # seed TARGET FILE...
+  local dir="$build/corpus/$1"
+  shift
+  mkdir -p "$dir"
+  for f in "$@"; do
+    [[ -f $f ]] || continue
+    [[ $(stat -c %s "$f") -le 1048576 ]] || continue
+    cp -n "$f" "$dir/$(sha1sum "$f" | cut -c1-16)-$(basename "$f")"
+  done
+}
+shopt -s nullglob globstar
+seed manifest "$root"/manifests/*.json "$root"/manifests/ops/*.json "$root"/tests/fixtures/**/*.json
+seed op_schema "$root"/manifests/ops/*.json
+seed elf_check "$root"/build/default/lib/kdispatch/plugins/*.so "$root"/build/default/tests/fixtures/**/*.so
+
+mkdir -p "$build/artifacts"
+status=0
+for t in "${targets[@]}"; do
+  max_len=65536
+  [[ $t == elf_check ]] && max_len=1048576
+  echo "== fuzz_$t for ${seconds}s"
+  if ! "$build/fuzz_$t" "$build/corpus/$t" -max_total_time="$seconds" -max_len="$max_len" -rss_limit_mb=2048 \
+      -timeout=10 -print_final_stats=1 -artifact_prefix="$build/artifacts/$t-" 2>"$build/fuzz_$t.log"; then
+    status=1
+    echo "fuzz_$t: FAILED, see $build/fuzz_$t.log and $build/artifacts/"
+  fi
+  grep -E "^#[0-9]+.*DONE|^stat::number_of_executed_units|^stat::peak_rss_mb|cov:" "$build/fuzz_$t.log" | tail -4
+done
+exit $status
