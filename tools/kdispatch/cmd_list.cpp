@@ -74,7 +74,8 @@ Runner add_list(CLI::App& app) {
     for (const auto& op : ops) {
       bool first = true;
       for (const auto& e : sel.eligibility(op, device.device, std::nullopt)) {
-        const std::string note = e.eligible && e.spec->is_reference() ? kReferenceOnlyWhenAsked : e.reason;
+        const std::string note =
+            for_command_line(e.eligible && e.spec->is_reference() ? kReferenceOnlyWhenAsked : e.reason);
         fmt::print("{:<{}}  {:<{}} {:<7} {}\n", first ? op : "", width, e.spec->backend, backend_width,
                    e.eligible ? "yes" : "no", note);
         first = false;
