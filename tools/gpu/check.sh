@@ -87,7 +87,7 @@ if [[ "$stage" == test || "$stage" == all ]]; then
   [[ $rc == 0 ]] || status=1
   "$bin/kdispatch" run --all --device cuda > "$OUT/run-all-cuda.txt" 2>&1
   rc=$?
-  note "kdispatch run --all --device cuda (checked against the cpu backend): exit $rc"
+  note "kdispatch run --all --device cuda (checked against the reference backend): exit $rc"
   cat "$OUT/run-all-cuda.txt" | tee -a "$summary"
   [[ $rc == 0 ]] || status=1
   (cd "$root/build/cuda" && ctest -j "$jobs" > "$OUT/ctest.txt" 2>&1)
