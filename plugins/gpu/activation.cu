@@ -1,10 +1,11 @@
 // activation.{silu,gelu,gelu_tanh}_and_mul: out = act(x[..., :D]) * x[..., D:],
 // computed in float32 and rounded once.
 //
-// Elementwise and memory bound: 16-byte vectors, two of them per thread and
-// half (four loads in flight), blocks of 256 threads tiled over (columns,
-// rows) so that short rows still fill whole blocks, and a grid of a few waves
-// that loops over the remaining rows.
+// Elementwise and memory bound: each thread moves one 16-byte vector of each
+// half and of the output, blocks of 128 threads tile a row, the grid covers
+// every row (looping only past 65535 rows). A grid that covers the data
+// keeps more loads in flight than blocks that loop over rows, and short
+// rows (decode) get as many blocks as they have vectors.
 #include "device_utils.cuh"
 #include "launch_utils.hpp"
 #include "ops.hpp"
@@ -12,8 +13,7 @@
 namespace kd_gpu {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kItems = 2;  // vectors per thread and half
+constexpr int kThreads = 128;
 
 // a / (1 + exp(-a)) with the fast exponential and division: two special
 // function instructions per value, which keeps these kernels memory bound.
@@ -22,74 +22,65 @@ __device__ __forceinline__ float sigmoid_times(float a, float z) {
 }
 
 struct Silu {
-  __device__ float operator()(float a) const { return sigmoid_times(a, a); }
+  template <bool kLowPrecision>
+  __device__ static float eval(float a) {
+    return sigmoid_times(a, a);
+  }
 };
 
+// For 16-bit outputs, erf(z) from Abramowitz and Stegun 7.1.26 (absolute
+// error below 1.5e-7, far under their rounding) as erfc(|z|) = q(t) e^(-z^2),
+// so that 1 + erf(z) never cancels: a dozen instructions against erff's
+// branches, which keeps the 16-bit kernels memory bound. float32 keeps erff.
 struct GeluErf {
-  __device__ float operator()(float a) const {
-    return 0.5f * a * (1.f + erff(a * 0.70710678118654752f));
+  template <bool kLowPrecision>
+  __device__ static float eval(float a) {
+    if constexpr (kLowPrecision) {
+      const float z = fabsf(a) * 0.70710678118654752f;
+      const float t = __fdividef(1.f, 1.f + 0.3275911f * z);
+      const float poly =
+          t * (0.254829592f +
+               t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
+      const float erfc_z = poly * __expf(-z * z);
+      return 0.5f * a * (a >= 0.f ? 2.f - erfc_z : erfc_z);
+    } else {
+      return 0.5f * a * (1.f + erff(a * 0.70710678118654752f));
+    }
   }
 };
 
 // 0.5 * a * (1 + tanh(u)) == a * sigmoid(2u), u = sqrt(2/pi) * (a + 0.044715 a^3).
 struct GeluTanh {
-  __device__ float operator()(float a) const {
+  template <bool kLowPrecision>
+  __device__ static float eval(float a) {
     constexpr float kTwoSqrt2OverPi = 1.5957691216057308f;
     return sigmoid_times(a, kTwoSqrt2OverPi * (a + 0.044715f * a * a * a));
   }
 };
 
 template <class T, int N, class Act>
-__global__ void __launch_bounds__(kThreads)
-    act_and_mul(T* out, const T* x, int64_t rows, int d) {
-  const int nvec = d / N;
-  const int first = blockIdx.x * blockDim.x * kItems + threadIdx.x;
-  for (int64_t row = int64_t{blockIdx.y} * blockDim.y + threadIdx.y; row < rows;
-       row += int64_t{gridDim.y} * blockDim.y) {
-    const T* gate = x + row * 2 * d;
-    const T* up = gate + d;
-    T* o = out + row * d;
-    Vec<T, N> a[kItems];
-    Vec<T, N> b[kItems];
+__global__ void __launch_bounds__(kThreads) act_and_mul(T* out, const T* x, int64_t rows, int d) {
+  const int i = blockIdx.x * kThreads + threadIdx.x;  // the vector of the row
+  if (i >= d / N) return;
+  for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
+    const T* gate = x + row * 2 * d + static_cast<int64_t>(i) * N;
+    const Vec<T, N> a = load_vec<T, N>(gate);
+    const Vec<T, N> b = load_vec<T, N>(gate + d);
+    Vec<T, N> r;
 #pragma unroll
-    for (int k = 0; k < kItems; ++k) {
-      const int i = first + k * blockDim.x;
-      if (i < nvec) {
-        a[k] = load_vec<T, N>(gate + static_cast<size_t>(i) * N);
-        b[k] = load_vec<T, N>(up + static_cast<size_t>(i) * N);
-      }
+    for (int e = 0; e < N; ++e) {
+      const float act = Act::template eval<sizeof(T) == 2>(to_float(a.v[e]));
+      r.v[e] = from_float<T>(act * to_float(b.v[e]));
     }
-#pragma unroll
-    for (int k = 0; k < kItems; ++k) {
-      const int i = first + k * blockDim.x;
-      if (i < nvec) {
-        Vec<T, N> r;
-#pragma unroll
-        for (int e = 0; e < N; ++e) {
-          r.v[e] = from_float<T>(Act{}(to_float(a[k].v[e])) * to_float(b[k].v[e]));
-        }
-        store_vec<T, N>(o + static_cast<size_t>(i) * N, r);
-      }
-    }
+    store_vec<T, N>(out + row * d + static_cast<int64_t>(i) * N, r);
   }
 }
 
-// Blocks of kThreads tile (columns, rows): tx threads along a row (enough for
-// its vectors, kItems each), kThreads / tx rows. The grid covers the columns
-// and as many row tiles as run at once; blocks loop over the other rows.
 template <class T, int N, class Act>
 void launch_act(const Launch& launch, T* out, const T* x, int64_t rows, int d) {
-  const int64_t nvec = d / N;
-  int tx = 1;
-  while (tx < kThreads && tx * kItems < nvec) tx *= 2;
-  const int ty = kThreads / tx;
-  const int64_t grid_x = ceil_div(nvec, int64_t{tx} * kItems);
-  const int64_t resident = resident_grid<act_and_mul<T, N, Act>, kThreads>(launch);
-  const int64_t grid_y = std::min({ceil_div(rows, ty), int64_t{65535},
-                                   std::max<int64_t>(1, resident / grid_x)});
-  const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y));
-  const dim3 block(static_cast<unsigned>(tx), static_cast<unsigned>(ty));
-  act_and_mul<T, N, Act><<<grid, block, 0, launch.stream>>>(out, x, rows, d);
+  const dim3 grid(static_cast<unsigned>(ceil_div(d / N, kThreads)),
+                  static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
+  act_and_mul<T, N, Act><<<grid, kThreads, 0, launch.stream>>>(out, x, rows, d);
 }
 
 // Tensors: out [*, D], x [*, 2*D].

@@ -80,6 +80,27 @@ __device__ __forceinline__ int shfl_xor(int v, int lane_mask) {
 #endif
 }
 
+__device__ __forceinline__ unsigned warp_max(unsigned v) {
+#if !defined(__HIP__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(0xffffffffu, v);  // one instruction from sm_80 on
+#else
+#pragma unroll
+  for (int m = kWarpSize / 2; m > 0; m >>= 1) {
+    const unsigned o = static_cast<unsigned>(shfl_xor(static_cast<int>(v), m));
+    v = o > v ? o : v;
+  }
+  return v;
+#endif
+}
+
+__device__ __forceinline__ bool warp_any(bool p) {
+#if defined(__HIP__)
+  return __any(p);
+#else
+  return __any_sync(0xffffffffu, p);
+#endif
+}
+
 // 16-bit float storage types. ROCm 5.2 has no bfloat16 type with device
 // conversion intrinsics (hip_bfloat16.h is a host/device class without
 // them), so HIP gets a plain 16-bit struct converted by bit operations.

@@ -73,30 +73,10 @@ struct Launch {
   int warp_size = 32;
 };
 
-// The grid of a kernel that loops over its rows: as many blocks of kThreads
-// as the device runs at once, so that every block gets the same share and no
-// partial last wave leaves SMs idle. Blocks per SM depend on the kernel's
-// registers and shared memory, asked once per kernel (a process with GPUs of
-// different kinds may get a grid sized for another one: slower, not wrong).
-template <auto kKernel, int kThreads>
-int64_t resident_grid(const Launch& launch) {
-  static const int blocks_per_sm = [] {
-    int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, kThreads, 0) != cudaSuccess) {
-      (void)cudaGetLastError();
-      n = 1;
-    }
-    return std::max(n, 1);
-  }();
-  return int64_t{launch.sm_count} * blocks_per_sm;
-}
-
-// Launches kKernel, which loops over `work_blocks` blocks' worth of work, on
-// at most a resident grid.
-template <auto kKernel, int kThreads, class... Args>
-void launch_resident(const Launch& launch, int64_t work_blocks, Args... args) {
-  const int64_t grid = std::min(work_blocks, resident_grid<kKernel, kThreads>(launch));
-  kKernel<<<static_cast<unsigned>(grid), kThreads, 0, launch.stream>>>(args...);
+// A grid of `blocks` blocks, at most the grid's limit (2^31-1): kernels
+// loop over the blocks' worth of work beyond it.
+inline unsigned row_grid(int64_t blocks) {
+  return static_cast<unsigned>(std::min<int64_t>(blocks, INT32_MAX));
 }
 
 // Makes a device current for the rest of a call and restores the caller's on

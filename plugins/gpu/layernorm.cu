@@ -61,8 +61,9 @@ kd_status layernorm(const kd_call_args* args) noexcept {
     if (rows == 0 || hidden == 0) return KD_STATUS_OK;
     return launch_for_dtype(args, kOp, out, [&](auto tag, const Launch& launch) {
       using T = typename decltype(tag)::type;
-      launch_resident<layernorm_rows<T>, kThreads>(launch, rows, data_of<T>(out), data_of<T>(x), data_of<T>(weight),
-                                                   data_of<T>(bias), rows, static_cast<int>(hidden), eps);
+      layernorm_rows<T><<<row_grid(rows), kThreads, 0, launch.stream>>>(
+          data_of<T>(out), data_of<T>(x), data_of<T>(weight), data_of<T>(bias), rows,
+          static_cast<int>(hidden), eps);
     });
   });
 }

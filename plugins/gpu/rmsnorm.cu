@@ -7,12 +7,16 @@
 // inv_rms of the fused op taken from the residual as stored (rounded to T).
 //
 // Both ops are memory bound, so a row is read once: each thread keeps its
-// share of the row in registers across the reduction (rows up to 2048
-// vectors of 16 bytes: 16384 bf16/fp16 or 8192 fp32 values). Short rows
-// (up to 4 vectors per lane) get one warp each, several rows per block and no
-// barrier; longer ones one block each. Rows that are longer still, or whose
-// length or pointers do not allow 16-byte accesses, take a two-pass kernel
-// that reads the row again (mostly from L2).
+// share of the row in registers across the reduction, as stored (16-byte
+// vectors, up to 8 per thread), and reads the weight only after it, which
+// keeps registers few and blocks per SM many. Short rows (up to 4 vectors
+// per lane) get one warp each, several rows per block and no barrier;
+// longer ones one block each. The grid covers every row (blocks loop only
+// past 2^31-1 of them): more loads are in flight than when a resident grid
+// loops over rows. Few rows (decode) get one vector per thread, the most
+// parallel split. Rows that are longer still, or whose length or pointers
+// do not allow 16-byte accesses, take a two-pass kernel that reads the row
+// again (mostly from L2).
 #include "device_utils.cuh"
 #include "launch_utils.hpp"
 #include "ops.hpp"
@@ -20,8 +24,11 @@
 namespace kd_gpu {
 namespace {
 
-constexpr int kThreads = 256;        // threads per block of every kernel here
+constexpr int kThreads = 256;        // threads per block of the warp-per-row kernel, and of
+                                     // the block-per-row ones when rows are many
+constexpr int kMaxThreads = 1024;    // threads per block of a block-per-row kernel
 constexpr int kMaxVecPerThread = 8;  // register budget of a block-per-row thread
+constexpr int kManyRowsVecPerThread = 4;  // the same when blocks share an SM
 constexpr int kMaxVecPerLane = 4;    // register budget of a warp-per-row lane
 
 struct WarpSum {
@@ -32,22 +39,24 @@ struct BlockSum {
 };
 
 // One row held in registers: element vectors first, first + stride, ...
-// `residual` is null for rmsnorm. `out` may alias `x`.
-template <class T, int N, int VPT, bool kFused, class Reduce>
+// `residual` is null for rmsnorm. `out` may alias `x`. kLateWeight: the
+// weight is read after the reduction (fewer registers, more blocks per SM)
+// rather than with the row (one round trip to memory less, for few rows).
+template <class T, int N, int VPT, bool kFused, bool kLateWeight, class Reduce>
 __device__ __forceinline__ void norm_row_in_registers(T* out, T* residual, const T* x,
                                                       const T* weight, int hidden, float eps,
                                                       int first, int stride, Reduce reduce) {
   const int nvec = hidden / N;
   Vec<T, N> xv[VPT];
   Vec<T, N> rv[kFused ? VPT : 1];
-  Vec<T, N> wv[VPT];
+  Vec<T, N> wv[kLateWeight ? 1 : VPT];
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
     const int i = first + k * stride;
     if (i < nvec) {
       xv[k] = load_vec<T, N>(x + static_cast<size_t>(i) * N);
       if constexpr (kFused) rv[k] = load_vec<T, N>(residual + static_cast<size_t>(i) * N);
-      wv[k] = load_vec<T, N>(weight + static_cast<size_t>(i) * N);
+      if constexpr (!kLateWeight) wv[k] = load_vec<T, N>(weight + static_cast<size_t>(i) * N);
     }
   }
   float sum_sq = 0.f;
@@ -72,10 +81,16 @@ __device__ __forceinline__ void norm_row_in_registers(T* out, T* residual, const
   for (int k = 0; k < VPT; ++k) {
     const int i = first + k * stride;
     if (i < nvec) {
+      Vec<T, N> w;
+      if constexpr (kLateWeight) {
+        w = load_vec<T, N>(weight + static_cast<size_t>(i) * N);
+      } else {
+        w = wv[k];
+      }
       Vec<T, N> o;
 #pragma unroll
       for (int e = 0; e < N; ++e) {
-        o.v[e] = from_float<T>(to_float(xv[k].v[e]) * inv_rms * to_float(wv[k].v[e]));
+        o.v[e] = from_float<T>(to_float(xv[k].v[e]) * inv_rms * to_float(w.v[e]));
       }
       store_vec<T, N>(out + static_cast<size_t>(i) * N, o);
     }
@@ -91,29 +106,28 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t row = int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize; row < rows;
        row += int64_t{gridDim.x} * warps) {
     const int64_t offset = row * hidden;
-    norm_row_in_registers<T, N, VPT, kFused>(out + offset, kFused ? residual + offset : nullptr,
-                                             x + offset, weight, hidden, eps, lane, kWarpSize,
-                                             WarpSum{});
+    norm_row_in_registers<T, N, VPT, kFused, false>(
+        out + offset, kFused ? residual + offset : nullptr, x + offset, weight, hidden, eps, lane,
+        kWarpSize, WarpSum{});
   }
 }
 
-template <class T, int N, int VPT, bool kFused>
-__global__ void __launch_bounds__(kThreads)
+template <class T, int N, int VPT, bool kFused, bool kLateWeight>
+__global__ void __launch_bounds__(kMaxThreads)
     norm_block_per_row(T* out, T* residual, const T* x, const T* weight, int64_t rows,
                        int hidden, float eps) {
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t offset = row * hidden;
-    norm_row_in_registers<T, N, VPT, kFused>(out + offset, kFused ? residual + offset : nullptr,
-                                             x + offset, weight, hidden, eps,
-                                             static_cast<int>(threadIdx.x),
-                                             static_cast<int>(blockDim.x), BlockSum{});
+    norm_row_in_registers<T, N, VPT, kFused, kLateWeight>(
+        out + offset, kFused ? residual + offset : nullptr, x + offset, weight, hidden, eps,
+        static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x), BlockSum{});
   }
 }
 
 // Any row length: pass 1 sums the squares (and writes the residual), pass 2
 // reads the row again. Each thread reads back only what it wrote itself.
 template <class T, int N, bool kFused>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kMaxThreads)
     norm_two_pass(T* out, T* residual, const T* x, const T* weight, int64_t rows, int hidden,
                   float eps) {
   const int nvec = hidden / N;
@@ -148,46 +162,82 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <class T, int N, bool kFused>
+struct NormKernels {
+  template <int VPT>
+  static void block_per_row(const Launch& launch, bool few_rows, int threads, T* out,
+                            T* residual, const T* x, const T* weight, int64_t rows, int hidden,
+                            float eps) {
+    if (few_rows) {
+      norm_block_per_row<T, N, VPT, kFused, false><<<row_grid(rows), threads, 0, launch.stream>>>(
+          out, residual, x, weight, rows, hidden, eps);
+    } else {
+      norm_block_per_row<T, N, VPT, kFused, true><<<row_grid(rows), threads, 0, launch.stream>>>(
+          out, residual, x, weight, rows, hidden, eps);
+    }
+  }
+  template <int VPL>
+  static void warp_per_row(const Launch& launch, T* out, T* residual, const T* x, const T* weight,
+                           int64_t rows, int hidden, float eps) {
+    const int64_t blocks = ceil_div(rows, kThreads / launch.warp_size);
+    norm_warp_per_row<T, N, VPL, kFused><<<row_grid(blocks), kThreads, 0, launch.stream>>>(
+        out, residual, x, weight, rows, hidden, eps);
+  }
+};
+
 template <class T, bool kFused>
 void launch_norm(const Launch& launch, T* out, T* residual, const T* x, const T* weight,
                  int64_t rows, int hidden, float eps) {
   constexpr int kVec = 16 / sizeof(T);
+  using K = NormKernels<T, kVec, kFused>;
   const bool vectorized = hidden % kVec == 0 && all_aligned(16, {out, residual, x, weight});
   const int nvec = vectorized ? hidden / kVec : hidden;
   if (vectorized && nvec <= launch.warp_size * kMaxVecPerLane) {
-    const int64_t blocks = ceil_div(rows, kThreads / launch.warp_size);
-    const int vpl = static_cast<int>(ceil_div(nvec, launch.warp_size));
+    const int64_t vpl = ceil_div(nvec, launch.warp_size);
     if (vpl <= 1) {
-      launch_resident<norm_warp_per_row<T, kVec, 1, kFused>, kThreads>(
-          launch, blocks, out, residual, x, weight, rows, hidden, eps);
+      K::template warp_per_row<1>(launch, out, residual, x, weight, rows, hidden, eps);
     } else if (vpl <= 2) {
-      launch_resident<norm_warp_per_row<T, kVec, 2, kFused>, kThreads>(
-          launch, blocks, out, residual, x, weight, rows, hidden, eps);
+      K::template warp_per_row<2>(launch, out, residual, x, weight, rows, hidden, eps);
     } else {
-      launch_resident<norm_warp_per_row<T, kVec, kMaxVecPerLane, kFused>, kThreads>(
-          launch, blocks, out, residual, x, weight, rows, hidden, eps);
+      K::template warp_per_row<kMaxVecPerLane>(launch, out, residual, x, weight, rows, hidden,
+                                               eps);
     }
-  } else if (vectorized && nvec <= kThreads * kMaxVecPerThread) {
-    const int vpt = static_cast<int>(ceil_div(nvec, kThreads));
+    return;
+  }
+  if (vectorized && nvec <= kMaxThreads * kMaxVecPerThread) {
+    // Many rows: blocks of kThreads (more when a row needs them), up to
+    // kManyRowsVecPerThread vectors each, several blocks per SM, the weight
+    // read late. Fewer rows than the SMs hold blocks: one vector per thread
+    // where the block allows, the weight read with the row, so that each
+    // block waits on memory once.
+    const bool few_rows = rows < int64_t{launch.sm_count} * 4;
+    int threads = few_rows ? round_up(nvec, launch.warp_size)
+                           : std::max(kThreads, round_up(static_cast<int>(ceil_div(
+                                                             nvec, kManyRowsVecPerThread)),
+                                                         launch.warp_size));
+    threads = std::min(threads, kMaxThreads);
+    const int64_t vpt = ceil_div(nvec, threads);
     if (vpt <= 1) {
-      launch_resident<norm_block_per_row<T, kVec, 1, kFused>, kThreads>(
-          launch, rows, out, residual, x, weight, rows, hidden, eps);
+      K::template block_per_row<1>(launch, few_rows, threads, out, residual, x, weight, rows,
+                                   hidden, eps);
     } else if (vpt <= 2) {
-      launch_resident<norm_block_per_row<T, kVec, 2, kFused>, kThreads>(
-          launch, rows, out, residual, x, weight, rows, hidden, eps);
+      K::template block_per_row<2>(launch, few_rows, threads, out, residual, x, weight, rows,
+                                   hidden, eps);
     } else if (vpt <= 4) {
-      launch_resident<norm_block_per_row<T, kVec, 4, kFused>, kThreads>(
-          launch, rows, out, residual, x, weight, rows, hidden, eps);
+      K::template block_per_row<4>(launch, few_rows, threads, out, residual, x, weight, rows,
+                                   hidden, eps);
     } else {
-      launch_resident<norm_block_per_row<T, kVec, kMaxVecPerThread, kFused>, kThreads>(
-          launch, rows, out, residual, x, weight, rows, hidden, eps);
+      K::template block_per_row<kMaxVecPerThread>(launch, few_rows, threads, out, residual, x,
+                                                  weight, rows, hidden, eps);
     }
-  } else if (vectorized) {
-    launch_resident<norm_two_pass<T, kVec, kFused>, kThreads>(launch, rows, out, residual, x,
-                                                              weight, rows, hidden, eps);
+    return;
+  }
+  if (vectorized) {
+    norm_two_pass<T, kVec, kFused><<<row_grid(rows), kMaxThreads / 2, 0, launch.stream>>>(
+        out, residual, x, weight, rows, hidden, eps);
   } else {
-    launch_resident<norm_two_pass<T, 1, kFused>, kThreads>(launch, rows, out, residual, x,
-                                                           weight, rows, hidden, eps);
+    norm_two_pass<T, 1, kFused><<<row_grid(rows), kMaxThreads / 2, 0, launch.stream>>>(
+        out, residual, x, weight, rows, hidden, eps);
   }
 }
 

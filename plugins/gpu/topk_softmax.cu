@@ -2,12 +2,22 @@
 // descending order (ties: lower expert index first), as float32 weights and
 // int32 expert ids; weights divided by their sum when renormalize.
 //
+// Softmax is monotonic, so the K winners are the K largest logits and only
+// their exponentials are needed (plus the row's sum when not renormalizing).
 // Up to 16 values per lane (E <= 512 on 32-wide warps, 1024 on 64-wide
-// wavefronts) a row is one warp's: the row sits in registers, softmax takes
-// two warp reductions and each of the K rounds one warp argmax, after which
-// the owner of the winner drops it. Wider rows take one block each and
-// rescan the row every round for the best value ranking after the previous
-// winner, which needs no scratch memory.
+// wavefronts) and K up to the warp width, a row is one warp's: each lane
+// holds V consecutive experts and turns each logit into one 32-bit key
+// that orders (value descending, index ascending) -- for 16-bit logits the
+// value's own bits above the index, which is exact; for float32 the value's
+// bits with the low ones replaced by the index -- sorts its V keys, and
+// each of the K rounds is one warp max of the lanes' leading keys, after
+// which the winning lane shifts its list. When two float32 keys of the
+// winners (or the best loser) agree above the index bits, the row's values
+// are too close for the truncated keys to order, and it is ranked again
+// exactly by (value, index) warp argmaxes. Wider rows, or K above the warp
+// width, take one block per row that rescans the row every round for the
+// best value ranking after the previous winner, which needs no scratch
+// memory.
 #include "device_utils.cuh"
 #include "launch_utils.hpp"
 #include "ops.hpp"
@@ -15,98 +25,154 @@
 namespace kd_gpu {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 256;          // the block kernel's block
+constexpr int kWarpRowsThreads = 128;  // the warp kernel's block: 4 rows (2 on wavefronts)
 constexpr int kMaxValuesPerLane = 16;
 
-// Lane `lane` holds vectors j * kWarpSize + lane (j < NV) of N experts each,
-// so that each load instruction of a warp reads one contiguous span.
-template <class T, int N, int NV>
-__global__ void __launch_bounds__(kThreads)
+// The bits of a float as an unsigned that orders as the float does.
+__device__ __forceinline__ uint32_t ordered_bits(float v) {
+  const uint32_t u = __float_as_uint(v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ uint32_t ordered_bits16(uint16_t b) {
+  return (b & 0x8000u) ? (~b & 0xffffu) : (b | 0x8000u);
+}
+
+// The rank key of `value` (stored as `stored`) for `expert`: larger keys
+// rank first; kIndexMask covers every expert index of the warp.
+template <class T, uint32_t kIndexMask>
+__device__ __forceinline__ uint32_t rank_key(T stored, float value, int expert) {
+  if constexpr (sizeof(T) == 2) {
+    uint16_t bits;
+    memcpy(&bits, &stored, sizeof(bits));
+    return ordered_bits16(bits) << 16 | (0xffffu - static_cast<uint32_t>(expert));
+  } else {
+    return (ordered_bits(value) & ~kIndexMask) | (kIndexMask - static_cast<uint32_t>(expert));
+  }
+}
+
+template <class T, int V>
+inline constexpr uint32_t kIndexMaskOf = sizeof(T) == 2 ? 0xffffu : uint32_t{kWarpSize * V - 1};
+
+// Sorts V keys in descending order (a bitonic network: no branches, all in
+// registers).
+template <int V>
+__device__ __forceinline__ void sort_descending(uint32_t (&a)[V]) {
+#pragma unroll
+  for (int size = 2; size <= V; size *= 2) {
+#pragma unroll
+    for (int stride = size / 2; stride > 0; stride /= 2) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const int j = i ^ stride;
+        if (j > i) {
+          const bool descending = (i & size) == 0;
+          const uint32_t hi = a[i] > a[j] ? a[i] : a[j];
+          const uint32_t lo = a[i] > a[j] ? a[j] : a[i];
+          a[i] = descending ? hi : lo;
+          a[j] = descending ? lo : hi;
+        }
+      }
+    }
+  }
+}
+
+// Lane `lane` holds experts [lane * V, lane * V + V). kVector: 16-byte loads
+// (E a multiple of V, rows 16-byte aligned), else one element at a time.
+template <class T, int V, bool kVector>
+__global__ void __launch_bounds__(kWarpRowsThreads)
     topk_softmax_warp(float* weights, int32_t* ids, const T* gating, int64_t rows, int experts,
                       int k, bool renormalize) {
-  constexpr int kValues = N * NV;
+  constexpr uint32_t kIndexMask = kIndexMaskOf<T, V>;
+  constexpr int kPerLoad = 16 / sizeof(T);
   const int warps = blockDim.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
+  const int first = lane * V;
   for (int64_t row = int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize; row < rows;
        row += int64_t{gridDim.x} * warps) {
     const T* g = gating + row * experts;
-    float p[kValues];
+    float value[V];
+    uint32_t key[V];
+    if constexpr (kVector) {
+      const bool present = first < experts;  // the whole vector, as V divides E
 #pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      const int first = (j * kWarpSize + lane) * N;
-      if (first < experts) {  // N divides E when N > 1: a vector is all in or all out
-        const Vec<T, N> v = load_vec<T, N>(g + first);
+      for (int j = 0; j < V / kPerLoad; ++j) {
+        Vec<T, kPerLoad> v;
+        if (present) v = load_vec<T, kPerLoad>(g + first + j * kPerLoad);
 #pragma unroll
-        for (int c = 0; c < N; ++c) p[j * N + c] = to_float(v.v[c]);
-      } else {
+        for (int c = 0; c < kPerLoad; ++c) {
+          const int i = j * kPerLoad + c;
+          value[i] = present ? to_float(v.v[c]) : -INFINITY;
+          key[i] = present ? rank_key<T, kIndexMask>(v.v[c], value[i], first + i) : 0u;
+        }
+      }
+    } else {
 #pragma unroll
-        for (int c = 0; c < N; ++c) p[j * N + c] = -INFINITY;
+      for (int i = 0; i < V; ++i) {
+        const bool present = first + i < experts;
+        const T stored = present ? g[first + i] : T{};
+        value[i] = present ? to_float(stored) : -INFINITY;
+        key[i] = present ? rank_key<T, kIndexMask>(stored, value[i], first + i) : 0u;
       }
     }
-    float max_logit = -INFINITY;
+    sort_descending<V>(key);
+
+    uint32_t my_key = 0;  // of round `lane`
+    uint32_t previous = 0;
+    bool near_tie = false;
+    for (int r = 0; r < k; ++r) {
+      const uint32_t winner = warp_max(key[0]);
+      if (lane == r) my_key = winner;
+      if constexpr (sizeof(T) == 4) {
+        near_tie |= r > 0 && (previous | kIndexMask) == (winner | kIndexMask);
+        previous = winner;
+      }
+      const bool won = key[0] == winner;  // keys are distinct: one lane
 #pragma unroll
-    for (int i = 0; i < kValues; ++i) max_logit = fmaxf(max_logit, p[i]);
-    max_logit = warp_max(max_logit);
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < kValues; ++i) {
-      p[i] = __expf(p[i] - max_logit);  // padding: exp(-inf) = 0
-      sum += p[i];
+      for (int i = 0; i < V - 1; ++i) key[i] = won ? key[i + 1] : key[i];
+      key[V - 1] = won ? 0u : key[V - 1];
     }
-    const float inv_sum = 1.f / warp_sum(sum);
+    int my_id = static_cast<int>(kIndexMask - (my_key & kIndexMask));
+    if constexpr (sizeof(T) == 4) {
+      // The best loser too close to the last winner?
+      near_tie |= warp_any(key[0] != 0u && (key[0] | kIndexMask) == (previous | kIndexMask));
+      if (near_tie) {  // the same for every lane
+        uint32_t taken = 0;
+        for (int r = 0; r < k; ++r) {
+          float best = -INFINITY;
+          int best_id = INT_MAX;
 #pragma unroll
-    for (int j = 0; j < NV; ++j) {
-#pragma unroll
-      for (int c = 0; c < N; ++c) {
-        const int expert = (j * kWarpSize + lane) * N + c;
-        p[j * N + c] = expert < experts ? p[j * N + c] * inv_sum : -INFINITY;
+          for (int i = 0; i < V; ++i) {
+            if (first + i < experts && !(taken >> i & 1u) &&
+                ranks_before(value[i], first + i, best, best_id)) {
+              best = value[i];
+              best_id = first + i;
+            }
+          }
+          warp_argmax(best, best_id);
+          if (best_id / V == lane) taken |= 1u << (best_id - first);
+          if (lane == r) my_id = best_id;
+        }
       }
     }
 
-    float* w_row = weights + row * k;
-    int32_t* id_row = ids + row * k;
-    float my_weight = 0.f;  // of round `lane`
-    int my_id = 0;
-    float selected_sum = 0.f;
-    for (int r = 0; r < k; ++r) {
-      float best = -INFINITY;
-      int best_id = INT_MAX;
+    // Lane r < K holds winner r. Its logit is read back (an L1 hit).
+    const float logit = lane < k ? to_float(g[my_id]) : -INFINITY;
+    const float max_logit = warp_max(logit);
+    const float e = lane < k ? __expf(logit - max_logit) : 0.f;
+    float denominator;
+    if (renormalize) {
+      denominator = warp_sum(e);
+    } else {
+      float sum = 0.f;
 #pragma unroll
-      for (int j = 0; j < NV; ++j) {
-#pragma unroll
-        for (int c = 0; c < N; ++c) {
-          if (p[j * N + c] > best) {  // experts ascend within a lane: ties keep the first
-            best = p[j * N + c];
-            best_id = (j * kWarpSize + lane) * N + c;
-          }
-        }
-      }
-      warp_argmax(best, best_id);
-      selected_sum += best;
-      if (r < kWarpSize) {
-        if (lane == r) {
-          my_weight = best;
-          my_id = best_id;
-        }
-      } else if (lane == 0) {
-        w_row[r] = best;
-        id_row[r] = best_id;
-      }
-#pragma unroll
-      for (int j = 0; j < NV; ++j) {
-#pragma unroll
-        for (int c = 0; c < N; ++c) {
-          if ((j * kWarpSize + lane) * N + c == best_id) p[j * N + c] = -INFINITY;
-        }
-      }
+      for (int i = 0; i < V; ++i) sum += __expf(value[i] - max_logit);  // padding: exp(-inf) = 0
+      denominator = warp_sum(sum);
     }
-    const float scale = renormalize ? 1.f / selected_sum : 1.f;
     if (lane < k) {
-      w_row[lane] = my_weight * scale;
-      id_row[lane] = my_id;
-    }
-    if (renormalize && lane == 0) {
-      for (int r = kWarpSize; r < k; ++r) w_row[r] *= scale;  // lane 0 wrote these
+      weights[row * k + lane] = e / denominator;
+      ids[row * k + lane] = my_id;
     }
   }
 }
@@ -165,34 +231,39 @@ struct TopkArgs {
   bool renormalize;
 };
 
-// Launches the warp kernel with the fewest loads per lane (NV, a power of
-// two) of N experts each that cover a row; false when a lane would need more
-// than kMaxValuesPerLane values.
-template <class T, int N, int NV = 1>
+// Launches the warp kernel with the fewest values per lane (V, a power of
+// two) that cover a row; false when a lane would need more than
+// kMaxValuesPerLane values or K exceeds the warp.
+template <class T, int V = 1>
 bool launch_warp_rows(const Launch& launch, const TopkArgs& a, const T* gating) {
-  if constexpr (N * NV > kMaxValuesPerLane) {
+  if constexpr (V > kMaxValuesPerLane) {
     return false;
   } else {
-    if (ceil_div(ceil_div(a.experts, N), launch.warp_size) > NV) {
-      return launch_warp_rows<T, N, 2 * NV>(launch, a, gating);
+    if (a.k > launch.warp_size) return false;
+    if (int64_t{launch.warp_size} * V < a.experts) {
+      return launch_warp_rows<T, 2 * V>(launch, a, gating);
     }
-    launch_resident<topk_softmax_warp<T, N, NV>, kThreads>(
-        launch, ceil_div(a.rows, kThreads / launch.warp_size), a.weights, a.ids, gating, a.rows,
-        a.experts, a.k, a.renormalize);
+    const int64_t blocks = ceil_div(a.rows, kWarpRowsThreads / launch.warp_size);
+    const unsigned grid = row_grid(blocks);
+    constexpr int kPerLoad = 16 / sizeof(T);
+    if constexpr (V % kPerLoad == 0) {
+      if (a.experts % V == 0 && a.experts % kPerLoad == 0 && all_aligned(16, {gating})) {
+        topk_softmax_warp<T, V, true><<<grid, kWarpRowsThreads, 0, launch.stream>>>(
+            a.weights, a.ids, gating, a.rows, a.experts, a.k, a.renormalize);
+        return true;
+      }
+    }
+    topk_softmax_warp<T, V, false><<<grid, kWarpRowsThreads, 0, launch.stream>>>(
+        a.weights, a.ids, gating, a.rows, a.experts, a.k, a.renormalize);
     return true;
   }
 }
 
 template <class T>
 void launch_topk(const Launch& launch, const TopkArgs& a, const T* gating) {
-  constexpr int kVec = 16 / sizeof(T);
-  if (a.experts % kVec == 0 && all_aligned(16, {gating}) &&
-      launch_warp_rows<T, kVec>(launch, a, gating)) {
-    return;
-  }
-  if (launch_warp_rows<T, 1>(launch, a, gating)) return;
-  launch_resident<topk_softmax_block<T>, kThreads>(launch, a.rows, a.weights, a.ids, gating,
-                                                  a.rows, a.experts, a.k, a.renormalize);
+  if (launch_warp_rows<T>(launch, a, gating)) return;
+  topk_softmax_block<T><<<row_grid(a.rows), kThreads, 0, launch.stream>>>(a.weights, a.ids, gating, a.rows,
+                                                             a.experts, a.k, a.renormalize);
 }
 
 // Tensors: topk_weights [*, K] float32, topk_ids [*, K] int32, gating_output

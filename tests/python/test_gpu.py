@@ -8,7 +8,11 @@
 - a decoder-layer-like function of the ops (decoder_layer.py) compiles with
   torch.compile(fullgraph=True) and matches eager;
 - the same function captured in a torch.cuda.CUDAGraph and replayed on new
-  inputs matches eager (and says whether bit for bit).
+  inputs matches eager (and says whether bit for bit);
+- every op alone, at every size of its cases, each dtype and attribute set,
+  captured in a CUDA graph (through a kdispatch.op handle and through
+  torch.ops.kdispatch) and replayed on new inputs gives, bit for bit, what
+  the same call gives eagerly.
 Each check that raises counts as failed; the others still run."""
 import sys
 import traceback
@@ -199,6 +203,52 @@ def check_graph():
                    f"{'yes' if identical else 'no'})")
 
 
+def check_capture_each_op():
+    for op in kdispatch.ops():
+        schema = kdispatch.schema(op)
+        case = kd_cases.CASES[op]
+        names = [t["name"] for t in schema["tensors"]]
+        handle = kdispatch.op(op)
+        opfn = getattr(torch.ops.kdispatch, kt.registered[op])
+        callers = {
+            "kdispatch.op": lambda ts, given: handle(*ts, **given),
+            "torch.ops": lambda ts, given: opfn(*ts, *[kd_cases.full_attrs(schema, given)[a["name"]]
+                                                       for a in schema["attrs"]]),
+        }
+        replays = differing = 0
+        for dtype in ("float32", "bfloat16", "float16"):
+            for sizes in case.sizes + [{**case.sizes[0], "*": (64,)}]:
+                for given in case.attrs:
+                    def device_inputs(seed):
+                        values = kd_cases.make_inputs(schema, sizes, np.random.default_rng(seed))
+                        return [torch.from_numpy(np.asarray(values[n][0])).to(TORCH_DTYPES[values[n][1] or dtype])
+                                .cuda() for n in names]
+                    for label, call in callers.items():
+                        static = device_inputs(1)
+                        side = torch.cuda.Stream()
+                        side.wait_stream(torch.cuda.current_stream())
+                        with torch.cuda.stream(side):
+                            call([t.clone() for t in static], given)  # warm-up outside the capture
+                        torch.cuda.current_stream().wait_stream(side)
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph):
+                            call(static, given)
+                        for seed in (2, 3):
+                            fresh = device_inputs(seed)
+                            for s_, f in zip(static, fresh):
+                                s_.copy_(f)
+                            graph.replay()
+                            call(fresh, given)  # eager, on a copy of the same inputs
+                            torch.cuda.synchronize()
+                            replays += 1
+                            same = all(torch.equal(a, b) for a, b in zip(static, fresh))
+                            if not same:
+                                differing += 1
+                                print(f"  {op} {dtype} {sizes} {given} via {label}: the replay differs from eager")
+        report(differing == 0, f"{op} captured in a CUDA graph: {replays - differing} of {replays} replays equal "
+                               f"the eager call bit for bit (float32, bfloat16, float16; kdispatch.op, torch.ops)")
+
+
 def run(check, *args):
     """Runs one check; an exception is its failure, and the others still run."""
     try:
@@ -219,6 +269,7 @@ def main():
     else:
         print("SKIPPED torch.compile checks: this torch has no torch.compile")
     run(check_graph)
+    run(check_capture_each_op)
     print(f"gpu: {sum(results)} passed, {len(results) - sum(results)} failed")
     return 0 if results and all(results) else 1
 

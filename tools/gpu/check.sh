@@ -3,8 +3,9 @@
 # /work/shared/GPU.md): builds the project with the `cuda` preset (or, when the
 # whole project does not build, the GPU plugins alone), checks the binary
 # (exported symbols, sm_90 code), runs the correctness check of every op x
-# dtype, the kdispatch benchmark and the PyTorch eager / torch.compile
-# benchmark, and prints one joined table last.
+# dtype, and the benchmark of kdispatch against PyTorch eager and
+# torch.compile under CUDA-graph replay (tools/gpu/bench.py), and prints
+# its table last.
 #
 #   tools/gpu/check.sh [build|test|bench|python|all]     (default: all)
 #
@@ -12,16 +13,16 @@
 #   build  configure + build the whole project (preset cuda, tests on)
 #   test   the conformance suite on the cuda backend, `kdispatch run --all`
 #          (cuda checked against cpu), ctest, the dispatch benchmark
-#   bench  the plugin check and benchmark with CUDA events, PyTorch eager
-#          and torch.compile, the joined table
+#   bench  the plugin binary (exports, sm_90 code), tools/gpu/bench.py (kdispatch through its
+#          dispatcher, PyTorch eager and torch.compile, graph replay and
+#          back-to-back launches), its table
 #   python tools/gpu/python_check.sh: the Python module built for the
 #          python3 on PATH, the Python tests on CUDA (torch.compile, CUDA
 #          graphs), graph replay against the dispatcher's call, host overhead
 #
 # Full logs go to $OUT (default build/gpu-check). Environment:
-#   KD_CHECK_NO_TORCH=1        skip the PyTorch benchmark
 #   KD_CHECK_NO_COMPILE=1      PyTorch eager only, no torch.compile
-#   KD_CHECK_TORCH_TIMEOUT=s   limit of the PyTorch benchmark (default 300 s)
+#   KD_CHECK_BENCH_TIMEOUT=s   limit of the benchmark (default 420 s)
 # Exit status: 0 when the build and every correctness check passed.
 set -uo pipefail
 stage=${1:-all}
@@ -56,7 +57,6 @@ if [[ "$stage" == python ]]; then exec "$root/tools/gpu/python_check.sh" all; fi
 
 # --- build ------------------------------------------------------------------------
 plugin="$root/build/cuda/lib/kdispatch/plugins/libkdispatch-cuda.so"
-bench="$root/build/cuda/bin/kdispatch-gpu-bench"
 bin="$root/build/cuda/bin"
 if [[ "$stage" == build || "$stage" == all ]]; then
   started=$(date +%s)
@@ -119,28 +119,20 @@ note "plugin: $(stat -c %s "$plugin") bytes, exports: $exported"
 [[ "$exported" == "kdispatch_plugin_api " ]] || { note "FAIL: the plugin exports more than kdispatch_plugin_api"; status=1; }
 grep -q "sm_90" "$OUT/plugin.txt" || { note "FAIL: no sm_90 code in the plugin"; status=1; }
 
-# --- correctness -------------------------------------------------------------------
-"$bench" check "$plugin" > "$OUT/gpu_check.txt" 2>&1
-check_rc=$?
-note "correctness: $(tail -n 1 "$OUT/gpu_check.txt") (exit $check_rc; gpu_check.txt)"
-grep "^FAIL" "$OUT/gpu_check.txt" | head -n 20 | tee -a "$summary"
-[[ $check_rc == 0 ]] || status=1
-
-# --- benchmarks --------------------------------------------------------------------
-timeout 300 "$bench" bench "$plugin" --csv "$OUT/kdispatch_bench.csv" > "$OUT/kdispatch_bench.txt" 2>&1 ||
-  note "kdispatch benchmark failed or timed out (kdispatch_bench.txt)"
-if [[ "${KD_CHECK_NO_TORCH:-0}" != 1 ]]; then
-  torch_args=(--csv "$OUT/torch_bench.csv")
-  [[ "${KD_CHECK_NO_COMPILE:-0}" == 1 ]] && torch_args+=(--no-compile)
-  timeout "${KD_CHECK_TORCH_TIMEOUT:-300}" python3 tools/gpu/torch_bench.py "${torch_args[@]}" \
-      > "$OUT/torch_bench.txt" 2>&1 ||
-    note "PyTorch benchmark failed or timed out; rows it finished are kept (torch_bench.txt)"
-fi
-
+# --- benchmark ---------------------------------------------------------------------
+# torch.compile's kernels are cached beside the build, for the next call.
+export TORCHINDUCTOR_CACHE_DIR="$root/build/cuda/inductor-cache" PYTHONPATH="$root/build/cuda/python"
+export KDISPATCH_PLUGIN_PATH="$root/build/cuda/lib/kdispatch/plugins"
+bench_args=(--csv "$OUT/bench.csv")
+[[ "${KD_CHECK_NO_COMPILE:-0}" == 1 ]] && bench_args+=(--no-compile)
+timeout "${KD_CHECK_BENCH_TIMEOUT:-420}" python3 tools/gpu/bench.py "${bench_args[@]}" \
+    > "$OUT/bench.txt" 2> "$OUT/bench.err"
+rc=$?
+[[ $rc == 0 ]] || { note "benchmark: exit $rc (bench.txt, bench.err)"; status=1; }
 echo
 cat "$summary"
 echo
-python3 tools/gpu/report.py "$OUT/kdispatch_bench.csv" "$OUT/torch_bench.csv" | tee "$OUT/report.txt"
+sed -n '/^GPU us per call/,$p' "$OUT/bench.txt"
 if [[ "$stage" == all ]]; then
   echo
   "$root/tools/gpu/python_check.sh" all || status=1
