@@ -2,10 +2,11 @@
 // computed in float32 and rounded once.
 //
 // Elementwise and memory bound: each thread moves one 16-byte vector of each
-// half and of the output, blocks of 128 threads tile a row, the grid covers
-// every row (looping only past 65535 rows). A grid that covers the data
-// keeps more loads in flight than blocks that loop over rows, and short
-// rows (decode) get as many blocks as they have vectors.
+// half and of the output (8 bytes at decode sizes), blocks of 128 threads
+// tile a row, the grid covers every row (looping only past 65535 rows). A
+// grid that covers the data keeps more loads in flight than blocks that
+// loop over rows, and short rows (decode) get as many blocks as they have
+// vectors.
 #include "device_utils.cuh"
 #include "launch_utils.hpp"
 #include "ops.hpp"
@@ -14,6 +15,9 @@ namespace kd_gpu {
 namespace {
 
 constexpr int kThreads = 128;
+// Up to this many outputs (decode sizes) a thread moves 8-byte vectors:
+// twice the threads, each with half the work, finish sooner.
+constexpr int64_t kSmallElements = int64_t{1} << 19;
 
 // a / (1 + exp(-a)) with the fast exponential and division: two special
 // function instructions per value, which keeps these kernels memory bound.
@@ -106,7 +110,11 @@ kd_status run_act(const kd_call_args* args, const char* op) {
     T* o = data_of<T>(out);
     const T* in = data_of<T>(x);
     if (d % kVec == 0 && all_aligned(16, {o, in})) {
-      launch_act<T, kVec, Act>(launch, o, in, rows, static_cast<int>(d));
+      if (rows * d <= kSmallElements) {
+        launch_act<T, kVec / 2, Act>(launch, o, in, rows, static_cast<int>(d));
+      } else {
+        launch_act<T, kVec, Act>(launch, o, in, rows, static_cast<int>(d));
+      }
     } else {
       launch_act<T, 1, Act>(launch, o, in, rows, static_cast<int>(d));
     }

@@ -9,12 +9,12 @@
 // Both ops are memory bound, so a row is read once: each thread keeps its
 // share of the row in registers across the reduction, as stored (16-byte
 // vectors, up to 8 per thread), and reads the weight only after it, which
-// keeps registers few and blocks per SM many. Short rows (up to 4 vectors
+// keeps registers few and blocks per SM many (few rows, as in decode, read
+// it with the row instead: one wait on memory). Short rows (up to 4 vectors
 // per lane) get one warp each, several rows per block and no barrier;
 // longer ones one block each. The grid covers every row (blocks loop only
 // past 2^31-1 of them): more loads are in flight than when a resident grid
-// loops over rows. Few rows (decode) get one vector per thread, the most
-// parallel split. Rows that are longer still, or whose length or pointers
+// loops over rows. Rows that are longer still, or whose length or pointers
 // do not allow 16-byte accesses, take a two-pass kernel that reads the row
 // again (mostly from L2).
 #include "device_utils.cuh"
@@ -28,7 +28,7 @@ constexpr int kThreads = 256;        // threads per block of the warp-per-row ke
                                      // the block-per-row ones when rows are many
 constexpr int kMaxThreads = 1024;    // threads per block of a block-per-row kernel
 constexpr int kMaxVecPerThread = 8;  // register budget of a block-per-row thread
-constexpr int kManyRowsVecPerThread = 4;  // the same when blocks share an SM
+constexpr int kManyRowsVecPerThread = 4;  // the usual share, so that blocks share an SM
 constexpr int kMaxVecPerLane = 4;    // register budget of a warp-per-row lane
 
 struct WarpSum {
@@ -205,17 +205,16 @@ void launch_norm(const Launch& launch, T* out, T* residual, const T* x, const T*
     return;
   }
   if (vectorized && nvec <= kMaxThreads * kMaxVecPerThread) {
-    // Many rows: blocks of kThreads (more when a row needs them), up to
-    // kManyRowsVecPerThread vectors each, several blocks per SM, the weight
-    // read late. Fewer rows than the SMs hold blocks: one vector per thread
-    // where the block allows, the weight read with the row, so that each
-    // block waits on memory once.
+    // Blocks of kThreads (more when a row needs them), up to
+    // kManyRowsVecPerThread vectors each, several blocks per SM. The weight
+    // is read after the reduction when rows are many (fewer registers, more
+    // blocks per SM), with the row when fewer rows than the SMs hold blocks
+    // (each block then waits on memory once).
     const bool few_rows = rows < int64_t{launch.sm_count} * 4;
-    int threads = few_rows ? round_up(nvec, launch.warp_size)
-                           : std::max(kThreads, round_up(static_cast<int>(ceil_div(
-                                                             nvec, kManyRowsVecPerThread)),
-                                                         launch.warp_size));
-    threads = std::min(threads, kMaxThreads);
+    const int threads = std::min(
+        kMaxThreads,
+        std::max(kThreads, round_up(static_cast<int>(ceil_div(nvec, kManyRowsVecPerThread)),
+                                    launch.warp_size)));
     const int64_t vpt = ceil_div(nvec, threads);
     if (vpt <= 1) {
       K::template block_per_row<1>(launch, few_rows, threads, out, residual, x, weight, rows,
