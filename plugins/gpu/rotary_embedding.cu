@@ -12,6 +12,8 @@
 // of a head at a time: N rotated pairs of neox (two 16-byte vectors of the
 // head plus one each of cos and sin) or a 16-byte vector of N/2 GPT-J pairs.
 // The cache row of a token is shared by all its heads and stays in L1.
+// Blocks of at most 256 threads, each taking a unit in two or more rounds:
+// on the H200 that moved more bytes than one round of 320 or 512 threads.
 #include "device_utils.cuh"
 #include "launch_utils.hpp"
 #include "ops.hpp"
@@ -19,7 +21,7 @@
 namespace kd_gpu {
 namespace {
 
-constexpr int kMaxThreads = 512;
+constexpr int kMaxThreads = 256;
 
 template <class T, int N, bool kNeox, bool kAligned>
 __global__ void __launch_bounds__(kMaxThreads)
@@ -95,7 +97,7 @@ void launch_rotary(const Launch& launch, const int64_t* positions, T* query, T* 
   const int n = vectorized ? kVec : (neox ? 1 : 2);
   const int units = (q_heads + k_heads) * (neox ? rot / n : 2 * rot / n);
   // As many rounds as needed, each thread taking the same number of units
-  // (GPT-J with 40 heads of 128 has 640 units: 2 x 320 threads, not 512 + 128).
+  // (neox with 40 heads of 128 has 320 units: 2 x 160 threads, not 256 + 64).
   const int rounds = (units + kMaxThreads - 1) / kMaxThreads;
   const int threads = std::min(kMaxThreads, round_up((units + rounds - 1) / rounds, launch.warp_size));
   const int64_t grid = std::min<int64_t>(tokens, INT32_MAX);
