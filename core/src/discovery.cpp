@@ -12,6 +12,8 @@
 #include "kdispatch/environment.hpp"
 #include "kdispatch/log.hpp"
 #include "kdispatch/plugin_security.hpp"
+#include "registry_cache.hpp"
+#include "scanner.hpp"
 
 namespace fs = std::filesystem;
 
@@ -140,6 +142,8 @@ DiscoveryResult discover_plugins(const SearchPathOptions& options) {
     }
   }
   std::map<std::string, std::string> first_manifest;  // plugin name -> manifest path
+  // Unchanged manifests come parsed from the registry cache.
+  ManifestCache cache(scan_policy());
 
   for (const SearchDir& dir : result.search_path) {
     std::error_code ec;
@@ -169,7 +173,7 @@ DiscoveryResult discover_plugins(const SearchPathOptions& options) {
         result.plugins.push_back(std::move(rec));
         continue;
       }
-      ManifestResult parsed = read_manifest(file);
+      ManifestResult parsed = cache.read(file);
       for (const auto& w : parsed.warnings) {
         log(LogLevel::warn, "{}", w.message);
         rec.problems.push_back(w);
@@ -211,6 +215,8 @@ DiscoveryResult discover_plugins(const SearchPathOptions& options) {
       result.plugins.push_back(std::move(rec));
     }
   }
+  cache.save();
+  if (cache.hits() > 0) log(LogLevel::debug, "{} manifest(s) from the registry cache", cache.hits());
   return result;
 }
 
