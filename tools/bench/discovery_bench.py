@@ -13,7 +13,9 @@ median and the fastest run in milliseconds:
          built-in op schemas, the floor under the other three
 
 Each run is timed from spawn to exit with a monotonic clock in this
-process; the tool's output goes to /dev/null. The cache lives in a
+process, and its CPU time (user + system, from wait4) is reported beside
+it: on a shared machine the CPU time varies less. The tool's output goes
+to /dev/null. The cache lives in a
 temporary XDG_CACHE_HOME, so the user's cache is never touched. The select
 asks for `--device cpu`, so no GPU driver is probed.
 
@@ -72,16 +74,22 @@ def write_fixture(folder, manifests, kernels):
 
 
 def time_runs(argv, env, runs, before_each=None, expect=0):
-    times = []
+    """Wall-clock and CPU (user + system) milliseconds of each run."""
+    wall, cpu = [], []
     for _ in range(runs):
         if before_each:
             before_each()
         start = time.perf_counter()
-        done = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        times.append((time.perf_counter() - start) * 1000.0)
-        if done.returncode != expect:
-            sys.exit(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.decode(errors='replace')}")
-    return times
+        child = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _, status, usage = os.wait4(child.pid, 0)
+        wall.append((time.perf_counter() - start) * 1000.0)
+        cpu.append((usage.ru_utime + usage.ru_stime) * 1000.0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        err = child.stderr.read().decode(errors="replace")
+        child.stderr.close()
+        if child.returncode != expect:
+            sys.exit(f"{' '.join(argv)} exited {child.returncode}: {err}")
+    return wall, cpu
 
 
 def main():
@@ -134,7 +142,9 @@ def main():
                                   args.runs, expect=2)
             else:
                 sys.exit(f"unknown mode '{mode}' (warm, cold, off, empty)")
-            results[mode] = {"median_ms": statistics.median(times), "min_ms": min(times), "runs": len(times)}
+            wall, cpu = times
+            results[mode] = {"median_ms": statistics.median(wall), "min_ms": min(wall),
+                             "cpu_median_ms": statistics.median(cpu), "runs": len(wall)}
 
         if args.json:
             print(json.dumps({"manifests": args.manifests, "kernels": args.kernels, "op": op,
@@ -143,7 +153,8 @@ def main():
             print(f"kdispatch select {op}: {args.manifests} manifests x {args.kernels} kernels, "
                   f"median of {args.runs} runs")
             for mode, r in results.items():
-                print(f"  {mode:6s} {r['median_ms']:7.1f} ms   (fastest {r['min_ms']:.1f} ms)")
+                print(f"  {mode:6s} {r['median_ms']:7.1f} ms   (fastest {r['min_ms']:.1f} ms, "
+                      f"CPU {r['cpu_median_ms']:.1f} ms)")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
