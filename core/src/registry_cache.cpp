@@ -390,7 +390,12 @@ ManifestResult ManifestCache::read(const fs::path& path) {
   // The stamp was taken before the read: should the file change in
   // between, the next process sees a new stamp and parses it again.
   if (result.ok() && result.warnings.empty() && settled(stamp)) {
-    changes_[key] = Fresh{stamp, encode_manifest_record(*result.manifest, ops_json)};
+    std::string record = encode_manifest_record(*result.manifest, ops_json);
+    // Op schemas come back through JSON: a record whose schemas would not
+    // decode to the same ones is not kept (it would be rewritten each time).
+    if (ops_json.empty() || decode_manifest_record(record, path.string()) == result.manifest) {
+      changes_[key] = Fresh{stamp, std::move(record)};
+    }
   }
   return result;
 }
