@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <charconv>
-#include <iterator>
 #include <cstring>
+#include <iterator>
 
 namespace kdispatch {
 

@@ -54,8 +54,8 @@ struct ScanEntry {
 
 struct CacheFile {
   std::unique_ptr<std::string> text = std::make_unique<std::string>();  // the file; records point into it
-  std::map<std::string, ScanEntry> scans;                                // by library path
-  std::map<std::string, ManifestCache::Stored> manifests;                // by absolute manifest path
+  std::map<std::string, ScanEntry> scans;                               // by library path
+  std::map<std::string, ManifestCache::Stored> manifests;               // by absolute manifest path
 };
 
 std::mutex& cache_mutex() {
@@ -82,8 +82,7 @@ const std::string& core_build() {
 }
 
 std::string header() {
-  return fmt::format("{} {} manifest-record {} core {}", kHeaderWord, kFileFormat, kManifestRecordFormat,
-                     core_build());
+  return fmt::format("{} {} manifest-record {} core {}", kHeaderWord, kFileFormat, kManifestRecordFormat, core_build());
 }
 
 // Detects a damaged record (a cut, a flipped byte); not a defence against
@@ -235,8 +234,7 @@ CacheFile read_cache(bool manifests) {
   if (!next_line(line) || line != header()) {
     if (text.empty()) return file;
     if (line.starts_with(kHeaderWord)) {
-      log(LogLevel::info, "registry cache {} was written by another build of kdispatch; rebuilding it",
-          path.string());
+      log(LogLevel::info, "registry cache {} was written by another build of kdispatch; rebuilding it", path.string());
     } else {
       log(LogLevel::warn, "registry cache {} is not a cache of this format; rebuilding it", path.string());
     }

@@ -89,9 +89,9 @@ class ManifestCache {
   bool write_ = false;  // record what was parsed
   bool loaded_ = false;
   size_t hits_ = 0;
-  std::unique_ptr<const std::string> text_;               // the cache file as read
-  std::map<std::string, Stored> stored_;                  // by absolute manifest path, into text_
-  std::map<std::string, std::optional<Fresh>> changes_;   // to write: new entries, or nullopt to drop
+  std::unique_ptr<const std::string> text_;              // the cache file as read
+  std::map<std::string, Stored> stored_;                 // by absolute manifest path, into text_
+  std::map<std::string, std::optional<Fresh>> changes_;  // to write: new entries, or nullopt to drop
 };
 
 }  // namespace kdispatch

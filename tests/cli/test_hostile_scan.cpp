@@ -151,11 +151,10 @@ TEST_CASE("hostile scan: a corrupt, truncated or unwritable registry cache never
   REQUIRE(cpu_record != std::string::npos);
   std::string flipped = text;
   flipped[cpu_record + 4] ^= 0x01;
-  for (const std::string& broken :
-       {std::string("\x7f"
-                    "ELF garbage\n\t\t\n"),
-        text.substr(0, text.size() / 2), text.substr(0, cpu_record), flipped,
-        text.substr(0, text.find('\n') + 1) + "a\tb\tc\n\\\\\t\nmanifest\t\t\n"}) {
+  for (const std::string& broken : {std::string("\x7f"
+                                                "ELF garbage\n\t\t\n"),
+                                    text.substr(0, text.size() / 2), text.substr(0, cpu_record), flipped,
+                                    text.substr(0, text.find('\n') + 1) + "a\tb\tc\n\\\\\t\nmanifest\t\t\n"}) {
     write_file(cache_file, broken);
     const ToolResult r = run_tool({"doctor", "--json", "--plugin-path", f.plugins.string()}, f.env());
     CHECK(r.exit_code == 2);

@@ -120,10 +120,12 @@ struct CacheScope {
 };
 
 std::string small_manifest(const std::string& name, const std::string& symbol = "kd_a") {
-  return R"({"kdispatch_manifest": "1.0", "plugin": ")" + name + R"(", "backend": ")" + name +
-         R"(", "library": "lib)" + name + R"(.so", "abi": "1.0", "targets": [{"device": "cpu"}],
-    "kernels": [{"op": ")" + name + R"(.a", "symbol": ")" + symbol + R"(", "dtypes": ["float32"]},
-                {"op": ")" + name + R"(.b", "symbol": "kd_b", "description": "second"}]})";
+  return R"({"kdispatch_manifest": "1.0", "plugin": ")" + name + R"(", "backend": ")" + name + R"(", "library": "lib)" +
+         name + R"(.so", "abi": "1.0", "targets": [{"device": "cpu"}],
+    "kernels": [{"op": ")" +
+         name + R"(.a", "symbol": ")" + symbol + R"(", "dtypes": ["float32"]},
+                {"op": ")" +
+         name + R"(.b", "symbol": "kd_b", "description": "second"}]})";
 }
 
 // Lets the registry cache take files just written: it leaves out files
@@ -204,14 +206,13 @@ TEST_CASE("registry cache: a cut or malformed record never decodes") {
     INFO("first " << n << " bytes");
     CHECK_FALSE(decode_manifest_record(record.substr(0, n), "cut.json").has_value());
   }
-  for (const std::string& bad :
-       {std::string(), std::string("\t\t\t\t"), record + "\textra", record + "x",
-        std::string("1.0\tp\tb\tlibp.so\t1.0\t\t\tbackend\t99999999999999999999\t"),
-        std::string("1.0\tp\tb\tlibp.so\t1.0\t\t\tbackend\t1\tnot-a-device\t\t\t0\t0\t0\t"),
-        std::string("1.0\tp\tb\tlibp.so\t1.0\t\t\toracle\t0\t0\t"),
-        std::string("1.0\tp\tb\tlibp.so\t1.0\t\t\tbackend\t0\t1\tp.a\tkd\t\t9\t=\t"),
-        std::string("1.0\tp\\x\tb\tlibp.so\t1.0\t\t\tbackend\t0\t0\t"),
-        std::string("1.0\tp\tb\tlibp.so\t1.0\t\t\tbackend\t0\t0\t[{\"op\": 1}]")}) {
+  for (const std::string& bad : {std::string(), std::string("\t\t\t\t"), record + "\textra", record + "x",
+                                 std::string("1.0\tp\tb\tlibp.so\t1.0\t\t\tbackend\t99999999999999999999\t"),
+                                 std::string("1.0\tp\tb\tlibp.so\t1.0\t\t\tbackend\t1\tnot-a-device\t\t\t0\t0\t0\t"),
+                                 std::string("1.0\tp\tb\tlibp.so\t1.0\t\t\toracle\t0\t0\t"),
+                                 std::string("1.0\tp\tb\tlibp.so\t1.0\t\t\tbackend\t0\t1\tp.a\tkd\t\t9\t=\t"),
+                                 std::string("1.0\tp\\x\tb\tlibp.so\t1.0\t\t\tbackend\t0\t0\t"),
+                                 std::string("1.0\tp\tb\tlibp.so\t1.0\t\t\tbackend\t0\t0\t[{\"op\": 1}]")}) {
     INFO(bad);
     CHECK_FALSE(decode_manifest_record(bad, "bad.json").has_value());
   }
@@ -233,8 +234,9 @@ TEST_CASE("registry cache: discovery over a warm cache gives the registry a cold
                 "abi": "1.0", "colour": "blue", "kernels": [{"op": "warns.a", "symbol": "kd_a"}]})",
             "libwarns.so");
   scope.add("broken.json", R"({"kdispatch_manifest": "1.0", "plugin": )");
-  for (int i = 0; i < 40; ++i) scope.add("gen" + std::to_string(i) + ".json", small_manifest("gen" + std::to_string(i)),
-                                         "libgen" + std::to_string(i) + ".so");
+  for (int i = 0; i < 40; ++i)
+    scope.add("gen" + std::to_string(i) + ".json", small_manifest("gen" + std::to_string(i)),
+              "libgen" + std::to_string(i) + ".so");
   settle();
 
   ContextOptions options;
@@ -369,7 +371,9 @@ TEST_CASE("registry cache: a corrupt, truncated or unreadable cache never change
   std::string other_build = good;
   other_build.replace(good.find(" core "), 6, " core 0:0 ");
   for (const auto& [what, text] : std::vector<std::pair<std::string, std::string>>{
-           {"garbage", "\x7f" "ELF\0\1\2 not a cache\n\t\t\n"},
+           {"garbage",
+            "\x7f"
+            "ELF\0\1\2 not a cache\n\t\t\n"},
            {"empty", ""},
            {"cut in half", good.substr(0, good.size() / 2)},
            {"cut inside a record", cut_in_record},
