@@ -12,6 +12,8 @@
 #include "kdispatch/environment.hpp"
 #include "kdispatch/log.hpp"
 #include "kdispatch/plugin_security.hpp"
+#include "registry_cache.hpp"
+#include "scanner.hpp"
 
 namespace fs = std::filesystem;
 
@@ -119,7 +121,9 @@ DirectoryListing manifests_in(const fs::path& dir) {
                                          dir.string(), ec.message())};
     log(LogLevel::warn, "{}", out.unreadable->message);
   }
-  std::sort(out.manifests.begin(), out.manifests.end());
+  // By name; all share the directory, so the strings order as the paths do.
+  std::sort(out.manifests.begin(), out.manifests.end(),
+            [](const fs::path& a, const fs::path& b) { return a.native() < b.native(); });
   std::sort(out.special.begin(), out.special.end(),
             [](const Problem& a, const Problem& b) { return a.file < b.file; });
   return out;
@@ -140,6 +144,9 @@ DiscoveryResult discover_plugins(const SearchPathOptions& options) {
     }
   }
   std::map<std::string, std::string> first_manifest;  // plugin name -> manifest path
+  // Unchanged manifests come parsed from the registry cache.
+  ManifestCache cache(scan_policy());
+  LocationChecks checks;
 
   for (const SearchDir& dir : result.search_path) {
     std::error_code ec;
@@ -161,7 +168,7 @@ DiscoveryResult discover_plugins(const SearchPathOptions& options) {
     for (const fs::path& file : listing.manifests) {
       PluginRecord rec;
       rec.manifest_path = file.string();
-      if (auto problem = check_manifest_security(file)) {
+      if (auto problem = checks.manifest(file)) {
         log(LogLevel::warn, "skipping manifest {}: {}: {}", rec.manifest_path, code_string(problem->code),
             problem->message);
         rec.state = PluginState::error;
@@ -169,7 +176,7 @@ DiscoveryResult discover_plugins(const SearchPathOptions& options) {
         result.plugins.push_back(std::move(rec));
         continue;
       }
-      ManifestResult parsed = read_manifest(file);
+      ManifestResult parsed = cache.read(file);
       for (const auto& w : parsed.warnings) {
         log(LogLevel::warn, "{}", w.message);
         rec.problems.push_back(w);
@@ -201,7 +208,7 @@ DiscoveryResult discover_plugins(const SearchPathOptions& options) {
         log(LogLevel::info, "skipping plugin '{}' ({}): {}", m.plugin, rec.manifest_path, rec.note);
       } else {
         first_manifest.emplace(m.plugin, rec.manifest_path);
-        if (auto problem = check_library_location(m)) {
+        if (auto problem = checks.library(m)) {
           rec.state = PluginState::error;
           log(LogLevel::warn, "skipping plugin '{}': {}: {}", m.plugin, code_string(problem->code), problem->message);
           rec.problems.push_back(std::move(*problem));
@@ -211,6 +218,8 @@ DiscoveryResult discover_plugins(const SearchPathOptions& options) {
       result.plugins.push_back(std::move(rec));
     }
   }
+  cache.save();
+  if (cache.hits() > 0) log(LogLevel::debug, "{} manifest(s) from the registry cache", cache.hits());
   return result;
 }
 

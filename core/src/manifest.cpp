@@ -27,6 +27,7 @@
 
 #include "file_check.hpp"
 #include "kdispatch/plugin_api.h"
+#include "manifest_for_cache.hpp"
 #include "kdispatch/schema_check.hpp"
 
 namespace kdispatch {
@@ -1129,7 +1130,11 @@ std::filesystem::path Manifest::library_path() const {
   return std::filesystem::path(path).parent_path() / library;
 }
 
-ManifestResult parse_manifest(std::string_view text, const std::string& path) {
+namespace {
+
+// parse_manifest; with `ops_json`, also the document's "ops" list as
+// compact JSON (empty when it has none).
+ManifestResult parse_manifest_document(std::string_view text, const std::string& path, std::string* ops_json) {
   ManifestResult result;
   Reader r(path, result.errors, result.warnings);
   try {
@@ -1139,7 +1144,10 @@ ManifestResult parse_manifest(std::string_view text, const std::string& path) {
     m.path = path;
     read_manifest_document(r, *doc, m);
     r.finish();
-    if (result.errors.empty()) result.manifest = std::move(m);
+    if (result.errors.empty()) {
+      if (ops_json != nullptr && !m.ops.empty()) *ops_json = doc->at("ops").dump();
+      result.manifest = std::move(m);
+    }
   } catch (const std::exception& e) {
     // Validation reports problems instead of throwing; reaching this is a bug
     // here, and still must not take down a process that only scans plugins.
@@ -1147,6 +1155,17 @@ ManifestResult parse_manifest(std::string_view text, const std::string& path) {
     r.error(ErrorCode::manifest_bad_field, "", fmt::format("internal error while validating: {}", e.what()));
   }
   return result;
+}
+
+}  // namespace
+
+ManifestResult parse_manifest(std::string_view text, const std::string& path) {
+  return parse_manifest_document(text, path, nullptr);
+}
+
+ManifestResult parse_manifest_for_cache(std::string_view text, const std::string& path, std::string& ops_json) {
+  ops_json.clear();
+  return parse_manifest_document(text, path, &ops_json);
 }
 
 std::optional<std::string> read_manifest_text(const std::filesystem::path& path, Problem& problem) {

@@ -36,12 +36,8 @@ bool is_within(const fs::path& inner, const fs::path& outer) {
 }
 
 // Someone other than root and the user running kdispatch could replace the
-// file, so loading it would run their code as this user.
-std::optional<std::string> insecure_reason(const fs::path& path, const char* what) {
-  struct stat st{};
-  if (::stat(path.c_str(), &st) != 0) {
-    return fmt::format("cannot stat {} {}: {}", what, path.string(), std::strerror(errno));
-  }
+// file, so loading it would run their code as this user. `st` is its stat.
+std::optional<std::string> insecure_reason(const fs::path& path, const struct stat& st, const char* what) {
   const unsigned mode = st.st_mode & 07777U;
   if ((st.st_mode & S_IWOTH) != 0) {
     return fmt::format("{} {} is world-writable (mode {:04o}, owner uid {}); run chmod o-w on it",
@@ -56,6 +52,14 @@ std::optional<std::string> insecure_reason(const fs::path& path, const char* wha
   return std::nullopt;
 }
 
+std::optional<std::string> insecure_reason(const fs::path& path, const char* what) {
+  struct stat st{};
+  if (::stat(path.c_str(), &st) != 0) {
+    return fmt::format("cannot stat {} {}: {}", what, path.string(), std::strerror(errno));
+  }
+  return insecure_reason(path, st, what);
+}
+
 struct MdCtxFree {
   void operator()(EVP_MD_CTX* ctx) const noexcept { EVP_MD_CTX_free(ctx); }
 };
@@ -68,7 +72,19 @@ std::string lowercase(std::string text) {
 
 }  // namespace
 
-std::optional<Problem> check_library_location(const Manifest& manifest) {
+const LocationChecks::Directory& LocationChecks::directory(const fs::path& dir) {
+  auto [it, inserted] = directories_.try_emplace(dir.string());
+  if (inserted) it->second.canonical = fs::canonical(dir, it->second.error);
+  return it->second;
+}
+
+const std::optional<std::string>& LocationChecks::insecure_directory(const fs::path& canonical) {
+  auto [it, inserted] = insecure_.try_emplace(canonical.string());
+  if (inserted) it->second = insecure_reason(canonical, "plugin directory");
+  return it->second;
+}
+
+std::optional<Problem> LocationChecks::library(const Manifest& manifest) {
   const fs::path manifest_path = fs::absolute(fs::path(manifest.path));
   const fs::path library = fs::absolute(manifest.library_path());
 
@@ -85,19 +101,31 @@ std::optional<Problem> check_library_location(const Manifest& manifest) {
   }
 
   // Resolving every symlink shows where the code really comes from: a link
-  // in the plugin folder must not pull in a file from elsewhere.
+  // in the plugin folder must not pull in a file from elsewhere. The
+  // library is a plain file name in its directory, so when it is not a link
+  // itself it resolves to its directory's resolution and its name.
   std::error_code ec;
-  const fs::path real_library = fs::canonical(library, ec);
+  fs::path real_library;
+  struct stat link{};
+  const Directory& library_dir = directory(library.parent_path());
+  const bool plain = !library_dir.error && ::lstat(library.c_str(), &link) == 0 && !S_ISLNK(link.st_mode);
+  if (plain) {
+    real_library = library_dir.canonical / library.filename();
+  } else {
+    real_library = fs::canonical(library, ec);
+  }
   if (ec) {
     return Problem{ErrorCode::manifest_bad_library_path, manifest.path,
                    fmt::format("cannot resolve library {}: {}", library.string(), ec.message())};
   }
-  const fs::path manifest_dir = fs::canonical(manifest_path.parent_path(), ec);
-  if (ec) {
+  const Directory& dir = directory(manifest_path.parent_path());
+  if (dir.error) {
     return Problem{ErrorCode::manifest_bad_library_path, manifest.path,
-                   fmt::format("cannot resolve the directory of {}: {}", manifest.path, ec.message())};
+                   fmt::format("cannot resolve the directory of {}: {}", manifest.path, dir.error.message())};
   }
-  if (!is_within(real_library, manifest_dir)) {
+  const fs::path& manifest_dir = dir.canonical;
+  const bool in_manifest_dir = plain && &library_dir == &dir;
+  if (!in_manifest_dir && !is_within(real_library, manifest_dir)) {
     return Problem{ErrorCode::manifest_bad_library_path, manifest.path,
                    fmt::format("library {} resolves to {}, which escapes the manifest directory {} "
                                "(declared by {})",
@@ -105,10 +133,13 @@ std::optional<Problem> check_library_location(const Manifest& manifest) {
                                manifest.path)};
   }
 
-  std::optional<std::string> reason = insecure_reason(real_library, "plugin library");
-  if (!reason) reason = insecure_reason(real_library.parent_path(), "plugin directory");
-  if (!reason && real_library.parent_path() != manifest_dir) {
-    reason = insecure_reason(manifest_dir, "plugin directory");
+  // stat() followed every link: `st` is the real library's.
+  std::optional<std::string> reason = insecure_reason(real_library, st, "plugin library");
+  if (!reason && in_manifest_dir) {
+    reason = insecure_directory(manifest_dir);
+  } else if (!reason) {
+    reason = insecure_directory(real_library.parent_path());
+    if (!reason && real_library.parent_path() != manifest_dir) reason = insecure_directory(manifest_dir);
   }
   if (reason) {
     return Problem{ErrorCode::plugin_insecure, real_library.string(),
@@ -117,20 +148,23 @@ std::optional<Problem> check_library_location(const Manifest& manifest) {
   return std::nullopt;
 }
 
-std::optional<Problem> check_manifest_security(const fs::path& manifest) {
+std::optional<Problem> LocationChecks::manifest(const fs::path& manifest) {
   // The manifest decides which library is loaded and holds its sha256, so
   // whoever can rewrite it can choose the code that runs: the rule for
   // libraries applies to it and its directory too.
   std::optional<std::string> reason = insecure_reason(manifest, "plugin manifest");
   if (!reason) {
-    std::error_code ec;
-    const fs::path dir = fs::canonical(fs::absolute(manifest).parent_path(), ec);
-    if (!ec) reason = insecure_reason(dir, "plugin directory");
+    const Directory& dir = directory(fs::absolute(manifest).parent_path());
+    if (!dir.error) reason = insecure_directory(dir.canonical);
   }
   if (!reason) return std::nullopt;
   return Problem{ErrorCode::plugin_insecure, manifest.string(),
                  fmt::format("refusing to read manifest {}: {}", manifest.string(), *reason)};
 }
+
+std::optional<Problem> check_library_location(const Manifest& manifest) { return LocationChecks().library(manifest); }
+
+std::optional<Problem> check_manifest_security(const fs::path& manifest) { return LocationChecks().manifest(manifest); }
 
 std::optional<Problem> verify_library_checksum(const Manifest& manifest) {
   if (!manifest.sha256) return std::nullopt;

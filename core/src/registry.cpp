@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <mutex>
 
 namespace kdispatch {
@@ -59,6 +60,7 @@ void KernelRegistry::withdraw_plugin(const std::string& plugin, const Problem& p
       }
     }
   }
+  std::sort(failure.ops.begin(), failure.ops.end());
   failures_.push_back(std::move(failure));
   bump();
 }
@@ -113,6 +115,7 @@ std::vector<std::string> KernelRegistry::ops() const {
       }
     }
   }
+  std::sort(out.begin(), out.end());
   return out;
 }
 

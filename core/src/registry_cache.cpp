@@ -1,41 +1,61 @@
 #include "registry_cache.hpp"
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <fmt/format.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <map>
+#include <ctime>
 #include <mutex>
-#include <sstream>
 #include <vector>
 
 #include "file_check.hpp"
 #include "kdispatch/environment.hpp"
 #include "kdispatch/log.hpp"
-#include "kdispatch/version.h"
 #include "kdispatch/plugin_api.h"
 #include "kdispatch/plugin_security.hpp"
+#include "kdispatch/version.h"
+#include "manifest_for_cache.hpp"
+#include "manifest_record.hpp"
+#include "unique_fd.hpp"
 
 namespace kdispatch {
 namespace fs = std::filesystem;
 
 namespace {
 
-constexpr std::string_view kHeader = "kdispatch-scan-cache 1";
+// The layout of the lines below; bump it when they change.
+constexpr int kFileFormat = 2;
+constexpr std::string_view kHeaderWord = "kdispatch-registry-cache";
+constexpr std::string_view kScanKind = "scan";
+constexpr std::string_view kManifestKind = "manifest";
 
-struct Stamp {
+// A file changed this shortly before it is parsed may change again without
+// a new stamp: timestamps advance in clock ticks (or whole seconds where a
+// file system keeps no nanoseconds), so a second write within the same
+// tick keeps mtime and ctime. Such a manifest is parsed again next time
+// rather than cached.
+constexpr int64_t kSettleNs = 100'000'000;
+constexpr int64_t kSettleNsWholeSeconds = 2'000'000'000;
+
+struct ScanStamp {
   std::string library_size, library_mtime, manifest_sha256;
-  bool operator==(const Stamp&) const = default;
+  bool operator==(const ScanStamp&) const = default;
 };
 
-struct Entry {
-  Stamp stamp;
+struct ScanEntry {
+  ScanStamp stamp;
   ScanOutcome outcome;
+};
+
+struct CacheFile {
+  std::unique_ptr<std::string> text = std::make_unique<std::string>();  // the file; records point into it
+  std::map<std::string, ScanEntry> scans;                               // by library path
+  std::map<std::string, ManifestCache::Stored> manifests;               // by absolute manifest path
 };
 
 std::mutex& cache_mutex() {
@@ -43,11 +63,48 @@ std::mutex& cache_mutex() {
   return mutex;
 }
 
-std::optional<Stamp> stamp_of(const Manifest& manifest) {
+int64_t nanoseconds(const struct timespec& t) { return static_cast<int64_t>(t.tv_sec) * 1'000'000'000 + t.tv_nsec; }
+
+// The size and mtime of the file that holds this code (libkdispatch.so, or
+// a program linked with the core statically): a rebuilt core may parse
+// manifests differently, so its cache starts afresh.
+const std::string& core_build() {
+  static const std::string stamp = [] {
+    Dl_info info{};
+    struct stat st {};
+    if (dladdr(reinterpret_cast<void*>(&registry_cache_path), &info) == 0 || info.dli_fname == nullptr ||
+        ::stat(info.dli_fname, &st) != 0) {
+      return std::string("unknown");
+    }
+    return fmt::format("{}:{}", st.st_size, nanoseconds(st.st_mtim));
+  }();
+  return stamp;
+}
+
+std::string header() {
+  return fmt::format("{} {} manifest-record {} core {}", kHeaderWord, kFileFormat, kManifestRecordFormat, core_build());
+}
+
+// Detects a damaged record (a cut, a flipped byte); not a defence against
+// someone who can write the cache, who could as well write the manifests.
+uint64_t checksum(std::string_view text) {
+  uint64_t h = 0xcbf29ce484222325ULL ^ text.size();
+  size_t i = 0;
+  for (; i + 8 <= text.size(); i += 8) {
+    uint64_t word = 0;
+    std::memcpy(&word, text.data() + i, 8);
+    h = (h ^ word) * 0x100000001b3ULL;
+    h ^= h >> 29;
+  }
+  for (; i < text.size(); ++i) h = (h ^ static_cast<unsigned char>(text[i])) * 0x100000001b3ULL;
+  return h ^ (h >> 32);
+}
+
+std::optional<ScanStamp> scan_stamp_of(const Manifest& manifest) {
   struct stat st {};
   const fs::path library = fs::absolute(manifest.library_path());
   if (::stat(library.c_str(), &st) != 0) return std::nullopt;
-  Stamp s;
+  ScanStamp s;
   s.library_size = std::to_string(st.st_size);
   s.library_mtime = fmt::format("{}.{:09}", st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
   try {
@@ -88,69 +145,134 @@ std::string unescape(std::string_view text) {
   return out;
 }
 
-std::vector<std::string> split_tabs(const std::string& line) {
-  std::vector<std::string> fields;
-  size_t start = 0;
-  while (true) {
-    const size_t tab = line.find('\t', start);
-    fields.push_back(line.substr(start, tab == std::string::npos ? std::string::npos : tab - start));
-    if (tab == std::string::npos) break;
-    start = tab + 1;
+// The first `n` tab-separated fields of `line` into `fields`, and the rest
+// of the line (after the n-th tab) into `rest`; false when it has fewer.
+bool split_fields(std::string_view line, size_t n, std::vector<std::string_view>& fields, std::string_view& rest) {
+  fields.clear();
+  for (size_t i = 0; i < n; ++i) {
+    const size_t tab = line.find('\t');
+    if (tab == std::string_view::npos) return false;
+    fields.push_back(line.substr(0, tab));
+    line.remove_prefix(tab + 1);
   }
-  return fields;
+  rest = line;
+  return true;
 }
 
-// Every well-formed entry of the cache file; lines that do not parse are
-// dropped, a file of another format is ignored whole.
-std::map<std::string, Entry> read_cache() {
-  std::map<std::string, Entry> entries;
+template <class Int>
+bool parse_number(std::string_view text, Int& out, int base = 10) {
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), out, base);
+  return !text.empty() && ec == std::errc() && end == text.data() + text.size();
+}
+
+bool parse_scan_line(std::string_view line, CacheFile& file) {
+  std::vector<std::string_view> f;
+  std::string_view detail;
+  if (!split_fields(line, 6, f, detail) || detail.find('\t') != std::string_view::npos) return false;
+  // f: library, size, mtime, manifest sha256, verdict, code
+  ScanOutcome outcome;
+  if (!parse_scan_verdict(f[4], &outcome.verdict) || f[5].size() > 10 || !parse_number(f[5], outcome.code)) {
+    return false;
+  }
+  outcome.detail = unescape(detail);
+  file.scans[unescape(f[0])] = {{std::string(f[1]), std::string(f[2]), std::string(f[3])}, std::move(outcome)};
+  return true;
+}
+
+bool parse_manifest_line(std::string_view line, CacheFile& file) {
+  std::vector<std::string_view> f;
+  std::string_view record;
+  if (!split_fields(line, 7, f, record)) return false;
+  // f: path, device, inode, size, mtime, ctime, checksum
+  ManifestCache::Stored entry;
+  uint64_t sum = 0;
+  if (!parse_number(f[1], entry.stamp.device) || !parse_number(f[2], entry.stamp.inode) ||
+      !parse_number(f[3], entry.stamp.size) || !parse_number(f[4], entry.stamp.mtime_ns) ||
+      !parse_number(f[5], entry.stamp.ctime_ns) || !parse_number(f[6], sum, 16) || sum != checksum(record)) {
+    return false;
+  }
+  entry.record = record;
+  file.manifests[unescape(f[0])] = entry;
+  return true;
+}
+
+// Every well-formed entry of the cache file (manifest entries only when
+// `manifests`); lines that do not parse are dropped, a file of another
+// format or build is ignored whole.
+CacheFile read_cache(bool manifests) {
+  CacheFile file;
+  std::string& text = *file.text;
   const fs::path path = registry_cache_path();
   std::string why;
-  const int fd = open_regular_file(path, O_RDONLY, why);
-  if (fd < 0) {
-    if (errno != ENOENT && why != std::strerror(ENOENT)) {
-      log(LogLevel::warn, "registry cache {}: {}; rescanning plugins", path.string(), why);
-    }
-    return entries;
+  UniqueFd fd{open_regular_file(path, O_RDONLY, why)};
+  if (fd.fd < 0) {
+    if (why != std::strerror(ENOENT)) log(LogLevel::warn, "registry cache {}: {}; rebuilding it", path.string(), why);
+    return file;
   }
-  std::string text;
+  struct stat st {};
+  if (::fstat(fd.fd, &st) == 0 && st.st_size > 0) text.reserve(static_cast<size_t>(st.st_size));
   char buffer[65536];
-  ssize_t n = 0;
-  while ((n = ::read(fd, buffer, sizeof buffer)) > 0) text.append(buffer, static_cast<size_t>(n));
-  ::close(fd);
-  std::istringstream in(text);
-  std::string line;
-  if (!std::getline(in, line) || line != kHeader) {
-    if (!text.empty())
+  while (true) {
+    const ssize_t n = ::read(fd.fd, buffer, sizeof buffer);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      log(LogLevel::warn, "registry cache {}: {}; rebuilding it", path.string(), std::strerror(errno));
+      return file;
+    }
+    if (n == 0) break;
+    text.append(buffer, static_cast<size_t>(n));
+  }
+  std::string_view rest = text;
+  const auto next_line = [&rest](std::string_view& line) {
+    if (rest.empty()) return false;
+    const size_t newline = rest.find('\n');
+    line = rest.substr(0, newline);
+    rest.remove_prefix(newline == std::string_view::npos ? rest.size() : newline + 1);
+    return true;
+  };
+  std::string_view line;
+  if (!next_line(line) || line != header()) {
+    if (text.empty()) return file;
+    if (line.starts_with(kHeaderWord)) {
+      log(LogLevel::info, "registry cache {} was written by another build of kdispatch; rebuilding it", path.string());
+    } else {
       log(LogLevel::warn, "registry cache {} is not a cache of this format; rebuilding it", path.string());
-    return entries;
+    }
+    return CacheFile();
   }
   size_t dropped = 0;
-  while (std::getline(in, line)) {
-    const std::vector<std::string> f = split_tabs(line);
-    ScanOutcome outcome;
-    if (f.size() != 7 || !parse_scan_verdict(f[4], &outcome.verdict) || f[5].empty() ||
-        f[5].find_first_not_of("-0123456789") != std::string::npos || f[5].size() > 10) {
-      ++dropped;
-      continue;
+  while (next_line(line)) {
+    const size_t tab = line.find('\t');
+    const std::string_view kind = line.substr(0, tab);
+    const std::string_view fields = tab == std::string_view::npos ? std::string_view() : line.substr(tab + 1);
+    bool ok = false;
+    if (kind == kScanKind) {
+      ok = parse_scan_line(fields, file);
+    } else if (kind == kManifestKind) {
+      ok = !manifests || parse_manifest_line(fields, file);
     }
-    outcome.code = std::stoi(f[5]);
-    outcome.detail = unescape(f[6]);
-    entries[unescape(f[0])] = {{f[1], f[2], f[3]}, std::move(outcome)};
+    if (!ok) ++dropped;
   }
   if (dropped > 0) log(LogLevel::warn, "registry cache {}: {} corrupt entries dropped", path.string(), dropped);
-  return entries;
+  return file;
 }
 
-void write_cache(const std::map<std::string, Entry>& entries) {
+// Writes the cache file; on failure returns why.
+std::optional<std::string> write_cache(const CacheFile& file) {
   const fs::path path = registry_cache_path();
   std::error_code ec;
   fs::create_directories(path.parent_path(), ec);
-  std::string text = std::string(kHeader) + "\n";
-  for (const auto& [library, e] : entries) {
-    text += fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\n", escape(library), e.stamp.library_size, e.stamp.library_mtime,
-                        e.stamp.manifest_sha256, scan_verdict_name(e.outcome.verdict), e.outcome.code,
-                        escape(e.outcome.detail));
+  std::string text = header() + "\n";
+  for (const auto& [library, e] : file.scans) {
+    text += fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\n", kScanKind, escape(library), e.stamp.library_size,
+                        e.stamp.library_mtime, e.stamp.manifest_sha256, scan_verdict_name(e.outcome.verdict),
+                        e.outcome.code, escape(e.outcome.detail));
+  }
+  for (const auto& [manifest, e] : file.manifests) {
+    text += fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\t{:x}\t", kManifestKind, escape(manifest), e.stamp.device,
+                        e.stamp.inode, e.stamp.size, e.stamp.mtime_ns, e.stamp.ctime_ns, checksum(e.record));
+    text += e.record;
+    text += '\n';
   }
   std::string temporary = path.string() + ".tmp-XXXXXX";
   const int fd = ::mkstemp(temporary.data());
@@ -159,18 +281,34 @@ void write_cache(const std::map<std::string, Entry>& entries) {
     ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
     ok = ::close(fd) == 0 && ok;
     ok = ok && std::rename(temporary.c_str(), path.c_str()) == 0;
+    const int error = errno;
     if (!ok) ::unlink(temporary.c_str());
+    errno = error;
   }
-  if (!ok) {
-    static std::once_flag warned;
-    std::call_once(warned, [&] {
-      log(LogLevel::warn, "registry cache {} cannot be written ({}); plugins are scanned again next time",
-          path.string(), std::strerror(errno));
-    });
-  }
+  if (ok) return std::nullopt;
+  return fmt::format("registry cache {} cannot be written ({})", path.string(), std::strerror(errno));
+}
+
+// The stamp of the file at `path` now, or nullopt when it is no regular file.
+std::optional<FileStamp> stamp_of_path(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return std::nullopt;
+  return FileStamp::of(st);
+}
+
+bool settled(const FileStamp& stamp) {
+  struct timespec now {};
+  ::clock_gettime(CLOCK_REALTIME, &now);
+  const bool whole_seconds = stamp.mtime_ns % 1'000'000'000 == 0 && stamp.ctime_ns % 1'000'000'000 == 0;
+  return nanoseconds(now) - stamp.ctime_ns >= (whole_seconds ? kSettleNsWholeSeconds : kSettleNs);
 }
 
 }  // namespace
+
+FileStamp FileStamp::of(const struct stat& st) {
+  return {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), static_cast<uint64_t>(st.st_size),
+          nanoseconds(st.st_mtim), nanoseconds(st.st_ctim)};
+}
 
 fs::path registry_cache_path() {
   fs::path dir;
@@ -182,26 +320,100 @@ fs::path registry_cache_path() {
     dir = fs::temp_directory_path();
   }
   return dir / "kdispatch" /
-         fmt::format("scan-{}-abi{}.{}.tsv", KDISPATCH_VERSION_STRING, KDISPATCH_ABI_MAJOR, KDISPATCH_ABI_MINOR);
+         fmt::format("registry-{}-abi{}.{}.cache", KDISPATCH_VERSION_STRING, KDISPATCH_ABI_MAJOR, KDISPATCH_ABI_MINOR);
 }
 
 std::optional<ScanOutcome> cache_lookup(const Manifest& manifest) {
-  const std::optional<Stamp> stamp = stamp_of(manifest);
+  const std::optional<ScanStamp> stamp = scan_stamp_of(manifest);
   if (!stamp) return std::nullopt;
   std::lock_guard lock(cache_mutex());
-  const auto entries = read_cache();
-  const auto it = entries.find(fs::absolute(manifest.library_path()).string());
-  if (it == entries.end() || !(it->second.stamp == *stamp)) return std::nullopt;
+  const CacheFile file = read_cache(/*manifests=*/false);
+  const auto it = file.scans.find(fs::absolute(manifest.library_path()).string());
+  if (it == file.scans.end() || !(it->second.stamp == *stamp)) return std::nullopt;
   return it->second.outcome;
 }
 
 void cache_store(const Manifest& manifest, const ScanOutcome& outcome) {
-  const std::optional<Stamp> stamp = stamp_of(manifest);
+  const std::optional<ScanStamp> stamp = scan_stamp_of(manifest);
   if (!stamp) return;
   std::lock_guard lock(cache_mutex());
-  auto entries = read_cache();
-  entries[fs::absolute(manifest.library_path()).string()] = {*stamp, outcome};
-  write_cache(entries);
+  CacheFile file = read_cache(/*manifests=*/true);
+  file.scans[fs::absolute(manifest.library_path()).string()] = {*stamp, outcome};
+  if (const std::optional<std::string> failed = write_cache(file)) {
+    // Once: a process may scan many plugins.
+    static std::once_flag warned;
+    std::call_once(warned, [&] { log(LogLevel::warn, "{}; plugins are scanned again next time", *failed); });
+  }
+}
+
+ManifestCache::ManifestCache(ScanPolicy policy)
+    : use_(policy == ScanPolicy::cache), write_(policy != ScanPolicy::off) {}
+
+void ManifestCache::load() {
+  loaded_ = true;
+  std::lock_guard lock(cache_mutex());
+  CacheFile file = read_cache(/*manifests=*/true);
+  text_ = std::move(file.text);
+  stored_ = std::move(file.manifests);
+}
+
+ManifestResult ManifestCache::read(const fs::path& path) {
+  if (!write_) return read_manifest(path);
+  if (use_ && !loaded_) load();
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return read_manifest(path);
+  const FileStamp stamp = FileStamp::of(st);
+  const std::string key = fs::absolute(path).string();
+  if (const auto it = stored_.find(key); it != stored_.end()) {
+    if (it->second.stamp == stamp) {
+      if (std::optional<Manifest> cached = decode_manifest_record(it->second.record, path.string())) {
+        ++hits_;
+        ManifestResult result;
+        result.manifest = std::move(cached);
+        return result;
+      }
+    }
+    changes_[key] = std::nullopt;  // stale or undecodable: replaced below, or dropped
+  }
+
+  ManifestResult result;
+  Problem unreadable{};
+  const std::optional<std::string> text = read_manifest_text(path, unreadable);
+  if (!text) {
+    result.errors.push_back(std::move(unreadable));
+    return result;
+  }
+  std::string ops_json;
+  result = parse_manifest_for_cache(*text, path.string(), ops_json);
+  // The stamp was taken before the read: should the file change in
+  // between, the next process sees a new stamp and parses it again.
+  if (result.ok() && result.warnings.empty() && settled(stamp)) {
+    std::string record = encode_manifest_record(*result.manifest, ops_json);
+    // Op schemas come back through JSON: a record whose schemas would not
+    // decode to the same ones is not kept (it would be rewritten each time).
+    if (ops_json.empty() || decode_manifest_record(record, path.string()) == result.manifest) {
+      changes_[key] = Fresh{stamp, std::move(record)};
+    }
+  }
+  return result;
+}
+
+void ManifestCache::save() {
+  if (changes_.empty()) return;
+  std::lock_guard lock(cache_mutex());
+  // Read again: another process may have written entries meanwhile.
+  CacheFile file = read_cache(/*manifests=*/true);
+  for (auto it = file.manifests.begin(); it != file.manifests.end();) {
+    const std::optional<FileStamp> now = changes_.count(it->first) != 0 ? std::nullopt : stamp_of_path(it->first);
+    it = now && *now == it->second.stamp ? std::next(it) : file.manifests.erase(it);
+  }
+  for (const auto& [key, entry] : changes_) {
+    if (entry) file.manifests[key] = {entry->stamp, entry->record};
+  }
+  if (const std::optional<std::string> failed = write_cache(file)) {
+    log(LogLevel::warn, "{}; manifests are parsed again next time", *failed);
+  }
+  changes_.clear();
 }
 
 }  // namespace kdispatch

@@ -1,15 +1,35 @@
-// The registry cache of scan outcomes, under $XDG_CACHE_HOME/kdispatch/
-// (or ~/.cache/kdispatch/). One file per kdispatch version and plugin ABI,
-// so two versions never read each other's outcomes. Each entry is keyed by
-// the library path and stamped with the library's size and mtime and the
-// manifest's sha256: any change makes the entry stale and the plugin is
-// scanned again. The file is rewritten whole under a temporary name and
-// renamed into place; a corrupt, truncated or unreadable cache is ignored
-// (with a warning) and rebuilt, an unwritable one only warned about.
+// The registry cache, under $XDG_CACHE_HOME/kdispatch/ (or
+// ~/.cache/kdispatch/): what earlier processes learnt about plugin files,
+// so that the next one need not learn it again (GStreamer's registry is the
+// model). It holds two kinds of entries:
+//
+//  - scan outcomes (scanner.hpp), keyed by the library path and stamped
+//    with the library's size and mtime and the manifest's sha256;
+//  - parsed manifests (manifest_record.hpp), keyed by the manifest's
+//    absolute path and stamped with its device, inode, size, mtime and
+//    ctime, so that discovery over unchanged manifests reads no JSON.
+//    Only manifests that parsed without any error or warning are kept:
+//    those with findings are parsed again each time, so every finding is
+//    reported as the parser words it.
+//
+// Any change to a stamp makes the entry stale. One file per kdispatch
+// version and plugin ABI, so two versions never read each other's entries;
+// its first line names the format and the build of the core that wrote it,
+// and a file from another build is rebuilt rather than read. The file is
+// rewritten whole under a temporary name and renamed into place; a corrupt,
+// truncated or unreadable cache is ignored (with a warning) and rebuilt, an
+// unwritable one only warned about.
 #pragma once
 
+#include <sys/stat.h>
+
+#include <cstdint>
 #include <filesystem>
+#include <map>
+#include <memory>
 #include <optional>
+#include <string>
+#include <string_view>
 
 #include "kdispatch/manifest.hpp"
 #include "scanner.hpp"
@@ -23,5 +43,55 @@ std::optional<ScanOutcome> cache_lookup(const Manifest& manifest);
 
 // Records `outcome` for `manifest`'s library.
 void cache_store(const Manifest& manifest, const ScanOutcome& outcome);
+
+// What identifies one version of a file's content without reading it.
+struct FileStamp {
+  uint64_t device = 0, inode = 0, size = 0;
+  int64_t mtime_ns = 0, ctime_ns = 0;
+  static FileStamp of(const struct stat& st);
+  bool operator==(const FileStamp&) const = default;
+};
+
+// The manifests of one discovery, read through the registry cache. Under
+// KDISPATCH_SCAN=cache the cache file is read once (on the first read())
+// and unchanged manifests come from it; under `always` every manifest is
+// parsed and the cache rewritten; under `off` the cache is neither read
+// nor written. save() writes the changes back once, at the end.
+class ManifestCache {
+ public:
+  explicit ManifestCache(ScanPolicy policy);
+
+  // The manifest at `path`, as read_manifest would give it.
+  ManifestResult read(const std::filesystem::path& path);
+
+  // Writes the cache when this discovery added, replaced or dropped an
+  // entry. Entries of other manifests stay while their files are unchanged.
+  void save();
+
+  // How many read() calls were answered from the cache.
+  size_t hits() const { return hits_; }
+
+  // An entry of the cache file: the stamp and where its record lies in the
+  // file's text.
+  struct Stored {
+    FileStamp stamp;
+    std::string_view record;
+  };
+  struct Fresh {
+    FileStamp stamp;
+    std::string record;
+  };
+
+ private:
+  void load();
+
+  bool use_ = false;    // look manifests up
+  bool write_ = false;  // record what was parsed
+  bool loaded_ = false;
+  size_t hits_ = 0;
+  std::unique_ptr<const std::string> text_;              // the cache file as read
+  std::map<std::string, Stored> stored_;                 // by absolute manifest path, into text_
+  std::map<std::string, std::optional<Fresh>> changes_;  // to write: new entries, or nullopt to drop
+};
 
 }  // namespace kdispatch

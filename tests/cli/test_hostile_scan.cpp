@@ -2,13 +2,17 @@
 // exit(0), loop forever or print to stdout, and a corrupted ELF file, beside
 // the cpu plugin. `kdispatch scan` reports each with its code and cause;
 // doctor and run --all then finish with valid JSON and every cpu result;
-// the registry cache keeps the outcomes until a file changes, and a broken
-// cache never stops the tool.
+// the registry cache keeps the outcomes and the parsed manifests until a
+// file changes, a warm cache gives the tool's output a cold one gives, and
+// a broken cache never stops the tool.
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <thread>
 
 #include "hostile_helpers.hpp"
 
@@ -40,6 +44,14 @@ Folder hostile_folder() {
     add_fixture(f.plugins, name);
   }
   return f;
+}
+
+// The registry cache leaves out manifests changed within the last 100 ms.
+void settle() { std::this_thread::sleep_for(std::chrono::milliseconds(150)); }
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
 }
 
 std::map<std::string, std::string> env_with(std::map<std::string, std::string> env, const std::string& key,
@@ -127,17 +139,22 @@ TEST_CASE("hostile scan: outcomes are cached until the plugin's file changes") {
 
 TEST_CASE("hostile scan: a corrupt, truncated or unwritable registry cache never stops the tool") {
   const Folder f = hostile_folder();
+  settle();
   CHECK(run_tool({"scan", "--plugin-path", f.plugins.string()}, f.env()).exit_code == 2);
   fs::path cache_file;
   for (const auto& entry : fs::directory_iterator(f.cache / "kdispatch")) cache_file = entry.path();
   REQUIRE(!cache_file.empty());
-  std::ifstream in(cache_file, std::ios::binary);
-  const std::string text((std::istreambuf_iterator<char>(in)), {});
-  in.close();
-  for (const std::string& broken :
-       {std::string("\x7f"
-                    "ELF garbage\n\t\t\n"),
-        text.substr(0, text.size() / 2), text.substr(0, text.find('\n') + 1) + "a\tb\tc\n\\\\\t\n"}) {
+  const std::string text = read_file(cache_file);
+  // Scan outcomes and parsed manifests, the cpu plugin's among them.
+  REQUIRE(text.find("\nscan\t") != std::string::npos);
+  const size_t cpu_record = text.find("\tkd_cpu_");
+  REQUIRE(cpu_record != std::string::npos);
+  std::string flipped = text;
+  flipped[cpu_record + 4] ^= 0x01;
+  for (const std::string& broken : {std::string("\x7f"
+                                                "ELF garbage\n\t\t\n"),
+                                    text.substr(0, text.size() / 2), text.substr(0, cpu_record), flipped,
+                                    text.substr(0, text.find('\n') + 1) + "a\tb\tc\n\\\\\t\nmanifest\t\t\n"}) {
     write_file(cache_file, broken);
     const ToolResult r = run_tool({"doctor", "--json", "--plugin-path", f.plugins.string()}, f.env());
     CHECK(r.exit_code == 2);
@@ -145,11 +162,10 @@ TEST_CASE("hostile scan: a corrupt, truncated or unwritable registry cache never
     CHECK((*plugin_named(doc, "cpu"))["loaded"] == true);
     CHECK((*plugin_named(doc, "fx_ctor_segv"))["problems"].back()["code"] == "KD-E027");
   }
-  // Rebuilt: the file is a cache again.
-  std::ifstream again(cache_file);
-  std::string first;
-  std::getline(again, first);
-  CHECK(first == "kdispatch-scan-cache 1");
+  // Rebuilt: the file is a cache again, with the cpu plugin's manifest.
+  const std::string rebuilt = read_file(cache_file);
+  CHECK(rebuilt.starts_with("kdispatch-registry-cache "));
+  CHECK(rebuilt.find("\tkd_cpu_") != std::string::npos);
   // A cache directory that cannot be made (a file stands in its way).
   const fs::path blocked = f.plugins.parent_path() / "not-a-dir";
   write_file(blocked, "x");
@@ -168,5 +184,60 @@ TEST_CASE("hostile scan: KDISPATCH_SCAN=off opens plugins in-process and writes 
   CHECK(r.exit_code == 0);
   CHECK((*plugin_named(json_of(r), "cpu"))["loaded"] == true);
   CHECK_FALSE(fs::exists(cache / "kdispatch"));
+  fs::remove_all(dir.parent_path());
+}
+
+namespace {
+// A manifest of `kernels` ops of its own, its library a placeholder file
+// (list and select never open it).
+void add_generated(const fs::path& dir, const std::string& name, int kernels) {
+  std::string list;
+  for (int k = 0; k < kernels; ++k) {
+    list += fmt::format(R"({}{{"op": "{}.op{}", "symbol": "kd_{}_{}", "dtypes": ["float32", "bfloat16"],
+                           "description": "kernel {}"}})",
+                        k == 0 ? "" : ", ", name, k, name, k, k);
+  }
+  write_file(dir / (name + ".json"),
+             fmt::format(R"({{"kdispatch_manifest": "1.0", "plugin": "{}", "backend": "{}", "library": "lib{}.so",
+                            "abi": "1.0", "targets": [{{"device": "cpu"}}], "kernels": [{}]}})",
+                         name, name, name, list));
+  write_file(dir / ("lib" + name + ".so"), "placeholder\n");
+}
+}  // namespace
+
+TEST_CASE("registry cache: list and select over a warm cache print what a cold parse prints") {
+  const fs::path dir = dir_with_cpu_plugin();
+  const fs::path cache = dir.parent_path() / "cache";
+  for (int i = 0; i < 30; ++i) add_generated(dir, fmt::format("gen{:02}", i), 5);
+  // A manifest with a warning, which is parsed (and warned about) every time.
+  write_file(dir / "warns.json", R"({"kdispatch_manifest": "1.0", "plugin": "warns", "backend": "warns",
+    "library": "libwarns.so", "abi": "1.0", "colour": "blue", "kernels": [{"op": "warns.a", "symbol": "kd_a"}]})");
+  write_file(dir / "libwarns.so", "placeholder\n");
+  settle();
+  const std::map<std::string, std::string> env = {{"XDG_CACHE_HOME", cache.string()}};
+  const std::vector<std::string> list = {"list", "--json", "--device", "cpu", "--plugin-path", dir.string()};
+  const std::vector<std::string> select = {"select", "gen07.op3", "--device", "cpu", "--plugin-path", dir.string()};
+
+  const ToolResult cold = run_tool(list, env);
+  REQUIRE(cold.exit_code == 0);
+  const ToolResult cold_select = run_tool(select, env);
+  const ToolResult warm = run_tool(list, env_with(env, "KDISPATCH_LOG", "debug"));
+  CHECK(warm.exit_code == 0);
+  // Every manifest but the one with a warning came from the cache.
+  CHECK(warm.err.find("31 manifest(s) from the registry cache") != std::string::npos);
+  CHECK(json_of(warm) == json_of(cold));
+  CHECK(warm.err.find("/colour: unknown key") != std::string::npos);
+  CHECK(run_tool(list, env).err == cold.err);
+  const ToolResult warm_select = run_tool(select, env);
+  CHECK(warm_select.exit_code == 0);
+  CHECK(warm_select.out == cold_select.out);
+  const ToolResult off = run_tool(list, env_with(env, "KDISPATCH_SCAN", "off"));
+  CHECK(json_of(off) == json_of(cold));
+
+  // An edited manifest is read again: its new op is listed and selected.
+  add_generated(dir, "gen07", 6);
+  const ToolResult edited = run_tool({"select", "gen07.op5", "--device", "cpu", "--plugin-path", dir.string()}, env);
+  CHECK(edited.exit_code == 0);
+  CHECK(edited.out.find("backend 'gen07'") != std::string::npos);
   fs::remove_all(dir.parent_path());
 }

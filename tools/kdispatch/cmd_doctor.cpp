@@ -22,10 +22,10 @@ Runner add_doctor(CLI::App& app) {
   cmd->footer("Exit code 2 when any plugin has an error. KDISPATCH_LOG=debug shows every step.");
 
   return [options]() -> int {
-    auto ctx = make_context(options->common);
+    Context& ctx = make_context(options->common);
     bool any_error = false;
     Json plugins = Json::array();
-    for (const auto& rec : ctx->discovery().plugins) {
+    for (const auto& rec : ctx.discovery().plugins) {
       Json p = plugin_json(rec);
       // The verdict follows what was found: a plugin in error, or any
       // problem that is not a warning (KD-E005 leaves the plugin loaded).
@@ -33,7 +33,7 @@ Runner add_doctor(CLI::App& app) {
       for (const Problem& q : rec.problems) any_error = any_error || !q.warning;
       if (rec.state == PluginState::found && !options->no_load) {
         try {
-          const PluginBinary& bin = ctx->load_plugin(rec.name);
+          const PluginBinary& bin = ctx.load_plugin(rec.name);
           p["loaded"] = true;
           p["version"] = bin.version;
           p["abi"] = fmt::format("{}.{}", bin.abi_major, bin.abi_minor);
@@ -52,7 +52,7 @@ Runner add_doctor(CLI::App& app) {
       plugins.push_back(std::move(p));
     }
     Json problems = Json::array();
-    for (const Problem& q : ctx->discovery().problems) {
+    for (const Problem& q : ctx.discovery().problems) {
       problems.push_back(problem_json(q));
       any_error = true;
     }
@@ -61,13 +61,13 @@ Runner add_doctor(CLI::App& app) {
     }
     // Ops whose results run and bench cannot check.
     std::vector<std::string> without_reference;
-    for (const auto& op : ctx->registry().ops()) {
-      if (ctx->registry().reference(op) == nullptr) without_reference.push_back(op);
+    for (const auto& op : ctx.registry().ops()) {
+      if (ctx.registry().reference(op) == nullptr) without_reference.push_back(op);
     }
 
     if (options->common.json) {
       Json search = Json::array();
-      for (const auto& d : ctx->discovery().search_path) search.push_back(d.path.string());
+      for (const auto& d : ctx.discovery().search_path) search.push_back(d.path.string());
       Json doc;
       doc["search_path"] = search;
       doc["plugins"] = plugins;
@@ -78,7 +78,7 @@ Runner add_doctor(CLI::App& app) {
     }
 
     fmt::print("search path:\n");
-    for (const auto& d : ctx->discovery().search_path) {
+    for (const auto& d : ctx.discovery().search_path) {
       std::error_code ec;
       fmt::print("  {} ({}{})\n", d.path.string(), d.origin,
                  std::filesystem::is_directory(d.path, ec) ? "" : ", does not exist");
@@ -89,7 +89,7 @@ Runner add_doctor(CLI::App& app) {
     } catch (const std::exception& e) {
       fmt::print("\nplatform: {}\n", e.what());
     }
-    for (const Problem& q : ctx->discovery().problems) fmt::print("  {}: {}\n", code_string(q.code), q.message);
+    for (const Problem& q : ctx.discovery().problems) fmt::print("  {}: {}\n", code_string(q.code), q.message);
     fmt::print("\nplugins:\n");
     if (plugins.empty()) fmt::print("  none found\n");
     for (const auto& p : plugins) {

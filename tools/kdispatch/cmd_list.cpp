@@ -23,9 +23,9 @@ Runner add_list(CLI::App& app) {
 
   return [options]() -> int {
     const DeviceChoice device = choose_device(options->device);
-    auto ctx = make_context(options->common);
-    const Selector& sel = ctx->selector();
-    const auto& plugins = ctx->discovery().plugins;
+    Context& ctx = make_context(options->common);
+    const Selector& sel = ctx.selector();
+    const auto& plugins = ctx.discovery().plugins;
 
     if (options->common.json) {
       Json doc;
@@ -33,7 +33,7 @@ Runner add_list(CLI::App& app) {
       doc["plugins"] = Json::array();
       for (const auto& rec : plugins) doc["plugins"].push_back(plugin_json(rec));
       doc["ops"] = Json::array();
-      for (const auto& op : ctx->registry().ops()) {
+      for (const auto& op : ctx.registry().ops()) {
         Json backends = Json::array();
         for (const auto& e : sel.eligibility(op, device.device, std::nullopt)) {
           backends.push_back({{"backend", e.spec->backend},
@@ -61,7 +61,7 @@ Runner add_list(CLI::App& app) {
         fmt::print("  {:<{}} {}: {}\n", "", name_width, code_string(p.code), p.message);
       }
     }
-    const auto ops = ctx->registry().ops();
+    const auto ops = ctx.registry().ops();
     size_t width = 2;
     size_t backend_width = 10;
     for (const auto& op : ops) {

@@ -141,9 +141,9 @@ Runner add_run(CLI::App& app) {
     if (!options->op.empty()) options->sweep.ops = {options->op};
     options->sweep.check = !options->no_check;
     options->sweep.json = options->common.json;
-    auto ctx = make_context(options->common);
+    Context& ctx = make_context(options->common);
     try {
-      return print_sweep_result(run_sweep(*ctx, options->sweep), options->common.json, false);
+      return print_sweep_result(run_sweep(ctx, options->sweep), options->common.json, false);
     } catch (const Error& e) {
       return report_error(e, options->common.json);
     }
@@ -179,9 +179,9 @@ Runner add_bench(CLI::App& app) {
     options->sweep.iters = 5;
     options->sweep.min_seconds = 0.3;
     options->sweep.json = options->common.json;
-    auto ctx = make_context(options->common);
+    Context& ctx = make_context(options->common);
     try {
-      return print_sweep_result(run_sweep(*ctx, options->sweep), options->common.json, true);
+      return print_sweep_result(run_sweep(ctx, options->sweep), options->common.json, true);
     } catch (const Error& e) {
       return report_error(e, options->common.json);
     }

@@ -15,8 +15,8 @@ Runner add_scan(CLI::App& app) {
   cmd->footer(
       "Exit code 2 when any plugin cannot be loaded. KDISPATCH_SCAN_TIMEOUT=SECONDS (default 10) bounds each scan.");
   return [options]() -> int {
-    auto ctx = make_context(*options);
-    const std::vector<PluginScanResult> scans = ctx->scan_plugins();
+    Context& ctx = make_context(*options);
+    const std::vector<PluginScanResult> scans = ctx.scan_plugins();
     bool any_error = false;
     Json plugins = Json::array();
     for (const auto& s : scans) {

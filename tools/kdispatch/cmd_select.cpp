@@ -34,9 +34,9 @@ Runner add_select(CLI::App& app) {
       dtype = parse_dtype(options->dtype);
       if (!dtype) throw UsageError(fmt::format("unknown dtype '{}'", options->dtype));
     }
-    auto ctx = make_context(options->common);
+    Context& ctx = make_context(options->common);
     try {
-      const KernelSpec& spec = ctx->select({options->op, options->backend, device.device, dtype});
+      const KernelSpec& spec = ctx.select({options->op, options->backend, device.device, dtype});
       if (options->common.json) {
         print_json(Json{{"op", spec.op},
                         {"backend", spec.backend},

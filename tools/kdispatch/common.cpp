@@ -64,11 +64,16 @@ std::string for_command_line(std::string message) {
   return message;
 }
 
-std::unique_ptr<Context> make_context(const CommonOptions& options) {
+Context& make_context(const CommonOptions& options) {
   ContextOptions context_options;
   for (const auto& p : options.plugin_path) context_options.search.replace.emplace_back(p);
   for (const auto& p : options.add_plugin_path) context_options.search.add.emplace_back(p);
-  return std::make_unique<Context>(std::move(context_options));
+  // Never destroyed: the tool exits after its one command, and freeing a
+  // large registry spec by spec costs about as much as building it (clang's
+  // -disable-free, for the same reason). The contexts stay reachable from
+  // here, so leak checkers do not count them.
+  static auto* const contexts = new std::vector<std::unique_ptr<Context>>();
+  return *contexts->emplace_back(std::make_unique<Context>(std::move(context_options)));
 }
 
 DeviceFlag parse_device_flag(const std::string& text) {

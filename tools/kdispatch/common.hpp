@@ -38,7 +38,9 @@ void apply_leading_options(const CommonOptions& leading);
 // The core's messages name the API's arguments (`pass backend=...`); on the
 // command line these are options (`pass --backend B`).
 std::string for_command_line(std::string message);
-std::unique_ptr<Context> make_context(const CommonOptions& options);
+// The plugins of the options' path, discovered and registered; the context
+// lives until the process exits.
+Context& make_context(const CommonOptions& options);
 
 // --device: "cpu", "cuda", "cuda:9.0" (a device of that arch), "cuda:1"
 // (device 1, whatever its arch: the driver says which), "hip", "hip:gfx90a",

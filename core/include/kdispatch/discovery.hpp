@@ -1,6 +1,7 @@
 // Finding plugins (DESIGN.md section 6): the search path, manifests in each
-// directory, name filters. Reads JSON and stats library files; never opens a
-// library.
+// directory, name filters. Reads JSON (or, for manifests unchanged since an
+// earlier process, the registry cache) and stats library files; never opens
+// a library.
 #pragma once
 
 #include <kdispatch/export.h>

@@ -38,6 +38,8 @@ struct KernelSpec {
   }
   // "plugin 'cuda' symbol 'kd_cuda_rmsnorm' (manifests/cuda.json)"
   std::string describe() const;
+  // Every field equal.
+  bool operator==(const KernelSpec&) const = default;
 };
 
 }  // namespace kdispatch

@@ -36,6 +36,8 @@ struct Manifest {
 
   // The library's path: the manifest's directory / library.
   std::filesystem::path library_path() const;
+  // Every field equal.
+  bool operator==(const Manifest&) const = default;
 };
 
 struct ManifestResult {

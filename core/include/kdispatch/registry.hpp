@@ -13,6 +13,7 @@
 #include <shared_mutex>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "kdispatch/error.hpp"
@@ -77,8 +78,18 @@ class KernelRegistry {
   };
   void bump() { generation_.fetch_add(1, std::memory_order_acq_rel); }
 
+  // Looked up by std::string_view without a copy.
+  struct OpHash {
+    using is_transparent = void;
+    size_t operator()(std::string_view op) const noexcept { return std::hash<std::string_view>{}(op); }
+  };
+
   mutable std::shared_mutex mutex_;
-  std::map<std::string, std::map<std::string, std::unique_ptr<Entry>, std::less<>>, std::less<>> kernels_;
+  // op -> backend -> entry. Hashed by op: a plugin folder may declare tens
+  // of thousands of ops, and registering them is most of discovery.
+  std::unordered_map<std::string, std::map<std::string, std::unique_ptr<Entry>, std::less<>>, OpHash,
+                     std::equal_to<>>
+      kernels_;
   std::map<std::string, std::unique_ptr<OpSchema>, std::less<>> schemas_;
   std::vector<PluginFailure> failures_;
   std::atomic<uint64_t> generation_{1};

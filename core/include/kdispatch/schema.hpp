@@ -123,6 +123,8 @@ struct OpSchema {
   std::vector<Dtype> allowed_dtypes(const TensorArg& tensor) const;
   // The declared tolerance for outputs of `dtype`, else default_tolerance.
   Tolerance tolerance(Dtype dtype) const;
+  // Every field equal, doc and source included.
+  bool operator==(const OpSchema&) const = default;
 };
 
 }  // namespace kdispatch
