@@ -8,6 +8,11 @@
 #                                     names the output file
 #     SOURCES <src>...                C, C++ or CUDA sources, or objects
 #     [LINK_LIBRARIES <lib>...]       private link dependencies
+#     [KERNEL_NAMESPACE <ns>]         C++ namespace of the kernel functions
+#                                     (default: the global namespace)
+#     [SYMBOL_PREFIX <prefix>]        what every manifest symbol starts with
+#                                     and its function name does not
+#                                     (default: nothing)
 #     [EMBED_MANIFEST <file.json>]    manifest text compiled into the binary
 #                                     (default: MANIFEST; tests use another
 #                                     one to build a binary that disagrees)
@@ -25,11 +30,31 @@
 # section `.kdispatch_manifest`, and lies beside a copy of its manifest, as
 # in a plugin directory: `kdispatch --add-plugin-path <dir>` finds it there.
 # Nothing is written outside the build tree before `cmake --install`.
+#
+# The kernels are declared once, by the manifest. At build time the helper
+# generates `kd_plugin_kernels.hpp` from MANIFEST (KdispatchPluginKernels.cmake)
+# and puts it on the target's include path: a prototype per manifest symbol,
+# named by the rule
+#
+#   symbol <SYMBOL_PREFIX><name>  ->  kd_status <KERNEL_NAMESPACE>::<name>(const kd_call_args*) noexcept
+#
+# and `kd_plugin::find_kernel(symbol)`, the symbol -> function table to give
+# kd_plugin_api.find_kernel. A plugin defines each of those functions once,
+# in its sources, and writes no table. (A plugin that writes its own table,
+# or a C plugin, ignores the header.) kdispatch_plugin_include_dir() names
+# the header's directory for sources compiled outside the target.
 
 include_guard(GLOBAL)
 include(GNUInstallDirs)
 
 set(_KDISPATCH_PLUGIN_HELPER_DIR "${CMAKE_CURRENT_LIST_DIR}")
+
+# kdispatch_plugin_include_dir(<target> <var>): sets <var> to the directory
+# of the kernel header that kdispatch_add_plugin(<target> ...) generates, for
+# sources compiled by custom commands rather than by the target itself.
+function(kdispatch_plugin_include_dir target var)
+  set(${var} "${CMAKE_CURRENT_BINARY_DIR}/${target}_include" PARENT_SCOPE)
+endfunction()
 
 # Outside the kdispatch build the helper needs the package's targets
 # (kdispatch::plugin_api); they are beside it in an installed package.
@@ -39,7 +64,8 @@ endif()
 
 function(kdispatch_add_plugin target)
   cmake_parse_arguments(ARG "NO_INSTALL"
-    "MANIFEST;EMBED_MANIFEST;OUTPUT_DIRECTORY;INSTALL_DESTINATION" "SOURCES;LINK_LIBRARIES" ${ARGN})
+    "MANIFEST;EMBED_MANIFEST;OUTPUT_DIRECTORY;INSTALL_DESTINATION;KERNEL_NAMESPACE;SYMBOL_PREFIX"
+    "SOURCES;LINK_LIBRARIES" ${ARGN})
   if(ARG_UNPARSED_ARGUMENTS)
     message(FATAL_ERROR "kdispatch_add_plugin(${target}): unknown arguments: ${ARG_UNPARSED_ARGUMENTS}")
   endif()
@@ -109,7 +135,20 @@ const char kd_plugin_embedded_manifest[] = {${embed_bytes}0x00};
 ")
   set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${manifest}" "${embed}")
 
-  add_library(${target} MODULE ${ARG_SOURCES} "${embed_source}")
+  # The kernel prototypes and the symbol table, from the manifest (see above).
+  kdispatch_plugin_include_dir(${target} include_dir)
+  set(kernels_header "${include_dir}/kd_plugin_kernels.hpp")
+  file(MAKE_DIRECTORY "${include_dir}")
+  add_custom_command(OUTPUT "${kernels_header}"
+    COMMAND ${CMAKE_COMMAND} "-DMANIFEST=${manifest}" "-DOUTPUT=${kernels_header}"
+            "-DKERNEL_NAMESPACE=${ARG_KERNEL_NAMESPACE}" "-DSYMBOL_PREFIX=${ARG_SYMBOL_PREFIX}"
+            -P "${_KDISPATCH_PLUGIN_HELPER_DIR}/KdispatchPluginKernels.cmake"
+    DEPENDS "${manifest}" "${_KDISPATCH_PLUGIN_HELPER_DIR}/KdispatchPluginKernels.cmake"
+    COMMENT "kernel table of ${target} from ${manifest}"
+    VERBATIM)
+
+  add_library(${target} MODULE ${ARG_SOURCES} "${embed_source}" "${kernels_header}")
+  target_include_directories(${target} PRIVATE "${include_dir}")
   target_link_libraries(${target} PRIVATE kdispatch::plugin_api ${ARG_LINK_LIBRARIES})
   set_target_properties(${target} PROPERTIES
     PREFIX "" SUFFIX "" OUTPUT_NAME "${library}"

@@ -3,6 +3,7 @@
 # own directory):
 #   lib/cmake/kdispatch/   kdispatchConfig.cmake, kdispatchConfigVersion.cmake,
 #                          the exported targets, kdispatch_add_plugin()
+#                          and the kernel-header generator it runs
 #   lib/pkgconfig/         kdispatch.pc
 #   share/kdispatch/       op schemas (ops/) and JSON Schemas (schema/)
 #   share/doc/kdispatch/   README.md
@@ -25,6 +26,7 @@ install(FILES
   "${PROJECT_BINARY_DIR}/cmake/kdispatchConfig.cmake"
   "${PROJECT_BINARY_DIR}/cmake/kdispatchConfigVersion.cmake"
   cmake/KdispatchPlugin.cmake
+  cmake/KdispatchPluginKernels.cmake
   cmake/plugin.map
   DESTINATION "${KDISPATCH_CMAKE_DIR}")
 

@@ -11,13 +11,13 @@
 
 #include <algorithm>
 #include <cstring>
-#include <set>
 #include <system_error>
 #include <utility>
 
 #include "elf_check.hpp"
 #include "kdispatch/elf_reader.hpp"
 #include "kdispatch/error.hpp"
+#include "kdispatch/manifest_agreement.hpp"
 #include "kdispatch/plugin_security.hpp"
 
 namespace kdispatch {
@@ -191,20 +191,6 @@ void check_abi(const kd_plugin_api& api, const std::string& library) {
   }
 }
 
-using KernelSet = std::set<std::pair<std::string, std::string>>;  // (op, symbol)
-
-KernelSet kernel_set(const Manifest& manifest) {
-  KernelSet out;
-  for (const KernelSpec& k : manifest.kernels) out.emplace(k.op, k.symbol);
-  return out;
-}
-
-std::vector<std::string> describe(const KernelSet& kernels) {
-  std::vector<std::string> out;
-  for (const auto& [op, symbol] : kernels) out.push_back(fmt::format("{} -> {}", op, symbol));
-  return out;
-}
-
 // The file manifest is what selection used; the embedded one is what the
 // binary was built with. If they differ, the manifest belongs to another
 // build or another plugin, and calls would reach the wrong code.
@@ -230,28 +216,8 @@ void check_manifest_agreement(const kd_plugin_api& api, const Manifest& manifest
       const std::string first = embedded.errors.empty() ? "invalid" : embedded.errors.front().message;
       differences.push_back(fmt::format("the embedded manifest is invalid: {}", first));
     } else {
-      const Manifest& e = *embedded.manifest;
-      if (e.plugin != manifest.plugin) {
-        differences.push_back(fmt::format("plugin: embedded '{}', file '{}'", e.plugin, manifest.plugin));
-      }
-      if (e.backend != manifest.backend) {
-        differences.push_back(fmt::format("backend: embedded '{}', file '{}'", e.backend, manifest.backend));
-      }
-      const KernelSet in_file = kernel_set(manifest);
-      const KernelSet in_binary = kernel_set(e);
-      KernelSet only_file;
-      KernelSet only_binary;
-      std::set_difference(in_file.begin(), in_file.end(), in_binary.begin(), in_binary.end(),
-                          std::inserter(only_file, only_file.end()));
-      std::set_difference(in_binary.begin(), in_binary.end(), in_file.begin(), in_file.end(),
-                          std::inserter(only_binary, only_binary.end()));
-      if (!only_file.empty()) {
-        differences.push_back(fmt::format("kernels only in the file: [{}]", fmt::join(describe(only_file), ", ")));
-      }
-      if (!only_binary.empty()) {
-        differences.push_back(
-            fmt::format("kernels only in the binary: [{}]", fmt::join(describe(only_binary), ", ")));
-      }
+      const std::vector<std::string> more = manifest_differences(manifest, *embedded.manifest);
+      differences.insert(differences.end(), more.begin(), more.end());
     }
   }
   if (!differences.empty()) {

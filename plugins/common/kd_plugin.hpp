@@ -1,13 +1,14 @@
 // Shared glue for the shipped plugins: error reporting, the exception wall
-// around every kernel, the kernel table and the entry point. Third-party
-// plugins may use it or write the same few lines against plugin_api.h.
+// around every kernel and the entry point. (The kernel table is generated
+// from each plugin's manifest: kd_plugin_kernels.hpp, by
+// kdispatch_add_plugin().) Third-party plugins may use it or write the same
+// few lines against plugin_api.h.
 #pragma once
 
 #include <kdispatch/plugin_api.h>
 
 #include <cstdarg>
 #include <cstdio>
-#include <cstring>
 #include <exception>
 #include <new>
 
@@ -41,20 +42,6 @@ kd_status guarded(const kd_call_args* args, Body&& body) noexcept {
   } catch (...) {
     return fail(args, KD_STATUS_INTERNAL, "unknown exception");
   }
-}
-
-struct KernelEntry {
-  const char* symbol;
-  kd_kernel_fn fn;
-};
-
-template <size_t N>
-kd_kernel_fn find_kernel(const KernelEntry (&table)[N], const char* symbol) noexcept {
-  if (symbol == nullptr) return nullptr;
-  for (const KernelEntry& k : table) {
-    if (std::strcmp(k.symbol, symbol) == 0) return k.fn;
-  }
-  return nullptr;
 }
 
 inline void copy_string(char* dst, size_t capacity, const char* src) noexcept {

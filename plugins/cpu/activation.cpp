@@ -18,7 +18,7 @@
 #include "fast_math.hpp"
 #include "half_float.hpp"
 #include "kd_plugin.hpp"
-#include "kernels.hpp"
+#include "kd_plugin_kernels.hpp"
 #include "multiversion.hpp"
 #include "parallel_for.hpp"
 #include "prefetch.hpp"

@@ -1,4 +1,5 @@
-// The cpu plugin's entry point: kernel table and device probe.
+// The cpu plugin's entry point: device probe; the kernel table is generated
+// from manifests/cpu.json (kd_plugin_kernels.hpp).
 
 #include <kdispatch/plugin_api.h>
 
@@ -6,22 +7,10 @@
 #include <string>
 
 #include "kd_plugin.hpp"
-#include "kernels.hpp"
+#include "kd_plugin_kernels.hpp"
 
 namespace kdispatch::cpu {
 namespace {
-
-// Symbols as listed in manifests/cpu.json.
-constexpr kd_plugin::KernelEntry kKernels[] = {
-    {"kd_cpu_rmsnorm", rmsnorm},
-    {"kd_cpu_fused_add_rmsnorm", fused_add_rmsnorm},
-    {"kd_cpu_layernorm", layernorm},
-    {"kd_cpu_silu_and_mul", silu_and_mul},
-    {"kd_cpu_gelu_and_mul", gelu_and_mul},
-    {"kd_cpu_gelu_tanh_and_mul", gelu_tanh_and_mul},
-    {"kd_cpu_rotary_embedding", rotary_embedding},
-    {"kd_cpu_topk_softmax", topk_softmax},
-};
 
 // "model name" from /proc/cpuinfo (x86), else a generic name.
 std::string read_cpu_name() {
@@ -64,11 +53,7 @@ kd_status probe(kd_device_info* devices, size_t capacity, size_t* count, char* e
   }
 }
 
-kd_kernel_fn find_kernel(const char* symbol) noexcept {
-  return kd_plugin::find_kernel(kKernels, symbol);
-}
-
 }  // namespace
 }  // namespace kdispatch::cpu
 
-KD_DEFINE_PLUGIN("cpu", "0.1.0", "cpu", kdispatch::cpu::probe, kdispatch::cpu::find_kernel, nullptr)
+KD_DEFINE_PLUGIN("cpu", "0.1.0", "cpu", kdispatch::cpu::probe, kd_plugin::find_kernel, nullptr)

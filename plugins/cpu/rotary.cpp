@@ -14,7 +14,7 @@
 #include "convert.hpp"
 #include "half_float.hpp"
 #include "kd_plugin.hpp"
-#include "kernels.hpp"
+#include "kd_plugin_kernels.hpp"
 #include "multiversion.hpp"
 #include "parallel_for.hpp"
 #include "tensor_access.hpp"

@@ -1,5 +1,6 @@
-// The plugin table of the GPU backends: probe, the kernels under their
-// manifest symbols (kd_cuda_<name> or kd_hip_<name>) and the entry point.
+// The plugin table of the GPU backends: probe, device memory and the entry
+// point, whose find_kernel is the table generated from the backend's
+// manifest (ops.hpp).
 #include <cstdio>
 #include <cstring>
 
@@ -8,21 +9,6 @@
 
 namespace kd_gpu {
 namespace {
-
-#define KD_GPU_SYMBOL(name) "kd_" KD_GPU_BACKEND "_" name
-
-constexpr kd_plugin::KernelEntry kKernels[] = {
-    {KD_GPU_SYMBOL("rmsnorm"), rmsnorm},
-    {KD_GPU_SYMBOL("fused_add_rmsnorm"), fused_add_rmsnorm},
-    {KD_GPU_SYMBOL("layernorm"), layernorm},
-    {KD_GPU_SYMBOL("silu_and_mul"), silu_and_mul},
-    {KD_GPU_SYMBOL("gelu_and_mul"), gelu_and_mul},
-    {KD_GPU_SYMBOL("gelu_tanh_and_mul"), gelu_tanh_and_mul},
-    {KD_GPU_SYMBOL("rotary_embedding"), rotary_embedding},
-    {KD_GPU_SYMBOL("topk_softmax"), topk_softmax},
-};
-
-kd_kernel_fn find_kernel(const char* symbol) { return kd_plugin::find_kernel(kKernels, symbol); }
 
 // The runtime's answers that mean "this machine has no usable device" rather
 // than a failure: no driver, a driver too old for the runtime, no device.
@@ -157,4 +143,4 @@ constexpr kd_memory_api kMemory = {KD_MEMORY_API_STRUCT_SIZE, memory_alloc, memo
 }  // namespace
 }  // namespace kd_gpu
 
-KD_DEFINE_PLUGIN(KD_GPU_BACKEND, "0.1.0", KD_GPU_BACKEND, kd_gpu::probe, kd_gpu::find_kernel, &kd_gpu::kMemory)
+KD_DEFINE_PLUGIN(KD_GPU_BACKEND, "0.1.0", KD_GPU_BACKEND, kd_gpu::probe, kd_plugin::find_kernel, &kd_gpu::kMemory)

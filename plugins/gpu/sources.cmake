@@ -1,6 +1,5 @@
 # The GPU kernel sources shared by plugins/cuda (nvcc) and plugins/hip (hipcc).
-# Paths are relative to this file, so that tools/gpu/plugin_only can build the
-# GPU plugins without the rest of the project.
+# Paths are taken from this file's folder, so that both can include it.
 set(KDISPATCH_GPU_DIR "${CMAKE_CURRENT_LIST_DIR}")
 set(KDISPATCH_GPU_SOURCES
   "${CMAKE_CURRENT_LIST_DIR}/activation.cu"

@@ -2,7 +2,8 @@
 #include <cmath>
 #include <numbers>
 
-#include "kernels.hpp"
+#include "kd_plugin_kernels.hpp"
+#include "run_kernel.hpp"
 #include "tensor.hpp"
 
 namespace kdispatch::reference {

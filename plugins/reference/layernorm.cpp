@@ -3,7 +3,8 @@
 #include <cmath>
 #include <vector>
 
-#include "kernels.hpp"
+#include "kd_plugin_kernels.hpp"
+#include "run_kernel.hpp"
 #include "tensor.hpp"
 
 namespace kdispatch::reference {

@@ -1,24 +1,19 @@
-// The reference plugin's entry point: kernel table and device probe (the
-// host CPU).
+// The reference plugin's entry point: device probe (the host CPU); the
+// kernel table is generated from manifests/reference.json
+// (kd_plugin_kernels.hpp).
+//
+// The reference kernels: one function per op of manifests/ops/, each the
+// op's formula evaluated in float64 from the stored inputs, every output
+// rounded once to its dtype. They are the oracle the checks of every other
+// backend compare against, so they stay plain: no SIMD, no tables, no
+// threads.
 #include <kdispatch/plugin_api.h>
 
 #include "kd_plugin.hpp"
-#include "kernels.hpp"
+#include "kd_plugin_kernels.hpp"
 
 namespace kdispatch::reference {
 namespace {
-
-// Symbols as listed in manifests/reference.json.
-constexpr kd_plugin::KernelEntry kKernels[] = {
-    {"kd_ref_rmsnorm", rmsnorm},
-    {"kd_ref_fused_add_rmsnorm", fused_add_rmsnorm},
-    {"kd_ref_layernorm", layernorm},
-    {"kd_ref_silu_and_mul", silu_and_mul},
-    {"kd_ref_gelu_and_mul", gelu_and_mul},
-    {"kd_ref_gelu_tanh_and_mul", gelu_tanh_and_mul},
-    {"kd_ref_rotary_embedding", rotary_embedding},
-    {"kd_ref_topk_softmax", topk_softmax},
-};
 
 kd_status probe(kd_device_info* devices, size_t capacity, size_t* count, char* error, size_t error_capacity) noexcept {
   if (count == nullptr || (capacity > 0 && devices == nullptr)) {
@@ -38,10 +33,7 @@ kd_status probe(kd_device_info* devices, size_t capacity, size_t* count, char* e
   return KD_STATUS_OK;
 }
 
-kd_kernel_fn find_kernel(const char* symbol) noexcept { return kd_plugin::find_kernel(kKernels, symbol); }
-
 }  // namespace
 }  // namespace kdispatch::reference
 
-KD_DEFINE_PLUGIN("reference", "0.1.0", "reference", kdispatch::reference::probe, kdispatch::reference::find_kernel,
-                 nullptr)
+KD_DEFINE_PLUGIN("reference", "0.1.0", "reference", kdispatch::reference::probe, kd_plugin::find_kernel, nullptr)

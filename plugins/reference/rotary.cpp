@@ -1,7 +1,8 @@
 // embeddings.rotary_embedding in float64, neox and GPT-J styles.
 #include <string>
 
-#include "kernels.hpp"
+#include "kd_plugin_kernels.hpp"
+#include "run_kernel.hpp"
 #include "tensor.hpp"
 
 namespace kdispatch::reference {

@@ -5,7 +5,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels.hpp"
+#include "kd_plugin_kernels.hpp"
+#include "run_kernel.hpp"
 #include "tensor.hpp"
 
 namespace kdispatch::reference {

@@ -545,6 +545,20 @@ TEST_CASE("run: an op without a reference kernel is unchecked, never passed") {
   CHECK(human.out.find("\nrun: 0 passed, 0 failed, 1 unchecked, 0 skipped\n") != std::string::npos);
 }
 
+TEST_CASE("inspect reports the differences of manifest and binary that the loader refuses") {
+  const std::string dir = std::string(KDISPATCH_BINARY_DIR) + "/tests/fixtures/plugins/fx_manifest_mismatch";
+  const ToolResult r = run_tool({"inspect", dir + "/libfx_manifest_mismatch.so"});
+  INFO("stdout: " << r.out << "\nstderr: " << r.err);
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("kernels only in the file: [fixture.scale -> kd_fx_manifest_mismatch_scale]") != std::string::npos);
+  CHECK(r.out.find("kernels only in the binary: [fixture.fill -> kd_fx_manifest_mismatch_fill, "
+                   "fixture.scale -> kd_fx_manifest_mismatch_scale_v2]") != std::string::npos);
+  CHECK(r.out.find("manifest and binary DISAGREE") != std::string::npos);
+  const ToolResult good = run_tool({"inspect", kPluginDir + "/cpu.json"});
+  CHECK(good.exit_code == 0);
+  CHECK(good.out.find("manifest and binary agree") != std::string::npos);
+}
+
 TEST_CASE("validate and doctor say which ops have no reference kernel") {
   const std::string dir = std::string(KDISPATCH_BINARY_DIR) + "/tests/fixtures/plugins/fx_no_reference";
   const ToolResult v = run_tool({"validate", dir + "/fx_no_reference.json", kManifests + "/cpu.json"});

@@ -6,10 +6,9 @@ import math
 
 import numpy as np
 
-# (abs, rel) tolerance per output dtype: |got - want| <= abs + rel * |want|.
-TOLERANCE = {"float32": (1e-5, 1e-4), "float16": (2e-3, 4e-3), "bfloat16": (1.6e-2, 3.2e-2)}
-# Outputs of a fixed float32 dtype computed from 16-bit inputs (topk weights).
-FLOAT32_OUTPUT_TOLERANCE = (1e-5, 1e-4)
+# Significand bits of each float dtype, the implicit one included: what turns
+# a tolerance in ulps into a relative one.
+PRECISION = {"float64": 53, "float32": 24, "float16": 11, "bfloat16": 8}
 
 
 def rmsnorm(x, w, eps):
@@ -149,12 +148,18 @@ def make_inputs(schema, sizes, rng):
     return values
 
 
-def compare(name, got, want, dtype):
-    """(ok, max abs error) of one output; `dtype` is its own dtype name."""
+def compare(schema, got, want, dtype):
+    """(ok, max abs error) of one output of `schema`'s op, whose dtype is
+    `dtype`, against unrounded float64 values. Float outputs get the op
+    schema's tolerance for that dtype (schema["tolerance"], as the C++ checks
+    use it) in relative form, |got - want| <= atol + ulps * 2^(1 - precision) *
+    |want|, which ulps * ulp(want) never exceeds; other dtypes compare exactly."""
     got = np.asarray(got, dtype=np.float64)
-    if name == "topk_ids" or dtype.startswith(("int", "uint")):
+    tolerance = schema["tolerance"].get(dtype)
+    if tolerance is None:
         return bool(np.array_equal(got, want)), float(np.abs(got - want).max())
-    atol, rtol = TOLERANCE.get(dtype, FLOAT32_OUTPUT_TOLERANCE)
+    atol = tolerance["atol"]
+    rtol = tolerance["ulps"] * 2.0 ** (1 - PRECISION[dtype])
     err = np.abs(got - want)
     ok = bool(np.all(err <= atol + rtol * np.abs(want)))  # NaN (a poisoned output left) fails
     return ok, float(np.nanmax(err)) if not np.all(np.isnan(err)) else float("nan")

@@ -18,6 +18,7 @@ except ImportError:
     sys.exit(77)
 
 import kdispatch
+import kd_cases
 from dlpack_producer import OldProducer, Producer
 
 OP = "layernorm.rmsnorm"
@@ -34,6 +35,12 @@ def rmsnorm_args(rows=3, h=37):
 def reference(x, w, eps=1e-6):
     x64 = x.astype(np.float64)
     return x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + eps) * w
+
+
+def assert_matches(out, want):
+    """A float32 output of OP within the op schema's tolerance of `want`."""
+    ok, err = kd_cases.compare(kdispatch.schema(OP), out, want, "float32")
+    assert ok, f"max abs err {err:.3g} beyond the schema's float32 tolerance"
 
 
 class Errors(unittest.TestCase):
@@ -71,7 +78,7 @@ class Errors(unittest.TestCase):
             kdispatch.call(OP, out, x, w, eps="small")
         self.assertIn("eps", caught.exception.message)
         kdispatch.call(OP, out, x, w, eps=np.float32(1e-5))  # NumPy scalars are numbers
-        np.testing.assert_allclose(out, reference(x, w, 1e-5), rtol=1e-4)
+        assert_matches(out, reference(x, w, 1e-5))
         with self.assertRaises(kdispatch.CallError):
             kdispatch.call(OP, out, x, w, stream="default")
 
@@ -85,7 +92,7 @@ class Errors(unittest.TestCase):
         for stream in (None, 0, TorchLikeStream(), CupyLikeStream()):  # unused on the cpu, but checked
             out, x, w = rmsnorm_args()
             kdispatch.call(OP, out, x, w, stream=stream)
-            np.testing.assert_allclose(out, reference(x, w), rtol=1e-4)
+            assert_matches(out, reference(x, w))
 
     def test_unknown_op_with_did_you_mean(self):
         out, x, w = rmsnorm_args()
@@ -129,7 +136,7 @@ class Capsules(unittest.TestCase):
         out, x, w = rmsnorm_args()
         producer = make(out)
         kdispatch.call(OP, producer, x, w)
-        np.testing.assert_allclose(out, reference(x, w), rtol=1e-4)
+        assert_matches(out, reference(x, w))
         self.assertEqual(producer.exports, 1)
         self.assertEqual(producer.versioned_exports, int(versioned))
         self.assertEqual(producer.deleted, 1)  # by the consumer, once the call is done
@@ -187,7 +194,7 @@ class Capsules(unittest.TestCase):
         self.assertEqual(producer.deleted, 1)
         self.assertTrue(np.isnan(out).all())
         kdispatch.call(OP, out, Producer(x, read_only=True), w)  # read-only inputs are fine
-        np.testing.assert_allclose(out, reference(x, w), rtol=1e-4)
+        assert_matches(out, reference(x, w))
 
     def test_unknown_major_is_refused_and_freed(self):
         out, x, w = rmsnorm_args()
@@ -239,7 +246,7 @@ class Inventory(unittest.TestCase):
                 with self.assertRaises(kdispatch.SelectionError):
                     kdispatch.call(OP, out, x, w)
                 before(out, x, w)  # a handle keeps the plugins it was resolved with
-                np.testing.assert_allclose(out, reference(x, w), rtol=1e-4)
+                assert_matches(out, reference(x, w))
             finally:
                 kdispatch.configure()
         self.assertIn(OP, kdispatch.ops())
@@ -248,6 +255,9 @@ class Inventory(unittest.TestCase):
         s = kdispatch.schema(OP)
         self.assertEqual([t["name"] for t in s["tensors"]], ["out", "x", "weight"])
         self.assertEqual(s["attrs"][0]["name"], "eps")
+        # The op schema's tolerances, one per dtype the output can have.
+        self.assertEqual(sorted(s["tolerance"]), ["bfloat16", "float16", "float32"])
+        self.assertEqual(set(s["tolerance"]["bfloat16"]), {"ulps", "atol", "mean_ulps"})
         handle = kdispatch.op(OP)
         self.assertEqual(handle.name, OP)
         self.assertIsNone(handle.backend)

@@ -92,7 +92,7 @@ def check_ops():
                         torch.cuda.synchronize()
                         want = case.formula(exact, attrs, round_to(dtype))
                         for out, value in want.items():
-                            ok, err = kd_cases.compare(out, dev[out].double().cpu().numpy(), value,
+                            ok, err = kd_cases.compare(schema, dev[out].double().cpu().numpy(), value,
                                                        values[out][1] or dtype)
                             checked += 1
                             failed += not ok
@@ -121,7 +121,7 @@ def check_current_stream():
     graph.replay()
     torch.cuda.synchronize()
     want = kd_cases.rmsnorm(x.double().cpu().numpy(), w.double().cpu().numpy(), 1e-6)
-    ok, err = kd_cases.compare("out", out.double().cpu().numpy(), want, "bfloat16")
+    ok, err = kd_cases.compare(kdispatch.schema("layernorm.rmsnorm"), out.double().cpu().numpy(), want, "bfloat16")
     report(ok, f"kernels launch on torch's current stream (a side stream, captured in a graph; max abs err {err:.3g})")
 
 

@@ -50,7 +50,7 @@ def check_op(op, rng):
                     want = case.formula(exact, kd_cases.full_attrs(schema, given), round_to(dtype))
                     for name, value in want.items():
                         out_dtype = values[name][1] or dtype
-                        ok, err = kd_cases.compare(name, arrays[name], value, out_dtype)
+                        ok, err = kd_cases.compare(schema, arrays[name], value, out_dtype)
                         checked += 1
                         failed += not ok
                         if not ok:

@@ -70,7 +70,7 @@ def check_op(op, rng):
                                 failed += 1
                     want = case.formula(exact, attrs, round_to(dtype))
                     for out, value in want.items():
-                        ok, err = kd_cases.compare(out, got[out].double().numpy(), value, values[out][1] or dtype)
+                        ok, err = kd_cases.compare(schema, got[out].double().numpy(), value, values[out][1] or dtype)
                         checked += 1
                         failed += not ok
                         if not ok:
@@ -87,6 +87,7 @@ def check_op(op, rng):
 def check_capsules_of_torch(rng):
     """torch's own DLPack capsules go through kdispatch.call too (the path of
     a producer kdispatch knows nothing about), each dtype."""
+    schema = kdispatch.schema("layernorm.rmsnorm")
     checked = failed = 0
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         x = torch.from_numpy(rng.uniform(0.5, 2.0, (3, 37))).to(dtype)
@@ -94,7 +95,7 @@ def check_capsules_of_torch(rng):
         out = torch.full_like(x, float("nan"))
         kdispatch.call("layernorm.rmsnorm", out.__dlpack__(), x.__dlpack__(), w.__dlpack__())
         want = kd_cases.rmsnorm(x.double().numpy(), w.double().numpy(), 1e-6)
-        ok, err = kd_cases.compare("out", out.double().numpy(), want, str(dtype).replace("torch.", ""))
+        ok, err = kd_cases.compare(schema, out.double().numpy(), want, str(dtype).replace("torch.", ""))
         checked += 1
         failed += not ok
         if not ok:

@@ -4,11 +4,11 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <set>
 
 #include "common.hpp"
 #include "kdispatch/elf_reader.hpp"
 #include "kdispatch/manifest.hpp"
+#include "kdispatch/manifest_agreement.hpp"
 #include "kdispatch/plugin_api.h"
 
 namespace fs = std::filesystem;
@@ -26,12 +26,6 @@ std::optional<fs::path> manifest_for_library(const fs::path& library) {
     if (r.manifest && r.manifest->library == library.filename().string()) return entry.path();
   }
   return std::nullopt;
-}
-
-std::set<std::pair<std::string, std::string>> kernel_set(const Manifest& m) {
-  std::set<std::pair<std::string, std::string>> out;
-  for (const auto& k : m.kernels) out.emplace(k.op, k.symbol);
-  return out;
 }
 
 }  // namespace
@@ -98,25 +92,9 @@ Runner add_inspect(CLI::App& app) {
                             fmt::format("no manifest in {} names {} as its library", library.parent_path().string(),
                                         library.filename().string())});
       } else if (embedded) {
-        if (embedded->plugin != manifest->plugin || embedded->backend != manifest->backend) {
+        for (const std::string& difference : manifest_differences(*manifest, *embedded)) {
           problems.push_back({ErrorCode::plugin_manifest_mismatch, library.string(),
-                              fmt::format("binary says plugin '{}' backend '{}', manifest {} says plugin '{}' backend '{}'",
-                                          embedded->plugin, embedded->backend, manifest_path.string(), manifest->plugin,
-                                          manifest->backend)});
-        }
-        const auto a = kernel_set(*manifest);
-        const auto b = kernel_set(*embedded);
-        for (const auto& [op, sym] : a) {
-          if (!b.count({op, sym})) {
-            problems.push_back({ErrorCode::plugin_manifest_mismatch, library.string(),
-                                fmt::format("manifest declares {} -> {}, the binary does not", op, sym)});
-          }
-        }
-        for (const auto& [op, sym] : b) {
-          if (!a.count({op, sym})) {
-            problems.push_back({ErrorCode::plugin_manifest_mismatch, library.string(),
-                                fmt::format("the binary declares {} -> {}, the manifest does not", op, sym)});
-          }
+                              fmt::format("the manifest and the binary disagree: {}", difference)});
         }
       }
 

@@ -1,4 +1,10 @@
-#include "kernels.hpp"
+// The example's kernels. kd_plugin_kernels.hpp, which kdispatch_add_plugin()
+// generates from example_cpu.json, declares them: the symbol
+// example_<name> is the function example::<name> (KERNEL_NAMESPACE example,
+// SYMBOL_PREFIX example_). The core has checked every call against the op
+// schema before a kernel runs (tensor count, dtypes, shapes, contiguity), so
+// a kernel reads its tensors in schema order without checking them again.
+#include "kd_plugin_kernels.hpp"
 
 #include <cmath>
 #include <cstdint>

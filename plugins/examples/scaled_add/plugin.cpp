@@ -3,7 +3,9 @@
 
 #include <cstring>
 
-#include "kernels.hpp"
+// Generated from the manifest by kdispatch_add_plugin(): the kernels'
+// prototypes and kd_plugin::find_kernel, the symbol -> kernel table.
+#include "kd_plugin_kernels.hpp"
 
 // The manifest text, compiled in by kdispatch_add_plugin().
 extern "C" const char kd_plugin_embedded_manifest[];
@@ -24,14 +26,6 @@ kd_status probe(kd_device_info* devices, size_t capacity, size_t* count, char* /
   return KD_STATUS_OK;
 }
 
-// Symbols as the manifest names them.
-kd_kernel_fn find_kernel(const char* symbol) {
-  if (symbol == nullptr) return nullptr;
-  if (std::strcmp(symbol, "example_scaled_add") == 0) return example::scaled_add;
-  if (std::strcmp(symbol, "example_silu_and_mul") == 0) return example::silu_and_mul;
-  return nullptr;
-}
-
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) const kd_plugin_api* kdispatch_plugin_api(void) {
@@ -44,7 +38,7 @@ extern "C" __attribute__((visibility("default"))) const kd_plugin_api* kdispatch
       "example_cpu",  // backend, as in the manifest
       kd_plugin_embedded_manifest,
       probe,
-      find_kernel,
+      kd_plugin::find_kernel,
       nullptr,  // memory: tensors live in host memory
   };
   return &api;

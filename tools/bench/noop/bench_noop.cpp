@@ -1,9 +1,10 @@
 // A plugin whose one kernel does nothing: what a call costs beyond the kernel.
 #include "kd_plugin.hpp"
+#include "kd_plugin_kernels.hpp"
+
+kd_status kd_bench::noop(const kd_call_args* /*args*/) noexcept { return KD_STATUS_OK; }
 
 namespace {
-
-kd_status noop(const kd_call_args* /*args*/) noexcept { return KD_STATUS_OK; }
 
 kd_status probe(kd_device_info* devices, size_t capacity, size_t* count, char*, size_t) noexcept {
   *count = 1;
@@ -16,9 +17,6 @@ kd_status probe(kd_device_info* devices, size_t capacity, size_t* count, char*, 
   return KD_STATUS_OK;
 }
 
-const kd_plugin::KernelEntry kKernels[] = {{"kd_bench_noop", noop}};
-kd_kernel_fn find(const char* symbol) noexcept { return kd_plugin::find_kernel(kKernels, symbol); }
-
 }  // namespace
 
-KD_DEFINE_PLUGIN("bench_noop", "0.1.0", "bench_noop", probe, find, nullptr)
+KD_DEFINE_PLUGIN("bench_noop", "0.1.0", "bench_noop", probe, kd_plugin::find_kernel, nullptr)

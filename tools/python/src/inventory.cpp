@@ -50,6 +50,27 @@ py::object attr_to_python(const AttrValue& v) {
   return py::str(std::get<std::string>(v));
 }
 
+// {dtype name: {"ulps", "atol", "mean_ulps"}} for each float dtype an output
+// of the op can have: the schema's tolerance for it, or the default one
+// (OpSchema::tolerance), so that Python checks use the bounds the C++ checks
+// use.
+py::dict tolerance_dict(const OpSchema& s) {
+  py::dict out;
+  for (const auto& t : s.tensors) {
+    if (!t.written && !t.inplace) continue;
+    for (Dtype d : s.allowed_dtypes(t)) {
+      if (d != Dtype::float32 && d != Dtype::float16 && d != Dtype::bfloat16 && d != Dtype::float64) continue;
+      const Tolerance tol = s.tolerance(d);
+      py::dict td;
+      td["ulps"] = tol.ulps;
+      td["atol"] = tol.atol;
+      td["mean_ulps"] = tol.mean_ulps;
+      out[py::str(std::string(dtype_name(d)))] = td;
+    }
+  }
+  return out;
+}
+
 py::dict schema_dict(const OpSchema& s) {
   py::dict d;
   d["op"] = s.op;
@@ -87,6 +108,7 @@ py::dict schema_dict(const OpSchema& s) {
   py::dict vars;
   for (const auto& [name, dtypes] : s.dtype_vars) vars[py::str(name)] = dtype_list(dtypes);
   d["dtypes"] = vars;
+  d["tolerance"] = tolerance_dict(s);
   d["source"] = s.source;
   return d;
 }

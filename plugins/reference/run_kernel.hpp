@@ -1,8 +1,5 @@
-// The reference kernels: one function per op of manifests/ops/, each the
-// op's formula evaluated in float64 from the stored inputs, every output
-// rounded once to its dtype. They are the oracle the checks of every other
-// backend compare against, so they stay plain: no SIMD, no tables, no
-// threads.
+// The exception wall every reference kernel runs its body in: nothing C++
+// crosses the ABI, and bad input comes back as a status with its message.
 #pragma once
 
 #include <kdispatch/plugin_api.h>
@@ -33,14 +30,5 @@ kd_status run_kernel(const kd_call_args* args, Body&& body) noexcept {
     return kd_plugin::fail(args, KD_STATUS_INTERNAL, "unknown exception");
   }
 }
-
-kd_status rmsnorm(const kd_call_args* args) noexcept;
-kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept;
-kd_status layernorm(const kd_call_args* args) noexcept;
-kd_status silu_and_mul(const kd_call_args* args) noexcept;
-kd_status gelu_and_mul(const kd_call_args* args) noexcept;
-kd_status gelu_tanh_and_mul(const kd_call_args* args) noexcept;
-kd_status rotary_embedding(const kd_call_args* args) noexcept;
-kd_status topk_softmax(const kd_call_args* args) noexcept;
 
 }  // namespace kdispatch::reference
