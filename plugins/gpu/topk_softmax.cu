@@ -11,8 +11,7 @@
 // value's own bits above the index, which is exact; for float32 the value's
 // bits with the low ones replaced by the index -- sorts its V keys, and
 // each of the K rounds is one warp max of the lanes' leading keys, after
-// which the winning lane shifts its list; each warp takes two rows and loads
-// the second while it ranks the first. When two float32 keys of the
+// which the winning lane shifts its list. When two float32 keys of the
 // winners (or the best loser) agree above the index bits, the row's values
 // are too close for the truncated keys to order, and it is ranked again
 // exactly by (value, index) warp argmaxes. Wider rows, or K above the warp
@@ -79,40 +78,6 @@ __device__ __forceinline__ void sort_descending(uint32_t (&a)[V]) {
   }
 }
 
-// One lane's V logits of a row, as stored.
-template <class T, int V>
-struct LaneLogits {
-  T v[V];
-};
-
-// Lane `lane`'s logits [first, first + V) of row `g`, padding past E (never
-// read back: experts beyond E are not present).
-template <class T, int V, bool kVector>
-__device__ __forceinline__ LaneLogits<T, V> load_lane(const T* g, int first, int experts) {
-  constexpr int kPerLoad = 16 / sizeof(T);
-  LaneLogits<T, V> out{};
-  if constexpr (kVector) {
-    if (first < experts) {  // the whole vector, as V divides E
-#pragma unroll
-      for (int j = 0; j < V / kPerLoad; ++j) {
-        const Vec<T, kPerLoad> v = load_vec<T, kPerLoad>(g + first + j * kPerLoad);
-#pragma unroll
-        for (int c = 0; c < kPerLoad; ++c) out.v[j * kPerLoad + c] = v.v[c];
-      }
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      if (first + i < experts) out.v[i] = g[first + i];
-    }
-  }
-  return out;
-}
-
-// Rows per warp: a warp loads its next row before ranking the current one,
-// so that memory and arithmetic overlap.
-constexpr int kRowsPerWarp = 2;
-
 // Lane `lane` holds experts [lane * V, lane * V + V). kVector: 16-byte loads
 // (E a multiple of V, rows 16-byte aligned), else one element at a time.
 template <class T, int V, bool kVector>
@@ -120,24 +85,36 @@ __global__ void __launch_bounds__(kWarpRowsThreads)
     topk_softmax_warp(float* weights, int32_t* ids, const T* gating, int64_t rows, int experts,
                       int k, bool renormalize) {
   constexpr uint32_t kIndexMask = kIndexMaskOf<T, V>;
+  constexpr int kPerLoad = 16 / sizeof(T);
   const int warps = blockDim.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   const int first = lane * V;
-  const int64_t stride = int64_t{gridDim.x} * warps;
-  int64_t row = int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize;
-  LaneLogits<T, V> next{};
-  if (row < rows) next = load_lane<T, V, kVector>(gating + row * experts, first, experts);
-  for (; row < rows; row += stride) {
+  for (int64_t row = int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize; row < rows;
+       row += int64_t{gridDim.x} * warps) {
     const T* g = gating + row * experts;
-    const LaneLogits<T, V> logits = next;
-    if (row + stride < rows) next = load_lane<T, V, kVector>(g + stride * experts, first, experts);
     float value[V];
     uint32_t key[V];
+    if constexpr (kVector) {
+      const bool present = first < experts;  // the whole vector, as V divides E
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const bool present = first + i < experts;
-      value[i] = present ? to_float(logits.v[i]) : -INFINITY;
-      key[i] = present ? rank_key<T, kIndexMask>(logits.v[i], value[i], first + i) : 0u;
+      for (int j = 0; j < V / kPerLoad; ++j) {
+        Vec<T, kPerLoad> v;
+        if (present) v = load_vec<T, kPerLoad>(g + first + j * kPerLoad);
+#pragma unroll
+        for (int c = 0; c < kPerLoad; ++c) {
+          const int i = j * kPerLoad + c;
+          value[i] = present ? to_float(v.v[c]) : -INFINITY;
+          key[i] = present ? rank_key<T, kIndexMask>(v.v[c], value[i], first + i) : 0u;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const bool present = first + i < experts;
+        const T stored = present ? g[first + i] : T{};
+        value[i] = present ? to_float(stored) : -INFINITY;
+        key[i] = present ? rank_key<T, kIndexMask>(stored, value[i], first + i) : 0u;
+      }
     }
     sort_descending<V>(key);
 
@@ -266,8 +243,7 @@ bool launch_warp_rows(const Launch& launch, const TopkArgs& a, const T* gating) 
     if (int64_t{launch.warp_size} * V < a.experts) {
       return launch_warp_rows<T, 2 * V>(launch, a, gating);
     }
-    const int64_t blocks =
-        ceil_div(a.rows, int64_t{kWarpRowsThreads / launch.warp_size} * kRowsPerWarp);
+    const int64_t blocks = ceil_div(a.rows, kWarpRowsThreads / launch.warp_size);
     const unsigned grid = row_grid(blocks);
     constexpr int kPerLoad = 16 / sizeof(T);
     if constexpr (V % kPerLoad == 0) {
