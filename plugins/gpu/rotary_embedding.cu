@@ -12,8 +12,8 @@
 // of a head at a time: N rotated pairs of neox (two 16-byte vectors of the
 // head plus one each of cos and sin) or a 16-byte vector of N/2 GPT-J pairs.
 // The cache row of a token is shared by all its heads and stays in L1.
-// Blocks of at most 256 threads, each taking a unit in two or more rounds:
-// on the H200 that moved more bytes than one round of 320 or 512 threads.
+// Blocks of at most 256 threads, a thread taking units in as many rounds as
+// the token needs.
 #include "device_utils.cuh"
 #include "launch_utils.hpp"
 #include "ops.hpp"
