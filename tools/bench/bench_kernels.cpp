@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <vector>
 #include <map>
 #include <memory>
@@ -98,11 +99,30 @@ void register_op(const OpSchema& schema, Dtype dtype) {
   })->Unit(benchmark::kMicrosecond)->UseRealTime()->MinTime(0.2);
 }
 
+// Takes --plugin-dir=DIR out of the command line: the folder the cpu plugin
+// is loaded from (default: this build's), so that one benchmark program can
+// time the plugins of several builds (tools/bench/compare_builds.py).
+std::string take_plugin_dir(int& argc, char** argv) {
+  std::string dir = KDISPATCH_PLUGIN_DIR;
+  constexpr std::string_view kFlag = "--plugin-dir=";
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg.starts_with(kFlag)) {
+      dir = std::string(arg.substr(kFlag.size()));
+    } else {
+      argv[kept++] = argv[i];
+    }
+  }
+  argc = kept;
+  return dir;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   ContextOptions options;
-  options.search.replace = {KDISPATCH_PLUGIN_DIR};
+  options.search.replace = {take_plugin_dir(argc, argv)};
   options.search.use_environment = false;
   g_context = std::make_unique<Context>(options);
   g_dispatch = std::make_unique<Dispatcher>(*g_context);
