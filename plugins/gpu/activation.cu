@@ -94,9 +94,9 @@ kd_status run_act(const kd_call_args* args, const char* op) {
   const DLTensor& out = args->tensors[0];
   const DLTensor& x = args->tensors[1];
   if (out.ndim < 1 || x.ndim != out.ndim) return invalid_shapes(args, op);
-  const int64_t d = last_dim(out);
-  const int64_t rows = leading_count(out, 1);
-  if (last_dim(x) != 2 * d || leading_count(x, 1) != rows) return invalid_shapes(args, op);
+  const int64_t d = dim(out, -1);
+  const int64_t rows = leading_rows(out, 1);
+  if (dim(x, -1) != 2 * d || leading_rows(x, 1) != rows) return invalid_shapes(args, op);
   if (!same_dtype(out, x)) {
     return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensors differ in dtype", op);
   }
@@ -107,8 +107,8 @@ kd_status run_act(const kd_call_args* args, const char* op) {
   return launch_for_dtype(args, op, out, [&](auto tag, const Launch& launch) {
     using T = typename decltype(tag)::type;
     constexpr int kVec = 16 / sizeof(T);
-    T* o = data_of<T>(out);
-    const T* in = data_of<T>(x);
+    T* o = data_as<T>(out);
+    const T* in = data_as<T>(x);
     if (d % kVec == 0 && all_aligned(16, {o, in})) {
       if (rows * d <= kSmallElements) {
         launch_act<T, kVec / 2, Act>(launch, o, in, rows, static_cast<int>(d));

@@ -9,52 +9,16 @@
 
 #include "gpu_compat.hpp"
 #include "kd_plugin.hpp"
+#include "kd_tensor.hpp"
 
 namespace kd_gpu {
 
-template <class T>
-struct TypeTag {
-  using type = T;
-};
-
-// Calls f(TypeTag<T>{}) with T the element type of `t`: float, half_t or bf16_t.
-template <class F>
-kd_status dispatch_float_dtype(const kd_call_args* args, const char* op, const DLTensor& t,
-                               F&& f) {
-  if (t.dtype.lanes == 1) {
-    if (t.dtype.code == kDLFloat && t.dtype.bits == 32) return f(TypeTag<float>{});
-    if (t.dtype.code == kDLFloat && t.dtype.bits == 16) return f(TypeTag<half_t>{});
-    if (t.dtype.code == kDLBfloat && t.dtype.bits == 16) return f(TypeTag<bf16_t>{});
-  }
-  return kd_plugin::fail(args, KD_STATUS_UNSUPPORTED,
-                         "%s: dtype (code %d, bits %d, lanes %d) is not float32, float16 or "
-                         "bfloat16",
-                         op, t.dtype.code, t.dtype.bits, t.dtype.lanes);
-}
-
-inline bool same_dtype(const DLTensor& a, const DLTensor& b) {
-  return a.dtype.code == b.dtype.code && a.dtype.bits == b.dtype.bits &&
-         a.dtype.lanes == b.dtype.lanes;
-}
-
-inline bool has_dtype(const DLTensor& t, uint8_t code, uint8_t bits) {
-  return t.dtype.code == code && t.dtype.bits == bits && t.dtype.lanes == 1;
-}
-
-template <class T>
-T* data_of(const DLTensor& t) {
-  return reinterpret_cast<T*>(static_cast<char*>(t.data) + t.byte_offset);
-}
-
-// Product of all dims but the last `trailing` ones: the rows of a ["*", ...]
-// tensor.
-inline int64_t leading_count(const DLTensor& t, int trailing) {
-  int64_t n = 1;
-  for (int i = 0; i < t.ndim - trailing; ++i) n *= t.shape[i];
-  return n;
-}
-
-inline int64_t last_dim(const DLTensor& t) { return t.shape[t.ndim - 1]; }
+// The tensor helpers every plugin's host code shares (kd_tensor.hpp).
+using kd_plugin::data_as;
+using kd_plugin::dim;
+using kd_plugin::is_dtype;
+using kd_plugin::leading_rows;
+using kd_plugin::same_dtype;
 
 inline bool all_aligned(size_t bytes, std::initializer_list<const void*> pointers) {
   for (const void* p : pointers) {
@@ -135,14 +99,23 @@ inline bool on_this_backend(const DLDevice& d) {
 #endif
 }
 
-// Reports an error of the kernel launch just made.
-inline kd_status launched(const kd_call_args* args, const char* op) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    return kd_plugin::fail(args, KD_STATUS_DEVICE_ERROR, "%s: kernel launch failed: %s", op,
-                           cudaGetErrorString(err));
+// Reports an error of the kernel launches made since `pending` was read.
+// The runtime's last error belongs to the calling thread (and, with a shared
+// HIP runtime, to the rest of the process), so it is cleared only when it is
+// this call's launch error; an error pending from before is left where it
+// is, and reported, since a launch after it cannot be told to have run.
+inline kd_status launched(const kd_call_args* args, const char* op, cudaError_t pending) {
+  const cudaError_t err = cudaPeekAtLastError();
+  if (err == cudaSuccess) return KD_STATUS_OK;
+  if (pending != cudaSuccess) {
+    return kd_plugin::fail(args, KD_STATUS_DEVICE_ERROR,
+                           "%s: the runtime reported an error from before this call (%s); the "
+                           "kernel may not have run",
+                           op, cudaGetErrorString(err));
   }
-  return KD_STATUS_OK;
+  (void)cudaGetLastError();
+  return kd_plugin::fail(args, KD_STATUS_DEVICE_ERROR, "%s: kernel launch failed: %s", op,
+                         cudaGetErrorString(err));
 }
 
 // Checks the counts of tensors and attributes and that every tensor lives on
@@ -178,7 +151,7 @@ inline kd_status check_call(const kd_call_args* args, const char* op, int num_te
 template <class F>
 kd_status launch_for_dtype(const kd_call_args* args, const char* op, const DLTensor& t,
                            F&& launch_fn) {
-  return dispatch_float_dtype(args, op, t, [&](auto tag) {
+  return kd_plugin::dispatch_float_dtype<float, half_t, bf16_t>(args, op, t, [&](auto tag) {
     DeviceScope scope;
     Launch launch;
     const int device = args->tensors[0].device.device_id;
@@ -189,8 +162,9 @@ kd_status launch_for_dtype(const kd_call_args* args, const char* op, const DLTen
                              cudaGetErrorString(err));
     }
     launch.stream = static_cast<cudaStream_t>(args->stream);
+    const cudaError_t pending = cudaPeekAtLastError();
     launch_fn(tag, launch);
-    return launched(args, op);
+    return launched(args, op, pending);
   });
 }
 

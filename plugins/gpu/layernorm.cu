@@ -46,10 +46,10 @@ kd_status layernorm(const kd_call_args* args) noexcept {
     const DLTensor& weight = args->tensors[2];
     const DLTensor& bias = args->tensors[3];
     if (out.ndim < 1 || x.ndim != out.ndim || weight.ndim != 1 || bias.ndim != 1) return invalid_shapes(args, kOp);
-    const int64_t hidden = last_dim(out);
-    const int64_t rows = leading_count(out, 1);
-    if (last_dim(x) != hidden || weight.shape[0] != hidden || bias.shape[0] != hidden ||
-        leading_count(x, 1) != rows) {
+    const int64_t hidden = dim(out, -1);
+    const int64_t rows = leading_rows(out, 1);
+    if (dim(x, -1) != hidden || weight.shape[0] != hidden || bias.shape[0] != hidden ||
+        leading_rows(x, 1) != rows) {
       return invalid_shapes(args, kOp);
     }
     if (!same_dtype(out, x) || !same_dtype(out, weight) || !same_dtype(out, bias)) {
@@ -62,7 +62,7 @@ kd_status layernorm(const kd_call_args* args) noexcept {
     return launch_for_dtype(args, kOp, out, [&](auto tag, const Launch& launch) {
       using T = typename decltype(tag)::type;
       layernorm_rows<T><<<row_grid(rows), kThreads, 0, launch.stream>>>(
-          data_of<T>(out), data_of<T>(x), data_of<T>(weight), data_of<T>(bias), rows,
+          data_as<T>(out), data_as<T>(x), data_as<T>(weight), data_as<T>(bias), rows,
           static_cast<int>(hidden), eps);
     });
   });

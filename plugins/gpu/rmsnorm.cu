@@ -248,9 +248,9 @@ kd_status run_norm(const kd_call_args* args, const char* op) {
   const DLTensor& b = args->tensors[1];  // x | residual
   const DLTensor& weight = args->tensors[2];
   if (a.ndim < 1 || b.ndim != a.ndim || weight.ndim != 1) return invalid_shapes(args, op);
-  const int64_t hidden = last_dim(a);
-  const int64_t rows = leading_count(a, 1);
-  if (last_dim(b) != hidden || weight.shape[0] != hidden || leading_count(b, 1) != rows) {
+  const int64_t hidden = dim(a, -1);
+  const int64_t rows = leading_rows(a, 1);
+  if (dim(b, -1) != hidden || weight.shape[0] != hidden || leading_rows(b, 1) != rows) {
     return invalid_shapes(args, op);
   }
   if (!same_dtype(a, b) || !same_dtype(a, weight)) {
@@ -265,11 +265,11 @@ kd_status run_norm(const kd_call_args* args, const char* op) {
   return launch_for_dtype(args, op, a, [&](auto tag, const Launch& launch) {
     using T = typename decltype(tag)::type;
     if constexpr (kFused) {
-      T* x = data_of<T>(a);
-      launch_norm<T, true>(launch, x, data_of<T>(b), x, data_of<T>(weight), rows,
+      T* x = data_as<T>(a);
+      launch_norm<T, true>(launch, x, data_as<T>(b), x, data_as<T>(weight), rows,
                            static_cast<int>(hidden), eps);
     } else {
-      launch_norm<T, false>(launch, data_of<T>(a), nullptr, data_of<T>(b), data_of<T>(weight),
+      launch_norm<T, false>(launch, data_as<T>(a), nullptr, data_as<T>(b), data_as<T>(weight),
                             rows, static_cast<int>(hidden), eps);
     }
   });

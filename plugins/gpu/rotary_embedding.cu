@@ -133,36 +133,36 @@ kd_status run_rotary(const kd_call_args* args) {
       cache.ndim != 2) {
     return invalid_shapes(args, op);
   }
-  const int64_t tokens = leading_count(positions, 0);
-  const int64_t dim = last_dim(query);
+  const int64_t tokens = leading_rows(positions, 0);
+  const int64_t head_dim = dim(query, -1);
   const int64_t q_heads = query.shape[query.ndim - 2];
   const int64_t k_heads = key.shape[key.ndim - 2];
-  if (dim % 2 != 0 || last_dim(key) != dim || cache.shape[1] != dim ||
-      leading_count(query, 2) != tokens || leading_count(key, 2) != tokens) {
+  if (head_dim % 2 != 0 || dim(key, -1) != head_dim || cache.shape[1] != head_dim ||
+      leading_rows(query, 2) != tokens || leading_rows(key, 2) != tokens) {
     return invalid_shapes(args, op);
   }
-  if (!has_dtype(positions, kDLInt, 64)) {
+  if (!is_dtype(positions, kDLInt, 64)) {
     return kd_plugin::fail(args, KD_STATUS_UNSUPPORTED, "%s: positions are not int64", op);
   }
   if (!same_dtype(query, key) || !same_dtype(query, cache)) {
     return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensors differ in dtype", op);
   }
-  if ((q_heads + k_heads) * dim > INT32_MAX) {
+  if ((q_heads + k_heads) * head_dim > INT32_MAX) {
     return kd_plugin::fail(args, KD_STATUS_UNSUPPORTED, "%s: more than 2^31-1 values per token",
                            op);
   }
   bool neox = true;
   if (kd_status s = attr_bool(args, op, 0, &neox); s != KD_STATUS_OK) return s;
   // No cache rows: every position is out of range, every token is skipped.
-  if (tokens == 0 || dim == 0 || q_heads + k_heads == 0 || cache.shape[0] == 0) {
+  if (tokens == 0 || head_dim == 0 || q_heads + k_heads == 0 || cache.shape[0] == 0) {
     return KD_STATUS_OK;
   }
   return launch_for_dtype(args, op, query, [&](auto tag, const Launch& launch) {
     using T = typename decltype(tag)::type;
-    launch_rotary<T>(launch, data_of<const int64_t>(positions), data_of<T>(query),
-                     data_of<T>(key), data_of<const T>(cache), tokens, cache.shape[0],
+    launch_rotary<T>(launch, data_as<const int64_t>(positions), data_as<T>(query),
+                     data_as<T>(key), data_as<const T>(cache), tokens, cache.shape[0],
                      static_cast<int>(q_heads), static_cast<int>(k_heads),
-                     static_cast<int>(dim / 2), neox);
+                     static_cast<int>(head_dim / 2), neox);
   });
 }
 

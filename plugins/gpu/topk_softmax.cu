@@ -277,14 +277,14 @@ kd_status run_topk(const kd_call_args* args) {
   if (gating.ndim < 1 || weights.ndim != gating.ndim || ids.ndim != gating.ndim) {
     return invalid_shapes(args, op);
   }
-  const int64_t rows = leading_count(gating, 1);
-  const int64_t experts = last_dim(gating);
-  const int64_t k = last_dim(weights);
-  if (last_dim(ids) != k || leading_count(weights, 1) != rows ||
-      leading_count(ids, 1) != rows) {
+  const int64_t rows = leading_rows(gating, 1);
+  const int64_t experts = dim(gating, -1);
+  const int64_t k = dim(weights, -1);
+  if (dim(ids, -1) != k || leading_rows(weights, 1) != rows ||
+      leading_rows(ids, 1) != rows) {
     return invalid_shapes(args, op);
   }
-  if (!has_dtype(weights, kDLFloat, 32) || !has_dtype(ids, kDLInt, 32)) {
+  if (!is_dtype(weights, kDLFloat, 32) || !is_dtype(ids, kDLInt, 32)) {
     return kd_plugin::fail(args, KD_STATUS_UNSUPPORTED,
                            "%s: topk_weights must be float32 and topk_ids int32", op);
   }
@@ -301,9 +301,9 @@ kd_status run_topk(const kd_call_args* args) {
   if (rows == 0 || k == 0) return KD_STATUS_OK;
   return launch_for_dtype(args, op, gating, [&](auto tag, const Launch& launch) {
     using T = typename decltype(tag)::type;
-    const TopkArgs a{data_of<float>(weights), data_of<int32_t>(ids), rows,
+    const TopkArgs a{data_as<float>(weights), data_as<int32_t>(ids), rows,
                      static_cast<int>(experts), static_cast<int>(k), renormalize};
-    launch_topk<T>(launch, a, data_of<const T>(gating));
+    launch_topk<T>(launch, a, data_as<const T>(gating));
   });
 }
 
