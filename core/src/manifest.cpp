@@ -29,6 +29,7 @@
 #include "kdispatch/plugin_api.h"
 #include "manifest_for_cache.hpp"
 #include "kdispatch/schema_check.hpp"
+#include "unique_fd.hpp"
 
 namespace kdispatch {
 
@@ -1175,16 +1176,12 @@ std::optional<std::string> read_manifest_text(const std::filesystem::path& path,
     return std::nullopt;
   };
   std::string why;
-  const int fd = open_regular_file(path, O_RDONLY, why);
-  if (fd < 0) return unreadable(why);
-  const struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
+  const UniqueFd file{open_regular_file(path, O_RDONLY, why)};
+  if (file.fd < 0) return unreadable(why);
   std::string text;
   char buffer[16384];
   while (true) {
-    const ssize_t n = ::read(fd, buffer, sizeof buffer);
+    const ssize_t n = ::read(file.fd, buffer, sizeof buffer);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return unreadable(std::strerror(errno));
     if (n == 0) break;

@@ -17,6 +17,7 @@
 #include "kdispatch/environment.hpp"
 #include "kdispatch/log.hpp"
 #include "registry_cache.hpp"
+#include "unique_fd.hpp"
 
 extern char** environ;
 
@@ -28,15 +29,6 @@ namespace {
 constexpr const char* kScannerName = "kdispatch-plugin-scanner";
 constexpr auto kDefaultTimeout = std::chrono::seconds(10);
 constexpr size_t kMaxShownOutput = 200;
-
-struct Fd {
-  int fd = -1;
-  ~Fd() { reset(); }
-  void reset() {
-    if (fd >= 0) ::close(fd);
-    fd = -1;
-  }
-};
 
 std::chrono::milliseconds scan_timeout() {
   if (auto text = get_env("KDISPATCH_SCAN_TIMEOUT"); text && !text->empty()) {
@@ -119,9 +111,9 @@ ScanOutcome run_scanner(const fs::path& program, const fs::path& manifest_path, 
   int out_pipe[2];
   int result_pipe[2];
   if (::pipe2(out_pipe, O_CLOEXEC) != 0) return {ScanVerdict::exited, -1, std::strerror(errno)};
-  Fd out_read{out_pipe[0]}, out_write{out_pipe[1]};
+  UniqueFd out_read{out_pipe[0]}, out_write{out_pipe[1]};
   if (::pipe2(result_pipe, O_CLOEXEC) != 0) return {ScanVerdict::exited, -1, std::strerror(errno)};
-  Fd result_read{result_pipe[0]}, result_write{result_pipe[1]};
+  UniqueFd result_read{result_pipe[0]}, result_write{result_pipe[1]};
 
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);

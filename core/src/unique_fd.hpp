@@ -11,8 +11,11 @@ struct UniqueFd {
   explicit UniqueFd(int descriptor) : fd(descriptor) {}
   UniqueFd(const UniqueFd&) = delete;
   UniqueFd& operator=(const UniqueFd&) = delete;
-  ~UniqueFd() {
+  ~UniqueFd() { reset(); }
+  // Closes the descriptor now.
+  void reset() {
     if (fd >= 0) ::close(fd);
+    fd = -1;
   }
 };
 
