@@ -2,11 +2,12 @@
 // computed in float32 and rounded once.
 //
 // Elementwise and memory bound: each thread moves one 16-byte vector of each
-// half and of the output (8 bytes at decode sizes), blocks of 128 threads
-// tile a row, the grid covers every row (looping only past 65535 rows). A
-// grid that covers the data keeps more loads in flight than blocks that
-// loop over rows, and short rows (decode) get as many blocks as they have
-// vectors.
+// half and of the output (8 bytes at decode sizes, one element for one or
+// two rows), blocks of 128 threads (256 for one or two rows) tile a row, the
+// grid covers every row (looping only past 65535 rows). A grid that covers
+// the data keeps more loads in flight than blocks that loop over rows, and
+// the fewer bytes a thread moves at decode sizes, the more SMs share the
+// loads and the sooner the last one returns.
 #include "device_utils.cuh"
 #include "launch_utils.hpp"
 #include "ops.hpp"
@@ -15,9 +16,12 @@ namespace kd_gpu {
 namespace {
 
 constexpr int kThreads = 128;
-// Up to this many outputs (decode sizes) a thread moves 8-byte vectors:
-// twice the threads, each with half the work, finish sooner.
+// Up to this many outputs (decode sizes) a thread moves 8-byte vectors.
 constexpr int64_t kSmallElements = int64_t{1} << 19;
+// Up to this many (a row or two) a thread moves one element, in blocks of
+// kTinyThreads.
+constexpr int64_t kTinyElements = int64_t{1} << 13;
+constexpr int kTinyThreads = 256;
 
 // a / (1 + exp(-a)) with the fast exponential and division: two special
 // function instructions per value, which keeps these kernels memory bound.
@@ -62,9 +66,9 @@ struct GeluTanh {
   }
 };
 
-template <class T, int N, class Act>
-__global__ void __launch_bounds__(kThreads) act_and_mul(T* out, const T* x, int64_t rows, int d) {
-  const int i = blockIdx.x * kThreads + threadIdx.x;  // the vector of the row
+template <class T, int N, class Act, int kBlock>
+__global__ void __launch_bounds__(kBlock) act_and_mul(T* out, const T* x, int64_t rows, int d) {
+  const int i = blockIdx.x * kBlock + threadIdx.x;  // the vector of the row
   if (i >= d / N) return;
   for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
     const T* gate = x + row * 2 * d + static_cast<int64_t>(i) * N;
@@ -80,11 +84,11 @@ __global__ void __launch_bounds__(kThreads) act_and_mul(T* out, const T* x, int6
   }
 }
 
-template <class T, int N, class Act>
+template <class T, int N, class Act, int kBlock = kThreads>
 void launch_act(const Launch& launch, T* out, const T* x, int64_t rows, int d) {
-  const dim3 grid(static_cast<unsigned>(ceil_div(d / N, kThreads)),
+  const dim3 grid(static_cast<unsigned>(ceil_div(d / N, kBlock)),
                   static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
-  act_and_mul<T, N, Act><<<grid, kThreads, 0, launch.stream>>>(out, x, rows, d);
+  act_and_mul<T, N, Act, kBlock><<<grid, kBlock, 0, launch.stream>>>(out, x, rows, d);
 }
 
 // Tensors: out [*, D], x [*, 2*D].
@@ -109,7 +113,9 @@ kd_status run_act(const kd_call_args* args, const char* op) {
     constexpr int kVec = 16 / sizeof(T);
     T* o = data_as<T>(out);
     const T* in = data_as<T>(x);
-    if (d % kVec == 0 && all_aligned(16, {o, in})) {
+    if (rows * d <= kTinyElements) {
+      launch_act<T, 1, Act, kTinyThreads>(launch, o, in, rows, static_cast<int>(d));
+    } else if (d % kVec == 0 && all_aligned(16, {o, in})) {
       if (rows * d <= kSmallElements) {
         launch_act<T, kVec / 2, Act>(launch, o, in, rows, static_cast<int>(d));
       } else {
