@@ -106,6 +106,30 @@ KD_CPU_MULTIVERSION void fused_add_rmsnorm_rows(T* x, T* residual, const float* 
   }
 }
 
+// The sum of row[0, h) (kSquares: of the squares of row[j] - mean) in
+// kReductionLanes partial sums, element j in sum j % kReductionLanes, added
+// up in order at the end: the loop vectorises without reassociating anything.
+template <bool kSquares>
+[[gnu::always_inline]] inline float lane_sum(const float* row, int64_t h, float mean) {
+  float partial[kReductionLanes] = {};
+  const auto term = [mean](float v) {
+    if constexpr (kSquares) {
+      const float d = v - mean;
+      return d * d;
+    } else {
+      return v;
+    }
+  };
+  int64_t j = 0;
+  for (; j + kReductionLanes <= h; j += kReductionLanes) {
+    for (int l = 0; l < kReductionLanes; ++l) partial[l] += term(row[j + l]);
+  }
+  for (int l = 0; j < h; ++j, ++l) partial[l] += term(row[j]);
+  float sum = 0.0f;
+  for (float p : partial) sum += p;
+  return sum;
+}
+
 // `row` is scratch for h floats, the widened input row, read three times.
 template <class T>
 KD_CPU_MULTIVERSION void layernorm_rows(T* out, const T* x, const float* weight, const float* bias, int64_t h,
@@ -113,18 +137,8 @@ KD_CPU_MULTIVERSION void layernorm_rows(T* out, const T* x, const float* weight,
   float result[kBlock];
   for (int64_t r = begin; r < end; ++r) {
     const float* xr = as_float(x + r * h, row, h);
-    float partial[kReductionLanes] = {};
-    for (int64_t j = 0; j < h; ++j) partial[j % kReductionLanes] += xr[j];
-    float sum = 0.0f;
-    for (float p : partial) sum += p;
-    const float mean = sum / static_cast<float>(h);
-    float squares[kReductionLanes] = {};
-    for (int64_t j = 0; j < h; ++j) {
-      const float d = xr[j] - mean;
-      squares[j % kReductionLanes] += d * d;
-    }
-    float var = 0.0f;
-    for (float q : squares) var += q;
+    const float mean = lane_sum<false>(xr, h, 0.0f) / static_cast<float>(h);
+    const float var = lane_sum<true>(xr, h, mean);
     const float inv_std = 1.0f / std::sqrt(var / static_cast<float>(h) + eps);
     T* outr = out + r * h;
     for (int64_t j0 = 0; j0 < h; j0 += kBlock) {
