@@ -1,9 +1,14 @@
 // layernorm.layernorm: out = T((x - mean) * rsqrt(var + eps) * weight + bias)
 // over each row, mean and (biased) variance accumulated in float32.
 //
-// One block per row and three passes over it: the sum, the sum of squared
-// deviations from the mean (exact where a one-pass E[x^2] - mean^2 would
-// cancel), then the output. The row is read three times, mostly from L2.
+// Memory bound, so a row is read once: one block per row, each thread
+// holding its share of the row in registers as stored (16-byte vectors, up
+// to 8 per thread), through two block sums, the mean and then the squared
+// deviations from it (exact where a one-pass E[x^2] - mean^2 would cancel);
+// the weight and bias are read after them, which keeps registers few and
+// blocks per SM many. The grid covers every row. Rows that are longer, or
+// whose length or pointers do not allow 16-byte accesses, take a kernel that
+// reads the row three times (mostly from L2).
 #include "device_utils.cuh"
 #include "launch_utils.hpp"
 #include "ops.hpp"
@@ -11,11 +16,66 @@
 namespace kd_gpu {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 256;             // the least threads per block
+constexpr int kMaxThreads = 1024;
+constexpr int kMaxVecPerThread = 8;       // register budget of a thread
+constexpr int kManyRowsVecPerThread = 4;  // the usual share, so that blocks share an SM
+
+template <class T, int N, int VPT>
+__global__ void __launch_bounds__(kMaxThreads)
+    layernorm_in_registers(T* out, const T* x, const T* weight, const T* bias, int64_t rows,
+                           int hidden, float eps) {
+  const int nvec = hidden / N;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * hidden;
+    T* outr = out + row * hidden;
+    Vec<T, N> xv[VPT];
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i < nvec) {
+        xv[k] = load_vec<T, N>(xr + static_cast<size_t>(i) * N);
+#pragma unroll
+        for (int e = 0; e < N; ++e) sum += to_float(xv[k].v[e]);
+      }
+    }
+    const float mean = block_sum(sum) / static_cast<float>(hidden);
+    float squares = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i < nvec) {
+#pragma unroll
+        for (int e = 0; e < N; ++e) {
+          const float d = to_float(xv[k].v[e]) - mean;
+          squares += d * d;
+        }
+      }
+    }
+    const float inv_std = rsqrtf(block_sum(squares) / static_cast<float>(hidden) + eps);
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i < nvec) {
+        const Vec<T, N> w = load_vec<T, N>(weight + static_cast<size_t>(i) * N);
+        const Vec<T, N> b = load_vec<T, N>(bias + static_cast<size_t>(i) * N);
+        Vec<T, N> o;
+#pragma unroll
+        for (int e = 0; e < N; ++e) {
+          o.v[e] = from_float<T>((to_float(xv[k].v[e]) - mean) * inv_std * to_float(w.v[e]) +
+                                 to_float(b.v[e]));
+        }
+        store_vec<T, N>(outr + static_cast<size_t>(i) * N, o);
+      }
+    }
+  }
+}
 
 template <class T>
 __global__ void __launch_bounds__(kThreads)
-    layernorm_rows(T* out, const T* x, const T* weight, const T* bias, int64_t rows, int hidden, float eps) {
+    layernorm_three_pass(T* out, const T* x, const T* weight, const T* bias, int64_t rows,
+                         int hidden, float eps) {
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row * hidden;
     T* outr = out + row * hidden;
@@ -32,6 +92,41 @@ __global__ void __launch_bounds__(kThreads)
       outr[i] = from_float<T>((to_float(xr[i]) - mean) * inv_std * to_float(weight[i]) + to_float(bias[i]));
     }
   }
+}
+
+template <class T, int VPT>
+void launch_in_registers(const Launch& launch, int threads, T* out, const T* x, const T* weight,
+                         const T* bias, int64_t rows, int hidden, float eps) {
+  constexpr int kVec = 16 / sizeof(T);
+  layernorm_in_registers<T, kVec, VPT><<<row_grid(rows), threads, 0, launch.stream>>>(
+      out, x, weight, bias, rows, hidden, eps);
+}
+
+template <class T>
+void launch_layernorm(const Launch& launch, T* out, const T* x, const T* weight, const T* bias,
+                      int64_t rows, int hidden, float eps) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int nvec = hidden / kVec;
+  if (hidden % kVec == 0 && nvec <= kMaxThreads * kMaxVecPerThread &&
+      all_aligned(16, {out, x, weight, bias})) {
+    const int threads = std::min(
+        kMaxThreads, std::max(kThreads, round_up(static_cast<int>(ceil_div(nvec, kManyRowsVecPerThread)),
+                                                 launch.warp_size)));
+    const int64_t vpt = ceil_div(nvec, threads);
+    if (vpt <= 1) {
+      launch_in_registers<T, 1>(launch, threads, out, x, weight, bias, rows, hidden, eps);
+    } else if (vpt <= 2) {
+      launch_in_registers<T, 2>(launch, threads, out, x, weight, bias, rows, hidden, eps);
+    } else if (vpt <= 4) {
+      launch_in_registers<T, 4>(launch, threads, out, x, weight, bias, rows, hidden, eps);
+    } else {
+      launch_in_registers<T, kMaxVecPerThread>(launch, threads, out, x, weight, bias, rows, hidden,
+                                               eps);
+    }
+    return;
+  }
+  layernorm_three_pass<T><<<row_grid(rows), kThreads, 0, launch.stream>>>(out, x, weight, bias,
+                                                                         rows, hidden, eps);
 }
 
 }  // namespace
@@ -61,9 +156,8 @@ kd_status layernorm(const kd_call_args* args) noexcept {
     if (rows == 0 || hidden == 0) return KD_STATUS_OK;
     return launch_for_dtype(args, kOp, out, [&](auto tag, const Launch& launch) {
       using T = typename decltype(tag)::type;
-      layernorm_rows<T><<<row_grid(rows), kThreads, 0, launch.stream>>>(
-          data_as<T>(out), data_as<T>(x), data_as<T>(weight), data_as<T>(bias), rows,
-          static_cast<int>(hidden), eps);
+      launch_layernorm<T>(launch, data_as<T>(out), data_as<T>(x), data_as<T>(weight),
+                          data_as<T>(bias), rows, static_cast<int>(hidden), eps);
     });
   });
 }

@@ -18,11 +18,19 @@ kdispatch's result agrees with torch eager.
 
   PYTHONPATH=build/cuda/python python3 tools/gpu/bench.py [--csv F] [--only SUBSTR]
 
+With --device cpu it times the cpu backend against PyTorch eager on the CPU
+instead (torch.compile is left out: Debian's torch 1.13 has none), at the
+cpu kernel benchmark's sizes, both with the same number of threads
+(KDISPATCH_CPU_THREADS, default: every CPU the process may run on):
+
+  PYTHONPATH=build/default/python /usr/bin/python3 tools/gpu/bench.py --device cpu
+
 The table printed last is the one to quote; --csv keeps every column.
 """
 import argparse
 import csv
 import math
+import os
 import statistics
 import sys
 import time
@@ -32,9 +40,11 @@ import torch.nn.functional as F
 
 import kdispatch
 
+DEVICE = "cuda"  # --device
 L2_BYTES = 60e6  # H200: 50 MiB of L2, rounded up
 PEAK_TBS = 4.8   # H200 HBM3e
 EPS = 1e-6
+LAYERNORM_EPS = 1e-5
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -48,6 +58,10 @@ def rmsnorm(x, w):
 def fused_add_rmsnorm(x, residual, w):
     residual = x + residual
     return rmsnorm(residual, w), residual
+
+
+def layernorm(x, w, b):
+    return F.layer_norm(x.float(), (x.shape[-1],), w.float(), b.float(), LAYERNORM_EPS).to(x.dtype)
 
 
 def act_and_mul(act):
@@ -96,7 +110,7 @@ class Case:
 
 
 def randn(*shape, dtype):
-    return torch.randn(*shape, device="cuda", dtype=torch.float32).to(dtype)
+    return torch.randn(*shape, device=DEVICE, dtype=torch.float32).to(dtype)
 
 
 def norm_case(fused, dtype, rows, hidden):
@@ -106,7 +120,7 @@ def norm_case(fused, dtype, rows, hidden):
 
     def make():
         x = randn(rows, hidden, dtype=t)
-        w = (1 + 0.25 * torch.randn(hidden, device="cuda")).to(t)
+        w = (1 + 0.25 * torch.randn(hidden, device=DEVICE)).to(t)
         if fused:
             r = randn(rows, hidden, dtype=t)
             return (x, r, w), (x, r, w)
@@ -122,13 +136,27 @@ def norm_case(fused, dtype, rows, hidden):
                 {"eps": EPS}, compare, () if fused else (0,))
 
 
+def layernorm_case(dtype, rows, hidden):
+    t = DTYPES[dtype]
+    nbytes = (torch.finfo(t).bits // 8) * (rows * hidden * 2 + 2 * hidden)
+
+    def make():
+        x = randn(rows, hidden, dtype=t)
+        w = (1 + 0.25 * torch.randn(hidden, device=DEVICE)).to(t)
+        b = (0.25 * torch.randn(hidden, device=DEVICE)).to(t)
+        return (x, w, b), (torch.empty_like(x), x, w, b)
+
+    return Case("layernorm.layernorm", dtype, f"{rows}x{hidden}", nbytes, make, layernorm,
+                {"eps": LAYERNORM_EPS}, lambda kd, want: [(kd[0], want)])
+
+
 def act_case(name, act, dtype, rows, d):
     t = DTYPES[dtype]
     nbytes = (torch.finfo(t).bits // 8) * rows * d * 3
 
     def make():
         x = randn(rows, 2 * d, dtype=t)
-        return (x,), (torch.empty(rows, d, device="cuda", dtype=t), x)
+        return (x,), (torch.empty(rows, d, device=DEVICE, dtype=t), x)
 
     return Case(f"activation.{name}", dtype, f"{rows}x{d}", nbytes, make, act_and_mul(act), {},
                 lambda kd, want: [(kd[0], want)])
@@ -141,9 +169,9 @@ def rotary_case(dtype, neox, tokens, hq, hk, dim):
     nbytes = size * (tokens * (hq + hk) * dim * 2 + tokens * dim) + 8 * tokens
 
     def make():
-        positions = torch.randint(0, max_pos, (tokens,), device="cuda")
+        positions = torch.randint(0, max_pos, (tokens,), device=DEVICE)
         q, k = randn(tokens, hq, dim, dtype=t), randn(tokens, hk, dim, dtype=t)
-        cache = (0.7 * torch.randn(max_pos, dim, device="cuda")).to(t)
+        cache = (0.7 * torch.randn(max_pos, dim, device=DEVICE)).to(t)
         return (positions, q, k, cache), (positions, q, k, cache)
 
     return Case("embeddings.rotary_embedding", dtype,
@@ -157,8 +185,8 @@ def topk_case(dtype, rows, experts, k):
 
     def make():
         g = 2 * randn(rows, experts, dtype=t)
-        return (g,), (torch.empty(rows, k, device="cuda"),
-                      torch.empty(rows, k, device="cuda", dtype=torch.int32), g)
+        return (g,), (torch.empty(rows, k, device=DEVICE),
+                      torch.empty(rows, k, device=DEVICE, dtype=torch.int32), g)
 
     def compare(kd, want):  # ids by the logits they select: ties may pick either expert
         g = kd[2].float()
@@ -169,13 +197,15 @@ def topk_case(dtype, rows, experts, k):
 
 
 def cases():
+    if DEVICE == "cpu":  # the sizes of kdispatch-bench-kernels (the schemas' "bench")
+        return cpu_cases()
     large, decode = (32768, 8192), ((1, 4096), (64, 4096))
     out = []
     for fused in (False, True):
         out += [norm_case(fused, dt, *large) for dt in DTYPES]
         out += [norm_case(fused, "bfloat16", r, h) for r, h in decode]
-    for name, act in (("silu_and_mul", F.silu), ("gelu_and_mul", F.gelu),
-                      ("gelu_tanh_and_mul", lambda a: F.gelu(a, approximate="tanh"))):
+    out += [layernorm_case(dt, *large) for dt in DTYPES]
+    for name, act in ACTIVATIONS:
         out += [act_case(name, act, dt, *large) for dt in DTYPES]
         out += [act_case(name, act, "bfloat16", r, d) for r, d in decode]
     out += [rotary_case(dt, True, 32768, 32, 8, 128) for dt in DTYPES]
@@ -184,6 +214,19 @@ def cases():
     out += [topk_case(dt, 32768, 256, 8) for dt in ("bfloat16", "float32")]
     out += [topk_case("bfloat16", rows, 256, 8) for rows in (1, 64)]
     return out
+
+
+def cpu_cases():
+    out = []
+    for dt in DTYPES:
+        out += [norm_case(False, dt, 8192, 4096), norm_case(True, dt, 8192, 4096), layernorm_case(dt, 8192, 4096)]
+        out += [act_case(name, act, dt, 8192, 4096) for name, act in ACTIVATIONS]
+        out += [rotary_case(dt, True, 8192, 32, 8, 128), topk_case(dt, 65536, 256, 8)]
+    return out
+
+
+ACTIVATIONS = (("silu_and_mul", F.silu), ("gelu_and_mul", F.gelu),
+               ("gelu_tanh_and_mul", lambda a: F.gelu(a, approximate="tanh")))
 
 
 # --- timing -------------------------------------------------------------------------
@@ -275,7 +318,8 @@ def agree(case, kd_args, torch_args):
     kd = list(kd_args)
     op = kdispatch.op(case.op)
     op(*kd, **case.attrs)
-    torch.cuda.synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
     worst = 0.0
     for got, expect in case.compare(kd, want):
         tol = 1e-4 if got.dtype == torch.float32 else 2e-2
@@ -286,15 +330,78 @@ def agree(case, kd_args, torch_args):
     return True, f"{worst:.2g}"
 
 
+def cpu_seconds(fn, repeats):
+    """Median seconds per call of `fn` over `repeats` samples of back-to-back
+    calls (enough for about 50 ms a sample)."""
+    started = time.perf_counter()
+    fn()
+    calls = max(1, int(0.05 / max(time.perf_counter() - started, 1e-6)))
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - started) / calls)
+    return statistics.median(times)
+
+
+def cpu_main(args):
+    threads = int(os.environ.get("KDISPATCH_CPU_THREADS", "0")) or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    print(f"torch {torch.__version__} on the CPU and kdispatch {kdispatch.version} (cpu backend), "
+          f"{threads} threads each", flush=True)
+    rows = []
+    for case in cases():
+        label = f"{case.op} {case.dtype} {case.shape}"
+        if args.only and not any(s in label for s in args.only):
+            continue
+        torch_args, kd_args = case.make()
+        ok, detail = agree(case, kd_args, torch_args)
+        op = kdispatch.op(case.op)
+        fns = {"kdispatch": lambda: op(*kd_args, **case.attrs), "eager": lambda: case.torch_fn(*torch_args)}
+        samples = {name: [] for name in fns}
+        for r in range(args.repeats):  # the two take turns
+            for name in (fns if r % 2 == 0 else reversed(list(fns))):
+                samples[name].append(cpu_seconds(fns[name], 3))
+        kd, eager = statistics.median(samples["kdispatch"]), statistics.median(samples["eager"])
+        rows.append({"op": case.op, "dtype": case.dtype, "shape": case.shape, "bytes": case.nbytes,
+                     "agrees": ok, "agreement": detail, "kdispatch_ms": kd * 1e3, "eager_ms": eager * 1e3,
+                     "kd_gbs": case.nbytes / kd / 1e9})
+        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
+              flush=True)
+    if args.csv and rows:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    print(f"\nms per call on the CPU ({threads} threads each), median of {args.repeats} samples taken in turns; "
+          f"ratio = eager / kdispatch (> 1: kdispatch faster)")
+    print(f"{'op':30} {'dtype':9} {'shape':22} {'kdispatch':>10} {'eager':>10} {'ratio':>7} {'GB/s':>6} {'check':>6}")
+    for r in rows:
+        print(f"{r['op'].split('.')[1]:30} {r['dtype']:9} {r['shape']:22} {r['kdispatch_ms']:10.2f} "
+              f"{r['eager_ms']:10.2f} {r['eager_ms'] / r['kdispatch_ms']:7.2f} {r['kd_gbs']:6.1f} "
+              f"{'ok' if r['agrees'] else 'FAIL':>6}")
+    failed = sum(not r["agrees"] for r in rows)
+    slower = sum(r["eager_ms"] < r["kdispatch_ms"] for r in rows)
+    print(f"bench: {len(rows)} cases, kdispatch slower than eager in {slower}, disagreeing with eager in {failed}")
+    return 1 if failed else 0
+
+
 def main():
+    global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--csv", help="write every column here")
     parser.add_argument("--only", action="append", default=[], help="run the cases whose label contains this")
     parser.add_argument("--calls", type=int, default=100, help="calls per graph and per back-to-back run")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: the cpu backend against PyTorch eager on the CPU")
     args = parser.parse_args()
+    DEVICE = args.device
     torch.manual_seed(0)
+    if DEVICE == "cpu":
+        return cpu_main(args)
     torch._dynamo.config.cache_size_limit = 256  # one compiled graph per case
     copy_graph, copy = copy_tbs(args.calls)
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}, kdispatch {kdispatch.version}; "
