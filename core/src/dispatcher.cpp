@@ -182,7 +182,7 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
   const OpState& state = *state_;
   CompiledSchema::CallInfo info;
   if (attrs.empty() && state.plain_calls) [[likely]] {
-    if (state.compiled->matches_last(tensors, &info)) [[likely]] {
+    if (state.compiled->matches_remembered(tensors, &info)) [[likely]] {
       if (const OpState::Resolved* r = state.find_cached(device_word(info.device), info.dtype)) [[likely]] {
         KernelHandle(r->fn, r->spec)(tensors, state.plain_attrs, stream);
         return;
@@ -274,7 +274,7 @@ OpState* Dispatcher::intern(std::string_view op, std::string_view backend) {
   const KernelRegistry& registry = context_.registry();
   if (!registry.has(op)) {
     // The selector words KD-E001 (with did-you-mean and failed plugins).
-    context_.selector().select_uncached({op, backend, Device::host_cpu(), std::nullopt});
+    context_.selector().select({op, backend, Device::host_cpu(), std::nullopt});
   }
   const OpSchema* schema = registry.schema(op);
   if (schema == nullptr) {

@@ -199,7 +199,7 @@ CompiledSchema::CallInfo CompiledSchema::check_plan(std::span<const DLTensor> te
   return info;
 }
 
-// Records an accepted call for matches_last(), over the oldest entry. A
+// Records an accepted call for matches_remembered(), over the oldest entry. A
 // writer that finds another one at work on that entry leaves it be: the
 // entries are a cache, and either call is fine.
 void CompiledSchema::remember(std::span<const DLTensor> tensors, Dtype dtype) const noexcept {

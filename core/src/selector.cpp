@@ -9,39 +9,7 @@
 
 namespace kdispatch {
 
-struct Selector::CacheEntry {
-  std::string op;
-  std::string backend;
-  DeviceType device_type;
-  std::string arch;
-  int dtype;  // -1: unknown
-  uint64_t generation;
-  const KernelSpec* spec;
-
-  bool matches(const SelectRequest& r) const {
-    return device_type == r.device.type && dtype == (r.dtype ? static_cast<int>(*r.dtype) : -1) &&
-           op == r.op && backend == r.backend && arch == r.device.arch;
-  }
-};
-
 namespace {
-
-uint64_t fnv1a(uint64_t h, std::string_view s) {
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
-uint64_t request_hash(const SelectRequest& r) {
-  uint64_t h = 14695981039346656037ull;
-  h = fnv1a(h, r.op);
-  h = fnv1a(h ^ 0xff, r.backend);
-  h = fnv1a(h ^ (static_cast<uint64_t>(r.device.type) + 1), r.device.arch);
-  h ^= r.dtype ? static_cast<uint64_t>(*r.dtype) + 1 : 0;
-  return h * 1099511628211ull;
-}
 
 std::string backend_list(const std::vector<const KernelSpec*>& specs) {
   std::vector<std::string_view> names;
@@ -118,11 +86,7 @@ std::vector<std::string> closest_ops(std::string_view op, const std::vector<std:
 }
 
 Selector::Selector(const KernelRegistry& registry, SelectorOptions options)
-    : registry_(registry),
-      options_(std::move(options)),
-      slots_(new std::atomic<const CacheEntry*>[kCacheSlots]) {
-  for (size_t i = 0; i < kCacheSlots; ++i) slots_[i].store(nullptr, std::memory_order_relaxed);
-}
+    : registry_(registry), options_(std::move(options)) {}
 
 Selector::~Selector() = default;
 
@@ -144,7 +108,7 @@ std::vector<Eligibility> Selector::eligibility(std::string_view op, const Device
   return out;
 }
 
-const KernelSpec& Selector::select_uncached(const SelectRequest& request) const {
+const KernelSpec& Selector::select(const SelectRequest& request) const {
   const std::string device = request.device.str();
   const std::vector<const KernelSpec*> specs = registry_.get(request.op);
   const std::vector<PluginFailure> failures = registry_.failures();
@@ -212,7 +176,7 @@ const KernelSpec& Selector::select_uncached(const SelectRequest& request) const 
     }
     bool first_time;
     {
-      std::lock_guard lock(write_mutex_);
+      std::lock_guard lock(warned_mutex_);
       first_time = warned_ops_.emplace(request.op).second;
     }
     if (first_time) {
@@ -252,48 +216,6 @@ const KernelSpec& Selector::select_uncached(const SelectRequest& request) const 
                                       return n;
                                     }(),
                                                     ","))});
-}
-
-const Selector::CacheEntry* Selector::cache_find(const SelectRequest& request, uint64_t hash,
-                                                  uint64_t generation) const {
-  for (size_t i = 0; i < kCacheProbes; ++i) {
-    const CacheEntry* e = slots_[(hash + i) & (kCacheSlots - 1)].load(std::memory_order_acquire);
-    if (e == nullptr) return nullptr;
-    if (e->generation == generation && e->matches(request)) return e;
-  }
-  return nullptr;
-}
-
-void Selector::cache_store(const SelectRequest& request, uint64_t hash, uint64_t generation,
-                           const KernelSpec* spec) const {
-  std::lock_guard lock(write_mutex_);
-  // Bounded: past this many entries selections are still correct, just not
-  // cached (a registry that changes without end).
-  if (entries_.size() >= kCacheSlots * 16) return;
-  auto entry = std::make_unique<CacheEntry>(CacheEntry{std::string(request.op), std::string(request.backend),
-                                                       request.device.type, request.device.arch,
-                                                       request.dtype ? static_cast<int>(*request.dtype) : -1,
-                                                       generation, spec});
-  for (size_t i = 0; i < kCacheProbes; ++i) {
-    auto& slot = slots_[(hash + i) & (kCacheSlots - 1)];
-    const CacheEntry* current = slot.load(std::memory_order_acquire);
-    // Take an empty slot, or replace a stale entry (older generation); entries
-    // are never freed while the selector lives, so readers stay safe.
-    if (current == nullptr || current->generation < generation) {
-      slot.store(entry.get(), std::memory_order_release);
-      entries_.push_back(std::move(entry));
-      return;
-    }
-  }
-}
-
-const KernelSpec& Selector::select(const SelectRequest& request) const {
-  const uint64_t generation = registry_.generation();
-  const uint64_t hash = request_hash(request);
-  if (const CacheEntry* e = cache_find(request, hash, generation)) return *e->spec;
-  const KernelSpec& spec = select_uncached(request);
-  cache_store(request, hash, generation, &spec);
-  return spec;
 }
 
 }  // namespace kdispatch

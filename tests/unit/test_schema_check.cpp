@@ -185,7 +185,7 @@ TEST_CASE("schema check: a remembering check and a fresh one agree on every sing
   auto v = base.view();
   CompiledSchema::CallInfo info;
   REQUIRE(verdict(warm, v).has_value());
-  CHECK(warm.matches_last(v, &info));
+  CHECK(warm.matches_remembered(v, &info));
   CHECK(info.dtype == Dtype::float32);
 }
 
@@ -208,6 +208,6 @@ TEST_CASE("schema check: known verdicts of the mixed schema") {
   auto vd = deep.view();
   CHECK(schema.check(vd).dtype == Dtype::float32);
   CompiledSchema::CallInfo out;
-  CHECK_FALSE(schema.matches_last(vd, &out));
+  CHECK_FALSE(schema.matches_remembered(vd, &out));
   CHECK(schema.check(vd).dtype == Dtype::float32);
 }

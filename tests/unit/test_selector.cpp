@@ -233,8 +233,8 @@ TEST_CASE("forced backend wins when eligible and warns once and falls back when 
   SUBCASE("not eligible: warning once, then the normal rules") {
     CaptureLog capture;
     Selector sel(reg, SelectorOptions{"cuda", {}});
-    CHECK(sel.select_uncached(req("x.y", "cpu")).backend == "cpu");
-    CHECK(sel.select_uncached(req("x.y", "cpu")).backend == "cpu");
+    CHECK(sel.select(req("x.y", "cpu")).backend == "cpu");
+    CHECK(sel.select(req("x.y", "cpu")).backend == "cpu");
     REQUIRE(capture.lines.size() == 1);
     CHECK(capture.lines[0].find("KDISPATCH_FORCE_BACKEND=cuda is not usable for op 'x.y'") != std::string::npos);
   }
@@ -319,7 +319,7 @@ TEST_CASE("re-registration: identical is a no-op and different is KD-E005 and th
   CHECK(reg.get_backend("x.y", "cuda")->symbol == "kd_cuda_kernel");
 }
 
-TEST_CASE("the cache is invalidated by a registration") {
+TEST_CASE("a selection follows registrations and withdrawals") {
   KernelRegistry reg;
   reg.add(spec("x.y", "cuda", {cuda_target("9.0")}));
   Selector sel(reg);
@@ -327,7 +327,7 @@ TEST_CASE("the cache is invalidated by a registration") {
   CHECK(&sel.select(req("x.y", "cuda:9.0")) == &sel.select(req("x.y", "cuda:9.0")));
   reg.add(spec("x.y", "triton", {cuda_target("8.0")}));
   error_of([&] { sel.select(req("x.y", "cuda:9.0")); }, ErrorCode::ambiguous_backend);
-  // A withdrawn plugin (failed to load) disappears from cached results too.
+  // A withdrawn plugin (failed to load) is no longer selected.
   reg.withdraw_plugin("triton", Problem{ErrorCode::plugin_open_failed, "libtriton.so", "not found"});
   CHECK(sel.select(req("x.y", "cuda:9.0")).backend == "cuda");
   const std::string msg =
@@ -336,7 +336,7 @@ TEST_CASE("the cache is invalidated by a registration") {
   CHECK(msg.find("[KD-E020] not found") != std::string::npos);
 }
 
-TEST_CASE("the cache keys on device, arch, dtype and backend request") {
+TEST_CASE("a selection depends on device, arch, dtype and backend request, call after call") {
   KernelRegistry reg;
   reg.add(spec("x.y", "new", {cuda_target("9.0")}, {Dtype::bfloat16}));
   reg.add(spec("x.y", "old", {cuda_target("7.0", "8.9")}));

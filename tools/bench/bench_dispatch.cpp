@@ -130,12 +130,14 @@ void BM_LookupByName(benchmark::State& state) {
 }
 BENCHMARK(BM_LookupByName);
 
-void BM_SelectCached(benchmark::State& state) {
+// The selection rules alone, as Context::select applies them to every request
+// (the dispatcher caches their result per op).
+void BM_Select(benchmark::State& state) {
   Fixture& f = fixture();
   const SelectRequest request{"bench.noop", {}, Device::host_cpu(), Dtype::float32};
   for (auto _ : state) benchmark::DoNotOptimize(&f.context->select(request));
 }
-BENCHMARK(BM_SelectCached);
+BENCHMARK(BM_Select);
 
 // --- a real launch: a tiny CUDA kernel (rmsnorm of 1 x 128 bfloat16) -----------
 // Registered only where the cuda plugin finds a device. Host time per call,

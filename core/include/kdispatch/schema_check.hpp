@@ -46,14 +46,14 @@ class CompiledSchema {
   // only a failing call pays for the detailed diagnosis.
   CallInfo check(std::span<const DLTensor> tensors) const {
     CallInfo info;
-    if (matches_last(tensors, &info)) [[likely]] return info;
+    if (matches_remembered(tensors, &info)) [[likely]] return info;
     return check_plan(tensors);
   }
   // The first tier alone: true (and `info` set) when the call passes by
   // equality with one of the last accepted ones; false says nothing, run
   // check().
-  bool matches_last(std::span<const DLTensor> tensors, CallInfo* info) const noexcept;
-  // check() without the first tier, for a call that matches_last() refused.
+  bool matches_remembered(std::span<const DLTensor> tensors, CallInfo* info) const noexcept;
+  // check() without the first tier, for a call that matches_remembered() refused.
   CallInfo check_plan(std::span<const DLTensor> tensors) const;
 
   const OpSchema& schema() const { return schema_; }
@@ -225,7 +225,7 @@ inline bool CompiledSchema::matches(const Accepted& accepted, std::span<const DL
   return accepted.seq.load(std::memory_order_relaxed) == seq;
 }
 
-inline bool CompiledSchema::matches_last(std::span<const DLTensor> tensors, CallInfo* info) const noexcept {
+inline bool CompiledSchema::matches_remembered(std::span<const DLTensor> tensors, CallInfo* info) const noexcept {
   if (tensors.size() != num_tensors_ || tensors.size() > Accepted::kTensors) return false;
   for (const Accepted& accepted : accepted_) {
     if (matches(accepted, tensors, info)) return true;

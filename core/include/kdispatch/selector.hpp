@@ -1,10 +1,8 @@
-// The selection rules of DESIGN.md section 4, in one place, with a
-// resolution cache that takes no lock on a hit.
+// The selection rules of DESIGN.md section 4, in one place.
 #pragma once
 
 #include <kdispatch/export.h>
 
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -58,12 +56,10 @@ class Selector {
   Selector& operator=(const Selector&) = delete;
 
   // The spec that a call described by `request` runs. Throws SelectionError
-  // (KD-E001/E002/E003/E004/E006) or CallError KD-E031. Results are cached
-  // per (op, backend request, device type, arch, dtype) until the registry
-  // changes; a cache hit takes no lock.
+  // (KD-E001/E002/E003/E004/E006) or CallError KD-E031. Nothing is cached
+  // here: the dispatcher keeps the one resolution cache, per op, in front of
+  // the selector.
   const KernelSpec& select(const SelectRequest& request) const;
-  // The same rules without the cache.
-  const KernelSpec& select_uncached(const SelectRequest& request) const;
 
   // Every registered backend of `op` checked against the device and dtype.
   std::vector<Eligibility> eligibility(std::string_view op, const Device& device,
@@ -73,19 +69,9 @@ class Selector {
   const KernelRegistry& registry() const { return registry_; }
 
  private:
-  struct CacheEntry;
-  const CacheEntry* cache_find(const SelectRequest& request, uint64_t hash, uint64_t generation) const;
-  void cache_store(const SelectRequest& request, uint64_t hash, uint64_t generation,
-                   const KernelSpec* spec) const;
-
   const KernelRegistry& registry_;
   SelectorOptions options_;
-
-  static constexpr size_t kCacheSlots = 1024;  // power of two
-  static constexpr size_t kCacheProbes = 8;
-  std::unique_ptr<std::atomic<const CacheEntry*>[]> slots_;
-  mutable std::mutex write_mutex_;                       // cache writers only
-  mutable std::vector<std::unique_ptr<CacheEntry>> entries_;  // owned, never freed early
+  mutable std::mutex warned_mutex_;
   mutable std::set<std::string, std::less<>> warned_ops_;  // force-backend warnings
 };
 

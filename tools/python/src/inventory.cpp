@@ -133,7 +133,7 @@ py::list backends(const std::string& op, const std::optional<std::string>& devic
   Context& ctx = runtime().context;
   if (!ctx.registry().has(op)) {
     // Worded by the selector: KD-E001 with did-you-mean.
-    ctx.selector().select_uncached({op, {}, Device::host_cpu(), std::nullopt});
+    ctx.selector().select({op, {}, Device::host_cpu(), std::nullopt});
   }
   const Device dev = device_or_platform(device);
   py::list out;
@@ -177,7 +177,7 @@ py::dict schema(const std::string& op) {
   Context& ctx = runtime().context;
   const OpSchema* s = ctx.registry().schema(op);
   if (s == nullptr) {
-    if (!ctx.registry().has(op)) ctx.selector().select_uncached({op, {}, Device::host_cpu(), std::nullopt});
+    if (!ctx.registry().has(op)) ctx.selector().select({op, {}, Device::host_cpu(), std::nullopt});
     throw CallError(ErrorCode::bad_arguments, fmt::format("op '{}' has kernels but no schema", op));
   }
   return schema_dict(*s);
