@@ -28,26 +28,25 @@
 namespace kdispatch::cpu {
 namespace {
 
-// Sum of squares of row[0, h) in float, with kReductionLanes partial sums so
-// that the loop vectorises without reassociating anything.
-template <class T>
-[[gnu::always_inline]] inline float sum_of_squares(const T* row, int64_t h) {
+// The sum of term(row[j]) over row[0, h), in kReductionLanes partial sums
+// (element j in sum j % kReductionLanes) added pairwise at the end, so that
+// the loop vectorises without reassociating anything.
+template <class Term>
+[[gnu::always_inline]] inline float lane_sum(const float* row, int64_t h, Term term) {
   float partial[kReductionLanes] = {};
   int64_t j = 0;
   for (; j + kReductionLanes <= h; j += kReductionLanes) {
-    for (int l = 0; l < kReductionLanes; ++l) {
-      const float v = to_float(row[j + l]);
-      partial[l] += v * v;
-    }
+    for (int l = 0; l < kReductionLanes; ++l) partial[l] += term(row[j + l]);
   }
-  for (int l = 0; j < h; ++j, ++l) {
-    const float v = to_float(row[j]);
-    partial[l] += v * v;
-  }
+  for (int l = 0; j < h; ++j, ++l) partial[l] += term(row[j]);
   for (int width = kReductionLanes / 2; width > 0; width /= 2) {
     for (int l = 0; l < width; ++l) partial[l] += partial[l + width];
   }
   return partial[0];
+}
+
+[[gnu::always_inline]] inline float sum_of_squares(const float* row, int64_t h) {
+  return lane_sum(row, h, [](float v) { return v * v; });
 }
 
 [[gnu::always_inline]] inline float inverse_rms(float sum_sq, int64_t h, float eps) {
@@ -106,30 +105,6 @@ KD_CPU_MULTIVERSION void fused_add_rmsnorm_rows(T* x, T* residual, const float* 
   }
 }
 
-// The sum of row[0, h) (kSquares: of the squares of row[j] - mean) in
-// kReductionLanes partial sums, element j in sum j % kReductionLanes, added
-// up in order at the end: the loop vectorises without reassociating anything.
-template <bool kSquares>
-[[gnu::always_inline]] inline float lane_sum(const float* row, int64_t h, float mean) {
-  float partial[kReductionLanes] = {};
-  const auto term = [mean](float v) {
-    if constexpr (kSquares) {
-      const float d = v - mean;
-      return d * d;
-    } else {
-      return v;
-    }
-  };
-  int64_t j = 0;
-  for (; j + kReductionLanes <= h; j += kReductionLanes) {
-    for (int l = 0; l < kReductionLanes; ++l) partial[l] += term(row[j + l]);
-  }
-  for (int l = 0; j < h; ++j, ++l) partial[l] += term(row[j]);
-  float sum = 0.0f;
-  for (float p : partial) sum += p;
-  return sum;
-}
-
 // `row` is scratch for h floats, the widened input row, read three times.
 template <class T>
 KD_CPU_MULTIVERSION void layernorm_rows(T* out, const T* x, const float* weight, const float* bias, int64_t h,
@@ -137,8 +112,11 @@ KD_CPU_MULTIVERSION void layernorm_rows(T* out, const T* x, const float* weight,
   float result[kBlock];
   for (int64_t r = begin; r < end; ++r) {
     const float* xr = as_float(x + r * h, row, h);
-    const float mean = lane_sum<false>(xr, h, 0.0f) / static_cast<float>(h);
-    const float var = lane_sum<true>(xr, h, mean);
+    const float mean = lane_sum(xr, h, [](float v) { return v; }) / static_cast<float>(h);
+    const float var = lane_sum(xr, h, [mean](float v) {
+      const float d = v - mean;
+      return d * d;
+    });
     const float inv_std = 1.0f / std::sqrt(var / static_cast<float>(h) + eps);
     T* outr = out + r * h;
     for (int64_t j0 = 0; j0 < h; j0 += kBlock) {
