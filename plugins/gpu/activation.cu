@@ -7,7 +7,8 @@
 // grid covers every row (looping only past 65535 rows). A grid that covers
 // the data keeps more loads in flight than blocks that loop over rows, and
 // the fewer bytes a thread moves at decode sizes, the more SMs share the
-// loads and the sooner the last one returns.
+// loads and the sooner the last one returns. Inputs and outputs, touched
+// once, take streaming cache hints.
 #include "device_utils.cuh"
 #include "launch_utils.hpp"
 #include "ops.hpp"
@@ -72,15 +73,15 @@ __global__ void __launch_bounds__(kBlock) act_and_mul(T* out, const T* x, int64_
   if (i >= d / N) return;
   for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
     const T* gate = x + row * 2 * d + static_cast<int64_t>(i) * N;
-    const Vec<T, N> a = load_vec<T, N>(gate);
-    const Vec<T, N> b = load_vec<T, N>(gate + d);
+    const Vec<T, N> a = load_once<T, N>(gate);
+    const Vec<T, N> b = load_once<T, N>(gate + d);
     Vec<T, N> r;
 #pragma unroll
     for (int e = 0; e < N; ++e) {
       const float act = Act::template eval<sizeof(T) == 2>(to_float(a.v[e]));
       r.v[e] = from_float<T>(act * to_float(b.v[e]));
     }
-    store_vec<T, N>(out + row * d + static_cast<int64_t>(i) * N, r);
+    store_once<T, N>(out + row * d + static_cast<int64_t>(i) * N, r);
   }
 }
 

@@ -36,14 +36,30 @@ struct RawBits<2> {
   using type = uint16_t;
 };
 
+// How a vector access uses the caches: kCached for data that is read again
+// (a weight), kStreaming for data touched once (load_streaming); for 16-byte
+// loads of a row read twice, kKeepInL2 for the first read and kLastRead for
+// the second (load_keep_in_l2, load_last_read; other widths load as kCached).
+enum class Access { kCached, kStreaming, kKeepInL2, kLastRead };
+
 // Loads N elements at p: one instruction when kAligned (p aligned to the
 // vector size), else element by element.
-template <class T, int N, bool kAligned = true>
+template <class T, int N, bool kAligned = true, Access kAccess = Access::kCached>
 __device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
   Vec<T, N> out;
   if constexpr (kAligned) {
     using Raw = typename RawBits<sizeof(T) * N>::type;
-    const Raw raw = *reinterpret_cast<const Raw*>(p);
+    const Raw* at = reinterpret_cast<const Raw*>(p);
+    Raw raw;
+    if constexpr (kAccess == Access::kStreaming) {
+      raw = load_streaming(at);
+    } else if constexpr (kAccess == Access::kKeepInL2 && sizeof(Raw) == 16) {
+      raw = load_keep_in_l2(at);
+    } else if constexpr (kAccess == Access::kLastRead && sizeof(Raw) == 16) {
+      raw = load_last_read(at);
+    } else {
+      raw = *at;
+    }
     static_assert(sizeof(raw) == sizeof(out));
     memcpy(&out, &raw, sizeof(out));
   } else {
@@ -53,18 +69,34 @@ __device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
   return out;
 }
 
-template <class T, int N, bool kAligned = true>
+template <class T, int N, bool kAligned = true, Access kAccess = Access::kCached>
 __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& in) {
   if constexpr (kAligned) {
     using Raw = typename RawBits<sizeof(T) * N>::type;
     Raw raw;
     static_assert(sizeof(raw) == sizeof(in));
     memcpy(&raw, &in, sizeof(raw));
-    *reinterpret_cast<Raw*>(p) = raw;
+    Raw* at = reinterpret_cast<Raw*>(p);
+    if constexpr (kAccess == Access::kStreaming) {
+      store_streaming(at, raw);
+    } else {
+      *at = raw;
+    }
   } else {
 #pragma unroll
     for (int i = 0; i < N; ++i) p[i] = in.v[i];
   }
+}
+
+// The same for data touched once.
+template <class T, int N>
+__device__ __forceinline__ Vec<T, N> load_once(const T* p) {
+  return load_vec<T, N, true, Access::kStreaming>(p);
+}
+
+template <class T, int N>
+__device__ __forceinline__ void store_once(T* p, const Vec<T, N>& in) {
+  store_vec<T, N, true, Access::kStreaming>(p, in);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

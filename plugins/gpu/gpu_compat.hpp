@@ -81,6 +81,68 @@ __device__ __forceinline__ int shfl_xor(int v, int lane_mask) {
 #endif
 }
 
+// Lane `src`'s v, for every lane.
+__device__ __forceinline__ float shfl(float v, int src) {
+#if defined(__HIP__)
+  return __shfl(v, src);
+#else
+  return __shfl_sync(0xffffffffu, v, src);
+#endif
+}
+
+// Loads and stores of data that a kernel touches once: on CUDA, the
+// streaming cache hint (ld/st.global.cs), so that the lines go first and the
+// data that other blocks reuse (a weight, a row read twice) stays in the
+// caches; HIP gets plain accesses.
+template <class Raw>
+__device__ __forceinline__ Raw load_streaming(const Raw* p) {
+#if defined(__HIP__)
+  return *p;
+#else
+  return __ldcs(p);
+#endif
+}
+
+template <class Raw>
+__device__ __forceinline__ void store_streaming(Raw* p, Raw v) {
+#if defined(__HIP__)
+  *p = v;
+#else
+  __stcs(p, v);
+#endif
+}
+
+// 16-byte loads of a row that a kernel reads twice, with an L2 eviction
+// priority on CUDA: the first read keeps the lines (evict_last) for the
+// second, which lets them go first (evict_first). HIP gets plain loads.
+__device__ __forceinline__ uint4 load_keep_in_l2(const uint4* p) {
+#if defined(__HIP__)
+  return *p;
+#else
+  uint4 r;
+  asm volatile(
+      "{ .reg .b64 policy; createpolicy.fractional.L2::evict_last.b64 policy, 1.0;"
+      " ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], policy; }"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+#endif
+}
+
+__device__ __forceinline__ uint4 load_last_read(const uint4* p) {
+#if defined(__HIP__)
+  return *p;
+#else
+  uint4 r;
+  asm volatile(
+      "{ .reg .b64 policy; createpolicy.fractional.L2::evict_first.b64 policy, 1.0;"
+      " ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], policy; }"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+#endif
+}
+
 __device__ __forceinline__ unsigned warp_max(unsigned v) {
 #if !defined(__HIP__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   return __reduce_max_sync(0xffffffffu, v);  // one instruction from sm_80 on
