@@ -30,12 +30,17 @@ __global__ void __launch_bounds__(kMaxThreads)
     const T* xr = x + row * hidden;
     T* outr = out + row * hidden;
     Vec<T, N> xv[VPT];
+    // Every load is issued before the first sum waits on one.
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i < nvec) xv[k] = load_vec<T, N>(xr + static_cast<size_t>(i) * N);
+    }
     float sum = 0.f;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int i = threadIdx.x + k * blockDim.x;
       if (i < nvec) {
-        xv[k] = load_vec<T, N>(xr + static_cast<size_t>(i) * N);
 #pragma unroll
         for (int e = 0; e < N; ++e) sum += to_float(xv[k].v[e]);
       }
