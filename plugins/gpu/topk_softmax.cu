@@ -80,11 +80,14 @@ __device__ __forceinline__ void sort_descending(uint32_t (&a)[V]) {
 
 // Lane `lane` holds experts [lane * V, lane * V + V). kVector: 16-byte loads
 // (E a multiple of V, rows 16-byte aligned), else one element at a time.
-template <class T, int V, bool kVector>
+// kFull: E is the warp's V * kWarpSize (every lane's values present), known
+// when compiling.
+template <class T, int V, bool kVector, bool kFull>
 __global__ void __launch_bounds__(kWarpRowsThreads)
-    topk_softmax_warp(float* weights, int32_t* ids, const T* gating, int64_t rows, int experts,
-                      int k, bool renormalize) {
+    topk_softmax_warp(float* weights, int32_t* ids, const T* gating, int64_t rows,
+                      int experts_arg, int k, bool renormalize) {
   constexpr uint32_t kIndexMask = kIndexMaskOf<T, V>;
+  const int experts = kFull ? kWarpSize * V : experts_arg;
   constexpr int kPerLoad = 16 / sizeof(T);
   const int warps = blockDim.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
@@ -95,11 +98,11 @@ __global__ void __launch_bounds__(kWarpRowsThreads)
     float value[V];
     uint32_t key[V];
     if constexpr (kVector) {
-      const bool present = first < experts;  // the whole vector, as V divides E
+      const bool present = kFull || first < experts;  // the whole vector, as V divides E
 #pragma unroll
       for (int j = 0; j < V / kPerLoad; ++j) {
         Vec<T, kPerLoad> v;
-        if (present) v = load_vec<T, kPerLoad>(g + first + j * kPerLoad);
+        if (present) v = load_once<T, kPerLoad>(g + first + j * kPerLoad);
 #pragma unroll
         for (int c = 0; c < kPerLoad; ++c) {
           const int i = j * kPerLoad + c;
@@ -144,7 +147,7 @@ __global__ void __launch_bounds__(kWarpRowsThreads)
           int best_id = INT_MAX;
 #pragma unroll
           for (int i = 0; i < V; ++i) {
-            if (first + i < experts && !(taken >> i & 1u) &&
+            if ((kFull || first + i < experts) && !(taken >> i & 1u) &&
                 ranks_before(value[i], first + i, best, best_id)) {
               best = value[i];
               best_id = first + i;
@@ -157,9 +160,10 @@ __global__ void __launch_bounds__(kWarpRowsThreads)
       }
     }
 
-    // Lane r < K holds winner r. Its logit is read back (an L1 hit).
+    // Lane r < K holds winner r. Its logit is read back (an L1 hit); lane
+    // 0's, winner 0's, is the row's largest.
     const float logit = lane < k ? to_float(g[my_id]) : -INFINITY;
-    const float max_logit = warp_max(logit);
+    const float max_logit = shfl(logit, 0);
     const float e = lane < k ? __expf(logit - max_logit) : 0.f;
     float denominator;
     if (renormalize) {
@@ -248,12 +252,17 @@ bool launch_warp_rows(const Launch& launch, const TopkArgs& a, const T* gating) 
     constexpr int kPerLoad = 16 / sizeof(T);
     if constexpr (V % kPerLoad == 0) {
       if (a.experts % V == 0 && a.experts % kPerLoad == 0 && all_aligned(16, {gating})) {
-        topk_softmax_warp<T, V, true><<<grid, kWarpRowsThreads, 0, launch.stream>>>(
-            a.weights, a.ids, gating, a.rows, a.experts, a.k, a.renormalize);
+        if (a.experts == int64_t{launch.warp_size} * V) {
+          topk_softmax_warp<T, V, true, true><<<grid, kWarpRowsThreads, 0, launch.stream>>>(
+              a.weights, a.ids, gating, a.rows, a.experts, a.k, a.renormalize);
+        } else {
+          topk_softmax_warp<T, V, true, false><<<grid, kWarpRowsThreads, 0, launch.stream>>>(
+              a.weights, a.ids, gating, a.rows, a.experts, a.k, a.renormalize);
+        }
         return true;
       }
     }
-    topk_softmax_warp<T, V, false><<<grid, kWarpRowsThreads, 0, launch.stream>>>(
+    topk_softmax_warp<T, V, false, false><<<grid, kWarpRowsThreads, 0, launch.stream>>>(
         a.weights, a.ids, gating, a.rows, a.experts, a.k, a.renormalize);
     return true;
   }
