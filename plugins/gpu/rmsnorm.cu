@@ -6,17 +6,22 @@
 // with inv_rms(v) = rsqrt(mean(v^2) + eps), all arithmetic in float32, and
 // inv_rms of the fused op taken from the residual as stored (rounded to T).
 //
-// Both ops are memory bound, so a row is read once: each thread keeps its
-// share of the row in registers across the reduction, as stored (16-byte
-// vectors, up to 8 per thread), and reads the weight only after it, which
-// keeps registers few and blocks per SM many (few rows, as in decode, read
-// it with the row instead: one wait on memory). Short rows (up to 4 vectors
-// per lane) get one warp each, several rows per block and no barrier;
-// longer ones one block each. The grid covers every row (blocks loop only
-// past 2^31-1 of them): more loads are in flight than when a resident grid
-// loops over rows. Rows that are longer still, or whose length or pointers
-// do not allow 16-byte accesses, take a two-pass kernel that reads the row
-// again (mostly from L2).
+// Both ops are memory bound, so the row is read from memory once. Rows of
+// 16-bit values, when many, take two passes in blocks of 256 threads: the
+// first sums the squares (and writes the residual) and keeps the row in L2,
+// the second reads it back from there, lets it go, and writes the output;
+// few registers, so many rows are in flight. float32 rows, and 16-bit rows
+// when few (as in decode), are held in registers instead: each thread keeps
+// its share of the row, as stored (16-byte vectors, up to 8 per thread),
+// across the reduction. With many rows it reads the weight only after the
+// reduction (fewer registers, more blocks per SM) and streams the row and
+// the outputs (touched once); with few it reads the weight with the row (one
+// wait on memory). Short rows (up to 4 vectors per lane) get one warp each,
+// several rows per block and no barrier; longer ones one block each. The
+// grid covers every row (blocks loop only past 2^31-1 of them): more loads
+// are in flight than when a resident grid loops over rows. Rows longer than
+// the registers hold, or whose length or pointers do not allow 16-byte
+// accesses, take the two-pass kernel too.
 #include "device_utils.cuh"
 #include "launch_utils.hpp"
 #include "ops.hpp"
@@ -24,8 +29,9 @@
 namespace kd_gpu {
 namespace {
 
-constexpr int kThreads = 256;        // threads per block of the warp-per-row kernel, and of
-                                     // the block-per-row ones when rows are many
+constexpr int kThreads = 256;        // threads per block of the warp-per-row and two-pass
+                                     // kernels, and of the block-per-row ones when rows
+                                     // are many
 constexpr int kMaxThreads = 1024;    // threads per block of a block-per-row kernel
 constexpr int kMaxVecPerThread = 8;  // register budget of a block-per-row thread
 constexpr int kManyRowsVecPerThread = 4;  // the usual share, so that blocks share an SM
@@ -39,24 +45,26 @@ struct BlockSum {
 };
 
 // One row held in registers: element vectors first, first + stride, ...
-// `residual` is null for rmsnorm. `out` may alias `x`. kLateWeight: the
+// `residual` is null for rmsnorm. `out` may alias `x`. kManyRows: the
 // weight is read after the reduction (fewer registers, more blocks per SM)
-// rather than with the row (one round trip to memory less, for few rows).
-template <class T, int N, int VPT, bool kFused, bool kLateWeight, class Reduce>
+// rather than with the row (one round trip to memory less, for few rows),
+// and the row and outputs are streamed.
+template <class T, int N, int VPT, bool kFused, bool kManyRows, class Reduce>
 __device__ __forceinline__ void norm_row_in_registers(T* out, T* residual, const T* x,
                                                       const T* weight, int hidden, float eps,
                                                       int first, int stride, Reduce reduce) {
+  constexpr Access kRow = kManyRows ? Access::kStreaming : Access::kCached;
   const int nvec = hidden / N;
   Vec<T, N> xv[VPT];
   Vec<T, N> rv[kFused ? VPT : 1];
-  Vec<T, N> wv[kLateWeight ? 1 : VPT];
+  Vec<T, N> wv[kManyRows ? 1 : VPT];
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
     const int i = first + k * stride;
     if (i < nvec) {
-      xv[k] = load_vec<T, N>(x + static_cast<size_t>(i) * N);
-      if constexpr (kFused) rv[k] = load_vec<T, N>(residual + static_cast<size_t>(i) * N);
-      if constexpr (!kLateWeight) wv[k] = load_vec<T, N>(weight + static_cast<size_t>(i) * N);
+      xv[k] = load_vec<T, N, true, kRow>(x + static_cast<size_t>(i) * N);
+      if constexpr (kFused) rv[k] = load_vec<T, N, true, kRow>(residual + static_cast<size_t>(i) * N);
+      if constexpr (!kManyRows) wv[k] = load_vec<T, N>(weight + static_cast<size_t>(i) * N);
     }
   }
   float sum_sq = 0.f;
@@ -73,7 +81,7 @@ __device__ __forceinline__ void norm_row_in_registers(T* out, T* residual, const
         }
         sum_sq += v * v;
       }
-      if constexpr (kFused) store_vec<T, N>(residual + static_cast<size_t>(i) * N, xv[k]);
+      if constexpr (kFused) store_vec<T, N, true, kRow>(residual + static_cast<size_t>(i) * N, xv[k]);
     }
   }
   const float inv_rms = rsqrtf(reduce(sum_sq) / static_cast<float>(hidden) + eps);
@@ -82,7 +90,7 @@ __device__ __forceinline__ void norm_row_in_registers(T* out, T* residual, const
     const int i = first + k * stride;
     if (i < nvec) {
       Vec<T, N> w;
-      if constexpr (kLateWeight) {
+      if constexpr (kManyRows) {
         w = load_vec<T, N>(weight + static_cast<size_t>(i) * N);
       } else {
         w = wv[k];
@@ -92,7 +100,7 @@ __device__ __forceinline__ void norm_row_in_registers(T* out, T* residual, const
       for (int e = 0; e < N; ++e) {
         o.v[e] = from_float<T>(to_float(xv[k].v[e]) * inv_rms * to_float(w.v[e]));
       }
-      store_vec<T, N>(out + static_cast<size_t>(i) * N, o);
+      store_vec<T, N, true, kRow>(out + static_cast<size_t>(i) * N, o);
     }
   }
 }
@@ -112,33 +120,34 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <class T, int N, int VPT, bool kFused, bool kLateWeight>
+template <class T, int N, int VPT, bool kFused, bool kManyRows>
 __global__ void __launch_bounds__(kMaxThreads)
     norm_block_per_row(T* out, T* residual, const T* x, const T* weight, int64_t rows,
                        int hidden, float eps) {
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t offset = row * hidden;
-    norm_row_in_registers<T, N, VPT, kFused, kLateWeight>(
+    norm_row_in_registers<T, N, VPT, kFused, kManyRows>(
         out + offset, kFused ? residual + offset : nullptr, x + offset, weight, hidden, eps,
         static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x), BlockSum{});
   }
 }
 
-// Any row length: pass 1 sums the squares (and writes the residual), pass 2
-// reads the row again. Each thread reads back only what it wrote itself.
+// Any row length, blocks of kThreads: pass 1 sums the squares (and writes
+// the residual) and keeps the row in L2, pass 2 reads it again from there.
+// Each thread reads back only what it wrote itself.
 template <class T, int N, bool kFused>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     norm_two_pass(T* out, T* residual, const T* x, const T* weight, int64_t rows, int hidden,
                   float eps) {
   const int nvec = hidden / N;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t offset = row * hidden;
     float sum_sq = 0.f;
-    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+    for (int i = threadIdx.x; i < nvec; i += kThreads) {
       const size_t at = offset + static_cast<size_t>(i) * N;
-      Vec<T, N> v = load_vec<T, N>(x + at);
+      Vec<T, N> v = load_vec<T, N, N != 1, Access::kKeepInL2>(x + at);
       if constexpr (kFused) {
-        const Vec<T, N> r = load_vec<T, N>(residual + at);
+        const Vec<T, N> r = load_vec<T, N, N != 1, Access::kKeepInL2>(residual + at);
 #pragma unroll
         for (int e = 0; e < N; ++e) v.v[e] = from_float<T>(to_float(v.v[e]) + to_float(r.v[e]));
         store_vec<T, N>(residual + at, v);
@@ -148,9 +157,9 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
     const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(hidden) + eps);
     const T* normed = kFused ? residual : x;
-    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+    for (int i = threadIdx.x; i < nvec; i += kThreads) {
       const size_t at = offset + static_cast<size_t>(i) * N;
-      const Vec<T, N> v = load_vec<T, N>(normed + at);
+      const Vec<T, N> v = load_vec<T, N, N != 1, Access::kLastRead>(normed + at);
       const Vec<T, N> w = load_vec<T, N>(weight + static_cast<size_t>(i) * N);
       Vec<T, N> o;
 #pragma unroll
@@ -204,13 +213,12 @@ void launch_norm(const Launch& launch, T* out, T* residual, const T* x, const T*
     }
     return;
   }
-  if (vectorized && nvec <= kMaxThreads * kMaxVecPerThread) {
+  // Fewer rows than the SMs hold blocks: each block had better wait on
+  // memory once.
+  const bool few_rows = rows < int64_t{launch.sm_count} * 4;
+  if (vectorized && nvec <= kMaxThreads * kMaxVecPerThread && (sizeof(T) == 4 || few_rows)) {
     // Blocks of kThreads (more when a row needs them), up to
-    // kManyRowsVecPerThread vectors each, several blocks per SM. The weight
-    // is read after the reduction when rows are many (fewer registers, more
-    // blocks per SM), with the row when fewer rows than the SMs hold blocks
-    // (each block then waits on memory once).
-    const bool few_rows = rows < int64_t{launch.sm_count} * 4;
+    // kManyRowsVecPerThread vectors each, several blocks per SM.
     const int threads = std::min(
         kMaxThreads,
         std::max(kThreads, round_up(static_cast<int>(ceil_div(nvec, kManyRowsVecPerThread)),
@@ -232,10 +240,10 @@ void launch_norm(const Launch& launch, T* out, T* residual, const T* x, const T*
     return;
   }
   if (vectorized) {
-    norm_two_pass<T, kVec, kFused><<<row_grid(rows), kMaxThreads / 2, 0, launch.stream>>>(
+    norm_two_pass<T, kVec, kFused><<<row_grid(rows), kThreads, 0, launch.stream>>>(
         out, residual, x, weight, rows, hidden, eps);
   } else {
-    norm_two_pass<T, 1, kFused><<<row_grid(rows), kMaxThreads / 2, 0, launch.stream>>>(
+    norm_two_pass<T, 1, kFused><<<row_grid(rows), kThreads, 0, launch.stream>>>(
         out, residual, x, weight, rows, hidden, eps);
   }
 }
