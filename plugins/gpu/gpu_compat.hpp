@@ -115,17 +115,23 @@ __device__ __forceinline__ void store_streaming(Raw* p, Raw v) {
 // 16-byte loads of a row that a kernel reads twice, with an L2 eviction
 // priority on CUDA: the first read keeps the lines (evict_last) for the
 // second, which lets them go first (evict_first). HIP gets plain loads.
+#if !defined(__HIP__)
+__device__ __forceinline__ uint4 load_with_l2_policy(const uint4* p, uint64_t policy) {
+  uint4 r;
+  asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p), "l"(policy));
+  return r;
+}
+#endif
+
 __device__ __forceinline__ uint4 load_keep_in_l2(const uint4* p) {
 #if defined(__HIP__)
   return *p;
 #else
-  uint4 r;
-  asm volatile(
-      "{ .reg .b64 policy; createpolicy.fractional.L2::evict_last.b64 policy, 1.0;"
-      " ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], policy; }"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return load_with_l2_policy(p, policy);
 #endif
 }
 
@@ -133,13 +139,9 @@ __device__ __forceinline__ uint4 load_last_read(const uint4* p) {
 #if defined(__HIP__)
   return *p;
 #else
-  uint4 r;
-  asm volatile(
-      "{ .reg .b64 policy; createpolicy.fractional.L2::evict_first.b64 policy, 1.0;"
-      " ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], policy; }"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return load_with_l2_policy(p, policy);
 #endif
 }
 

@@ -177,13 +177,15 @@ struct NormKernels {
   static void block_per_row(const Launch& launch, bool few_rows, int threads, T* out,
                             T* residual, const T* x, const T* weight, int64_t rows, int hidden,
                             float eps) {
-    if (few_rows) {
-      norm_block_per_row<T, N, VPT, kFused, false><<<row_grid(rows), threads, 0, launch.stream>>>(
-          out, residual, x, weight, rows, hidden, eps);
-    } else {
-      norm_block_per_row<T, N, VPT, kFused, true><<<row_grid(rows), threads, 0, launch.stream>>>(
-          out, residual, x, weight, rows, hidden, eps);
+    if constexpr (sizeof(T) == 4) {  // many 16-bit rows take the two-pass kernel
+      if (!few_rows) {
+        norm_block_per_row<T, N, VPT, kFused, true><<<row_grid(rows), threads, 0, launch.stream>>>(
+            out, residual, x, weight, rows, hidden, eps);
+        return;
+      }
     }
+    norm_block_per_row<T, N, VPT, kFused, false><<<row_grid(rows), threads, 0, launch.stream>>>(
+        out, residual, x, weight, rows, hidden, eps);
   }
   template <int VPL>
   static void warp_per_row(const Launch& launch, T* out, T* residual, const T* x, const T* weight,
