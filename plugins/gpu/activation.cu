@@ -69,6 +69,7 @@ struct GeluTanh {
 
 template <class T, int N, class Act, int kBlock>
 __global__ void __launch_bounds__(kBlock) act_and_mul(T* out, const T* x, int64_t rows, int d) {
+  start_after_previous_kernel();
   const int i = blockIdx.x * kBlock + threadIdx.x;  // the vector of the row
   if (i >= d / N) return;
   for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
@@ -89,7 +90,7 @@ template <class T, int N, class Act, int kBlock = kThreads>
 void launch_act(const Launch& launch, T* out, const T* x, int64_t rows, int d) {
   const dim3 grid(static_cast<unsigned>(ceil_div(d / N, kBlock)),
                   static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
-  act_and_mul<T, N, Act, kBlock><<<grid, kBlock, 0, launch.stream>>>(out, x, rows, d);
+  launch_kernel(launch, act_and_mul<T, N, Act, kBlock>, grid, kBlock, out, x, rows, d);
 }
 
 // Tensors: out [*, D], x [*, 2*D].

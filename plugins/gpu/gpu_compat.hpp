@@ -14,6 +14,7 @@
 #define KD_GPU_BACKEND "hip"
 
 // The CUDA runtime names the sources use, mapped to their HIP equivalents.
+#define cudaDevAttrComputeCapabilityMajor hipDeviceAttributeComputeCapabilityMajor
 #define cudaDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
 #define cudaDevAttrWarpSize hipDeviceAttributeWarpSize
 #define cudaDeviceGetAttribute hipDeviceGetAttribute
@@ -142,6 +143,21 @@ __device__ __forceinline__ uint4 load_last_read(const uint4* p) {
   uint64_t policy;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   return load_with_l2_policy(p, policy);
+#endif
+}
+
+// Programmatic dependent launch (CUDA, sm_90 on). A kernel launched with
+// Launch::overlap (launch_kernel) may be scheduled while the kernel before
+// it on the stream is still finishing, so that its launch and block start
+// overlap that kernel's tail. Every kernel calls this before its first
+// access to global memory: it waits until the previous kernel has completed
+// and its writes are visible (a no-op when there is none, or when the launch
+// did not overlap), then lets the next kernel be scheduled in turn, which
+// waits the same way for this one. HIP and older GPUs: nothing to do.
+__device__ __forceinline__ void start_after_previous_kernel() {
+#if !defined(__HIP__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 

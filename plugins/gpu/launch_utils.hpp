@@ -5,7 +5,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <initializer_list>
+#include <utility>
 
 #include "gpu_compat.hpp"
 #include "kd_plugin.hpp"
@@ -35,6 +39,9 @@ struct Launch {
   cudaStream_t stream = nullptr;
   int sm_count = 1;
   int warp_size = 32;
+  // Programmatic dependent launch (launch_kernel): CUDA devices of compute
+  // capability 9.0 on, unless KDISPATCH_CUDA_PDL=0.
+  bool overlap = false;
 };
 
 // A grid of `blocks` blocks, at most the grid's limit (2^31-1): kernels
@@ -68,27 +75,83 @@ class DeviceScope {
   int previous_ = -1;
 };
 
-// SM count and warp size of a device, asked once per device.
-inline cudaError_t device_limits(int device, int* sm_count, int* warp_size) {
+// KDISPATCH_CUDA_PDL=0 launches every kernel only after the previous one on
+// its stream has completed, as a plain launch does; unset, empty or 1 lets
+// kernels overlap their launch with the previous kernel's tail. Another
+// value is ignored with a warning on stderr, in the core's format and unless
+// KDISPATCH_LOG silences warnings. Read once.
+inline bool overlap_from_environment() {
+  const char* env = secure_getenv("KDISPATCH_CUDA_PDL");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "1") == 0) return true;
+  if (std::strcmp(env, "0") == 0) return false;
+  const char* log = secure_getenv("KDISPATCH_LOG");
+  const bool quiet = log != nullptr && (std::strcmp(log, "off") == 0 || std::strcmp(log, "error") == 0);
+  if (!quiet) {
+    std::fprintf(stderr, "kdispatch: warn: KDISPATCH_CUDA_PDL='%s' is neither 0 nor 1; using 1\n", env);
+  }
+  return true;
+}
+
+// SM count, warp size and whether launches may overlap (Launch) of a device,
+// asked once per device.
+inline cudaError_t device_limits(int device, Launch* launch) {
   constexpr int kCachedDevices = 64;
-  static std::atomic<uint64_t> cache[kCachedDevices];  // (sm_count << 32) | warp_size
+  // (sm_count << 32) | (overlap << 16) | warp_size; 0 while not asked
+  static std::atomic<uint64_t> cache[kCachedDevices];
   const bool cacheable = device >= 0 && device < kCachedDevices;
   if (cacheable) {
     const uint64_t packed = cache[device].load(std::memory_order_relaxed);
     if (packed != 0) {
-      *sm_count = static_cast<int>(packed >> 32);
-      *warp_size = static_cast<int>(packed & 0xffffffffu);
+      launch->sm_count = static_cast<int>(packed >> 32);
+      launch->overlap = (packed >> 16 & 1u) != 0;
+      launch->warp_size = static_cast<int>(packed & 0xffffu);
       return cudaSuccess;
     }
   }
-  cudaError_t err = cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(warp_size, cudaDevAttrWarpSize, device);
+  int sm_count = 0;
+  int warp_size = 0;
+  int major = 0;
+  cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&warp_size, cudaDevAttrWarpSize, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (err != cudaSuccess) return err;
+#if defined(__HIP__)
+  const bool overlap = false;
+#else
+  static const bool allowed = overlap_from_environment();
+  const bool overlap = allowed && major >= 9;
+#endif
+  launch->sm_count = sm_count;
+  launch->warp_size = warp_size;
+  launch->overlap = overlap;
   if (cacheable) {
-    cache[device].store((uint64_t(*sm_count) << 32) | uint32_t(*warp_size),
+    cache[device].store(uint64_t(uint32_t(sm_count)) << 32 | uint64_t{overlap} << 16 | (uint32_t(warp_size) & 0xffffu),
                         std::memory_order_relaxed);
   }
   return cudaSuccess;
+}
+
+// Launches kernel<<<grid, block, 0, launch.stream>>>(args...), with
+// programmatic dependent launch where launch.overlap: the kernel must call
+// start_after_previous_kernel() before touching global memory.
+template <class... Params, class... Args>
+void launch_kernel(const Launch& launch, void (*kernel)(Params...), dim3 grid, dim3 block,
+                   Args&&... args) {
+#if defined(__HIP__)
+  kernel<<<grid, block, 0, launch.stream>>>(std::forward<Args>(args)...);
+#else
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = 0;
+  config.stream = launch.stream;
+  config.attrs = &attribute;
+  config.numAttrs = launch.overlap ? 1 : 0;
+  (void)cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);  // launched() reports
+#endif
 }
 
 inline bool on_this_backend(const DLDevice& d) {
@@ -156,7 +219,7 @@ kd_status launch_for_dtype(const kd_call_args* args, const char* op, const DLTen
     Launch launch;
     const int device = args->tensors[0].device.device_id;
     cudaError_t err = scope.enter(device);
-    if (err == cudaSuccess) err = device_limits(device, &launch.sm_count, &launch.warp_size);
+    if (err == cudaSuccess) err = device_limits(device, &launch);
     if (err != cudaSuccess) {
       return kd_plugin::fail(args, KD_STATUS_DEVICE_ERROR, "%s: device %d: %s", op, device,
                              cudaGetErrorString(err));

@@ -25,6 +25,7 @@ template <class T, int N, int VPT>
 __global__ void __launch_bounds__(kMaxThreads)
     layernorm_in_registers(T* out, const T* x, const T* weight, const T* bias, int64_t rows,
                            int hidden, float eps) {
+  start_after_previous_kernel();
   const int nvec = hidden / N;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row * hidden;
@@ -81,6 +82,7 @@ template <class T>
 __global__ void __launch_bounds__(kThreads)
     layernorm_three_pass(T* out, const T* x, const T* weight, const T* bias, int64_t rows,
                          int hidden, float eps) {
+  start_after_previous_kernel();
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row * hidden;
     T* outr = out + row * hidden;
@@ -103,8 +105,8 @@ template <class T, int VPT>
 void launch_in_registers(const Launch& launch, int threads, T* out, const T* x, const T* weight,
                          const T* bias, int64_t rows, int hidden, float eps) {
   constexpr int kVec = 16 / sizeof(T);
-  layernorm_in_registers<T, kVec, VPT><<<row_grid(rows), threads, 0, launch.stream>>>(
-      out, x, weight, bias, rows, hidden, eps);
+  launch_kernel(launch, layernorm_in_registers<T, kVec, VPT>, row_grid(rows), threads, out, x, weight, bias,
+                rows, hidden, eps);
 }
 
 template <class T>
@@ -130,8 +132,8 @@ void launch_layernorm(const Launch& launch, T* out, const T* x, const T* weight,
     }
     return;
   }
-  layernorm_three_pass<T><<<row_grid(rows), kThreads, 0, launch.stream>>>(out, x, weight, bias,
-                                                                         rows, hidden, eps);
+  launch_kernel(launch, layernorm_three_pass<T>, row_grid(rows), kThreads, out, x, weight, bias, rows, hidden,
+                eps);
 }
 
 }  // namespace

@@ -109,6 +109,7 @@ template <class T, int N, int VPT, bool kFused>
 __global__ void __launch_bounds__(kThreads)
     norm_warp_per_row(T* out, T* residual, const T* x, const T* weight, int64_t rows,
                       int hidden, float eps) {
+  start_after_previous_kernel();
   const int warps = blockDim.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   for (int64_t row = int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize; row < rows;
@@ -124,6 +125,7 @@ template <class T, int N, int VPT, bool kFused, bool kManyRows>
 __global__ void __launch_bounds__(kMaxThreads)
     norm_block_per_row(T* out, T* residual, const T* x, const T* weight, int64_t rows,
                        int hidden, float eps) {
+  start_after_previous_kernel();
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t offset = row * hidden;
     norm_row_in_registers<T, N, VPT, kFused, kManyRows>(
@@ -139,6 +141,7 @@ template <class T, int N, bool kFused>
 __global__ void __launch_bounds__(kThreads, 1)
     norm_two_pass(T* out, T* residual, const T* x, const T* weight, int64_t rows, int hidden,
                   float eps) {
+  start_after_previous_kernel();
   const int nvec = hidden / N;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t offset = row * hidden;
@@ -179,20 +182,20 @@ struct NormKernels {
                             float eps) {
     if constexpr (sizeof(T) == 4) {  // many 16-bit rows take the two-pass kernel
       if (!few_rows) {
-        norm_block_per_row<T, N, VPT, kFused, true><<<row_grid(rows), threads, 0, launch.stream>>>(
-            out, residual, x, weight, rows, hidden, eps);
+        launch_kernel(launch, norm_block_per_row<T, N, VPT, kFused, true>, row_grid(rows), threads, out,
+                      residual, x, weight, rows, hidden, eps);
         return;
       }
     }
-    norm_block_per_row<T, N, VPT, kFused, false><<<row_grid(rows), threads, 0, launch.stream>>>(
-        out, residual, x, weight, rows, hidden, eps);
+    launch_kernel(launch, norm_block_per_row<T, N, VPT, kFused, false>, row_grid(rows), threads, out,
+                  residual, x, weight, rows, hidden, eps);
   }
   template <int VPL>
   static void warp_per_row(const Launch& launch, T* out, T* residual, const T* x, const T* weight,
                            int64_t rows, int hidden, float eps) {
     const int64_t blocks = ceil_div(rows, kThreads / launch.warp_size);
-    norm_warp_per_row<T, N, VPL, kFused><<<row_grid(blocks), kThreads, 0, launch.stream>>>(
-        out, residual, x, weight, rows, hidden, eps);
+    launch_kernel(launch, norm_warp_per_row<T, N, VPL, kFused>, row_grid(blocks), kThreads, out,
+                  residual, x, weight, rows, hidden, eps);
   }
 };
 
@@ -242,11 +245,11 @@ void launch_norm(const Launch& launch, T* out, T* residual, const T* x, const T*
     return;
   }
   if (vectorized) {
-    norm_two_pass<T, kVec, kFused><<<row_grid(rows), kThreads, 0, launch.stream>>>(
-        out, residual, x, weight, rows, hidden, eps);
+    launch_kernel(launch, norm_two_pass<T, kVec, kFused>, row_grid(rows), kThreads, out, residual, x,
+                  weight, rows, hidden, eps);
   } else {
-    norm_two_pass<T, 1, kFused><<<row_grid(rows), kThreads, 0, launch.stream>>>(
-        out, residual, x, weight, rows, hidden, eps);
+    launch_kernel(launch, norm_two_pass<T, 1, kFused>, row_grid(rows), kThreads, out, residual, x,
+                  weight, rows, hidden, eps);
   }
 }
 

@@ -27,6 +27,7 @@ template <class T, int N, bool kNeox, bool kAligned>
 __global__ void __launch_bounds__(kMaxThreads)
     rotary(const int64_t* positions, T* query, T* key, const T* cache, int64_t tokens,
            int64_t max_position, int q_heads, int k_heads, int rot) {
+  start_after_previous_kernel();
   const int dim = 2 * rot;
   const int units_per_head = kNeox ? rot / N : dim / N;
   const int units = (q_heads + k_heads) * units_per_head;
@@ -102,8 +103,8 @@ void launch_rotary(const Launch& launch, const int64_t* positions, T* query, T* 
   const int threads = std::min(kMaxThreads, round_up((units + rounds - 1) / rounds, launch.warp_size));
   const int64_t grid = std::min<int64_t>(tokens, INT32_MAX);
   auto run = [&](auto kernel) {
-    kernel<<<static_cast<unsigned>(grid), threads, 0, launch.stream>>>(
-        positions, query, key, cache, tokens, max_position, q_heads, k_heads, rot);
+    launch_kernel(launch, kernel, static_cast<unsigned>(grid), threads, positions, query, key, cache,
+                  tokens, max_position, q_heads, k_heads, rot);
   };
   if (neox) {
     if (vectorized) {

@@ -86,6 +86,7 @@ template <class T, int V, bool kVector, bool kFull>
 __global__ void __launch_bounds__(kWarpRowsThreads)
     topk_softmax_warp(float* weights, int32_t* ids, const T* gating, int64_t rows,
                       int experts_arg, int k, bool renormalize) {
+  start_after_previous_kernel();
   constexpr uint32_t kIndexMask = kIndexMaskOf<T, V>;
   const int experts = kFull ? kWarpSize * V : experts_arg;
   constexpr int kPerLoad = 16 / sizeof(T);
@@ -185,6 +186,7 @@ template <class T>
 __global__ void __launch_bounds__(kThreads)
     topk_softmax_block(float* weights, int32_t* ids, const T* gating, int64_t rows, int experts,
                        int k, bool renormalize) {
+  start_after_previous_kernel();
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* g = gating + row * experts;
     float max_logit = -INFINITY;
@@ -253,17 +255,17 @@ bool launch_warp_rows(const Launch& launch, const TopkArgs& a, const T* gating) 
     if constexpr (V % kPerLoad == 0) {
       if (a.experts % V == 0 && a.experts % kPerLoad == 0 && all_aligned(16, {gating})) {
         if (a.experts == int64_t{launch.warp_size} * V) {
-          topk_softmax_warp<T, V, true, true><<<grid, kWarpRowsThreads, 0, launch.stream>>>(
-              a.weights, a.ids, gating, a.rows, a.experts, a.k, a.renormalize);
+          launch_kernel(launch, topk_softmax_warp<T, V, true, true>, grid, kWarpRowsThreads, a.weights,
+                        a.ids, gating, a.rows, a.experts, a.k, a.renormalize);
         } else {
-          topk_softmax_warp<T, V, true, false><<<grid, kWarpRowsThreads, 0, launch.stream>>>(
-              a.weights, a.ids, gating, a.rows, a.experts, a.k, a.renormalize);
+          launch_kernel(launch, topk_softmax_warp<T, V, true, false>, grid, kWarpRowsThreads, a.weights,
+                        a.ids, gating, a.rows, a.experts, a.k, a.renormalize);
         }
         return true;
       }
     }
-    topk_softmax_warp<T, V, false, false><<<grid, kWarpRowsThreads, 0, launch.stream>>>(
-        a.weights, a.ids, gating, a.rows, a.experts, a.k, a.renormalize);
+    launch_kernel(launch, topk_softmax_warp<T, V, false, false>, grid, kWarpRowsThreads, a.weights, a.ids,
+                  gating, a.rows, a.experts, a.k, a.renormalize);
     return true;
   }
 }
@@ -271,8 +273,8 @@ bool launch_warp_rows(const Launch& launch, const TopkArgs& a, const T* gating) 
 template <class T>
 void launch_topk(const Launch& launch, const TopkArgs& a, const T* gating) {
   if (launch_warp_rows<T>(launch, a, gating)) return;
-  topk_softmax_block<T><<<row_grid(a.rows), kThreads, 0, launch.stream>>>(a.weights, a.ids, gating, a.rows,
-                                                             a.experts, a.k, a.renormalize);
+  launch_kernel(launch, topk_softmax_block<T>, row_grid(a.rows), kThreads, a.weights, a.ids, gating, a.rows,
+                a.experts, a.k, a.renormalize);
 }
 
 // Tensors: topk_weights [*, K] float32, topk_ids [*, K] int32, gating_output

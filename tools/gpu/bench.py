@@ -458,7 +458,7 @@ def main():
         ratio = r[f"{peer}_graph_us"] / r["kdispatch_graph_us"]
         slower += not ratio >= 1.0
         print(f"{r['op'].split('.')[1]:30} {r['dtype']:9} {r['shape']:22} {r['kdispatch_graph_us']:9.2f} "
-              f"{r[f'{peer}_graph_us']:9.2f} {ratio:6.2f} {r['kd_tbs']:5.2f} {r['eager_graph_us']:9.2f} "
+              f"{r[f'{peer}_graph_us']:9.2f} {ratio:6.3f} {r['kd_tbs']:5.2f} {r['eager_graph_us']:9.2f} "
               f"{r['kdispatch_b2b_us']:8.2f} {r['kdispatch_sync_us']:8.2f} {'ok' if r['agrees'] else 'FAIL':>6}")
     failed = sum(not r["agrees"] for r in rows)
     print(f"bench: {len(rows)} cases, kdispatch slower than {peer} under graph replay in {slower}, "
