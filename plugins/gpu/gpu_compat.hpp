@@ -91,6 +91,23 @@ __device__ __forceinline__ float shfl(float v, int src) {
 #endif
 }
 
+__device__ __forceinline__ unsigned shfl(unsigned v, int src) {
+#if defined(__HIP__)
+  return __shfl(v, src);
+#else
+  return __shfl_sync(0xffffffffu, v, src);
+#endif
+}
+
+// Lane (lane - delta)'s v; the lanes below delta get their own.
+__device__ __forceinline__ unsigned shfl_up(unsigned v, int delta) {
+#if defined(__HIP__)
+  return __shfl_up(v, delta);
+#else
+  return __shfl_up_sync(0xffffffffu, v, delta);
+#endif
+}
+
 // Loads and stores of data that a kernel touches once: on CUDA, the
 // streaming cache hint (ld/st.global.cs), so that the lines go first and the
 // data that other blocks reuse (a weight, a row read twice) stays in the

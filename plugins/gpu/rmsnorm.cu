@@ -9,7 +9,7 @@
 // Both ops are memory bound, so the row is read from memory once. Rows of
 // 16-bit values, when many, take two passes in blocks of 256 threads: the
 // first sums the squares (and writes the residual) and keeps the row in L2,
-// the second reads it back from there, lets it go, and writes the output;
+// the second reads it back from there, lets it go, and streams the output;
 // few registers, so many rows are in flight. float32 rows, and 16-bit rows
 // when few (as in decode), are held in registers instead: each thread keeps
 // its share of the row, as stored (16-byte vectors, up to 8 per thread),
@@ -135,7 +135,8 @@ __global__ void __launch_bounds__(kMaxThreads)
 }
 
 // Any row length, blocks of kThreads: pass 1 sums the squares (and writes
-// the residual) and keeps the row in L2, pass 2 reads it again from there.
+// the residual) and keeps the row in L2, pass 2 reads it again from there
+// and streams the output.
 // Each thread reads back only what it wrote itself.
 template <class T, int N, bool kFused>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -169,7 +170,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int e = 0; e < N; ++e) {
         o.v[e] = from_float<T>(to_float(v.v[e]) * inv_rms * to_float(w.v[e]));
       }
-      store_vec<T, N>(out + at, o);
+      store_vec<T, N, true, Access::kStreaming>(out + at, o);
     }
   }
 }

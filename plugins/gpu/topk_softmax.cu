@@ -26,7 +26,7 @@ namespace kd_gpu {
 namespace {
 
 constexpr int kThreads = 256;          // the block kernel's block
-constexpr int kWarpRowsThreads = 128;  // the warp kernel's block: 4 rows (2 on wavefronts)
+constexpr int kWarpRowsThreads = 256;  // the warp kernel's block: 8 rows (4 on wavefronts)
 constexpr int kMaxValuesPerLane = 16;
 
 // The bits of a float as an unsigned that orders as the float does.
@@ -123,15 +123,9 @@ __global__ void __launch_bounds__(kWarpRowsThreads)
     sort_descending<V>(key);
 
     uint32_t my_key = 0;  // of round `lane`
-    uint32_t previous = 0;
-    bool near_tie = false;
     for (int r = 0; r < k; ++r) {
       const uint32_t winner = warp_max(key[0]);
       if (lane == r) my_key = winner;
-      if constexpr (sizeof(T) == 4) {
-        near_tie |= r > 0 && (previous | kIndexMask) == (winner | kIndexMask);
-        previous = winner;
-      }
       const bool won = key[0] == winner;  // keys are distinct: one lane
 #pragma unroll
       for (int i = 0; i < V - 1; ++i) key[i] = won ? key[i + 1] : key[i];
@@ -139,8 +133,14 @@ __global__ void __launch_bounds__(kWarpRowsThreads)
     }
     int my_id = static_cast<int>(kIndexMask - (my_key & kIndexMask));
     if constexpr (sizeof(T) == 4) {
-      // The best loser too close to the last winner?
-      near_tie |= warp_any(key[0] != 0u && (key[0] | kIndexMask) == (previous | kIndexMask));
+      // Keys come out in descending order, so a near tie is between winners
+      // r - 1 and r (lanes r - 1 and r) or between the last winner and the
+      // best loser (the largest key left in any lane).
+      const uint32_t above = shfl_up(my_key, 1);
+      const uint32_t last = shfl(my_key, k - 1);
+      const bool near_tie = warp_any(
+          (lane >= 1 && lane < k && (above | kIndexMask) == (my_key | kIndexMask)) ||
+          (key[0] != 0u && (key[0] | kIndexMask) == (last | kIndexMask)));
       if (near_tie) {  // the same for every lane
         uint32_t taken = 0;
         for (int r = 0; r < k; ++r) {

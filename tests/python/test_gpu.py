@@ -12,7 +12,9 @@
 - every op alone, at every size of its cases, each dtype and attribute set,
   captured in a CUDA graph (through a kdispatch.op handle and through
   torch.ops.kdispatch) and replayed on new inputs gives, bit for bit, what
-  the same call gives eagerly.
+  the same call gives eagerly;
+- moe.topk_softmax on rows whose largest logits tie, exactly or within a
+  few float32 ulps, picks the experts the cpu backend picks.
 Each check that raises counts as failed; the others still run."""
 import sys
 import traceback
@@ -249,6 +251,37 @@ def check_capture_each_op():
                                f"the eager call bit for bit (float32, bfloat16, float16; kdispatch.op, torch.ops)")
 
 
+def check_topk_ties():
+    """Rows whose twelve largest logits tie exactly (every third row) or
+    differ in their last bits: the cuda kernel ranks float32 logits by keys
+    whose low bits hold the expert index, and ranks such rows again
+    exactly. Its ids must be the cpu backend's (ties: lower index first)."""
+    rng = np.random.default_rng(11)
+    handle = kdispatch.op("moe.topk_softmax")
+    rows, k = 64, 8
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for experts in (256, 200, 64):
+            g = rng.standard_normal((rows, experts)).astype(np.float32)
+            for r in range(rows):
+                chosen = rng.choice(experts, size=12, replace=False)
+                bits = np.full(12, g[r].max() + 0.5, dtype=np.float32).view(np.int32)
+                bits += rng.integers(-3, 4, size=12).astype(np.int32) * (r % 3)
+                g[r, chosen] = bits.view(np.float32)
+            gating = torch.from_numpy(g).to(dtype)
+            for renormalize in (False, True):
+                got = {}
+                for device in ("cpu", "cuda"):
+                    w = torch.full((rows, k), float("nan"), dtype=torch.float32, device=device)
+                    i = torch.full((rows, k), -1, dtype=torch.int32, device=device)
+                    handle(w, i, gating.to(device), renormalize=renormalize)
+                    got[device] = (w.cpu(), i.cpu())
+                same_ids = torch.equal(got["cpu"][1], got["cuda"][1])
+                err = (got["cpu"][0] - got["cuda"][0]).abs().max().item()
+                report(same_ids and err <= 1e-5,
+                       f"moe.topk_softmax {str(dtype).split('.')[1]} {rows}x{experts} k={k} renormalize={renormalize}, "
+                       f"tied and nearly tied top logits: ids as on cpu: {same_ids}, max weight difference {err:.3g}")
+
+
 def run(check, *args):
     """Runs one check; an exception is its failure, and the others still run."""
     try:
@@ -270,6 +303,7 @@ def main():
         print("SKIPPED torch.compile checks: this torch has no torch.compile")
     run(check_graph)
     run(check_capture_each_op)
+    run(check_topk_ties)
     print(f"gpu: {sum(results)} passed, {len(results) - sum(results)} failed")
     return 0 if results and all(results) else 1
 
