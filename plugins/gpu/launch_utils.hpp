@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <type_traits>
 #include <utility>
 
 #include "gpu_compat.hpp"
@@ -33,6 +34,33 @@ inline bool all_aligned(size_t bytes, std::initializer_list<const void*> pointer
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int round_up(int a, int multiple) { return (a + multiple - 1) / multiple * multiple; }
+
+// Blocks that hold a row in registers (rmsnorm, layernorm): each thread
+// keeps up to kRowMaxVecPerThread 16-byte vectors of the row, usually
+// kRowVecPerThread so that several blocks share an SM; kRowMinThreads to
+// kRowMaxThreads threads a block.
+constexpr int kRowMinThreads = 256;
+constexpr int kRowMaxThreads = 1024;
+constexpr int kRowMaxVecPerThread = 8;
+constexpr int kRowVecPerThread = 4;
+
+// Threads per block for rows of `nvec` vectors: kRowVecPerThread vectors
+// each, a whole number of warps, within [kRowMinThreads, kRowMaxThreads].
+inline int row_block_threads(int64_t nvec, int warp_size) {
+  const int64_t wanted = ceil_div(ceil_div(nvec, kRowVecPerThread), warp_size) * warp_size;
+  return static_cast<int>(std::min<int64_t>(kRowMaxThreads, std::max<int64_t>(kRowMinThreads, wanted)));
+}
+
+// Calls f(std::integral_constant<int, V>{}) for V the least power of two
+// from 1 to kMax that is at least n, or kMax: the numbers of vectors per
+// thread (or lane) the register-held kernels are compiled for.
+template <int kMax, class F>
+void with_vectors_per_thread(int64_t n, F&& f) {
+  if constexpr (kMax > 1) {
+    if (n <= kMax / 2) return with_vectors_per_thread<kMax / 2>(n, std::forward<F>(f));
+  }
+  f(std::integral_constant<int, kMax>{});
+}
 
 // Where and how a call launches its kernels.
 struct Launch {

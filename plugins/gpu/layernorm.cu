@@ -16,13 +16,10 @@
 namespace kd_gpu {
 namespace {
 
-constexpr int kThreads = 256;             // the least threads per block
-constexpr int kMaxThreads = 1024;
-constexpr int kMaxVecPerThread = 8;       // register budget of a thread
-constexpr int kManyRowsVecPerThread = 4;  // the usual share, so that blocks share an SM
+constexpr int kThreads = 256;  // threads per block of the three-pass kernel
 
 template <class T, int N, int VPT>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kRowMaxThreads)
     layernorm_in_registers(T* out, const T* x, const T* weight, const T* bias, int64_t rows,
                            int hidden, float eps) {
   start_after_previous_kernel();
@@ -101,35 +98,18 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <class T, int VPT>
-void launch_in_registers(const Launch& launch, int threads, T* out, const T* x, const T* weight,
-                         const T* bias, int64_t rows, int hidden, float eps) {
-  constexpr int kVec = 16 / sizeof(T);
-  launch_kernel(launch, layernorm_in_registers<T, kVec, VPT>, row_grid(rows), threads, out, x, weight, bias,
-                rows, hidden, eps);
-}
-
 template <class T>
 void launch_layernorm(const Launch& launch, T* out, const T* x, const T* weight, const T* bias,
                       int64_t rows, int hidden, float eps) {
   constexpr int kVec = 16 / sizeof(T);
   const int nvec = hidden / kVec;
-  if (hidden % kVec == 0 && nvec <= kMaxThreads * kMaxVecPerThread &&
+  if (hidden % kVec == 0 && nvec <= kRowMaxThreads * kRowMaxVecPerThread &&
       all_aligned(16, {out, x, weight, bias})) {
-    const int threads = std::min(
-        kMaxThreads, std::max(kThreads, round_up(static_cast<int>(ceil_div(nvec, kManyRowsVecPerThread)),
-                                                 launch.warp_size)));
-    const int64_t vpt = ceil_div(nvec, threads);
-    if (vpt <= 1) {
-      launch_in_registers<T, 1>(launch, threads, out, x, weight, bias, rows, hidden, eps);
-    } else if (vpt <= 2) {
-      launch_in_registers<T, 2>(launch, threads, out, x, weight, bias, rows, hidden, eps);
-    } else if (vpt <= 4) {
-      launch_in_registers<T, 4>(launch, threads, out, x, weight, bias, rows, hidden, eps);
-    } else {
-      launch_in_registers<T, kMaxVecPerThread>(launch, threads, out, x, weight, bias, rows, hidden,
-                                               eps);
-    }
+    const int threads = row_block_threads(nvec, launch.warp_size);
+    with_vectors_per_thread<kRowMaxVecPerThread>(ceil_div(nvec, threads), [&](auto vpt) {
+      launch_kernel(launch, layernorm_in_registers<T, kVec, decltype(vpt)::value>, row_grid(rows), threads, out,
+                    x, weight, bias, rows, hidden, eps);
+    });
     return;
   }
   launch_kernel(launch, layernorm_three_pass<T>, row_grid(rows), kThreads, out, x, weight, bias, rows, hidden,

@@ -29,13 +29,8 @@
 namespace kd_gpu {
 namespace {
 
-constexpr int kThreads = 256;        // threads per block of the warp-per-row and two-pass
-                                     // kernels, and of the block-per-row ones when rows
-                                     // are many
-constexpr int kMaxThreads = 1024;    // threads per block of a block-per-row kernel
-constexpr int kMaxVecPerThread = 8;  // register budget of a block-per-row thread
-constexpr int kManyRowsVecPerThread = 4;  // the usual share, so that blocks share an SM
-constexpr int kMaxVecPerLane = 4;    // register budget of a warp-per-row lane
+constexpr int kThreads = 256;      // threads per block of the warp-per-row and two-pass kernels
+constexpr int kMaxVecPerLane = 4;  // register budget of a warp-per-row lane
 
 struct WarpSum {
   __device__ float operator()(float v) const { return warp_sum(v); }
@@ -122,7 +117,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <class T, int N, int VPT, bool kFused, bool kManyRows>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kRowMaxThreads)
     norm_block_per_row(T* out, T* residual, const T* x, const T* weight, int64_t rows,
                        int hidden, float eps) {
   start_after_previous_kernel();
@@ -208,41 +203,20 @@ void launch_norm(const Launch& launch, T* out, T* residual, const T* x, const T*
   const bool vectorized = hidden % kVec == 0 && all_aligned(16, {out, residual, x, weight});
   const int nvec = vectorized ? hidden / kVec : hidden;
   if (vectorized && nvec <= launch.warp_size * kMaxVecPerLane) {
-    const int64_t vpl = ceil_div(nvec, launch.warp_size);
-    if (vpl <= 1) {
-      K::template warp_per_row<1>(launch, out, residual, x, weight, rows, hidden, eps);
-    } else if (vpl <= 2) {
-      K::template warp_per_row<2>(launch, out, residual, x, weight, rows, hidden, eps);
-    } else {
-      K::template warp_per_row<kMaxVecPerLane>(launch, out, residual, x, weight, rows, hidden,
-                                               eps);
-    }
+    with_vectors_per_thread<kMaxVecPerLane>(ceil_div(nvec, launch.warp_size), [&](auto vpl) {
+      K::template warp_per_row<decltype(vpl)::value>(launch, out, residual, x, weight, rows, hidden, eps);
+    });
     return;
   }
   // Fewer rows than the SMs hold blocks: each block had better wait on
   // memory once.
   const bool few_rows = rows < int64_t{launch.sm_count} * 4;
-  if (vectorized && nvec <= kMaxThreads * kMaxVecPerThread && (sizeof(T) == 4 || few_rows)) {
-    // Blocks of kThreads (more when a row needs them), up to
-    // kManyRowsVecPerThread vectors each, several blocks per SM.
-    const int threads = std::min(
-        kMaxThreads,
-        std::max(kThreads, round_up(static_cast<int>(ceil_div(nvec, kManyRowsVecPerThread)),
-                                    launch.warp_size)));
-    const int64_t vpt = ceil_div(nvec, threads);
-    if (vpt <= 1) {
-      K::template block_per_row<1>(launch, few_rows, threads, out, residual, x, weight, rows,
-                                   hidden, eps);
-    } else if (vpt <= 2) {
-      K::template block_per_row<2>(launch, few_rows, threads, out, residual, x, weight, rows,
-                                   hidden, eps);
-    } else if (vpt <= 4) {
-      K::template block_per_row<4>(launch, few_rows, threads, out, residual, x, weight, rows,
-                                   hidden, eps);
-    } else {
-      K::template block_per_row<kMaxVecPerThread>(launch, few_rows, threads, out, residual, x,
-                                                  weight, rows, hidden, eps);
-    }
+  if (vectorized && nvec <= kRowMaxThreads * kRowMaxVecPerThread && (sizeof(T) == 4 || few_rows)) {
+    const int threads = row_block_threads(nvec, launch.warp_size);
+    with_vectors_per_thread<kRowMaxVecPerThread>(ceil_div(nvec, threads), [&](auto vpt) {
+      K::template block_per_row<decltype(vpt)::value>(launch, few_rows, threads, out, residual, x, weight, rows,
+                                                      hidden, eps);
+    });
     return;
   }
   if (vectorized) {
