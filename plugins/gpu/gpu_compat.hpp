@@ -66,7 +66,11 @@ inline constexpr int kWarpSize = 64;
 inline constexpr int kWarpSize = 32;
 #endif
 
-__device__ __forceinline__ float shfl_xor(float v, int lane_mask) {
+// Warp shuffles of an int, unsigned or float v: lane (lane ^ lane_mask)'s,
+// lane src's, and lane (lane - delta)'s (the lanes below delta get their
+// own).
+template <class V>
+__device__ __forceinline__ V shfl_xor(V v, int lane_mask) {
 #if defined(__HIP__)
   return __shfl_xor(v, lane_mask);
 #else
@@ -74,16 +78,8 @@ __device__ __forceinline__ float shfl_xor(float v, int lane_mask) {
 #endif
 }
 
-__device__ __forceinline__ int shfl_xor(int v, int lane_mask) {
-#if defined(__HIP__)
-  return __shfl_xor(v, lane_mask);
-#else
-  return __shfl_xor_sync(0xffffffffu, v, lane_mask);
-#endif
-}
-
-// Lane `src`'s v, for every lane.
-__device__ __forceinline__ float shfl(float v, int src) {
+template <class V>
+__device__ __forceinline__ V shfl(V v, int src) {
 #if defined(__HIP__)
   return __shfl(v, src);
 #else
@@ -91,16 +87,8 @@ __device__ __forceinline__ float shfl(float v, int src) {
 #endif
 }
 
-__device__ __forceinline__ unsigned shfl(unsigned v, int src) {
-#if defined(__HIP__)
-  return __shfl(v, src);
-#else
-  return __shfl_sync(0xffffffffu, v, src);
-#endif
-}
-
-// Lane (lane - delta)'s v; the lanes below delta get their own.
-__device__ __forceinline__ unsigned shfl_up(unsigned v, int delta) {
+template <class V>
+__device__ __forceinline__ V shfl_up(V v, int delta) {
 #if defined(__HIP__)
   return __shfl_up(v, delta);
 #else
@@ -184,7 +172,7 @@ __device__ __forceinline__ unsigned warp_max(unsigned v) {
 #else
 #pragma unroll
   for (int m = kWarpSize / 2; m > 0; m >>= 1) {
-    const unsigned o = static_cast<unsigned>(shfl_xor(static_cast<int>(v), m));
+    const unsigned o = shfl_xor(v, m);
     v = o > v ? o : v;
   }
   return v;
