@@ -9,6 +9,8 @@
 
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <new>
 
@@ -27,6 +29,21 @@ inline kd_status fail(const kd_call_args* args, kd_status status, const char* fm
     va_end(ap);
   }
   return status;
+}
+
+// Prints "kdispatch: warn: <message>" on stderr, in the core's format,
+// unless KDISPATCH_LOG is off or error: a plugin's only way to tell the user
+// about a setting it ignores.
+inline void warn(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+inline void warn(const char* fmt, ...) {
+  const char* log = secure_getenv("KDISPATCH_LOG");
+  if (log != nullptr && (std::strcmp(log, "off") == 0 || std::strcmp(log, "error") == 0)) return;
+  char message[512];
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(message, sizeof(message), fmt, ap);
+  va_end(ap);
+  std::fprintf(stderr, "kdispatch: warn: %s\n", message);
 }
 
 // Runs `body` (returning kd_status) and turns any exception into a status:

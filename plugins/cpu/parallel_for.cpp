@@ -7,12 +7,12 @@
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
-#include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include "kd_plugin.hpp"
 
 namespace kdispatch::cpu {
 namespace {
@@ -33,8 +33,7 @@ int cpus_of_process() {
 
 // KDISPATCH_CPU_THREADS overrides, e.g. for benchmarks (empty is unset). A
 // value that is not a whole number from 1 to kMaxThreads is ignored with a
-// warning on stderr, in the core's format and unless KDISPATCH_LOG silences
-// warnings (the plugin has no other way to tell the user).
+// warning (kd_plugin::warn).
 int thread_count_from_environment() {
   const int cpus = cpus_of_process();
   const char* env = secure_getenv("KDISPATCH_CPU_THREADS");
@@ -43,14 +42,9 @@ int thread_count_from_environment() {
   errno = 0;
   const long n = std::strtol(env, &end, 10);
   if (end != env && *end == '\0' && errno == 0 && n >= 1 && n <= kMaxThreads) return static_cast<int>(n);
-  const char* log = secure_getenv("KDISPATCH_LOG");
-  const bool quiet = log != nullptr && (std::strcmp(log, "off") == 0 || std::strcmp(log, "error") == 0);
-  if (!quiet) {
-    std::fprintf(stderr,
-                 "kdispatch: warn: KDISPATCH_CPU_THREADS='%s' is not a whole number from 1 to %ld; "
-                 "using %d (one per CPU this process may run on)\n",
-                 env, kMaxThreads, cpus);
-  }
+  kd_plugin::warn("KDISPATCH_CPU_THREADS='%s' is not a whole number from 1 to %ld; using %d (one per CPU this "
+                  "process may run on)",
+                  env, kMaxThreads, cpus);
   return cpus;
 }
 

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -106,17 +105,12 @@ class DeviceScope {
 // KDISPATCH_CUDA_PDL=0 launches every kernel only after the previous one on
 // its stream has completed, as a plain launch does; unset, empty or 1 lets
 // kernels overlap their launch with the previous kernel's tail. Another
-// value is ignored with a warning on stderr, in the core's format and unless
-// KDISPATCH_LOG silences warnings. Read once.
+// value is ignored with a warning (kd_plugin::warn). Read once.
 inline bool overlap_from_environment() {
   const char* env = secure_getenv("KDISPATCH_CUDA_PDL");
   if (env == nullptr || *env == '\0' || std::strcmp(env, "1") == 0) return true;
   if (std::strcmp(env, "0") == 0) return false;
-  const char* log = secure_getenv("KDISPATCH_LOG");
-  const bool quiet = log != nullptr && (std::strcmp(log, "off") == 0 || std::strcmp(log, "error") == 0);
-  if (!quiet) {
-    std::fprintf(stderr, "kdispatch: warn: KDISPATCH_CUDA_PDL='%s' is neither 0 nor 1; using 1\n", env);
-  }
+  kd_plugin::warn("KDISPATCH_CUDA_PDL='%s' is neither 0 nor 1; using 1", env);
   return true;
 }
 
@@ -174,7 +168,6 @@ void launch_kernel(const Launch& launch, void (*kernel)(Params...), dim3 grid, d
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
-  config.dynamicSmemBytes = 0;
   config.stream = launch.stream;
   config.attrs = &attribute;
   config.numAttrs = launch.overlap ? 1 : 0;
