@@ -77,6 +77,15 @@ inline unsigned row_grid(int64_t blocks) {
   return static_cast<unsigned>(std::min<int64_t>(blocks, INT32_MAX));
 }
 
+// A grid of at least `blocks` blocks for kernels that take one row each and
+// do not loop (block_row() in device_utils.cuh): past 2^31-1 of them, rows
+// of 2^31-1 blocks. A tensor can't have the 2^46 rows it takes to pass the
+// limit of 65535 such rows.
+inline dim3 one_block_per_row(int64_t blocks) {
+  const unsigned x = row_grid(blocks);
+  return dim3(x, static_cast<unsigned>(ceil_div(blocks, x)));
+}
+
 // Makes a device current for the rest of a call and restores the caller's on
 // exit, so a stream of the tensors' device can be used whatever device the
 // calling thread had selected.

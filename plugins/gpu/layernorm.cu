@@ -6,7 +6,8 @@
 // to 8 per thread), through two block sums, the mean and then the squared
 // deviations from it (exact where a one-pass E[x^2] - mean^2 would cancel);
 // the weight and bias are read after them, which keeps registers few and
-// blocks per SM many. The grid covers every row. Rows that are longer, or
+// blocks per SM many. The grid covers every row, and a block takes its row
+// and exits (no loop over rows). Rows that are longer, or
 // whose length or pointers do not allow 16-byte accesses, take a kernel that
 // reads the row three times (mostly from L2).
 #include "device_utils.cuh"
@@ -24,53 +25,53 @@ __global__ void __launch_bounds__(kRowMaxThreads)
                            int hidden, float eps) {
   start_after_previous_kernel();
   const int nvec = hidden / N;
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const T* xr = x + row * hidden;
-    T* outr = out + row * hidden;
-    Vec<T, N> xv[VPT];
-    // Every load is issued before the first sum waits on one.
+  const int64_t row = block_row();
+  if (row >= rows) return;
+  const T* xr = x + row * hidden;
+  T* outr = out + row * hidden;
+  Vec<T, N> xv[VPT];
+  // Every load is issued before the first sum waits on one.
 #pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int i = threadIdx.x + k * blockDim.x;
-      if (i < nvec) xv[k] = load_vec<T, N>(xr + static_cast<size_t>(i) * N);
+  for (int k = 0; k < VPT; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < nvec) xv[k] = load_vec<T, N>(xr + static_cast<size_t>(i) * N);
+  }
+  float sum = 0.f;
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < nvec) {
+#pragma unroll
+      for (int e = 0; e < N; ++e) sum += to_float(xv[k].v[e]);
     }
-    float sum = 0.f;
+  }
+  const float mean = block_sum(sum) / static_cast<float>(hidden);
+  float squares = 0.f;
 #pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int i = threadIdx.x + k * blockDim.x;
-      if (i < nvec) {
+  for (int k = 0; k < VPT; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < nvec) {
 #pragma unroll
-        for (int e = 0; e < N; ++e) sum += to_float(xv[k].v[e]);
+      for (int e = 0; e < N; ++e) {
+        const float d = to_float(xv[k].v[e]) - mean;
+        squares += d * d;
       }
     }
-    const float mean = block_sum(sum) / static_cast<float>(hidden);
-    float squares = 0.f;
+  }
+  const float inv_std = rsqrtf(block_sum(squares) / static_cast<float>(hidden) + eps);
 #pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int i = threadIdx.x + k * blockDim.x;
-      if (i < nvec) {
+  for (int k = 0; k < VPT; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < nvec) {
+      const Vec<T, N> w = load_vec<T, N>(weight + static_cast<size_t>(i) * N);
+      const Vec<T, N> b = load_vec<T, N>(bias + static_cast<size_t>(i) * N);
+      Vec<T, N> o;
 #pragma unroll
-        for (int e = 0; e < N; ++e) {
-          const float d = to_float(xv[k].v[e]) - mean;
-          squares += d * d;
-        }
+      for (int e = 0; e < N; ++e) {
+        o.v[e] = from_float<T>((to_float(xv[k].v[e]) - mean) * inv_std * to_float(w.v[e]) +
+                               to_float(b.v[e]));
       }
-    }
-    const float inv_std = rsqrtf(block_sum(squares) / static_cast<float>(hidden) + eps);
-#pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int i = threadIdx.x + k * blockDim.x;
-      if (i < nvec) {
-        const Vec<T, N> w = load_vec<T, N>(weight + static_cast<size_t>(i) * N);
-        const Vec<T, N> b = load_vec<T, N>(bias + static_cast<size_t>(i) * N);
-        Vec<T, N> o;
-#pragma unroll
-        for (int e = 0; e < N; ++e) {
-          o.v[e] = from_float<T>((to_float(xv[k].v[e]) - mean) * inv_std * to_float(w.v[e]) +
-                                 to_float(b.v[e]));
-        }
-        store_vec<T, N>(outr + static_cast<size_t>(i) * N, o);
-      }
+      store_vec<T, N>(outr + static_cast<size_t>(i) * N, o);
     }
   }
 }
@@ -107,7 +108,7 @@ void launch_layernorm(const Launch& launch, T* out, const T* x, const T* weight,
       all_aligned(16, {out, x, weight, bias})) {
     const int threads = row_block_threads(nvec, launch.warp_size);
     with_vectors_per_thread<kRowMaxVecPerThread>(ceil_div(nvec, threads), [&](auto vpt) {
-      launch_kernel(launch, layernorm_in_registers<T, kVec, decltype(vpt)::value>, row_grid(rows), threads, out,
+      launch_kernel(launch, layernorm_in_registers<T, kVec, decltype(vpt)::value>, one_block_per_row(rows), threads, out,
                     x, weight, bias, rows, hidden, eps);
     });
     return;
