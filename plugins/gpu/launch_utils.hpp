@@ -78,9 +78,9 @@ inline unsigned row_grid(int64_t blocks) {
 }
 
 // A grid of at least `blocks` blocks for kernels that take one row each and
-// do not loop (block_row() in device_utils.cuh): past 2^31-1 of them, rows
-// of 2^31-1 blocks. A tensor can't have the 2^46 rows it takes to pass the
-// limit of 65535 such rows.
+// do not loop (block_row() in device_utils.cuh): up to 2^31-1 blocks in x,
+// and past that as many groups of 2^31-1 in y as it takes (y's limit of
+// 65535 groups would take 2^46 rows, more than a tensor can have).
 inline dim3 one_block_per_row(int64_t blocks) {
   const unsigned x = row_grid(blocks);
   return dim3(x, static_cast<unsigned>(ceil_div(blocks, x)));
