@@ -19,10 +19,9 @@
 // wait on memory). Short rows (up to 4 vectors per lane) get one warp each,
 // several rows per block and no barrier; longer ones one block each. The
 // grid covers every row: more loads are in flight than when a resident grid
-// loops over rows. With many rows a block takes its row and exits; the other
-// kernels loop over rows past 2^31-1 blocks (with few rows, that loop made
-// fused_add_rmsnorm at 1 and 64 rows 0.1 us faster on the H200 than a
-// block that exits, and the other way round at 32768 rows). Rows longer than
+// loops over rows. With many rows a block takes its row and exits, its loads
+// issued back to back; the few-rows kernel and the others loop over rows
+// past 2^31-1 blocks, which suits decode sizes better. Rows longer than
 // the registers hold, or whose length or pointers do not allow 16-byte
 // accesses, take the two-pass kernel too.
 #include "device_utils.cuh"
