@@ -209,6 +209,28 @@ __device__ __forceinline__ float to_float(bf16_t v) {
 #endif
 }
 
+// 2^x and 1/x by one special-function instruction each, subnormal inputs
+// and results flushed to zero (CUDA; HIP takes its library calls).
+__device__ __forceinline__ float fast_exp2(float x) {
+#if defined(__HIP__)
+  return exp2f(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
+__device__ __forceinline__ float fast_rcp(float x) {
+#if defined(__HIP__)
+  return __fdividef(1.f, x);
+#else
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
 // Round to nearest even, as PyTorch's .to(dtype) does.
 template <class T>
 __device__ T from_float(float v);
