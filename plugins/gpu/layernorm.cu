@@ -7,9 +7,9 @@
 // deviations from it (exact where a one-pass E[x^2] - mean^2 would cancel);
 // the weight and bias are read after them, which keeps registers few and
 // blocks per SM many. The grid covers every row, and a block takes its row
-// and exits (no loop over rows). Rows that are longer, or
-// whose length or pointers do not allow 16-byte accesses, take a kernel that
-// reads the row three times (mostly from L2).
+// and exits (no loop over rows). Rows that are longer, or whose length or
+// pointers do not allow 16-byte accesses, take a kernel that reads the row
+// three times (mostly from L2).
 #include "device_utils.cuh"
 #include "launch_utils.hpp"
 #include "ops.hpp"
@@ -108,8 +108,8 @@ void launch_layernorm(const Launch& launch, T* out, const T* x, const T* weight,
       all_aligned(16, {out, x, weight, bias})) {
     const int threads = row_block_threads(nvec, launch.warp_size);
     with_vectors_per_thread<kRowMaxVecPerThread>(ceil_div(nvec, threads), [&](auto vpt) {
-      launch_kernel(launch, layernorm_in_registers<T, kVec, decltype(vpt)::value>, one_block_per_row(rows), threads, out,
-                    x, weight, bias, rows, hidden, eps);
+      launch_kernel(launch, layernorm_in_registers<T, kVec, decltype(vpt)::value>, one_block_per_row(rows),
+                    threads, out, x, weight, bias, rows, hidden, eps);
     });
     return;
   }

@@ -123,20 +123,17 @@ __global__ void __launch_bounds__(kRowMaxThreads)
     norm_block_per_row(T* out, T* residual, const T* x, const T* weight, int64_t rows,
                        int hidden, float eps) {
   start_after_previous_kernel();
-  if constexpr (kManyRows) {  // a one_block_per_row() grid
-    const int64_t row = block_row();
-    if (row >= rows) return;
+  const auto one_row = [&](int64_t row) {
     const int64_t offset = row * hidden;
-    norm_row_in_registers<T, N, VPT, kFused, true>(
+    norm_row_in_registers<T, N, VPT, kFused, kManyRows>(
         out + offset, kFused ? residual + offset : nullptr, x + offset, weight, hidden, eps,
         static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x), BlockSum{});
+  };
+  if constexpr (kManyRows) {  // a one_block_per_row() grid
+    const int64_t row = block_row();
+    if (row < rows) one_row(row);
   } else {
-    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-      const int64_t offset = row * hidden;
-      norm_row_in_registers<T, N, VPT, kFused, false>(
-          out + offset, kFused ? residual + offset : nullptr, x + offset, weight, hidden, eps,
-          static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x), BlockSum{});
-    }
+    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) one_row(row);
   }
 }
 
@@ -189,8 +186,8 @@ struct NormKernels {
                             float eps) {
     if constexpr (sizeof(T) == 4) {  // many 16-bit rows take the two-pass kernel
       if (!few_rows) {
-        launch_kernel(launch, norm_block_per_row<T, N, VPT, kFused, true>, one_block_per_row(rows), threads, out,
-                      residual, x, weight, rows, hidden, eps);
+        launch_kernel(launch, norm_block_per_row<T, N, VPT, kFused, true>, one_block_per_row(rows), threads,
+                      out, residual, x, weight, rows, hidden, eps);
         return;
       }
     }
