@@ -37,10 +37,8 @@ struct RawBits<2> {
 };
 
 // How a vector access uses the caches: kCached for data that is read again
-// (a weight), kStreaming for data touched once (load_streaming); for 16-byte
-// loads of a row read twice, kKeepInL2 for the first read and kLastRead for
-// the second (load_keep_in_l2, load_last_read; other widths load as kCached).
-enum class Access { kCached, kStreaming, kKeepInL2, kLastRead };
+// (a weight), kStreaming for data touched once (load_streaming).
+enum class Access { kCached, kStreaming };
 
 // Loads N elements at p: one instruction when kAligned (p aligned to the
 // vector size), else element by element.
@@ -53,10 +51,6 @@ __device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
     Raw raw;
     if constexpr (kAccess == Access::kStreaming) {
       raw = load_streaming(at);
-    } else if constexpr (kAccess == Access::kKeepInL2 && sizeof(Raw) == 16) {
-      raw = load_keep_in_l2(at);
-    } else if constexpr (kAccess == Access::kLastRead && sizeof(Raw) == 16) {
-      raw = load_last_read(at);
     } else {
       raw = *at;
     }
@@ -85,6 +79,34 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& in) {
   } else {
 #pragma unroll
     for (int i = 0; i < N; ++i) p[i] = in.v[i];
+  }
+}
+
+// Loads of a row that a kernel reads twice, with the priorities of
+// `policies` (row_policies()): load_kept for the first read (and for a
+// weight that every block reads), load_last for the second. 16-byte vectors
+// only; other widths load as kCached.
+template <class T, int N, bool kAligned = true>
+__device__ __forceinline__ Vec<T, N> load_kept(const T* p, const RowPolicies& policies) {
+  if constexpr (kAligned && sizeof(T) * N == 16) {
+    const uint4 raw = load_keep(reinterpret_cast<const uint4*>(p), policies);
+    Vec<T, N> out;
+    memcpy(&out, &raw, sizeof(out));
+    return out;
+  } else {
+    return load_vec<T, N, kAligned>(p);
+  }
+}
+
+template <class T, int N, bool kAligned = true>
+__device__ __forceinline__ Vec<T, N> load_last(const T* p, const RowPolicies& policies) {
+  if constexpr (kAligned && sizeof(T) * N == 16) {
+    const uint4 raw = load_last_read(reinterpret_cast<const uint4*>(p), policies);
+    Vec<T, N> out;
+    memcpy(&out, &raw, sizeof(out));
+    return out;
+  } else {
+    return load_vec<T, N, kAligned>(p);
   }
 }
 

@@ -118,36 +118,48 @@ __device__ __forceinline__ void store_streaming(Raw* p, Raw v) {
 #endif
 }
 
-// 16-byte loads of a row that a kernel reads twice, with an L2 eviction
-// priority on CUDA: the first read keeps the lines (evict_last) for the
-// second, which lets them go first (evict_first). HIP gets plain loads.
+// 16-byte loads of a row that a kernel reads twice, with L1 and L2 eviction
+// priorities on CUDA: the first read keeps the lines (evict_last) for the
+// second, which lets them go first (evict_first). The two L2 policies are
+// made once per kernel (row_policies()) rather than once per load. HIP gets
+// plain loads.
+struct RowPolicies {
+  uint64_t keep = 0;
+  uint64_t last_read = 0;
+};
+
+__device__ __forceinline__ RowPolicies row_policies() {
+  RowPolicies p;
 #if !defined(__HIP__)
-__device__ __forceinline__ uint4 load_with_l2_policy(const uint4* p, uint64_t policy) {
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p.keep));
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p.last_read));
+#endif
+  return p;
+}
+
+__device__ __forceinline__ uint4 load_keep(const uint4* p, const RowPolicies& policies) {
+#if defined(__HIP__)
+  (void)policies;
+  return *p;
+#else
   uint4 r;
-  asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+  asm volatile("ld.global.L1::evict_last.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p), "l"(policy));
+               : "l"(p), "l"(policies.keep));
   return r;
-}
-#endif
-
-__device__ __forceinline__ uint4 load_keep_in_l2(const uint4* p) {
-#if defined(__HIP__)
-  return *p;
-#else
-  uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  return load_with_l2_policy(p, policy);
 #endif
 }
 
-__device__ __forceinline__ uint4 load_last_read(const uint4* p) {
+__device__ __forceinline__ uint4 load_last_read(const uint4* p, const RowPolicies& policies) {
 #if defined(__HIP__)
+  (void)policies;
   return *p;
 #else
-  uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return load_with_l2_policy(p, policy);
+  uint4 r;
+  asm volatile("ld.global.L1::evict_first.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p), "l"(policies.last_read));
+  return r;
 #endif
 }
 

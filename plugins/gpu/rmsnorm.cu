@@ -6,14 +6,19 @@
 // with inv_rms(v) = rsqrt(mean(v^2) + eps), all arithmetic in float32, and
 // inv_rms of the fused op taken from the residual as stored (rounded to T).
 //
-// Both ops are memory bound, so the row is read from memory once. Rows of
-// 16-bit values, when many, take two passes in blocks of 256 threads: the
-// first sums the squares (and writes the residual) and keeps the row in L2,
-// the second reads it back from there, lets it go, and streams the output;
-// few registers, so many rows are in flight. float32 rows, and 16-bit rows
-// when few (as in decode), are held in registers instead: each thread keeps
-// its share of the row, as stored (16-byte vectors, up to 8 per thread),
-// across the reduction. With many rows it reads the weight only after the
+// Both ops are memory bound, so the row is read from memory once. Many
+// rmsnorm rows too long for a warp, of up to 2048 16-byte vectors and a
+// multiple of two warps' worth, take torch.compile's layout: one block a
+// row, exactly two vectors a thread, which reads the row, keeps it in L1
+// and L2 across the reduction and reads it again from there
+// (norm_whole_row_two_pass). Other rows of 16-bit
+// values, when many, take two passes in blocks of 256 threads: the first
+// sums the squares (and writes the residual) and keeps the row in L2, the
+// second reads it back from there, lets it go, and streams the output; few
+// registers, so many rows are in flight. float32 rows, and 16-bit rows when
+// few (as in decode), are held in registers instead: each thread keeps its
+// share of the row, as stored (16-byte vectors, up to 8 per thread), across
+// the reduction. With many rows it reads the weight only after the
 // reduction (fewer registers, more blocks per SM) and streams the row and
 // the outputs (touched once); with few it reads the weight with the row (one
 // wait on memory). Short rows (up to 4 vectors per lane) get one warp each,
@@ -137,6 +142,47 @@ __global__ void __launch_bounds__(kRowMaxThreads)
   }
 }
 
+// rmsnorm over many rows of exactly blockDim.x * VPT vectors, in the layout
+// of torch.compile's kernel for them: each block takes its row and exits;
+// pass 1 loads the thread's vectors, asking L1 and L2 to keep them, pass 2
+// reloads them from there (letting them go) with the weight and stores the
+// output. Nothing of the row is held across the reduction and nothing is
+// bounds checked, so the blocks have few registers and fill the SMs with
+// loads.
+template <class T, int N, int VPT>
+__global__ void __launch_bounds__(kRowMaxThreads)
+    norm_whole_row_two_pass(T* out, const T* x, const T* weight, int hidden, float eps) {
+  start_after_previous_kernel();
+  const RowPolicies policies = row_policies();
+  using V = Vec<T, N>;
+  const size_t offset = size_t{blockIdx.x} * static_cast<unsigned>(hidden);
+  const V* xr = reinterpret_cast<const V*>(x + offset);
+  const V* wr = reinterpret_cast<const V*>(weight);
+  V* outr = reinterpret_cast<V*>(out + offset);
+  const int first = static_cast<int>(threadIdx.x);
+  const int stride = static_cast<int>(blockDim.x);
+  V v[VPT];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) v[k] = load_kept<T, N>(xr[first + k * stride].v, policies);
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+    for (int e = 0; e < N; ++e) sum_sq += to_float(v[k].v[e]) * to_float(v[k].v[e]);
+  }
+  const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(hidden) + eps);
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int i = first + k * stride;
+    const V xv = load_last<T, N>(xr[i].v, policies);
+    const V w = load_kept<T, N>(wr[i].v, policies);
+    V o;
+#pragma unroll
+    for (int e = 0; e < N; ++e) o.v[e] = from_float<T>(to_float(xv.v[e]) * inv_rms * to_float(w.v[e]));
+    store_vec<T, N>(outr[i].v, o);
+  }
+}
+
 // Any row length, blocks of kThreads: pass 1 sums the squares (and writes
 // the residual) and keeps the row in L2, pass 2 reads it again from there
 // and streams the output.
@@ -146,15 +192,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     norm_two_pass(T* out, T* residual, const T* x, const T* weight, int64_t rows, int hidden,
                   float eps) {
   start_after_previous_kernel();
+  const RowPolicies policies = row_policies();
   const int nvec = hidden / N;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t offset = row * hidden;
     float sum_sq = 0.f;
     for (int i = threadIdx.x; i < nvec; i += kThreads) {
       const size_t at = offset + static_cast<size_t>(i) * N;
-      Vec<T, N> v = load_vec<T, N, N != 1, Access::kKeepInL2>(x + at);
+      Vec<T, N> v = load_kept<T, N, N != 1>(x + at, policies);
       if constexpr (kFused) {
-        const Vec<T, N> r = load_vec<T, N, N != 1, Access::kKeepInL2>(residual + at);
+        const Vec<T, N> r = load_kept<T, N, N != 1>(residual + at, policies);
 #pragma unroll
         for (int e = 0; e < N; ++e) v.v[e] = from_float<T>(to_float(v.v[e]) + to_float(r.v[e]));
         store_vec<T, N>(residual + at, v);
@@ -166,7 +213,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const T* normed = kFused ? residual : x;
     for (int i = threadIdx.x; i < nvec; i += kThreads) {
       const size_t at = offset + static_cast<size_t>(i) * N;
-      const Vec<T, N> v = load_vec<T, N, N != 1, Access::kLastRead>(normed + at);
+      const Vec<T, N> v = load_last<T, N, N != 1>(normed + at, policies);
       const Vec<T, N> w = load_vec<T, N>(weight + static_cast<size_t>(i) * N);
       Vec<T, N> o;
 #pragma unroll
@@ -219,6 +266,16 @@ void launch_norm(const Launch& launch, T* out, T* residual, const T* x, const T*
   // Fewer rows than the SMs hold blocks: each block had better wait on
   // memory once.
   const bool few_rows = rows < int64_t{launch.sm_count} * 4;
+  if constexpr (!kFused) {
+    constexpr int kWholeRowVecPerThread = 2;
+    const int whole_row_threads = nvec / kWholeRowVecPerThread;
+    if (vectorized && !few_rows && rows <= INT32_MAX && whole_row_threads <= kRowMaxThreads &&
+        nvec % (kWholeRowVecPerThread * launch.warp_size) == 0) {
+      launch_kernel(launch, norm_whole_row_two_pass<T, kVec, kWholeRowVecPerThread>,
+                    static_cast<unsigned>(rows), whole_row_threads, out, x, weight, hidden, eps);
+      return;
+    }
+  }
   if (vectorized && nvec <= kRowMaxThreads * kRowMaxVecPerThread && (sizeof(T) == 4 || few_rows)) {
     const int threads = row_block_threads(nvec, launch.warp_size);
     with_vectors_per_thread<kRowMaxVecPerThread>(ceil_div(nvec, threads), [&](auto vpt) {
