@@ -83,25 +83,16 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& in) {
 }
 
 // Loads of a row that a kernel reads twice, with the priorities of
-// `policies` (row_policies()): load_kept for the first read (and for a
-// weight that every block reads), load_last for the second. 16-byte vectors
-// only; other widths load as kCached.
-template <class T, int N, bool kAligned = true>
-__device__ __forceinline__ Vec<T, N> load_kept(const T* p, const RowPolicies& policies) {
-  if constexpr (kAligned && sizeof(T) * N == 16) {
-    const uint4 raw = load_keep(reinterpret_cast<const uint4*>(p), policies);
-    Vec<T, N> out;
-    memcpy(&out, &raw, sizeof(out));
-    return out;
-  } else {
-    return load_vec<T, N, kAligned>(p);
-  }
-}
+// `policies` (row_policies()): RowRead::kFirst for the first read (and for
+// a weight that every block reads), RowRead::kLast for the second. 16-byte
+// vectors only; other widths load as Access::kCached.
+enum class RowRead { kFirst, kLast };
 
-template <class T, int N, bool kAligned = true>
-__device__ __forceinline__ Vec<T, N> load_last(const T* p, const RowPolicies& policies) {
+template <RowRead kRead, class T, int N, bool kAligned = true>
+__device__ __forceinline__ Vec<T, N> load_row_vec(const T* p, const RowPolicies& policies) {
   if constexpr (kAligned && sizeof(T) * N == 16) {
-    const uint4 raw = load_last_read(reinterpret_cast<const uint4*>(p), policies);
+    const uint4* at = reinterpret_cast<const uint4*>(p);
+    const uint4 raw = kRead == RowRead::kFirst ? load_keep(at, policies) : load_last_read(at, policies);
     Vec<T, N> out;
     memcpy(&out, &raw, sizeof(out));
     return out;

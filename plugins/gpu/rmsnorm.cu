@@ -163,7 +163,9 @@ __global__ void __launch_bounds__(kRowMaxThreads)
   const int stride = static_cast<int>(blockDim.x);
   V v[VPT];
 #pragma unroll
-  for (int k = 0; k < VPT; ++k) v[k] = load_kept<T, N>(xr[first + k * stride].v, policies);
+  for (int k = 0; k < VPT; ++k) {
+    v[k] = load_row_vec<RowRead::kFirst, T, N>(xr[first + k * stride].v, policies);
+  }
   float sum_sq = 0.f;
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
@@ -174,8 +176,8 @@ __global__ void __launch_bounds__(kRowMaxThreads)
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
     const int i = first + k * stride;
-    const V xv = load_last<T, N>(xr[i].v, policies);
-    const V w = load_kept<T, N>(wr[i].v, policies);
+    const V xv = load_row_vec<RowRead::kLast, T, N>(xr[i].v, policies);
+    const V w = load_row_vec<RowRead::kFirst, T, N>(wr[i].v, policies);
     V o;
 #pragma unroll
     for (int e = 0; e < N; ++e) o.v[e] = from_float<T>(to_float(xv.v[e]) * inv_rms * to_float(w.v[e]));
@@ -199,9 +201,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     float sum_sq = 0.f;
     for (int i = threadIdx.x; i < nvec; i += kThreads) {
       const size_t at = offset + static_cast<size_t>(i) * N;
-      Vec<T, N> v = load_kept<T, N, N != 1>(x + at, policies);
+      Vec<T, N> v = load_row_vec<RowRead::kFirst, T, N, N != 1>(x + at, policies);
       if constexpr (kFused) {
-        const Vec<T, N> r = load_kept<T, N, N != 1>(residual + at, policies);
+        const Vec<T, N> r = load_row_vec<RowRead::kFirst, T, N, N != 1>(residual + at, policies);
 #pragma unroll
         for (int e = 0; e < N; ++e) v.v[e] = from_float<T>(to_float(v.v[e]) + to_float(r.v[e]));
         store_vec<T, N>(residual + at, v);
@@ -213,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const T* normed = kFused ? residual : x;
     for (int i = threadIdx.x; i < nvec; i += kThreads) {
       const size_t at = offset + static_cast<size_t>(i) * N;
-      const Vec<T, N> v = load_last<T, N, N != 1>(normed + at, policies);
+      const Vec<T, N> v = load_row_vec<RowRead::kLast, T, N, N != 1>(normed + at, policies);
       const Vec<T, N> w = load_vec<T, N>(weight + static_cast<size_t>(i) * N);
       Vec<T, N> o;
 #pragma unroll
