@@ -11,10 +11,10 @@
 // multiple of two warps' worth, take torch.compile's layout: one block a
 // row, exactly two vectors a thread, which reads the row, keeps it in L1
 // and L2 across the reduction and reads it again from there
-// (norm_whole_row_two_pass). Other rows of 16-bit
-// values, when many, take two passes in blocks of 256 threads: the first
-// sums the squares (and writes the residual) and keeps the row in L2, the
-// second reads it back from there, lets it go, and streams the output; few
+// (norm_whole_row_two_pass). Of the other rows, those of 16-bit values,
+// when many, take two passes in blocks of 256 threads: the first sums the
+// squares (and writes the residual) and keeps the row in L1 and L2, the second
+// reads it back from there, lets it go, and streams the output; few
 // registers, so many rows are in flight. float32 rows, and 16-bit rows when
 // few (as in decode), are held in registers instead: each thread keeps its
 // share of the row, as stored (16-byte vectors, up to 8 per thread), across
@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(kRowMaxThreads)
 }
 
 // Any row length, blocks of kThreads: pass 1 sums the squares (and writes
-// the residual) and keeps the row in L2, pass 2 reads it again from there
+// the residual) and keeps the row in L1 and L2, pass 2 reads it again from there
 // and streams the output.
 // Each thread reads back only what it wrote itself.
 template <class T, int N, bool kFused>
