@@ -13,6 +13,7 @@
 #include "kdispatch/environment.hpp"
 #include "kdispatch/log.hpp"
 #include "kdispatch/platform.hpp"
+#include "schema_check.hpp"
 
 namespace kdispatch {
 
@@ -128,7 +129,6 @@ void KernelHandle::raise(kd_status status, char* error) const {
 // --- OpHandle -----------------------------------------------------------------
 
 const OpSchema& OpHandle::schema() const { return state_->compiled->schema(); }
-const CompiledSchema& OpHandle::compiled() const { return *state_->compiled; }
 std::string_view OpHandle::op() const { return state_->op; }
 std::string_view OpHandle::backend() const { return state_->backend; }
 
@@ -169,6 +169,14 @@ std::span<const kd_attr> OpHandle::pack_attrs(std::span<const NamedAttr> attrs, 
   return storage.first(s.attrs.size());
 }
 
+void OpHandle::check(std::span<const DLTensor> tensors, CheckScope scope) const {
+  if (scope == CheckScope::layout) {
+    state_->compiled->check_layout(tensors);
+  } else {
+    state_->compiled->check(tensors);
+  }
+}
+
 KernelHandle OpHandle::resolve(std::span<const DLTensor> tensors) const {
   const CompiledSchema::CallInfo info = state_->compiled->check(tensors);
   return state_->dispatcher->resolve(*state_, info.device, info.dtype);
@@ -190,16 +198,17 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
     } else {
       info = state.compiled->check_plan(tensors);
     }
-    call_checked(tensors, attrs, stream, info);
+    call_checked(tensors, attrs, stream, info.device, info.dtype);
     return;
   }
-  call_checked(tensors, attrs, stream, state.compiled->check(tensors));
+  info = state.compiled->check(tensors);
+  call_checked(tensors, attrs, stream, info.device, info.dtype);
 }
 
 void OpHandle::call_checked(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream,
-                            const CompiledSchema::CallInfo& info) const {
+                            DLDevice device, Dtype dtype) const {
   OpState& state = *state_;
-  const KernelHandle kernel = state.dispatcher->resolve(state, info.device, info.dtype);
+  const KernelHandle kernel = state.dispatcher->resolve(state, device, dtype);
   std::array<kd_attr, kMaxSchemaAttrs> storage;
   const std::span<const kd_attr> packed = pack_attrs(attrs, storage);
   if (state.trace_file == nullptr) {

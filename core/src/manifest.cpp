@@ -28,7 +28,7 @@
 #include "file_check.hpp"
 #include "kdispatch/plugin_api.h"
 #include "manifest_for_cache.hpp"
-#include "kdispatch/schema_check.hpp"
+#include "schema_check.hpp"
 #include "unique_fd.hpp"
 
 namespace kdispatch {
@@ -559,7 +559,7 @@ std::optional<TensorArg> read_tensor(Reader& r, const json& j, const std::string
     return std::nullopt;
   }
   const size_t before = r.error_count();
-  r.unknown_keys(j, pointer, {"name", "shape", "dtype", "written", "inplace", "strided", "range", "values"});
+  r.unknown_keys(j, pointer, {"name", "shape", "dtype", "written", "inplace", "strided", "exact", "range", "values"});
   TensorArg t;
   t.name = r.checked_string(j, pointer, "name", true, kIdentifierExpected, is_identifier).value_or("");
   if (const json* shape = r.array(j, pointer, "shape", true, "a list of shape tokens (e.g. [\"*\", \"H\"])")) {
@@ -579,6 +579,7 @@ std::optional<TensorArg> read_tensor(Reader& r, const json& j, const std::string
   t.inplace = r.boolean(j, pointer, "inplace").value_or(false);
   t.written = t.written || t.inplace;
   t.strided = r.boolean(j, pointer, "strided").value_or(false);
+  t.exact = r.boolean(j, pointer, "exact").value_or(false);
   // "range": [min, max) of an integer input, max a constant or a symbol.
   if (const json* range = r.get(j, pointer, "range", false, ""); range != nullptr) {
     constexpr std::string_view range_expected = "[min, max) as [integer, integer or shape symbol], e.g. [0, \"P\"]";
@@ -660,14 +661,133 @@ std::optional<Sizes> read_sizes(Reader& r, const json& j, const std::string& poi
   return sizes;
 }
 
-// "tests": {"sizes": [{...}, ...], "attrs": {"NAME": [values...]}}; the
-// attributes must be the schema's, which are read before.
+// One entry of "tests"/"special" (SpecialValues); its tensor and outputs
+// must be the schema's, which are read before.
+std::optional<SpecialValues> read_special(Reader& r, const json& j, const std::string& pointer, const OpSchema& s) {
+  if (!j.is_object()) {
+    r.bad(pointer, "an object {\"what\", \"tensors\", \"values\" or \"every_value\", ...}", j);
+    return std::nullopt;
+  }
+  const size_t before = r.error_count();
+  r.unknown_keys(j, pointer,
+                 {"what", "tensors", "values", "ulps", "fraction", "columns", "every_value", "sizes", "unchecked"});
+  SpecialValues v;
+  v.what = r.string(j, pointer, "what", true, "a string saying what the values exercise").value_or("");
+  const auto find = [&](const std::string& name) {
+    return std::find_if(s.tensors.begin(), s.tensors.end(), [&](const TensorArg& t) { return t.name == name; });
+  };
+  constexpr std::string_view tensors_expected = "a non-empty list of names of tensors the op reads";
+  if (const json* names = r.get(j, pointer, "tensors", true, tensors_expected); names != nullptr) {
+    const auto tensors_pointer = pointer_key(pointer, "tensors");
+    if (!names->is_array() || names->empty()) r.bad(tensors_pointer, tensors_expected, *names);
+    for (size_t i = 0; names->is_array() && i < names->size(); ++i) {
+      const json& item = (*names)[i];
+      const auto t = item.is_string() ? find(item.get<std::string>()) : s.tensors.end();
+      if (t == s.tensors.end() || (t->written && !t->inplace)) {
+        r.bad(pointer_index(tensors_pointer, i), "the name of a tensor the op reads", item);
+      } else {
+        v.tensors.push_back(t->name);
+      }
+    }
+  }
+  v.every_value = r.boolean(j, pointer, "every_value").value_or(false);
+  constexpr std::string_view values_expected = "a non-empty list of numbers or \"nan\", \"inf\", \"-inf\"";
+  if (const json* values = r.get(j, pointer, "values", !v.every_value, values_expected); values != nullptr) {
+    const auto values_pointer = pointer_key(pointer, "values");
+    if (!values->is_array() || values->empty()) r.bad(values_pointer, values_expected, *values);
+    for (size_t i = 0; values->is_array() && i < values->size(); ++i) {
+      const json& item = (*values)[i];
+      if (item.is_number()) {
+        v.values.push_back(item.get<double>());
+      } else if (item == "nan" || item == "inf" || item == "-inf") {
+        const double inf = std::numeric_limits<double>::infinity();
+        v.values.push_back(item == "nan" ? std::numeric_limits<double>::quiet_NaN() : item == "inf" ? inf : -inf);
+      } else {
+        r.bad(pointer_index(values_pointer, i), values_expected, item);
+      }
+    }
+  }
+  if (const json* ulps = r.get(j, pointer, "ulps", false, ""); ulps != nullptr) {
+    if (!ulps->is_number_integer() || ulps->get<int64_t>() < 0 || ulps->get<int64_t>() > 1000000) {
+      r.bad(pointer_key(pointer, "ulps"), "a number of steps of the dtype, 0 to 1000000", *ulps);
+    } else {
+      v.ulps = ulps->get<int64_t>();
+    }
+  }
+  if (const json* fraction = r.get(j, pointer, "fraction", false, ""); fraction != nullptr) {
+    if (!fraction->is_number() || !(fraction->get<double>() > 0) || fraction->get<double>() > 1) {
+      r.bad(pointer_key(pointer, "fraction"), "a share of the elements, greater than 0 and at most 1", *fraction);
+    } else {
+      v.fraction = fraction->get<double>();
+    }
+  }
+  if (const json* columns = r.get(j, pointer, "columns", false, ""); columns != nullptr) {
+    constexpr std::string_view columns_expected = "[from, to) in the last dim, each an integer or a shape symbol";
+    std::optional<ShapeToken> from;
+    std::optional<ShapeToken> to;
+    const auto bound = [](const json& value) -> std::optional<ShapeToken> {
+      if (value.is_number_integer() && value == 0) {
+        ShapeToken zero;
+        zero.kind = ShapeToken::Kind::constant;
+        return zero;
+      }
+      return parse_shape_token(value, false);
+    };
+    if (columns->is_array() && columns->size() == 2) {
+      from = bound((*columns)[0]);
+      to = bound((*columns)[1]);
+    }
+    const auto plain = [](const std::optional<ShapeToken>& t) {
+      return t && (t->kind == ShapeToken::Kind::constant || t->kind == ShapeToken::Kind::symbol);
+    };
+    if (!plain(from) || !plain(to)) {
+      r.bad(pointer_key(pointer, "columns"), columns_expected, *columns);
+    } else {
+      v.columns = std::pair{*from, *to};
+    }
+  }
+  if (const json* sizes = r.get(j, pointer, "sizes", false, ""); sizes != nullptr) {
+    const auto sizes_pointer = pointer_key(pointer, "sizes");
+    if (!sizes->is_array()) r.bad(sizes_pointer, "a list of size objects", *sizes);
+    for (size_t i = 0; sizes->is_array() && i < sizes->size(); ++i) {
+      if (auto one = read_sizes(r, (*sizes)[i], pointer_index(sizes_pointer, i))) v.sizes.push_back(std::move(*one));
+    }
+  }
+  if (const json* unchecked = r.get(j, pointer, "unchecked", false, ""); unchecked != nullptr) {
+    const auto unchecked_pointer = pointer_key(pointer, "unchecked");
+    if (!unchecked->is_array()) r.bad(unchecked_pointer, "a list of names of tensors the op writes", *unchecked);
+    for (size_t i = 0; unchecked->is_array() && i < unchecked->size(); ++i) {
+      const json& item = (*unchecked)[i];
+      const auto t = item.is_string() ? find(item.get<std::string>()) : s.tensors.end();
+      if (t == s.tensors.end() || !t->written) {
+        r.bad(pointer_index(unchecked_pointer, i), "the name of a tensor the op writes", item);
+      } else {
+        v.unchecked.push_back(t->name);
+      }
+    }
+  }
+  if (r.error_count() != before) return std::nullopt;
+  return v;
+}
+
+// "tests": {"sizes": [{...}, ...], "attrs": {"NAME": [values...]},
+// "special": [...]}; the tensors and attributes must be the schema's, which
+// are read before.
 void read_tests(Reader& r, const json& j, const std::string& pointer, OpSchema& s) {
   if (!j.is_object()) {
-    r.bad(pointer, "an object {\"sizes\": [...], \"attrs\": {...}}", j);
+    r.bad(pointer, "an object {\"sizes\": [...], \"attrs\": {...}, \"special\": [...]}", j);
     return;
   }
-  r.unknown_keys(j, pointer, {"sizes", "attrs"});
+  r.unknown_keys(j, pointer, {"sizes", "attrs", "special"});
+  if (const json* special = r.get(j, pointer, "special", false, ""); special != nullptr) {
+    const auto special_pointer = pointer_key(pointer, "special");
+    if (!special->is_array()) r.bad(special_pointer, "a list of special-value sets", *special);
+    for (size_t i = 0; special->is_array() && i < special->size(); ++i) {
+      if (auto one = read_special(r, (*special)[i], pointer_index(special_pointer, i), s)) {
+        s.test_special.push_back(std::move(*one));
+      }
+    }
+  }
   if (const json* sizes = r.array(j, pointer, "sizes", true, "a list of size objects")) {
     for (size_t i = 0; i < sizes->size(); ++i) {
       if (auto one = read_sizes(r, (*sizes)[i], pointer_index(pointer_key(pointer, "sizes"), i))) {

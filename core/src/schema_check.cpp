@@ -1,4 +1,4 @@
-#include "kdispatch/schema_check.hpp"
+#include "schema_check.hpp"
 
 #include <fmt/format.h>
 
@@ -40,12 +40,6 @@ std::string device_str(DLDevice d) {
 }
 
 }  // namespace
-
-int64_t numel(const DLTensor& t) {
-  int64_t n = 1;
-  for (int i = 0; i < t.ndim; ++i) n *= t.shape[i];
-  return n;
-}
 
 std::optional<uint64_t> checked_bytes(const DLTensor& t) noexcept {
   int64_t n = 1;
@@ -150,7 +144,10 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
     const size_t vars_before = var_names_.size();
     if (auto slot = var_slot(arg.dtype)) {
       t.var = *slot;
-      if (var_names_.size() > vars_before) t.bind_var = *slot;  // the variable's first tensor
+      if (var_names_.size() > vars_before) {  // the variable's first tensor
+        t.bind_var = *slot;
+        var_owner_[*slot] = static_cast<uint8_t>(plan_.size());
+      }
     } else if (auto d = parse_dtype(arg.dtype)) {
       t.header = uint64_t{pack_dtype(to_dlpack(*d))} << 32;
       if (plan_.empty()) fixed_dtype_ = *d;
@@ -167,6 +164,7 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
         return;
       }
       bound_symbols |= uint64_t{1} << slot;
+      symbol_owner_[slot] = static_cast<uint8_t>(plan_.size());
       if (factor != 1) t.flags |= kDivides;
       push({0, factor, slot, slot, factor});
     };
@@ -174,7 +172,10 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
       switch (tok.kind) {
         case ShapeToken::Kind::leading:
           t.flags |= kLeading;
-          if (!seen_leading) t.flags |= kBindsLeading;
+          if (!seen_leading) {
+            t.flags |= kBindsLeading;
+            leading_owner_ = static_cast<uint8_t>(plan_.size());
+          }
           seen_leading = true;
           break;
         case ShapeToken::Kind::symbol: symbol_dim(tok.symbol, 1); break;
@@ -190,13 +191,6 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
     plan_.push_back(t);
   }
   num_tensors_ = plan_.size();
-}
-
-CompiledSchema::CallInfo CompiledSchema::check_plan(std::span<const DLTensor> tensors) const {
-  CallInfo info;
-  if (!check_fast(tensors, &info)) diagnose(tensors);
-  remember(tensors, info.dtype);
-  return info;
 }
 
 // Records an accepted call for matches_remembered(), over the oldest entry. A
@@ -225,205 +219,210 @@ void CompiledSchema::remember(std::span<const DLTensor> tensors, Dtype dtype) co
   accepted.seq.store(seq + 2, std::memory_order_release);
 }
 
-// The compiled plan: see the comment on Dim.
-bool CompiledSchema::check_fast(std::span<const DLTensor> tensors, CallInfo* info) const noexcept {
+// The compiled plan: see the comment on Dim. `refuse(argument, words)`
+// returns false in the quick pass, which never builds the words, and
+// throws them in the diagnosing one; the rules and their order are this
+// function's, for both.
+template <CompiledSchema::Scope scope, class Refuse>
+bool CompiledSchema::walk(std::span<const DLTensor> tensors, CallInfo* info, Refuse&& refuse) const {
   const size_t n = plan_.size();
-  if (tensors.size() != n || n == 0) return false;
+  if (tensors.size() != n || n == 0) [[unlikely]] {
+    return refuse(kWholeCall, [&] {
+      std::vector<std::string_view> names;
+      for (const auto& a : schema_.tensors) names.push_back(a.name);
+      return fmt::format("op '{}' takes {} tensors ({}), got {}", schema_.op, n, fmt::join(names, ", "),
+                         tensors.size());
+    });
+  }
   const Tensor* plan = plan_.data();
   const uint64_t device = read_word(tensors[0], offsetof(DLTensor, device));
   std::array<int64_t, kMaxSchemaSymbols + 2> value;
   std::array<uint32_t, kMaxSchemaDtypeVars + 2> code;
   value[kZeroSymbol] = 0;
   code[kZeroVar] = 0;
+  Dtype dtype = fixed_dtype_;
   const int64_t* leading = nullptr;
   int64_t leading_count = 0;
 
   for (size_t i = 0; i < n; ++i) {
     const Tensor& spec = plan[i];
     const DLTensor& t = tensors[i];
-    if (read_word(t, offsetof(DLTensor, device)) != device) return false;
+    if (read_word(t, offsetof(DLTensor, device)) != device) [[unlikely]] {
+      return refuse(i, [&] {
+        return fmt::format("is on {}, but '{}' is on {}: all tensors of a call must be on one device",
+                           device_str(t.device), schema_.tensors[0].name, device_str(tensors[0].device));
+      });
+    }
     const uint64_t header = read_word(t, offsetof(DLTensor, ndim));
-    code[spec.bind_var] = static_cast<uint32_t>(header >> 32);
-    if (((header ^ (spec.header | uint64_t{code[spec.var]} << 32)) & spec.header_mask) != 0) return false;
+    const auto got_code = static_cast<uint32_t>(header >> 32);
+    if (spec.bind_var != kScratchVar) {
+      // The first tensor of its dtype variable: its dtype must be allowed.
+      const VarCodes& var = var_codes_[spec.bind_var];
+      uint32_t j = 0;
+      while (j < var.count && var.codes[j] != got_code) ++j;
+      if (j == var.count) [[unlikely]] {
+        return refuse(i, [&] {
+          std::vector<std::string_view> allowed;
+          for (uint32_t k = 0; k < var.count; ++k) allowed.push_back(dtype_name(var.dtypes[k]));
+          return fmt::format("expected dtype {} in [{}], got {}", var_names_[spec.bind_var], fmt::join(allowed, ", "),
+                             dtype_str(t.dtype));
+        });
+      }
+      if (spec.bind_var == 0) dtype = var.dtypes[j];  // the first variable selects the kernel
+    }
+    code[spec.bind_var] = got_code;
+    if (((header ^ (spec.header | uint64_t{code[spec.var]} << 32)) & spec.header_mask) != 0) [[unlikely]] {
+      return refuse(i, [&] { return header_problem(i, tensors); });
+    }
     const int64_t* sizes = t.shape;
-    if (sizes == nullptr && t.ndim != 0) return false;
+    if ((sizes == nullptr && t.ndim != 0) || t.ndim < 0) [[unlikely]] {
+      return refuse(i, [&] { return fmt::format("has {}", t.ndim < 0 ? "a negative ndim" : "a null shape"); });
+    }
+    int64_t lead = 0;
     if (spec.flags & kLeading) {
-      const int64_t lead = static_cast<int64_t>(t.ndim) - spec.num_dims;
+      lead = static_cast<int64_t>(t.ndim) - spec.num_dims;
+      if (lead < 0) [[unlikely]] return refuse(i, [&] { return header_problem(i, tensors); });
+      for (int64_t k = 0; k < lead; ++k) {
+        if (sizes[k] < 0) [[unlikely]] {
+          return refuse(i, [&] { return fmt::format("has a negative dim in {}", shape_str(t)); });
+        }
+      }
       if (spec.flags & kBindsLeading) {
-        if (lead < 0) return false;
         leading = sizes;
         leading_count = lead;
-        for (int64_t k = 0; k < lead; ++k) {
-          if (sizes[k] < 0) return false;
-        }
-      } else {
-        if (lead != leading_count) return false;
-        for (int64_t k = 0; k < lead; ++k) {
-          if (sizes[k] != leading[k]) return false;
-        }
+      } else if (lead != leading_count || !std::equal(sizes, sizes + lead, leading)) [[unlikely]] {
+        return refuse(i, [&] {
+          const DLTensor& owner = tensors[leading_owner_];
+          return fmt::format("leading dims of {} differ from those of '{}' {}", shape_str(t),
+                             schema_.tensors[leading_owner_].name, shape_str(owner));
+        });
       }
       sizes += lead;
     }
     const Dim* dims = dims_.data() + spec.first_dim;
-    if (!(spec.flags & kDivides)) [[likely]] {
-      for (uint32_t k = 0; k < spec.num_dims; ++k) {
-        const int64_t size = sizes[k];
-        value[dims[k].bind] = size;
-        if (size < 0 || size != dims[k].constant + dims[k].factor * value[dims[k].match]) return false;
+    for (uint32_t k = 0; k < spec.num_dims; ++k) {
+      const int64_t size = sizes[k];
+      const Dim& d = dims[k];
+      if (size < 0) [[unlikely]] {
+        return refuse(i, [&] { return fmt::format("has a negative dim in {}", shape_str(t)); });
       }
-    } else {
-      for (uint32_t k = 0; k < spec.num_dims; ++k) {
-        const int64_t size = sizes[k];
-        if (size < 0 || size % dims[k].divisor != 0) return false;
-        value[dims[k].bind] = size / dims[k].divisor;
-        if (size != dims[k].constant + dims[k].factor * value[dims[k].match]) return false;
+      if (!(spec.flags & kDivides)) [[likely]] {
+        value[d.bind] = size;
+      } else {
+        if (size % d.divisor != 0) [[unlikely]] {
+          return refuse(i, [&] {
+            return fmt::format("dim {} must be a multiple of {} ({}*{}), got {}", lead + k, d.divisor, d.divisor,
+                               symbols_[d.match], size);
+          });
+        }
+        value[d.bind] = size / d.divisor;
+      }
+      const int64_t expected = d.constant + d.factor * value[d.match];
+      if (size != expected) [[unlikely]] {
+        return refuse(i, [&] { return dim_problem(i, t, k, lead, expected); });
       }
     }
     // Sizes whose element or byte count overflows are refused before null
     // data is allowed for an empty tensor: an overflow can read as zero.
     const std::optional<uint64_t> bytes = checked_bytes(t);
-    if (!bytes) return false;
-    if (t.data == nullptr && *bytes != 0) return false;
-    if (t.byte_offset != 0 && !byte_offset_problem(t, *bytes).empty()) return false;
-    if (t.strides != nullptr && !(spec.flags & kStrided) && !is_contiguous(t)) return false;
-  }
-  // Each dtype variable's code (bound by its first tensor) must be allowed.
-  Dtype dtype = fixed_dtype_;
-  for (size_t v = 0; v < var_names_.size(); ++v) {
-    const VarCodes& var = var_codes_[v];
-    uint32_t j = 0;
-    while (j < var.count && var.codes[j] != code[v]) ++j;
-    if (j == var.count) return false;
-    if (v == 0) dtype = var.dtypes[j];  // the first variable selects the kernel
+    if (!bytes) [[unlikely]] {
+      return refuse(i, [&] {
+        return fmt::format("shape {} of {} has more elements or bytes than 64 bits count", shape_str(t),
+                           dtype_str(t.dtype));
+      });
+    }
+    if constexpr (scope == Scope::call) {
+      if (t.data == nullptr && *bytes != 0) [[unlikely]] return refuse(i, [] { return std::string("has null data"); });
+      if (t.byte_offset != 0) [[unlikely]] {
+        if (std::string why = byte_offset_problem(t, *bytes); !why.empty()) {
+          return refuse(i, [&] { return why; });
+        }
+      }
+    }
+    if (t.strides != nullptr && !(spec.flags & kStrided) && !is_contiguous(t)) [[unlikely]] {
+      return refuse(i, [&] {
+        return fmt::format("must be contiguous, got strides [{}] for shape {}",
+                           fmt::join(std::span<const int64_t>(t.strides, static_cast<size_t>(t.ndim)), ", "),
+                           shape_str(t));
+      });
+    }
   }
   info->dtype = dtype;
   info->device = tensors[0].device;
   return true;
 }
 
-void CompiledSchema::fail(size_t tensor, const std::string& what) const {
-  throw CallError(ErrorCode::bad_arguments,
-                  fmt::format("op '{}', argument {} '{}': {}", schema_.op, tensor, schema_.tensors[tensor].name, what));
+// A tensor whose dtype or rank differs from its pattern's: the dtype is
+// named first, as the walk checks it first.
+std::string CompiledSchema::header_problem(size_t i, std::span<const DLTensor> tensors) const {
+  const Tensor& spec = plan_[i];
+  const TensorArg& arg = schema_.tensors[i];
+  const DLTensor& t = tensors[i];
+  if (spec.var != kZeroVar) {
+    const DLTensor& var_owner = tensors[var_owner_[spec.var]];
+    if (pack_dtype(t.dtype) != pack_dtype(var_owner.dtype)) {
+      return fmt::format("expected dtype {} = {} (as '{}'), got {}", var_names_[spec.var], dtype_str(var_owner.dtype),
+                         schema_.tensors[var_owner_[spec.var]].name, dtype_str(t.dtype));
+    }
+  } else if (pack_dtype(t.dtype) != static_cast<uint32_t>(spec.header >> 32)) {
+    return fmt::format("expected dtype {}, got {}", arg.dtype, dtype_str(t.dtype));
+  }
+  if ((t.shape == nullptr && t.ndim != 0) || t.ndim < 0) {
+    return fmt::format("has {}", t.ndim < 0 ? "a negative ndim" : "a null shape");
+  }
+  const bool leading = spec.flags & kLeading;
+  return fmt::format("expected shape {} ({}{} dims), got {}", pattern_str(arg), leading ? "at least " : "",
+                     spec.num_dims, shape_str(t));
 }
 
+// Dim k after the leading ones differs from the constant or the bound
+// symbol it must equal.
+std::string CompiledSchema::dim_problem(size_t i, const DLTensor& t, size_t k, int64_t lead, int64_t expected) const {
+  const Dim& d = dims_[plan_[i].first_dim + k];
+  const int64_t at = lead + static_cast<int64_t>(k);
+  const int64_t size = t.shape[at];
+  if (d.match == kZeroSymbol) {
+    return fmt::format("dim {} must be {}, got {} (shape {})", at, d.constant, size, shape_str(t));
+  }
+  const std::string& symbol = symbols_[d.match];
+  const std::string token = d.factor == 1 ? symbol : fmt::format("{}*{}", d.factor, symbol);
+  return fmt::format("dim {} is {} = {} (from '{}'), got {} (shape {})", at, token, expected,
+                     schema_.tensors[symbol_owner_[d.match]].name, size, shape_str(t));
+}
+
+CompiledSchema::CallInfo CompiledSchema::check_plan(std::span<const DLTensor> tensors) const {
+  CallInfo info;
+  const auto quiet = [](size_t, const auto&) noexcept { return false; };
+  if (!walk<Scope::call>(tensors, &info, quiet)) [[unlikely]] diagnose<Scope::call>(tensors);
+  remember(tensors, info.dtype);
+  return info;
+}
+
+void CompiledSchema::check_layout(std::span<const DLTensor> tensors) const {
+  CallInfo info;
+  const auto quiet = [](size_t, const auto&) noexcept { return false; };
+  if (!walk<Scope::layout>(tensors, &info, quiet)) diagnose<Scope::layout>(tensors);
+}
+
+template <CompiledSchema::Scope scope>
 void CompiledSchema::diagnose(std::span<const DLTensor> tensors) const {
-  if (tensors.size() != plan_.size() || tensors.empty()) {
-    std::vector<std::string_view> names;
-    for (const auto& a : schema_.tensors) names.push_back(a.name);
-    throw CallError(ErrorCode::bad_arguments,
-                    fmt::format("op '{}' takes {} tensors ({}), got {}", schema_.op, plan_.size(),
-                                fmt::join(names, ", "), tensors.size()));
-  }
-  std::array<int64_t, kMaxSchemaSymbols> bound;
-  bound.fill(-1);
-  std::array<int, kMaxSchemaSymbols> bound_by{};
-  std::array<DLDataType, kMaxSchemaSymbols> var_type{};
-  std::array<int, kMaxSchemaSymbols> var_by;
-  var_by.fill(-1);
-  const DLTensor* leading_owner = nullptr;
-  int leading_index = -1;
-  int64_t leading_count = 0;
+  CallInfo info;
+  walk<scope>(tensors, &info, [this](size_t i, const auto& words) -> bool {
+    fail(i, words());
+    return false;  // not reached: fail() throws
+  });
+  // The walk refused the call once and accepted it now: its rules read
+  // something that changed in between (another thread writing the shape).
+  throw CallError(ErrorCode::bad_arguments,
+                  fmt::format("op '{}': arguments refused, then accepted when checked again (were they changed "
+                              "while the call was checked?)",
+                              schema_.op));
+}
 
-  for (size_t i = 0; i < plan_.size(); ++i) {
-    const Tensor& spec = plan_[i];
-    const bool leading = spec.flags & kLeading;
-    const DLTensor& t = tensors[i];
-    // Device: one for the whole call.
-    if (t.device.device_type != tensors[0].device.device_type || t.device.device_id != tensors[0].device.device_id) {
-      fail(i, fmt::format("is on {}, but '{}' is on {}: all tensors of a call must be on one device",
-                          device_str(t.device), schema_.tensors[0].name, device_str(tensors[0].device)));
-    }
-    // Dtype.
-    if (spec.var != kZeroVar) {
-      const auto v = static_cast<size_t>(spec.var);
-      if (var_by[v] < 0) {
-        const auto d = from_dlpack(t.dtype);
-        const std::span<const Dtype> allowed(var_codes_[v].dtypes.data(), var_codes_[v].count);
-        if (!d || std::find(allowed.begin(), allowed.end(), *d) == allowed.end()) {
-          std::vector<std::string_view> names;
-          for (Dtype a : allowed) names.push_back(dtype_name(a));
-          fail(i, fmt::format("expected dtype {} in [{}], got {}", var_names_[v], fmt::join(names, ", "),
-                              dtype_str(t.dtype)));
-        }
-        var_by[v] = static_cast<int>(i);
-        var_type[v] = t.dtype;
-      } else if (t.dtype.code != var_type[v].code || t.dtype.bits != var_type[v].bits ||
-                 t.dtype.lanes != var_type[v].lanes) {
-        fail(i, fmt::format("expected dtype {} = {} (as '{}'), got {}", var_names_[v], dtype_str(var_type[v]),
-                            schema_.tensors[static_cast<size_t>(var_by[v])].name, dtype_str(t.dtype)));
-      }
-    } else {
-      if (pack_dtype(t.dtype) != static_cast<uint32_t>(spec.header >> 32)) {
-        fail(i, fmt::format("expected dtype {}, got {}", schema_.tensors[i].dtype, dtype_str(t.dtype)));
-      }
-    }
-    // Rank.
-    const int64_t fixed = static_cast<int64_t>(spec.num_dims);
-    if (t.ndim < 0 || (t.ndim > 0 && t.shape == nullptr)) fail(i, "has a null shape");
-    if (leading ? t.ndim < fixed : t.ndim != fixed) {
-      fail(i, fmt::format("expected shape {} ({}{} dims), got {}", pattern_str(schema_.tensors[i]),
-                          leading ? "at least " : "", fixed, shape_str(t)));
-    }
-    for (int k = 0; k < t.ndim; ++k) {
-      if (t.shape[k] < 0) fail(i, fmt::format("has a negative dim in {}", shape_str(t)));
-    }
-    // Leading dims: the same for every tensor that has them.
-    const int64_t lead = t.ndim - fixed;
-    if (leading) {
-      if (leading_owner == nullptr) {
-        leading_owner = &t;
-        leading_index = static_cast<int>(i);
-        leading_count = lead;
-      } else if (lead != leading_count || !std::equal(t.shape, t.shape + lead, leading_owner->shape)) {
-        fail(i, fmt::format("leading dims of {} differ from those of '{}' {}", shape_str(t),
-                            schema_.tensors[static_cast<size_t>(leading_index)].name, shape_str(*leading_owner)));
-      }
-    }
-    // Named and constant dims.
-    for (size_t k = 0; k < spec.num_dims; ++k) {
-      const Dim& d = dims_[spec.first_dim + k];
-      const int64_t size = t.shape[lead + static_cast<int64_t>(k)];
-      if (size < 0) fail(i, fmt::format("has a negative dim in {}", shape_str(t)));
-      if (d.match == kZeroSymbol) {
-        if (size != d.constant) {
-          fail(i, fmt::format("dim {} must be {}, got {} (shape {})", lead + static_cast<int64_t>(k), d.constant, size,
-                              shape_str(t)));
-        }
-        continue;
-      }
-      const int64_t factor = d.factor;
-      const uint8_t symbol = d.match;
-      int64_t& value = bound[symbol];
-      if (value < 0) {
-        if (size % factor != 0) {
-          fail(i, fmt::format("dim {} must be a multiple of {} ({}*{}), got {}", lead + static_cast<int64_t>(k),
-                              factor, factor, symbols_[symbol], size));
-        }
-        value = size / factor;
-        bound_by[symbol] = static_cast<int>(i);
-      } else if (size != factor * value) {
-        const std::string token = factor == 1 ? symbols_[symbol] : fmt::format("{}*{}", factor, symbols_[symbol]);
-        fail(i, fmt::format("dim {} is {} = {} (from '{}'), got {} (shape {})", lead + static_cast<int64_t>(k), token,
-                            factor * value, schema_.tensors[static_cast<size_t>(bound_by[symbol])].name, size,
-                            shape_str(t)));
-      }
-    }
-    // Memory.
-    const std::optional<uint64_t> bytes = checked_bytes(t);
-    if (!bytes) {
-      fail(i, fmt::format("shape {} of {} has more elements or bytes than 64 bits count", shape_str(t),
-                          dtype_str(t.dtype)));
-    }
-    if (t.data == nullptr && *bytes > 0) fail(i, "has null data");
-    if (std::string why = byte_offset_problem(t, *bytes); !why.empty()) fail(i, why);
-    if (!(spec.flags & kStrided) && !is_contiguous(t)) {
-      std::vector<int64_t> strides(t.strides, t.strides + t.ndim);
-      fail(i, fmt::format("must be contiguous, got strides [{}] for shape {}", fmt::join(strides, ", "), shape_str(t)));
-    }
-  }
-
-  // check_fast() refused what this pass accepts: the two disagree.
-  throw CallError(ErrorCode::bad_arguments, fmt::format("op '{}': arguments refused (no detail found)", schema_.op));
+void CompiledSchema::fail(size_t tensor, const std::string& what) const {
+  if (tensor == kWholeCall) throw CallError(ErrorCode::bad_arguments, what);
+  throw CallError(ErrorCode::bad_arguments,
+                  fmt::format("op '{}', argument {} '{}': {}", schema_.op, tensor, schema_.tensors[tensor].name, what));
 }
 
 }  // namespace kdispatch

@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
+
 namespace kdispatch {
 
 std::string ShapeToken::str() const {
@@ -12,6 +15,14 @@ std::string ShapeToken::str() const {
     case Kind::multiple: return fmt::format("{}*{}", value, symbol);
   }
   return "?";
+}
+
+bool SpecialValues::operator==(const SpecialValues& other) const {
+  const auto same_value = [](double a, double b) { return a == b || (std::isnan(a) && std::isnan(b)); };
+  return what == other.what && tensors == other.tensors &&
+         std::equal(values.begin(), values.end(), other.values.begin(), other.values.end(), same_value) &&
+         ulps == other.ulps && fraction == other.fraction && columns == other.columns &&
+         every_value == other.every_value && sizes == other.sizes && unchecked == other.unchecked;
 }
 
 std::string_view attr_type_name(AttrType type) {

@@ -1,7 +1,12 @@
 // The conformance suite: every op of every backend present, in every dtype
-// it declares, at odd and large sizes, against the op's reference kernel
-// run on the same inputs, within the tolerances of the op's schema. Outputs
-// are poisoned before each call and inputs are random, never all zeros.
+// its kernel serves (the schema's, for a kernel that declares none), at
+// the sizes and attribute values of the op schema's "tests", on random
+// inputs and again with each set of the schema's special values planted
+// (NaN, infinities, ties, far tails, every 16-bit value), against the op's
+// reference kernel run on the same inputs, within the tolerances of the
+// op's schema. Outputs are poisoned before each call and inputs are random,
+// never all zeros. Nothing here names an op: what to run comes from the
+// schemas, and the expected results from the reference backend.
 //
 //   KDISPATCH_CONFORMANCE_BACKEND=cuda kdispatch-conformance   one backend
 //   kdispatch-conformance                                      all present
@@ -11,10 +16,12 @@
 
 #include <cstdlib>
 #include <memory>
+#include <thread>
 
 #include "harness.hpp"
 #include "kdispatch/context.hpp"
 #include "kdispatch/dispatcher.hpp"
+#include "raw_call.hpp"
 
 using namespace kdispatch;
 
@@ -24,104 +31,198 @@ struct Backend {
   std::string name;
   const PluginBinary* binary;
   ProbedDevice device;
+  DLDevice dl;
+  const kd_memory_api* memory;  // null on the host
 };
 
 std::unique_ptr<Context> g_context;
 std::unique_ptr<Dispatcher> g_dispatch;
 std::vector<Backend> g_backends;
 
-struct Case {
-  harness::Shapes shapes;
-  std::vector<NamedAttr> attrs;
-};
-
-std::string describe(const Case& c) {
-  std::string s = harness::shapes_str(c.shapes);
-  for (const auto& a : c.attrs) {
-    s += fmt::format(" {}={}", a.name, std::visit([](const auto& v) { return fmt::format("{}", v); }, a.value));
-  }
-  return s;
+void synchronize(const Backend& b) {
+  if (b.memory == nullptr) return;
+  char error[256] = "";
+  REQUIRE_MESSAGE(b.memory->synchronize(b.dl.device_id, error, sizeof error) == KD_STATUS_OK, error);
 }
 
-// The schema's test sizes (its example where it lists none), each with every
-// combination of its test attribute values; other attributes keep their
-// defaults, which the harness fills in.
-std::vector<Case> cases_of(const OpSchema& schema) {
-  std::vector<harness::Shapes> sizes = schema.test_sizes;
-  if (sizes.empty()) sizes.push_back(harness::example_shapes(schema));
-  std::vector<std::vector<NamedAttr>> combos{{}};
-  for (const auto& [name, values] : schema.test_attrs) {
-    std::vector<std::vector<NamedAttr>> next;
-    for (const auto& combo : combos) {
-      for (const AttrValue& v : values) {
-        next.push_back(combo);
-        next.back().push_back({name, v});
-      }
-    }
-    combos = std::move(next);
-  }
-  std::vector<Case> cases;
-  for (const auto& s : sizes) {
-    for (const auto& combo : combos) cases.push_back({s, combo});
-  }
-  return cases;
+// The call `c` of the op on backend `b`, checked against the reference run
+// on the same inputs.
+harness::Comparison run_case(const OpSchema& schema, const OpHandle& handle, const OpHandle& reference,
+                             const Backend& b, Dtype dtype, const harness::TestCase& c, uint64_t seed) {
+  const harness::CallData host = harness::make_case(schema, dtype, c, seed);
+  harness::CallData data = harness::clone_to(host, b.dl, b.memory);
+  std::vector<DLTensor> tensors = data.dl();
+  REQUIRE_NOTHROW(handle(tensors, data.attrs));
+  synchronize(b);
+  harness::download_all(data);
+  harness::CallData want = harness::clone_to(host, DLDevice{kDLCPU, 0}, nullptr);
+  std::vector<DLTensor> want_tensors = want.dl();
+  REQUIRE_NOTHROW(reference(want_tensors, want.attrs));
+  const std::vector<std::string> none;
+  return harness::compare(schema, data, want, c.special != nullptr ? c.special->unchecked : none);
 }
 
-// Runs `op` on every backend under test for every case and dtype, against
-// the op's reference kernel.
+// Runs `schema`'s op on every backend under test for every case and dtype.
 void conform(const OpSchema& schema) {
   const std::string& op = schema.op;
   const KernelSpec* reference_spec = g_context->registry().reference(op);
   REQUIRE_MESSAGE(reference_spec != nullptr, "no reference kernel for " << op);
   const OpHandle reference = g_dispatch->op(op, reference_spec->backend);
-  const std::vector<Case> cases = cases_of(schema);
-  int runs = 0;
+  const std::vector<harness::TestCase> cases = harness::test_cases(schema);
   for (const Backend& b : g_backends) {
     const KernelSpec* spec = g_context->registry().get_backend(op, b.name);
     if (spec == nullptr || spec == reference_spec) continue;
+    const std::vector<Dtype> dtypes = harness::kernel_dtypes(schema, *spec);
+    CHECK_MESSAGE(!dtypes.empty(), op << " on " << b.name << ": the kernel declares no dtype the schema takes");
     const OpHandle handle = g_dispatch->op(op, b.name);
-    const kd_memory_api* memory =
-        b.device.device.type == DeviceType::cpu || !KD_STRUCT_HAS_FIELD(kd_plugin_api, memory, b.binary->api->struct_size)
-            ? nullptr
-            : b.binary->api->memory;
-    const DLDevice dl{static_cast<DLDeviceType>(to_dlpack_device_type(b.device.device.type)), b.device.id};
-    for (Dtype dtype : spec->dtypes) {
-      for (const Case& c : cases) {
-        harness::CallData host = harness::make_call(schema, dtype, c.shapes, 1234 + static_cast<uint64_t>(runs));
-        for (const NamedAttr& a : c.attrs) {
-          for (NamedAttr& have : host.attrs) {
-            if (have.name == a.name) have.value = a.value;
-          }
-        }
-        harness::CallData data = harness::clone_to(host, dl, memory);
-        std::vector<DLTensor> tensors = data.dl();
-        INFO(op << " on " << b.name << " " << dtype_name(dtype) << " " << describe(c));
-        REQUIRE_NOTHROW(handle(tensors, data.attrs));
-        if (memory != nullptr) {
-          char error[256] = "";
-          REQUIRE(memory->synchronize(dl.device_id, error, sizeof error) == KD_STATUS_OK);
-        }
-        harness::download_all(data);
-        harness::CallData want = harness::clone_to(host, DLDevice{kDLCPU, 0}, nullptr);
-        std::vector<DLTensor> want_tensors = want.dl();
-        REQUIRE_NOTHROW(reference(want_tensors, want.attrs));
-        const harness::Comparison cmp = harness::compare(schema, data, want);
+    int runs = 0;
+    for (Dtype dtype : dtypes) {
+      for (const harness::TestCase& c : cases) {
+        INFO(op << " on " << b.name << " " << dtype_name(dtype) << " " << harness::describe(c));
+        const harness::Comparison cmp =
+            run_case(schema, handle, reference, b, dtype, c, 1234 + static_cast<uint64_t>(runs));
         CHECK_MESSAGE(cmp.ok, cmp.first_mismatch << " (max " << cmp.max_ulps << " ulps, mean " << cmp.mean_ulps
                                                  << " ulps)");
         ++runs;
       }
     }
+    MESSAGE(op << " on " << b.name << ": " << runs << " calls checked");
   }
-  MESSAGE(op << ": " << runs << " calls checked");
+}
+
+// Four threads call the op at once, each on its own data: every result is
+// still the reference's.
+void conform_threads(const OpSchema& schema) {
+  const KernelSpec* reference_spec = g_context->registry().reference(schema.op);
+  REQUIRE(reference_spec != nullptr);
+  const OpHandle reference = g_dispatch->op(schema.op, reference_spec->backend);
+  const std::vector<harness::TestCase> cases = harness::test_cases(schema);
+  // The largest random case: large enough for a backend's thread pool.
+  const harness::TestCase* largest = &cases.front();
+  for (const harness::TestCase& c : cases) {
+    if (c.special == nullptr && harness::call_bytes(schema, Dtype::float32, c.shapes) >
+                                    harness::call_bytes(schema, Dtype::float32, largest->shapes)) {
+      largest = &c;
+    }
+  }
+  for (const Backend& b : g_backends) {
+    const KernelSpec* spec = g_context->registry().get_backend(schema.op, b.name);
+    if (spec == nullptr || spec == reference_spec) continue;
+    const std::vector<Dtype> dtypes = harness::kernel_dtypes(schema, *spec);
+    if (dtypes.empty()) continue;
+    const OpHandle handle = g_dispatch->op(schema.op, b.name);
+    struct Job {
+      harness::CallData host;
+      harness::CallData data;
+      bool ok = false;
+      std::string error;
+    };
+    std::vector<std::unique_ptr<Job>> jobs;
+    for (uint64_t t = 0; t < 4; ++t) {
+      harness::CallData host = harness::make_case(schema, dtypes.back(), *largest, 77 + t);
+      harness::CallData data = harness::clone_to(host, b.dl, b.memory);
+      jobs.push_back(std::make_unique<Job>(Job{std::move(host), std::move(data), false, {}}));
+    }
+    // Ops that only write their outputs run three times each; one that
+    // updates a tensor in place runs once, as its result feeds the next call.
+    const bool inplace = std::any_of(schema.tensors.begin(), schema.tensors.end(),
+                                     [](const TensorArg& t) { return t.inplace; });
+    const int repeats = inplace ? 1 : 3;
+    std::vector<std::thread> threads;
+    for (auto& job : jobs) {
+      threads.emplace_back([&handle, repeats, &job = *job] {
+        try {
+          std::vector<DLTensor> tensors = job.data.dl();
+          for (int repeat = 0; repeat < repeats; ++repeat) handle(tensors, job.data.attrs);
+          job.ok = true;
+        } catch (const Error& e) {
+          job.error = e.what();
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    synchronize(b);
+    for (auto& job : jobs) {
+      INFO(schema.op << " on " << b.name << " from four threads, " << harness::describe(*largest));
+      REQUIRE_MESSAGE(job->ok, job->error);
+      harness::download_all(job->data);
+      harness::CallData want = harness::clone_to(job->host, DLDevice{kDLCPU, 0}, nullptr);
+      std::vector<DLTensor> want_tensors = want.dl();
+      REQUIRE_NOTHROW(reference(want_tensors, want.attrs));
+      const harness::Comparison cmp = harness::compare(schema, job->data, want);
+      CHECK_MESSAGE(cmp.ok, cmp.first_mismatch);
+    }
+  }
+}
+
+// Called directly through the C ABI with a tensor missing, or in a dtype it
+// does not serve, a kernel refuses with a status and a message.
+void conform_refusals(const OpSchema& schema) {
+  const std::vector<harness::TestCase> cases = harness::test_cases(schema);
+  for (const Backend& b : g_backends) {
+    const KernelSpec* spec = g_context->registry().get_backend(schema.op, b.name);
+    if (spec == nullptr || spec == g_context->registry().reference(schema.op)) continue;
+    const std::vector<Dtype> dtypes = harness::kernel_dtypes(schema, *spec);
+    if (dtypes.empty()) continue;
+    const OpHandle handle = g_dispatch->op(schema.op, b.name);
+    harness::CallData host = harness::make_case(schema, dtypes.front(), cases.front(), 5);
+    harness::CallData data = harness::clone_to(host, b.dl, b.memory);
+    std::vector<DLTensor> tensors = data.dl();
+    std::array<kd_attr, kMaxSchemaAttrs> storage;
+    harness::RawCall call;
+    call.fn = handle.resolve(tensors).function();
+    const std::span<const kd_attr> attrs = handle.pack_attrs(data.attrs, storage);
+    call.attrs.assign(attrs.begin(), attrs.end());
+    call.tensors.assign(tensors.begin(), tensors.end() - 1);
+    INFO(schema.op << " on " << b.name << ", called with " << call.tensors.size() << " of " << tensors.size()
+                   << " tensors");
+    CHECK(call.run() != KD_STATUS_OK);
+    CHECK(call.error[0] != '\0');
+    // A float dtype the kernel does not serve, in every tensor of the
+    // kernel-selecting dtype variable.
+    for (Dtype other : {Dtype::float64, Dtype::float32, Dtype::float16, Dtype::bfloat16}) {
+      if (std::find(dtypes.begin(), dtypes.end(), other) != dtypes.end()) continue;
+      harness::CallData wrong = harness::clone_to(harness::make_case(schema, other, cases.front(), 5), b.dl, b.memory);
+      std::vector<DLTensor> wrong_tensors = wrong.dl();
+      call.tensors.assign(wrong_tensors.begin(), wrong_tensors.end());
+      INFO("in " << dtype_name(other) << ", which it does not declare");
+      CHECK(call.run() != KD_STATUS_OK);
+      CHECK(call.error[0] != '\0');
+      break;
+    }
+    synchronize(b);
+  }
 }
 
 }  // namespace
+
+// An op whose kernels have no schema (a broken schema file, a plugin's
+// kernel for an op nobody defined) would be left out of every check below.
+TEST_CASE("every op with a kernel has a schema") {
+  for (const std::string& op : g_context->registry().ops()) {
+    CHECK_MESSAGE(g_context->registry().schema(op) != nullptr, op << " has kernels but no schema: nothing checks it");
+  }
+}
 
 // Every op with a schema and a kernel, one subcase each.
 TEST_CASE("every op against its reference") {
   for (const OpSchema* schema : g_context->registry().schemas()) {
     if (!g_context->registry().has(schema->op)) continue;
     SUBCASE(schema->op.c_str()) { conform(*schema); }
+  }
+}
+
+TEST_CASE("every op called from four threads at once") {
+  for (const OpSchema* schema : g_context->registry().schemas()) {
+    if (!g_context->registry().has(schema->op)) continue;
+    SUBCASE(schema->op.c_str()) { conform_threads(*schema); }
+  }
+}
+
+TEST_CASE("every kernel refuses a missing tensor and a dtype it does not serve") {
+  for (const OpSchema* schema : g_context->registry().schemas()) {
+    if (!g_context->registry().has(schema->op)) continue;
+    SUBCASE(schema->op.c_str()) { conform_refusals(*schema); }
   }
 }
 
@@ -139,9 +240,13 @@ int main(int argc, char** argv) {
         skipped.push_back(fmt::format("{}: its plugin reports no device here", rec.backend));
         continue;
       }
-      g_backends.push_back({rec.backend, &binary, binary.devices.front()});
-      fmt::print("conformance: testing backend '{}' on {} ({})\n", rec.backend, binary.devices.front().device.str(),
-                 binary.devices.front().name);
+      const ProbedDevice& device = binary.devices.front();
+      const DLDevice dl{static_cast<DLDeviceType>(to_dlpack_device_type(device.device.type)), device.id};
+      const bool host = device.device.type == DeviceType::cpu;
+      const kd_memory_api* memory =
+          host || !KD_STRUCT_HAS_FIELD(kd_plugin_api, memory, binary.api->struct_size) ? nullptr : binary.api->memory;
+      g_backends.push_back({rec.backend, &binary, device, dl, memory});
+      fmt::print("conformance: testing backend '{}' on {} ({})\n", rec.backend, device.device.str(), device.name);
     } catch (const Error& e) {
       fmt::print("conformance: backend '{}' failed to load: [{}] {}\n", rec.backend, e.code_string(), e.message());
       return 1;

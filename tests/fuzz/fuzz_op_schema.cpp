@@ -14,7 +14,7 @@
 
 #include "kdispatch/error.hpp"
 #include "kdispatch/manifest.hpp"
-#include "kdispatch/schema_check.hpp"
+#include "schema_check.hpp"
 
 namespace {
 

@@ -11,7 +11,6 @@
 #include <random>
 #include <stdexcept>
 
-#include "kdispatch/context.hpp"
 
 namespace kdispatch::harness {
 
@@ -286,9 +285,9 @@ void Buffer::download() {
         "copy from device", error);
 }
 
-std::vector<DLTensor> CallData::dl() {
+std::vector<DLTensor> CallData::dl() const {
   std::vector<DLTensor> out;
-  for (auto& b : tensors) out.push_back(b.dl());
+  for (const auto& b : tensors) out.push_back(b.dl());
   return out;
 }
 
@@ -379,7 +378,71 @@ void download_all(CallData& data) {
   for (auto& b : data.tensors) b.download();
 }
 
-// --- checking -------------------------------------------------------------------
+// --- cases ----------------------------------------------------------------------
+
+std::vector<Dtype> call_dtypes(const OpSchema& schema) {
+  if (!schema.dtype_vars.empty()) {
+    for (const auto& t : schema.tensors) {
+      if (auto it = schema.dtype_vars.find(t.dtype); it != schema.dtype_vars.end()) return it->second;
+    }
+  } else if (!schema.tensors.empty()) {
+    if (auto d = parse_dtype(schema.tensors[0].dtype)) return {*d};
+  }
+  return {};
+}
+
+std::vector<Dtype> kernel_dtypes(const OpSchema& schema, const KernelSpec& spec) {
+  std::vector<Dtype> out;
+  for (Dtype d : call_dtypes(schema)) {
+    if (spec.supports(d)) out.push_back(d);
+  }
+  return out;
+}
+
+std::vector<TestCase> test_cases(const OpSchema& schema) {
+  std::vector<std::vector<NamedAttr>> combos{{}};
+  for (const auto& [name, values] : schema.test_attrs) {
+    std::vector<std::vector<NamedAttr>> next;
+    for (const auto& combo : combos) {
+      for (const AttrValue& v : values) {
+        next.push_back(combo);
+        next.back().push_back({name, v});
+      }
+    }
+    combos = std::move(next);
+  }
+  std::vector<Shapes> sizes = schema.test_sizes;
+  if (sizes.empty()) sizes.push_back(example_shapes(schema));
+  std::vector<TestCase> cases;
+  const auto add = [&](const std::vector<Shapes>& at, const SpecialValues* special) {
+    for (const Shapes& s : at) {
+      for (const auto& combo : combos) cases.push_back({s, combo, special});
+    }
+  };
+  add(sizes, nullptr);
+  for (const SpecialValues& special : schema.test_special) add(special.sizes.empty() ? sizes : special.sizes, &special);
+  return cases;
+}
+
+std::string describe(const TestCase& c) {
+  std::string s = shapes_str(c.shapes);
+  for (const auto& a : c.attrs) {
+    s += fmt::format(" {}={}", a.name, std::visit([](const auto& v) { return fmt::format("{}", v); }, a.value));
+  }
+  if (c.special != nullptr) s += fmt::format(" (special: {})", c.special->what);
+  return s;
+}
+
+CallData make_case(const OpSchema& schema, Dtype dtype, const TestCase& c, uint64_t seed) {
+  CallData data = make_call(schema, dtype, c.shapes, seed);
+  for (const NamedAttr& a : c.attrs) {
+    for (NamedAttr& have : data.attrs) {
+      if (have.name == a.name) have.value = a.value;
+    }
+  }
+  if (c.special != nullptr) plant_special(data, schema, *c.special, seed ^ 0x5bd1e995u);
+  return data;
+}
 
 namespace {
 bool is_float_dtype(Dtype d) {
@@ -387,41 +450,59 @@ bool is_float_dtype(Dtype d) {
 }
 }  // namespace
 
-reference::Dtype to_reference(Dtype dtype) {
-  switch (dtype) {
-    case Dtype::float16: return reference::Dtype::kFloat16;
-    case Dtype::bfloat16: return reference::Dtype::kBFloat16;
-    default: return reference::Dtype::kFloat32;
+void plant_special(CallData& data, const OpSchema& schema, const SpecialValues& special, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  for (const std::string& name : special.tensors) {
+    const auto arg = std::find_if(schema.tensors.begin(), schema.tensors.end(),
+                                  [&](const TensorArg& t) { return t.name == name; });
+    if (arg == schema.tensors.end()) {
+      throw std::invalid_argument(
+          fmt::format("{}: special values for '{}', which the op does not have", schema.op, name));
+    }
+    Buffer& b = data.tensors[static_cast<size_t>(arg - schema.tensors.begin())];
+    const Dtype d = b.dtype();
+    const size_t n = b.numel();
+    // The last-dim window the values go into.
+    const auto width = static_cast<size_t>(b.shape().empty() ? 1 : std::max<int64_t>(b.shape().back(), 1));
+    size_t from = 0;
+    size_t to = width;
+    if (special.columns) {
+      const auto at = [&](const ShapeToken& t) {
+        return static_cast<size_t>(t.kind == ShapeToken::Kind::symbol ? data.shapes.symbols.at(t.symbol) : t.value);
+      };
+      from = std::min(at(special.columns->first), width);
+      to = std::min(at(special.columns->second), width);
+    }
+    std::uniform_real_distribution<double> chance(0.0, 1.0);
+    std::uniform_int_distribution<size_t> pick(0, special.values.empty() ? 0 : special.values.size() - 1);
+    std::uniform_int_distribution<int64_t> steps(-special.ulps, special.ulps);
+    size_t planted = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const size_t column = i % width;
+      if (column < from || column >= to) continue;
+      if (special.every_value) {
+        // Bit pattern k of a 16-bit dtype; in wider floats, bfloat16 pattern k.
+        const auto bits = static_cast<uint16_t>(planted++);
+        if (d == Dtype::float16 || d == Dtype::bfloat16) {
+          static_cast<uint16_t*>(b.host())[i] = bits;
+        } else {
+          store(b.host(), d, i, reference::decode(reference::Dtype::kBFloat16, bits));
+        }
+        continue;
+      }
+      if (special.fraction < 1.0 && chance(rng) >= special.fraction) continue;
+      double v = special.values[pick(rng)];
+      if (special.ulps > 0 && std::isfinite(v) && is_float_dtype(d)) {
+        store(b.host(), d, i, v);  // rounded to the dtype first, then moved
+        v = b.at(i);
+        v += static_cast<double>(steps(rng)) * ulp(d, v);
+      }
+      store(b.host(), d, i, v);
+    }
   }
 }
 
-Dtype from_reference(reference::Dtype dtype) {
-  switch (dtype) {
-    case reference::Dtype::kFloat16: return Dtype::float16;
-    case reference::Dtype::kBFloat16: return Dtype::bfloat16;
-    case reference::Dtype::kFloat32: break;
-  }
-  return Dtype::float32;
-}
-
-const OpSchema& builtin_schema(std::string_view op) {
-  static const std::unique_ptr<const Context> context = [] {
-    ContextOptions options;
-    options.search.use_environment = false;
-    options.search.use_default_path = false;  // the schemas only: no plugin
-    return std::make_unique<const Context>(options);
-  }();
-  const OpSchema* schema = context->registry().schema(op);
-  if (schema == nullptr) throw std::invalid_argument(fmt::format("no built-in op schema '{}'", op));
-  return *schema;
-}
-
-reference::Tolerance relative_tolerance(const OpSchema& schema, reference::Dtype dtype) {
-  const Dtype d = from_reference(dtype);
-  const Tolerance t = schema.tolerance(d);
-  // ulp(1) is 2^(1 - precision).
-  return {t.ulps * ulp(d, 1.0), t.atol};
-}
+// --- checking -------------------------------------------------------------------
 
 double ulp(Dtype dtype, double value) {
   int precision = 0;     // significand bits, the implicit one included
@@ -437,21 +518,99 @@ double ulp(Dtype dtype, double value) {
   return std::ldexp(1.0, exponent - precision + 1);
 }
 
-Comparison compare(const OpSchema& schema, const CallData& got, const CallData& want) {
+namespace {
+
+// Element k (in row-major order) of a host tensor, any strides.
+class Elements {
+ public:
+  explicit Elements(const DLTensor& t)
+      : t_(t), base_(static_cast<const char*>(t.data) + t.byte_offset), dtype_(from_dlpack(t.dtype)) {
+    if (!dtype_) throw std::invalid_argument("compare: a tensor of a dtype kdispatch does not know");
+    int64_t n = 1;
+    for (int i = 0; i < t.ndim; ++i) n *= t.shape[i];
+    count_ = static_cast<size_t>(n);
+    dense_ = t.strides == nullptr;
+    if (!dense_) {
+      int64_t expected = 1;
+      dense_ = true;
+      for (int i = t.ndim - 1; i >= 0; --i) {
+        if (t.shape[i] != 1 && t.strides[i] != expected) dense_ = false;
+        expected *= t.shape[i];
+      }
+    }
+  }
+  size_t size() const { return count_; }
+  Dtype dtype() const { return *dtype_; }
+  double operator[](size_t k) const {
+    if (dense_) return load(base_, *dtype_, k);
+    int64_t offset = 0;
+    for (int i = t_.ndim - 1; i >= 0; --i) {
+      const auto dim = static_cast<size_t>(t_.shape[i]);
+      offset += static_cast<int64_t>(k % dim) * t_.strides[i];
+      k /= dim;
+    }
+    return load(base_, *dtype_, static_cast<size_t>(offset));
+  }
+  // The bits of element k, for comparisons bit for bit.
+  uint64_t bits(size_t k) const {
+    const double v = (*this)[k];
+    if (is_float_dtype(*dtype_)) {
+      uint64_t b;
+      std::memcpy(&b, &v, sizeof b);
+      return std::isnan(v) ? 0x7ff8000000000000ull : b;  // any NaN equals any NaN
+    }
+    return static_cast<uint64_t>(static_cast<int64_t>(v));
+  }
+
+ private:
+  const DLTensor& t_;
+  const char* base_;
+  std::optional<Dtype> dtype_;
+  size_t count_ = 0;
+  bool dense_ = true;
+};
+
+}  // namespace
+
+Comparison compare(const OpSchema& schema, std::span<const DLTensor> got, std::span<const DLTensor> want,
+                   std::span<const std::string> unchecked) {
+  if (got.size() != schema.tensors.size() || want.size() != schema.tensors.size()) {
+    throw std::invalid_argument(fmt::format("compare: op '{}' has {} tensors, got {} and {}", schema.op,
+                                            schema.tensors.size(), got.size(), want.size()));
+  }
   Comparison c;
   for (size_t i = 0; i < schema.tensors.size(); ++i) {
     const TensorArg& arg = schema.tensors[i];
     if (!arg.written && !arg.inplace) continue;
-    const Buffer& g = got.tensors[i];
-    const Buffer& w = want.tensors[i];
-    const bool is_float = is_float_dtype(g.dtype());
-    const Tolerance tol = is_float ? schema.tolerance(g.dtype()) : Tolerance{};
+    if (std::find(unchecked.begin(), unchecked.end(), arg.name) != unchecked.end()) continue;
+    const Elements g(got[i]);
+    const Elements w(want[i]);
+    if (g.size() != w.size() || g.dtype() != w.dtype()) {
+      throw std::invalid_argument(fmt::format("compare: op '{}', '{}': {} {} elements against {} {}", schema.op,
+                                              arg.name, g.size(), dtype_name(g.dtype()), w.size(),
+                                              dtype_name(w.dtype())));
+    }
+    const Dtype dtype = g.dtype();
+    if (!is_float_dtype(dtype) || arg.exact) {
+      for (size_t k = 0; k < g.size(); ++k) {
+        if (g.bits(k) == w.bits(k)) continue;
+        const double abs_err = std::fabs(g[k] - w[k]);
+        if (std::isfinite(abs_err)) c.max_abs_err = std::max(c.max_abs_err, abs_err);
+        if (c.ok) {
+          c.ok = false;
+          c.first_mismatch = fmt::format("{}[flat {}]: got {}, expected {} (compared bit for bit)", arg.name, k,
+                                         g[k], w[k]);
+        }
+      }
+      continue;
+    }
+    const Tolerance tol = schema.tolerance(dtype);
     double ulps_sum = 0;
-    for (size_t k = 0; k < g.numel(); ++k) {
-      const double gv = g.at(k);
-      const double wv = w.at(k);
+    for (size_t k = 0; k < g.size(); ++k) {
+      const double gv = g[k];
+      const double wv = w[k];
       const double abs_err = gv == wv ? 0.0 : std::fabs(gv - wv);  // equal infinities: no error
-      const double unit = ulp(g.dtype(), wv);
+      const double unit = ulp(dtype, wv);
       const bool bad = std::isnan(gv) != std::isnan(wv) || (!std::isnan(wv) && !(abs_err <= tol.ulps * unit + tol.atol));
       if (std::isfinite(abs_err)) {
         c.max_abs_err = std::max(c.max_abs_err, abs_err);
@@ -466,7 +625,7 @@ Comparison compare(const OpSchema& schema, const CallData& got, const CallData& 
                                        k, gv, wv, abs_err / unit, tol.ulps, tol.atol);
       }
     }
-    const double mean = g.numel() == 0 ? 0.0 : ulps_sum / static_cast<double>(g.numel());
+    const double mean = g.size() == 0 ? 0.0 : ulps_sum / static_cast<double>(g.size());
     c.mean_ulps = std::max(c.mean_ulps, mean);
     if (!(mean <= tol.mean_ulps) && c.ok) {
       c.ok = false;
@@ -475,6 +634,20 @@ Comparison compare(const OpSchema& schema, const CallData& got, const CallData& 
     }
   }
   return c;
+}
+
+Comparison compare(const OpSchema& schema, const CallData& got, const CallData& want,
+                   std::span<const std::string> unchecked) {
+  const std::vector<DLTensor> g = got.dl();
+  const std::vector<DLTensor> w = want.dl();
+  // Host copies: a device buffer's DLTensor points at device memory.
+  std::vector<DLTensor> gh = g;
+  std::vector<DLTensor> wh = w;
+  for (size_t i = 0; i < gh.size(); ++i) {
+    gh[i].data = const_cast<void*>(got.tensors[i].host());
+    wh[i].data = const_cast<void*>(want.tensors[i].host());
+  }
+  return compare(schema, gh, wh, unchecked);
 }
 
 // --- .npy -----------------------------------------------------------------------

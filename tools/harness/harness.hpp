@@ -10,15 +10,16 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "kdispatch/dispatcher.hpp"
 #include "kdispatch/dtype.hpp"
+#include "kdispatch/kernel_spec.hpp"
 #include "kdispatch/plugin.hpp"
 #include "kdispatch/schema.hpp"
 #include "dtype_codec.hpp"
-#include "reference_ops.hpp"
 
 namespace kdispatch::harness {
 
@@ -86,7 +87,7 @@ struct CallData {
   Dtype dtype;                   // bound to the schema's first dtype variable
   Shapes shapes;
 
-  std::vector<DLTensor> dl();
+  std::vector<DLTensor> dl() const;
   size_t bytes_moved(const OpSchema& schema) const;  // read + written
 };
 
@@ -99,23 +100,37 @@ CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, ui
 CallData clone_to(const CallData& data, DLDevice device, const kd_memory_api* memory);
 void download_all(CallData& data);
 
+// --- cases ----------------------------------------------------------------------
+
+// The dtypes a call of the op may have: those of its first dtype variable
+// used by a tensor (which selects the kernel), else its first tensor's.
+std::vector<Dtype> call_dtypes(const OpSchema& schema);
+// Those of them a kernel serves; a kernel declared without "dtypes" serves
+// them all.
+std::vector<Dtype> kernel_dtypes(const OpSchema& schema, const KernelSpec& spec);
+
+// One call the schema's "tests" ask for: sizes, the attribute values given
+// (the others keep their defaults) and, for a call with special values,
+// which set is planted.
+struct TestCase {
+  Shapes shapes;
+  std::vector<NamedAttr> attrs;
+  const SpecialValues* special = nullptr;  // points into the schema
+};
+// Every test size with every combination of the test attribute values (the
+// example size when the schema lists none), then each set of special values
+// at its sizes (the test sizes where it lists none) with the same
+// combinations.
+std::vector<TestCase> test_cases(const OpSchema& schema);
+// "*=[3] D=67 is_neox=true (special: NaN and infinities)"
+std::string describe(const TestCase& c);
+// The inputs and poisoned outputs of `c` in `dtype` (make_call), its
+// attributes applied and its special values planted.
+CallData make_case(const OpSchema& schema, Dtype dtype, const TestCase& c, uint64_t seed);
+// Replaces elements of the inputs `special.tensors` of `data` as the set says.
+void plant_special(CallData& data, const OpSchema& schema, const SpecialValues& special, uint64_t seed);
+
 // --- checking -------------------------------------------------------------------
-
-// The float dtypes of the core and of the dtype codec, one for the other (a
-// core dtype the codec does not model maps to float32).
-reference::Dtype to_reference(Dtype dtype);
-Dtype from_reference(reference::Dtype dtype);
-
-// The schema of a built-in op (manifests/ops/), for the tests and
-// benchmarks that drive a plugin without the core; throws
-// std::invalid_argument for an unknown op.
-const OpSchema& builtin_schema(std::string_view op);
-
-// The per-element bound of `schema`'s tolerance for outputs of `dtype` in
-// relative form, for checks against unrounded float64 values:
-// |got - want| <= atol + rtol * |want| with rtol = ulps * 2^(1 - precision),
-// which ulps * ulp(want) never exceeds.
-reference::Tolerance relative_tolerance(const OpSchema& schema, reference::Dtype dtype);
 
 // Spacing of `dtype` at |value| (subnormal spacing near zero; 1 for integers).
 double ulp(Dtype dtype, double value);
@@ -131,8 +146,16 @@ struct Comparison {
   std::string first_mismatch;  // "out[flat 17]: got 1.25, expected 1.5 (...)"
 };
 // Compares the written tensors of `got` with those of `want` (the same call
-// run by the op's reference), with the schema's tolerances.
-Comparison compare(const OpSchema& schema, const CallData& got, const CallData& want);
+// run by the op's reference), host tensors in schema order, any strides,
+// with the schema's tolerances: a float output within its dtype's
+// tolerance, NaN where the reference has NaN, infinities equal; integer,
+// bool and "exact" outputs bit for bit. The outputs named in `unchecked`
+// are skipped. This is every check's comparison: run, bench, the
+// conformance suite and (through the Python module) the Python tests.
+Comparison compare(const OpSchema& schema, std::span<const DLTensor> got, std::span<const DLTensor> want,
+                   std::span<const std::string> unchecked = {});
+Comparison compare(const OpSchema& schema, const CallData& got, const CallData& want,
+                   std::span<const std::string> unchecked = {});
 
 // --- .npy -----------------------------------------------------------------------
 // Writes `buffer` as NumPy .npy; bfloat16 is stored as float32 (exact).

@@ -58,23 +58,10 @@ std::vector<Target> targets_of(const PluginBinary& binary, const std::string& de
   return out;
 }
 
-// The dtypes a call of the op may have: those of its first dtype variable
-// used by a tensor (which selects the kernel), else its first tensor's.
-std::vector<Dtype> schema_dtypes(const OpSchema& schema) {
-  if (!schema.dtype_vars.empty()) {
-    for (const auto& t : schema.tensors) {
-      if (auto it = schema.dtype_vars.find(t.dtype); it != schema.dtype_vars.end()) return it->second;
-    }
-  } else if (!schema.tensors.empty()) {
-    if (auto d = parse_dtype(schema.tensors[0].dtype)) return {*d};
-  }
-  return {};
-}
-
 std::vector<Dtype> dtypes_for(const OpSchema& schema, const KernelSpec& spec, const std::string& flag) {
   std::vector<Dtype> out;
-  for (Dtype d : schema_dtypes(schema)) {
-    if (spec.supports(d) && (flag.empty() || dtype_name(d) == flag)) out.push_back(d);
+  for (Dtype d : harness::kernel_dtypes(schema, spec)) {
+    if (flag.empty() || dtype_name(d) == flag) out.push_back(d);
   }
   return out;
 }
@@ -94,7 +81,7 @@ void check_dtype_flag(const std::string& flag, const OpSchema* named_op) {
                                  dtype_list({std::begin(kAllDtypes), std::end(kAllDtypes)})));
   }
   if (named_op == nullptr) return;
-  const std::vector<Dtype> allowed = schema_dtypes(*named_op);
+  const std::vector<Dtype> allowed = harness::call_dtypes(*named_op);
   if (std::find(allowed.begin(), allowed.end(), *dtype) == allowed.end()) {
     throw UsageError(fmt::format("--dtype {}: op '{}' takes {}", flag, named_op->op, dtype_list(allowed)));
   }

@@ -28,7 +28,6 @@
 
 #include "kdispatch/context.hpp"
 #include "kdispatch/schema.hpp"
-#include "kdispatch/schema_check.hpp"
 
 namespace kdispatch KDISPATCH_API {
 
@@ -80,12 +79,18 @@ class OpHandle {
                   void* stream = nullptr) const;
   // Checks `tensors` and returns the kernel a call would run.
   KernelHandle resolve(std::span<const DLTensor> tensors) const;
+  // What to look at in check(): everything a call needs, or only what
+  // tensors without data have (torch's meta and fake tensors): devices,
+  // dtypes, shapes and strides, not data pointers or byte offsets.
+  enum class CheckScope { call, layout };
+  // Checks `tensors` against the op schema as a call does, running
+  // nothing: throws CallError KD-E030 with the call's own words.
+  void check(std::span<const DLTensor> tensors, CheckScope scope = CheckScope::call) const;
   // Every attribute of the schema in order, defaults filled in, with the
   // given ones applied. Throws CallError KD-E030 for unknown or mistyped ones.
   // The result points into `storage` and `attrs` (strings).
   std::span<const kd_attr> pack_attrs(std::span<const NamedAttr> attrs, std::span<kd_attr> storage) const;
   const OpSchema& schema() const;
-  const CompiledSchema& compiled() const;
   std::string_view op() const;
   std::string_view backend() const;
 
@@ -93,8 +98,8 @@ class OpHandle {
   friend class Dispatcher;
   explicit OpHandle(OpState* state) : state_(state) {}
   // The rest of a call whose tensors passed the check.
-  void call_checked(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream,
-                    const CompiledSchema::CallInfo& info) const;
+  void call_checked(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream, DLDevice device,
+                    Dtype dtype) const;
   OpState* state_;
 };
 

@@ -1,10 +1,11 @@
 // Op schemas: the signature of an op (tensors with shape patterns and dtype
 // variables, attributes with defaults). Parsed from JSON by manifest.cpp;
-// checked against calls by schema.cpp.
+// checked against calls by schema_check.cpp (OpHandle::check).
 #pragma once
 
 #include <kdispatch/export.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -15,6 +16,10 @@
 #include "kdispatch/dtype.hpp"
 
 namespace kdispatch KDISPATCH_API {
+
+// The most tensors and attributes an op schema may have.
+inline constexpr size_t kMaxSchemaTensors = 32;
+inline constexpr size_t kMaxSchemaAttrs = 32;
 
 struct ShapeToken {
   enum class Kind : uint8_t {
@@ -44,6 +49,7 @@ struct TensorArg {
   bool written = false;       // an output: the kernel writes it
   bool inplace = false;       // read and written (implies written)
   bool strided = false;       // non-contiguous layouts allowed
+  bool exact = false;         // "exact": written values equal the reference's bit for bit
   // Integer inputs that index something: values in [range_min, range_max),
   // range_max a constant or a shape symbol ("P"). Lets tools generate valid
   // inputs for any op.
@@ -92,6 +98,30 @@ struct Sizes {
   bool operator==(const Sizes&) const = default;
 };
 
+// "tests": {"special": [...]}: calls whose inputs `tensors` have special
+// values planted among their random ones (NaN, infinities, ties, far tails,
+// every value of a 16-bit dtype), which the conformance suite runs beside
+// the random calls, on every backend.
+struct SpecialValues {
+  std::string what;            // what the set exercises, shown with a failure
+  std::vector<std::string> tensors;  // the inputs whose elements are replaced
+  std::vector<double> values;        // each replacement picks one ("nan", "inf", "-inf" in JSON)
+  int64_t ulps = 0;                  // ... then moves it by up to this many steps of the dtype
+  double fraction = 1.0;             // share of the elements replaced
+  // Only elements whose index in the last dim lies in [columns.first,
+  // columns.second), each a constant or a shape symbol ("columns": [0, "D"]:
+  // the first half of a [*, 2*D] input); absent: every element.
+  std::optional<std::pair<ShapeToken, ShapeToken>> columns;
+  // Instead of `values`: the k-th element replaced holds the k-th bit
+  // pattern of a 16-bit dtype, cyclically (float32 and float64 tensors:
+  // every bfloat16 value).
+  bool every_value = false;
+  std::vector<Sizes> sizes;            // empty: the schema's test sizes
+  std::vector<std::string> unchecked;  // outputs these values leave unspecified
+  // Every field equal, a NaN among `values` equal to a NaN.
+  bool operator==(const SpecialValues& other) const;
+};
+
 struct OpSchema {
   std::string op;   // "layernorm.rmsnorm"
   std::string doc;
@@ -107,6 +137,7 @@ struct OpSchema {
   // attribute values (an attribute not listed keeps its default), by name.
   std::vector<Sizes> test_sizes;
   std::vector<std::pair<std::string, std::vector<AttrValue>>> test_attrs;
+  std::vector<SpecialValues> test_special;  // "tests": {"special": [...]}
   // "bench": the sizes benchmarks time.
   std::optional<Sizes> bench_sizes;
   // "tolerance": {"bfloat16": {"ulps": 2, "atol": 1e-5, "mean_ulps": 0.8}},

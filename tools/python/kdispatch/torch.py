@@ -10,9 +10,10 @@ and those of the plugins found at import) as
 - the CPU and CUDA kernels are the dispatcher's checked call; CUDA tensors
   run on torch's current stream of their device, with no synchronisation and
   no allocation, so calls can be captured in a CUDA graph;
-- a fake (meta) implementation derived from the op schema checks shapes and
-  dtypes without running anything, so torch.compile(fullgraph=True) traces
-  through the ops and meta tensors work.
+- a fake (meta) implementation runs the dispatcher's own check on the
+  tensors' devices, dtypes, shapes and strides (no data, no kernel), so
+  torch.compile(fullgraph=True) traces through the ops, meta tensors work,
+  and a bad call is refused with the words of a real one.
 
 Functional variants allocate the outputs from the schema and return them,
 e.g. ``kdispatch.torch.layernorm.rmsnorm(x, weight, eps=1e-6) -> out``:
@@ -33,17 +34,12 @@ _torch_tensors.enable()
 NAMESPACE = "kdispatch"
 _lib = _torch.library.Library(NAMESPACE, "DEF")
 
-_DTYPE_NAMES = {dtype: name for dtype, name in _torch_tensors._DTYPES}
 _TORCH_DTYPES = {name: dtype for dtype, name in _torch_tensors._DTYPES}
 _ATTR_TYPES = {"float": "float", "int": "int", "bool": "bool", "string": "str"}
 _TORCH_MAJOR = int(_torch.__version__.split(".")[0])
 
 # Op id -> the name under torch.ops.kdispatch.
 registered = {}
-
-
-def _dtype_name(t):
-    return _DTYPE_NAMES.get(t.dtype, str(t.dtype).replace("torch.", ""))
 
 
 def op_name(op):
@@ -77,25 +73,26 @@ def torch_schema(schema):
     return f"{op_name(schema['op'])}({', '.join(args)}) -> ()"
 
 
-def _make_fake(plan):
-    count = len(plan.tensors)
-
-    def fake(*args):
-        plan.bind(args[:count], _dtype_name)
-
-    return fake
-
-
-def _kernel_for(op):
-    """The CPU/CUDA kernel: the resolved op's positional call, or, for an op
-    with a schema but no usable kernel at import, one that resolves (and
-    reports why not) at every call."""
+def _kernel_and_fake(op, count):
+    """The CPU/CUDA kernel (the resolved op's positional call) and the fake
+    implementation (the same op's check of the tensors' layout). For an op
+    with a schema but no usable kernel at import, both resolve the op (and
+    report why they cannot) at every call."""
     try:
-        return _kdispatch.op(op)._torch_call
+        handle = _kdispatch.op(op)
     except Error:
         def resolve_each_call(*args):
             return _kdispatch.op(op)._torch_call(*args)
-        return resolve_each_call
+
+        def fake_each_call(*args):
+            _kdispatch.op(op)._check_layout(*args[:count])
+
+        return resolve_each_call, fake_each_call
+
+    def fake(*args):
+        handle._check_layout(*args[:count])
+
+    return handle._torch_call, fake
 
 
 def _register_fake(name, fake):
@@ -217,10 +214,10 @@ def _register_all():
             _warnings.warn(f"kdispatch.torch: op '{op}' is not registered: torch refused the schema "
                            f"'{torch_schema(schema)}': {e}")
             continue
-        kernel = _kernel_for(op)
+        kernel, fake = _kernel_and_fake(op, len(schema["tensors"]))
         _impl(name, kernel, "CPU")
         _impl(name, kernel, "CUDA")
-        _register_fake(name, _make_fake(_schema.Plan(schema)))
+        _register_fake(name, fake)
         registered[op] = name
         opfn = getattr(getattr(_torch.ops, NAMESPACE), name)
         group, short = op.split(".", 1)

@@ -12,6 +12,7 @@
 #include "op_call.hpp"
 #include "runtime.hpp"
 #include "tensor_args.hpp"
+#include "testing.hpp"
 
 namespace py = pybind11;
 using namespace kdispatch::python;
@@ -51,6 +52,7 @@ PYBIND11_MODULE(_kdispatch, m) {
   py::class_<Op>(m, "Op", "An op resolved by name once: op(*tensors, stream=None, **attrs).")
       .def("__call__", &Op::call)
       .def("_torch_call", &Op::call_positional)
+      .def("_check_layout", &Op::check_layout)
       .def_property_readonly("name", [](const Op& op) { return std::string(op.handle().op()); })
       .def_property_readonly("backend",
                              [](const Op& op) -> py::object {
@@ -69,6 +71,14 @@ PYBIND11_MODULE(_kdispatch, m) {
       },
       py::arg("op"), py::arg("backend") = py::none(), "Resolves an op once, for calls in a loop.");
   m.def("call", &call, "call(op, *tensors, backend=None, stream=None, **attrs)");
+
+  // kdispatch.testing's calls into the harness.
+  m.def("_test_cases", &test_cases, py::arg("op"));
+  m.def("_make_inputs", &make_inputs, py::arg("op"), py::arg("dtype"), py::arg("case"), py::arg("seed"));
+  m.def("_reference_backend", &reference_backend, py::arg("op"));
+  m.def("_call_dtypes", &call_dtypes, py::arg("op"), py::arg("backend") = py::none());
+  m.def("_compare", &kdispatch::python::compare, py::arg("op"), py::arg("got"), py::arg("want"),
+        py::arg("unchecked") = py::list());
 
   m.def("_set_torch", [](py::object tensor_type, py::list dtypes, py::object raw_stream, bool rocm) {
     set_torch_support(tensor_type.ptr(), dtypes.ptr(), raw_stream.ptr(), rocm);

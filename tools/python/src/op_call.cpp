@@ -56,15 +56,6 @@ AttrValue attr_value(std::string_view op, std::string_view name, PyObject* value
                                Py_TYPE(value)->tp_name));
 }
 
-void check_count(const OpSchema& schema, size_t given) {
-  if (given == schema.tensors.size()) [[likely]]
-    return;
-  std::string names;
-  for (const auto& t : schema.tensors) names += (names.empty() ? "" : ", ") + t.name;
-  throw_call_error(
-      fmt::format("op '{}' takes {} tensors ({}), got {}", schema.op, schema.tensors.size(), names, given));
-}
-
 // The call itself: the GIL is released while a host kernel runs (a GPU
 // kernel is only launched, which takes less time than releasing it).
 void run(const OpHandle& handle, TensorArgs& tensors, std::span<const NamedAttr> attrs) {
@@ -82,7 +73,6 @@ void call_with_kwargs(const OpHandle& handle, const py::args& args, size_t first
                       std::string_view skip) {
   const OpSchema& schema = handle.schema();
   const size_t count = args.size() - first;
-  check_count(schema, count);
   PyObject* stream = nullptr;
   std::array<NamedAttr, kMaxAttrs> attrs;
   size_t num_attrs = 0;
@@ -127,6 +117,12 @@ void Op::call_positional(const py::args& args) const {
   TensorArgs tensors(schema, StreamRequest{});
   for (size_t i = 0; i < num_tensors; ++i) tensors.add(args[i].ptr());
   run(handle_, tensors, std::span<const NamedAttr>(attrs.data(), num_attrs));
+}
+
+void Op::check_layout(const py::args& args) const {
+  TensorArgs tensors(handle_.schema(), StreamRequest{}, TensorArgs::Purpose::layout);
+  for (py::handle arg : args) tensors.add(arg.ptr());
+  handle_.check(tensors.tensors(), OpHandle::CheckScope::layout);
 }
 
 void call(const py::args& args, const py::kwargs& kwargs) {

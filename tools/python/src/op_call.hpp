@@ -20,6 +20,9 @@ class Op {
   // The torch kernel: tensors then every attribute in schema order
   // (trailing ones may be left out; their defaults apply).
   void call_positional(const pybind11::args& args) const;
+  // The check of a call on tensors without data (torch's meta and fake
+  // tensors): the dispatcher's own rules and words, data not read.
+  void check_layout(const pybind11::args& args) const;
   const OpHandle& handle() const { return handle_; }
 
  private:

@@ -184,6 +184,10 @@ std::string TensorArgs::where() const {
 }
 
 void TensorArgs::add(PyObject* object) {
+  if (count_ == kMaxTensors) {
+    throw_call_error(fmt::format("op '{}': more than {} tensors given; no op takes that many", schema_.op,
+                                 kMaxTensors));
+  }
   DLTensor& out = tensors_[count_];
   if (g_torch.tensor_type != nullptr &&
       PyObject_TypeCheck(object, reinterpret_cast<PyTypeObject*>(g_torch.tensor_type))) {
@@ -196,10 +200,15 @@ void TensorArgs::add(PyObject* object) {
 
 void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
   const Names& n = names();
-  py::object ptr = steal(PyObject_CallMethodNoArgs(object, n.data_ptr));
-  if (!ptr)
-    throw_call_error(fmt::format("{}: cannot read the torch tensor's data pointer: {}", where(), take_python_error()));
-  void* data = PyLong_AsVoidPtr(ptr.ptr());
+  void* data = nullptr;  // a layout check reads no data (fake tensors have none to give)
+  if (purpose_ == Purpose::call) {
+    py::object ptr = steal(PyObject_CallMethodNoArgs(object, n.data_ptr));
+    if (!ptr) {
+      throw_call_error(
+          fmt::format("{}: cannot read the torch tensor's data pointer: {}", where(), take_python_error()));
+    }
+    data = PyLong_AsVoidPtr(ptr.ptr());
+  }
 
   py::object dtype = steal(PyObject_GetAttr(object, n.dtype));
   if (!dtype) throw_call_error(fmt::format("{}: {}", where(), take_python_error()));
@@ -230,18 +239,23 @@ void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
       PyErr_Clear();
       py::object is_meta = steal(PyObject_GetAttr(object, n.is_meta));
       PyErr_Clear();
-      if (is_meta.ptr() == Py_True) {
+      if (is_meta.ptr() == Py_True && purpose_ == Purpose::layout) {
+        // No DLPack device is torch's "meta"; the check only asks that a
+        // call's tensors share one device.
+        device = {kDLExtDev, 0};
+      } else if (is_meta.ptr() == Py_True) {
         throw_call_error(
             fmt::format("{}: is a meta tensor, which has no data for a kernel "
                         "(torch.ops.kdispatch.* take meta tensors through their fake implementation)",
                         where()));
+      } else {
+        py::object dev = steal(PyObject_GetAttr(object, n.device));
+        PyErr_Clear();
+        throw_call_error(
+            fmt::format("{}: is on torch device '{}', for which kdispatch has no backend kind "
+                        "(cpu, cuda, hip)",
+                        where(), dev ? repr_of(dev.ptr()) : "?"));
       }
-      py::object dev = steal(PyObject_GetAttr(object, n.device));
-      PyErr_Clear();
-      throw_call_error(
-          fmt::format("{}: is on torch device '{}', for which kdispatch has no backend kind "
-                      "(cpu, cuda, hip)",
-                      where(), dev ? repr_of(dev.ptr()) : "?"));
     }
   }
 
@@ -263,7 +277,8 @@ void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
   out.strides = strides_[i].data();
   out.byte_offset = 0;
 
-  if (!launch_stream_set_ && !stream_.given && device.device_type != kDLCPU && g_torch.raw_stream != nullptr) {
+  if (purpose_ == Purpose::call && !launch_stream_set_ && !stream_.given && device.device_type != kDLCPU &&
+      g_torch.raw_stream != nullptr) {
     py::object index = steal(PyLong_FromLong(device.device_id));
     py::object raw = steal(PyObject_CallOneArg(g_torch.raw_stream, index.ptr()));
     if (!raw)
@@ -344,8 +359,7 @@ void TensorArgs::add_dlpack(PyObject* object, DLTensor& out) {
 }
 
 void TensorArgs::take_capsule(PyObject* capsule, DLTensor& out) {
-  const TensorArg& arg = schema_.tensors[count_];
-  const bool written = arg.written || arg.inplace;
+  const bool written = count_ < schema_.tensors.size() && (schema_.tensors[count_].written || schema_.tensors[count_].inplace);
   if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
     auto* m = static_cast<ManagedTensorVersioned*>(PyCapsule_GetPointer(capsule, "dltensor_versioned"));
     if (PyCapsule_SetName(capsule, "used_dltensor_versioned") != 0) {

@@ -22,7 +22,7 @@
 
 namespace kdispatch::python {
 
-inline constexpr size_t kMaxTensors = 32;
+inline constexpr size_t kMaxTensors = kMaxSchemaTensors;
 inline constexpr size_t kMaxDims = 16;
 
 // Tells the module about torch: its Tensor type, each torch dtype with its
@@ -41,15 +41,24 @@ struct StreamRequest {
 
 class TensorArgs {
  public:
-  TensorArgs(const OpSchema& schema, StreamRequest stream)
-      : schema_(schema), stream_(stream), launch_stream_(stream.handle), launch_stream_set_(stream.given) {}
+  // What the tensors are read for: a call, or only their layout (devices,
+  // dtypes, shapes, strides) for a check of tensors that have no data,
+  // such as torch's meta and fake tensors.
+  enum class Purpose { call, layout };
+  TensorArgs(const OpSchema& schema, StreamRequest stream, Purpose purpose = Purpose::call)
+      : schema_(schema),
+        stream_(stream),
+        launch_stream_(stream.handle),
+        launch_stream_set_(stream.given),
+        purpose_(purpose) {}
   ~TensorArgs();  // runs the deleters of the DLPack tensors taken
   TensorArgs(const TensorArgs&) = delete;
   TensorArgs& operator=(const TensorArgs&) = delete;
 
-  // Adds the tensor for schema argument `index` (count() must equal index).
-  // Throws CallError KD-E030 naming the argument when `object` is not a
-  // tensor kdispatch can read.
+  // Adds the next tensor of the call. Throws CallError KD-E030 naming the
+  // argument when `object` is not a tensor kdispatch can read, or when the
+  // call has more tensors than any op takes (kMaxTensors); how many the op
+  // takes is the dispatcher's check.
   void add(PyObject* object);
 
   std::span<DLTensor> tensors() { return {tensors_.data(), count_}; }
@@ -70,6 +79,7 @@ class TensorArgs {
   StreamRequest stream_;
   uintptr_t launch_stream_;
   bool launch_stream_set_;  // the requested stream, or one chosen from a GPU tensor
+  Purpose purpose_;
   size_t count_ = 0;
   // Left uninitialised (about 10 KiB a call): entries below count_ and
   // taken_count_ are written before they are read.

@@ -11,7 +11,7 @@
 
 #include "kdispatch/error.hpp"
 #include "kdispatch/manifest.hpp"
-#include "kdispatch/schema_check.hpp"
+#include "schema_check.hpp"
 #include "kdispatch/selector.hpp"
 
 using namespace kdispatch;

@@ -1,13 +1,12 @@
-// Checking a call's tensors against an op schema (DESIGN.md section 5). The
-// schema is compiled once per op into a plan of small integer slots, so the
-// per-call check does no string work and no allocation.
+// Checking a call's tensors against an op schema (DESIGN.md section 5).
+// Internal: the dispatcher's checked call uses it, and OpHandle::check gives
+// the same verdict and words to everyone else. The schema is compiled once
+// per op into a plan of small integer slots, so the per-call check does no
+// string work and no allocation.
 #pragma once
-
-#include <kdispatch/export.h>
 
 #include <dlpack/dlpack.h>
 
-#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstddef>
@@ -21,12 +20,10 @@
 #include "kdispatch/dtype.hpp"
 #include "kdispatch/schema.hpp"
 
-namespace kdispatch KDISPATCH_API {
+namespace kdispatch {
 
 inline constexpr size_t kMaxSchemaSymbols = 16;
-inline constexpr size_t kMaxSchemaTensors = 32;
-inline constexpr size_t kMaxSchemaAttrs = 32;
-inline constexpr size_t kMaxSchemaDims = 8;        // dims after "*" in one pattern
+inline constexpr size_t kMaxSchemaDims = 8;  // dims after "*" in one pattern
 inline constexpr size_t kMaxSchemaDtypeVars = 8;
 
 class CompiledSchema {
@@ -42,8 +39,8 @@ class CompiledSchema {
   // Throws CallError KD-E030 naming the argument, what was expected and what
   // was given. Three tiers: a call whose devices, dtypes and shapes equal
   // those of a recently accepted call only has its data and layout checked;
-  // any other runs the compiled plan (and becomes the last accepted call);
-  // only a failing call pays for the detailed diagnosis.
+  // any other walks the compiled plan (and becomes a remembered call); only
+  // a refused call walks it a second time, building the message.
   CallInfo check(std::span<const DLTensor> tensors) const {
     CallInfo info;
     if (matches_remembered(tensors, &info)) [[likely]] return info;
@@ -55,15 +52,19 @@ class CompiledSchema {
   bool matches_remembered(std::span<const DLTensor> tensors, CallInfo* info) const noexcept;
   // check() without the first tier, for a call that matches_remembered() refused.
   CallInfo check_plan(std::span<const DLTensor> tensors) const;
+  // The rules that do not look at data: count, devices, dtypes, shapes and
+  // strides; data pointers and byte offsets are not read. For tensors that
+  // have no data (torch's meta and fake tensors). Same words as check().
+  void check_layout(std::span<const DLTensor> tensors) const;
 
   const OpSchema& schema() const { return schema_; }
 
  private:
-  // The check is compiled into a plan that the per-call pass follows
-  // without branching on what a dim or dtype is: every step reads and writes
-  // value slots, and whether it binds a symbol (its first appearance in call
-  // order) or matches a bound one is encoded in which slots it uses. Two
-  // extra slots of each kind hold 0 and take writes that nobody reads.
+  // The plan that walk() follows without branching on what a dim or dtype
+  // is: every step reads and writes value slots, and whether it binds a
+  // symbol (its first appearance in call order) or matches a bound one is
+  // encoded in which slots it uses. Two extra slots of each kind hold 0 and
+  // take writes that nobody reads.
   static constexpr uint8_t kZeroSymbol = kMaxSchemaSymbols;
   static constexpr uint8_t kScratchSymbol = kMaxSchemaSymbols + 1;
   static constexpr uint8_t kZeroVar = kMaxSchemaDtypeVars;
@@ -121,6 +122,10 @@ class CompiledSchema {
     std::array<std::array<std::atomic<uint64_t>, 2 + kDims>, kTensors> rows{};
   };
   static constexpr size_t kRemembered = 4;
+  // What walk() looks at: a call's data too, or only its layout.
+  enum class Scope { call, layout };
+  static constexpr size_t kWholeCall = ~size_t{0};  // a refusal about no one argument
+
   bool matches(const Accepted& accepted, std::span<const DLTensor> tensors, CallInfo* info) const noexcept;
   // Two 64-bit words of a DLTensor: its device, or its ndim and dtype.
   static uint64_t read_word(const DLTensor& t, size_t offset) {
@@ -132,9 +137,17 @@ class CompiledSchema {
     return w;
   }
   void remember(std::span<const DLTensor> tensors, Dtype dtype) const noexcept;
-  bool check_fast(std::span<const DLTensor> tensors, CallInfo* info) const noexcept;
+  // The rules, once. Each refusal calls refuse(argument, words): the quick
+  // pass returns false without building the words, the diagnosing pass
+  // throws them.
+  template <Scope scope, class Refuse>
+  bool walk(std::span<const DLTensor> tensors, CallInfo* info, Refuse&& refuse) const;
+  template <Scope scope>
   [[noreturn]] void diagnose(std::span<const DLTensor> tensors) const;
   [[noreturn]] void fail(size_t tensor, const std::string& what) const;
+  // The words of the refusals that need more than one argument's values.
+  std::string header_problem(size_t i, std::span<const DLTensor> tensors) const;
+  std::string dim_problem(size_t i, const DLTensor& t, size_t k, int64_t lead, int64_t expected) const;
 
   OpSchema schema_;
   std::vector<Tensor> plan_;
@@ -144,6 +157,11 @@ class CompiledSchema {
   Dtype fixed_dtype_ = Dtype::float32;  // the call's dtype when no variable selects it
   std::vector<std::string> symbols_;
   std::vector<std::string> var_names_;  // by slot
+  // The argument that binds each symbol slot, each dtype variable slot, and
+  // the leading dims: the "from 'x'" of a refusal.
+  std::array<uint8_t, kMaxSchemaSymbols> symbol_owner_{};
+  std::array<uint8_t, kMaxSchemaDtypeVars> var_owner_{};
+  uint8_t leading_owner_ = 0;
   mutable std::array<Accepted, kRemembered> accepted_;
   mutable std::atomic<uint32_t> next_accepted_{0};  // the entry the next new signature replaces
 };
@@ -169,7 +187,6 @@ inline bool is_contiguous(const DLTensor& t) {
   }
   return true;
 }
-int64_t numel(const DLTensor& t);
 // Bytes of the tensor's elements, or nullopt when a dim is negative or the
 // element or byte count overflows int64.
 std::optional<uint64_t> checked_bytes(const DLTensor& t) noexcept;

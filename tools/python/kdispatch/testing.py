@@ -1,0 +1,136 @@
+"""The checks of kdispatch's own tests, for any op and backend, the
+built-in ones and a plugin's alike:
+
+- cases from the op schema's "tests": its sizes, the combinations of its
+  attribute values, and its sets of special values (NaN, infinities, ties,
+  every 16-bit value, ...);
+- inputs from the generator of `kdispatch run` and the conformance suite:
+  random and never all zeros, index tensors within their range, outputs
+  poisoned, special values planted;
+- expected values from the op's reference backend (float64, rounded once);
+- the verdict of the one comparison every check uses, with the tolerances
+  of the op schema.
+
+    import kdispatch, kdispatch.testing as kt
+
+    op = "layernorm.rmsnorm"
+    for case in kt.cases(op):
+        inputs = kt.inputs(op, "bfloat16", case)            # torch CPU tensors
+        want = kt.reference(op, inputs, case)
+        got = [t.clone() for t in inputs]
+        kdispatch.call(op, *got, **case.attrs)
+        verdict = kt.compare(op, got, want, case)
+        assert verdict.ok, verdict.first_mismatch
+
+Nothing here knows an op's formula: that lives in its reference kernel.
+"""
+import types as _types
+
+from . import _kdispatch
+from ._errors import Error
+
+__all__ = ["Case", "cases", "dtypes", "inputs", "reference", "compare", "check"]
+
+
+class Case:
+    """One call of an op's "tests": `sizes` ({"*": [...], symbol: size}),
+    `attrs` (the attribute values given; the others keep their defaults),
+    `special` (what the planted special values exercise, or None),
+    `unchecked` (outputs those values leave unspecified) and `elements`
+    (of all its tensors)."""
+
+    def __init__(self, op, index, entry):
+        self.op = op
+        self.index = index
+        self.sizes = entry["sizes"]
+        self.attrs = entry["attrs"]
+        self.special = entry["special"]
+        self.unchecked = tuple(entry["unchecked"])
+        self.elements = entry["elements"]
+
+    def __repr__(self):
+        text = " ".join(f"{k}={v}" for k, v in self.sizes.items())
+        text += "".join(f" {k}={v}" for k, v in self.attrs.items())
+        if self.special:
+            text += f" (special: {self.special})"
+        return f"<{self.op} case {self.index}: {text}>"
+
+
+def cases(op):
+    """Every call the op schema's "tests" ask for, as the conformance suite
+    runs them."""
+    return [Case(op, i, entry) for i, entry in enumerate(_kdispatch._test_cases(op))]
+
+
+def dtypes(op, backend=None):
+    """The dtypes a call of the op may have (its dtype variable that selects
+    the kernel), narrowed to those `backend`'s kernel declares."""
+    return _kdispatch._call_dtypes(op, backend)
+
+
+_TORCH_NAMES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "float64": "float64",
+                "int32": "int32", "int64": "int64", "uint8": "uint8", "bool": "bool"}
+_NUMPY_NAMES = {"float32": "float32", "float16": "float16", "float64": "float64", "int32": "int32",
+                "int64": "int64", "uint8": "uint8", "bool": "bool_"}
+
+
+def _as_torch(data, dtype, shape):
+    import torch
+    torch_dtype = getattr(torch, _TORCH_NAMES[dtype])
+    if len(data) == 0:
+        return torch.empty(shape, dtype=torch_dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch_dtype).reshape(shape)
+
+
+def _as_numpy(data, dtype, shape):
+    import numpy
+    if dtype not in _NUMPY_NAMES:
+        raise TypeError(f"NumPy has no {dtype}: ask for torch tensors (kind='torch')")
+    return numpy.frombuffer(data, dtype=getattr(numpy, _NUMPY_NAMES[dtype])).reshape(shape).copy()
+
+
+def inputs(op, dtype, case, seed=0, kind="torch"):
+    """The tensors of `case` in `dtype`, in schema order, on the host:
+    torch tensors (kind="torch") or NumPy arrays (kind="numpy")."""
+    convert = {"torch": _as_torch, "numpy": _as_numpy}[kind]
+    return [convert(data, name, shape) for data, name, shape in _kdispatch._make_inputs(op, dtype, case.index, seed)]
+
+
+def _host_copy(t):
+    if hasattr(t, "detach"):  # torch
+        return t.detach().to("cpu", copy=True)
+    return t.copy()
+
+
+def _attrs(case):
+    if case is None:
+        return {}
+    return dict(case.attrs) if isinstance(case, Case) else dict(case)
+
+
+def reference(op, tensors, case=None):
+    """The op's reference backend run on host copies of `tensors` (schema
+    order), with the attributes of `case` (a Case or a dict); returns the
+    copies, their outputs written."""
+    copies = [_host_copy(t) for t in tensors]
+    _kdispatch.call(op, *copies, backend=_kdispatch._reference_backend(op), **_attrs(case))
+    return copies
+
+
+def compare(op, got, want, case=None):
+    """The tensors an op writes in `got` against those in `want` (both in
+    schema order; device tensors are copied to the host), with the op
+    schema's tolerances. Returns an object with `ok`, `max_abs_err`,
+    `max_rel_err`, `max_ulps`, `mean_ulps` and `first_mismatch`."""
+    unchecked = case.unchecked if isinstance(case, Case) else ()
+    verdict = _kdispatch._compare(op, [_host_copy(t) for t in got], [_host_copy(t) for t in want], list(unchecked))
+    return _types.SimpleNamespace(**verdict)
+
+
+def check(op, got, inputs, case=None):
+    """compare(op, got, reference(op, inputs, case), case): `got` are the
+    tensors after a call on copies of `inputs`."""
+    return compare(op, got, reference(op, inputs, case), case)
+
+
+Error = Error  # errors of these functions are kdispatch errors
