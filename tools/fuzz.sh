@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets of tests/fuzz with clang in build/fuzz and runs
 # each for SECONDS (default 60), seeded from the repository's manifests, op
-# schemas and fixtures, and from the plugin libraries of build/default when
-# they are built. Corpora grow in build/fuzz/corpus/<target>; a crashing
+# schemas and fixtures, and from the generated GPU manifests and the plugin
+# libraries of build/default when they are there. Corpora grow in build/fuzz/corpus/<target>; a crashing
 # input is written to build/fuzz/artifacts/ and stops that target.
 #
 #   tools/fuzz.sh [SECONDS] [TARGET...]     targets: manifest op_schema elf_check
@@ -29,7 +29,8 @@ seed() {  # seed TARGET FILE...
   done
 }
 shopt -s nullglob globstar
-seed manifest "$root"/manifests/*.json "$root"/manifests/ops/*.json "$root"/tests/fixtures/**/*.json
+seed manifest "$root"/manifests/*.json "$root"/build/default/manifests/*.json "$root"/manifests/ops/*.json \
+  "$root"/tests/fixtures/**/*.json
 seed op_schema "$root"/manifests/ops/*.json
 seed elf_check "$root"/build/default/lib/kdispatch/plugins/*.so "$root"/build/default/tests/fixtures/**/*.so
 

@@ -174,14 +174,17 @@ kd_status gated_activation(const kd_call_args* args) noexcept {
 
 }  // namespace
 
+// kd_cpu_silu_and_mul
 kd_status silu_and_mul(const kd_call_args* args) noexcept {
   return gated_activation<Silu>(args);
 }
 
+// kd_cpu_gelu_and_mul
 kd_status gelu_and_mul(const kd_call_args* args) noexcept {
   return gated_activation<GeluErf>(args);
 }
 
+// kd_cpu_gelu_tanh_and_mul
 kd_status gelu_tanh_and_mul(const kd_call_args* args) noexcept {
   return gated_activation<GeluTanh>(args);
 }

@@ -212,6 +212,7 @@ kd_status run_norm(const kd_call_args* args, const char* op, DoRows&& do_rows) n
 
 }  // namespace
 
+// kd_cpu_rmsnorm
 kd_status rmsnorm(const kd_call_args* args) noexcept {
   return run_norm<false>(
       args, "layernorm.rmsnorm",
@@ -224,6 +225,7 @@ kd_status rmsnorm(const kd_call_args* args) noexcept {
       });
 }
 
+// kd_cpu_layernorm
 // Tensors (out, x, weight, bias), attribute eps.
 kd_status layernorm(const kd_call_args* args) noexcept {
   constexpr const char* kOp = "layernorm.layernorm";
@@ -267,6 +269,7 @@ kd_status layernorm(const kd_call_args* args) noexcept {
   });
 }
 
+// kd_cpu_fused_add_rmsnorm
 kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
   return run_norm<true>(
       args, "layernorm.fused_add_rmsnorm",

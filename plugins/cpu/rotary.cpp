@@ -92,6 +92,7 @@ KD_CPU_MULTIVERSION void rotary_tokens(const int64_t* positions, T* query, T* ke
 
 }  // namespace
 
+// kd_cpu_rotary_embedding
 kd_status rotary_embedding(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(args, [&]() -> kd_status {
     constexpr int kMinNdim[] = {1, 3, 3, 2};

@@ -204,6 +204,7 @@ struct Scratch {
 
 constexpr const char* kOp = "moe.topk_softmax";
 
+// kd_cpu_topk_softmax
 kd_status topk_softmax(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(args, [&]() -> kd_status {
     constexpr int kMinNdim[] = {1, 1, 1};

@@ -134,14 +134,17 @@ kd_status run_act(const kd_call_args* args, const char* op) {
 
 }  // namespace
 
+// kd_cuda_silu_and_mul, kd_hip_silu_and_mul
 kd_status silu_and_mul(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(args, [&] { return run_act<Silu>(args, "silu_and_mul"); });
 }
 
+// kd_cuda_gelu_and_mul, kd_hip_gelu_and_mul
 kd_status gelu_and_mul(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(args, [&] { return run_act<GeluErf>(args, "gelu_and_mul"); });
 }
 
+// kd_cuda_gelu_tanh_and_mul, kd_hip_gelu_tanh_and_mul
 kd_status gelu_tanh_and_mul(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(args,
                             [&] { return run_act<GeluTanh>(args, "gelu_tanh_and_mul"); });

@@ -38,7 +38,6 @@
 #define cudaMemcpyKind hipMemcpyKind
 #define cudaMemcpyHostToDevice hipMemcpyHostToDevice
 #define cudaMemcpyDeviceToHost hipMemcpyDeviceToHost
-#define cudaMemcpyDeviceToDevice hipMemcpyDeviceToDevice
 #define cudaDeviceSynchronize hipDeviceSynchronize
 #else
 #include <cuda_bf16.h>

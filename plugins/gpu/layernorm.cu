@@ -119,6 +119,7 @@ void launch_layernorm(const Launch& launch, T* out, const T* x, const T* weight,
 
 }  // namespace
 
+// kd_cuda_layernorm, kd_hip_layernorm
 // Tensors (out, x, weight, bias), attribute eps.
 kd_status layernorm(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(args, [&]() -> kd_status {

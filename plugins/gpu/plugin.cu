@@ -119,7 +119,6 @@ kd_status memory_copy(int32_t device_id, void* dst, const void* src, size_t byte
   switch (kind) {
     case KD_COPY_HOST_TO_DEVICE: direction = cudaMemcpyHostToDevice; break;
     case KD_COPY_DEVICE_TO_HOST: direction = cudaMemcpyDeviceToHost; break;
-    case KD_COPY_DEVICE_TO_DEVICE: direction = cudaMemcpyDeviceToDevice; break;
     default:
       if (error != nullptr) std::snprintf(error, error_capacity, "copy: unknown kind %d", static_cast<int>(kind));
       return KD_STATUS_INVALID_ARGUMENT;

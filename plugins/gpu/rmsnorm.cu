@@ -332,10 +332,12 @@ kd_status run_norm(const kd_call_args* args, const char* op) {
 
 }  // namespace
 
+// kd_cuda_rmsnorm, kd_hip_rmsnorm
 kd_status rmsnorm(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(args, [&] { return run_norm<false>(args, "rmsnorm"); });
 }
 
+// kd_cuda_fused_add_rmsnorm, kd_hip_fused_add_rmsnorm
 kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(args, [&] { return run_norm<true>(args, "fused_add_rmsnorm"); });
 }

@@ -169,6 +169,7 @@ kd_status run_rotary(const kd_call_args* args) {
 
 }  // namespace
 
+// kd_cuda_rotary_embedding, kd_hip_rotary_embedding
 kd_status rotary_embedding(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(args, [&] { return run_rotary(args); });
 }

@@ -320,6 +320,7 @@ kd_status run_topk(const kd_call_args* args) {
 
 }  // namespace
 
+// kd_cuda_topk_softmax, kd_hip_topk_softmax
 kd_status topk_softmax(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(args, [&] { return run_topk(args); });
 }

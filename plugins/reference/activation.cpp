@@ -24,15 +24,18 @@ kd_status gated(const kd_call_args* args, const char* op, Act act) {
 
 }  // namespace
 
+// kd_ref_silu_and_mul
 kd_status silu_and_mul(const kd_call_args* args) noexcept {
   return gated(args, "activation.silu_and_mul", [](double a) { return a / (1.0 + std::exp(-a)); });
 }
 
+// kd_ref_gelu_and_mul
 kd_status gelu_and_mul(const kd_call_args* args) noexcept {
   return gated(args, "activation.gelu_and_mul",
                [](double a) { return 0.5 * a * (1.0 + std::erf(a / std::numbers::sqrt2)); });
 }
 
+// kd_ref_gelu_tanh_and_mul
 kd_status gelu_tanh_and_mul(const kd_call_args* args) noexcept {
   return gated(args, "activation.gelu_tanh_and_mul", [](double a) {
     const double k = std::sqrt(2.0 / std::numbers::pi);

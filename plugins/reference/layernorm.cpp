@@ -24,6 +24,7 @@ void normalise(const std::vector<double>& x, const Tensor& weight, int64_t rows,
 
 }  // namespace
 
+// kd_ref_rmsnorm
 // Tensors (out, x, weight), attribute eps.
 kd_status rmsnorm(const kd_call_args* args) noexcept {
   return run_kernel(args, [&] {
@@ -36,6 +37,7 @@ kd_status rmsnorm(const kd_call_args* args) noexcept {
   });
 }
 
+// kd_ref_fused_add_rmsnorm
 // Tensors (x, residual, weight), both of the first updated in place:
 // residual = x + residual, stored in its dtype; x = rmsnorm(stored residual).
 kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
@@ -51,6 +53,7 @@ kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
   });
 }
 
+// kd_ref_layernorm
 // Tensors (out, x, weight, bias), attribute eps: out = (x - mean) /
 // sqrt(var + eps) * weight + bias over each row, var the biased variance.
 kd_status layernorm(const kd_call_args* args) noexcept {

@@ -27,6 +27,7 @@ void rotate(const Tensor& x, int64_t t, int64_t h, const Tensor& cos_sin, int64_
 
 }  // namespace
 
+// kd_ref_rotary_embedding
 // Tensors (positions [*], query [*, HQ, 2*R], key [*, HK, 2*R],
 // cos_sin_cache [P, 2*R]), attribute is_neox. A position outside [0, P) is
 // refused before anything is written.

@@ -11,6 +11,7 @@
 
 namespace kdispatch::reference {
 
+// kd_ref_topk_softmax
 // Tensors (topk_weights [*, K], topk_ids [*, K], gating_output [*, E]),
 // attribute renormalize. Each row: p = softmax(gating); the K largest p in
 // descending order, ties to the lower index; weights divided by their sum

@@ -19,6 +19,8 @@ namespace {
 
 const std::string kPluginDir = KDISPATCH_PLUGIN_DIR;
 const std::string kManifests = std::string(KDISPATCH_SOURCE_DIR) + "/manifests";
+// cuda.json and hip.json, generated from manifests/gpu.json.in at configure time.
+const std::string kGpuManifests = KDISPATCH_GPU_MANIFEST_DIR;
 const std::string kFixtures = KDISPATCH_FIXTURES_DIR;
 
 // A plugin directory holding copies of `manifests`, each with a stand-in
@@ -109,7 +111,7 @@ TEST_CASE("select on cpu picks the cpu backend without naming it") {
 }
 
 TEST_CASE("select --device cuda:9.0 works without a GPU, on manifests alone") {
-  const std::string dir = plugin_dir({kManifests + "/cpu.json", kManifests + "/cuda.json"});
+  const std::string dir = plugin_dir({kManifests + "/cpu.json", kGpuManifests + "/cuda.json"});
   const ToolResult r =
       run_tool({"select", "layernorm.rmsnorm", "--device", "cuda:9.0", "--json", "--plugin-path", dir});
   CHECK(r.exit_code == 0);
@@ -125,7 +127,7 @@ TEST_CASE("select --device cuda:9.0 works without a GPU, on manifests alone") {
 }
 
 TEST_CASE("several usable backends: KD-E004 until one is named or ordered") {
-  const std::string dir = plugin_dir({kManifests + "/cuda.json", kFixtures + "/cli/triton.json"});
+  const std::string dir = plugin_dir({kGpuManifests + "/cuda.json", kFixtures + "/cli/triton.json"});
   const std::vector<std::string> base{"select", "layernorm.rmsnorm", "--device", "cuda:9.0", "--plugin-path", dir};
   const ToolResult r = run_tool(base);
   CHECK(r.exit_code == 2);
@@ -168,7 +170,7 @@ TEST_CASE("errors: stderr format and --json document and exit code 2") {
     CHECK(r.err.find("did you mean 'layernorm.rmsnorm'?") != std::string::npos);
   }
   SUBCASE("KD-E003: a CUDA-only op on cpu") {
-    const std::string dir = plugin_dir({kManifests + "/cuda.json"});
+    const std::string dir = plugin_dir({kGpuManifests + "/cuda.json"});
     const ToolResult r = run_tool({"select", "moe.topk_softmax", "--device", "cpu", "--plugin-path", dir});
     CHECK(r.exit_code == 2);
     CHECK(r.err.find("error[KD-E003]: op 'moe.topk_softmax' has no backend usable on device 'cpu' (registered: "
@@ -176,7 +178,7 @@ TEST_CASE("errors: stderr format and --json document and exit code 2") {
     fs::remove_all(dir);
   }
   SUBCASE("KD-E006: a named backend not usable on the device") {
-    const std::string dir = plugin_dir({kManifests + "/cpu.json", kManifests + "/cuda.json"});
+    const std::string dir = plugin_dir({kManifests + "/cpu.json", kGpuManifests + "/cuda.json"});
     const ToolResult r =
         run_tool({"select", "moe.topk_softmax", "--backend", "cuda", "--device", "cpu", "--plugin-path", dir});
     CHECK(r.exit_code == 2);
@@ -186,7 +188,7 @@ TEST_CASE("errors: stderr format and --json document and exit code 2") {
 }
 
 TEST_CASE("a plugin whose library is missing: KD-E002 says where it was looked for") {
-  const std::string dir = plugin_dir({kManifests + "/cpu.json", kManifests + "/cuda.json"}, {"libkdispatch-cuda.so"});
+  const std::string dir = plugin_dir({kManifests + "/cpu.json", kGpuManifests + "/cuda.json"}, {"libkdispatch-cuda.so"});
   const ToolResult r =
       run_tool({"select", "layernorm.rmsnorm", "--backend", "cuda", "--device", "cuda:9.0", "--plugin-path", dir});
   CHECK(r.exit_code == 2);
@@ -204,7 +206,7 @@ TEST_CASE("a plugin whose library is missing: KD-E002 says where it was looked f
 }
 
 TEST_CASE("a disabled plugin: KD-E002 says it is disabled") {
-  const std::string dir = plugin_dir({kManifests + "/cpu.json", kManifests + "/cuda.json"});
+  const std::string dir = plugin_dir({kManifests + "/cpu.json", kGpuManifests + "/cuda.json"});
   const ToolResult r =
       run_tool({"select", "layernorm.rmsnorm", "--backend", "cuda", "--device", "cuda:9.0", "--plugin-path", dir},
                {{"KDISPATCH_PLUGINS_DISABLE", "cu*"}});
@@ -246,7 +248,7 @@ TEST_CASE("the first plugin of a name wins and later ones are reported") {
 }
 
 TEST_CASE("KDISPATCH_DEVICE sets the default device of list and select") {
-  const std::string dir = plugin_dir({kManifests + "/cpu.json", kManifests + "/cuda.json"});
+  const std::string dir = plugin_dir({kManifests + "/cpu.json", kGpuManifests + "/cuda.json"});
   const Json doc = json_of(run_tool({"list", "--json", "--plugin-path", dir}, {{"KDISPATCH_DEVICE", "cuda:9.0"}}));
   CHECK(doc["device"] == "cuda:9.0");
   const ToolResult bad = run_tool({"list", "--plugin-path", dir}, {{"KDISPATCH_DEVICE", "tpu"}});
@@ -268,10 +270,11 @@ TEST_CASE("KDISPATCH_LOG=debug says what was searched") {
 
 TEST_CASE("validate: shipped manifests are clean and broken ones print FILE: KD-Ennn: message and exit 2") {
   std::vector<std::string> args{"validate"};
-  for (const char* f : {"cpu.json", "cuda.json", "hip.json", "ops/layernorm.json", "ops/activation.json",
-                        "ops/embeddings.json", "ops/moe.json"}) {
+  for (const char* f : {"cpu.json", "ops/layernorm.json", "ops/activation.json", "ops/embeddings.json",
+                        "ops/moe.json"}) {
     args.push_back(kManifests + "/" + f);
   }
+  for (const char* f : {"cuda.json", "hip.json"}) args.push_back(kGpuManifests + "/" + f);
   const ToolResult ok = run_tool(args);
   CHECK(ok.exit_code == 0);
   CHECK(ok.out.find("cpu.json: ok (plugin 'cpu', backend 'cpu', ") != std::string::npos);
@@ -677,7 +680,7 @@ void check_gpu_plugin_without_device(const std::string& backend) {
       CHECK(b["reason"] == "targets " + backend + ", not cpu");
     }
   }
-  std::ifstream manifest(kManifests + "/" + backend + ".json");
+  std::ifstream manifest(kGpuManifests + "/" + backend + ".json");
   CHECK(ops == static_cast<int>(Json::parse(manifest).at("kernels").size()));
   // Only the GPU plugin on the path: KD-E003 naming the device mismatch.
   const ToolResult r = run_tool({"select", "layernorm.rmsnorm", "--device", "cpu", "--plugin-path", kPluginDir},

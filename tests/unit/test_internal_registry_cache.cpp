@@ -37,6 +37,7 @@ using namespace kdispatch;
 namespace {
 
 const fs::path kSource = KDISPATCH_SOURCE_DIR;
+const fs::path kGpuManifests = KDISPATCH_GPU_MANIFEST_DIR;  // cuda.json, hip.json
 const fs::path kGoodManifests = fs::path(KDISPATCH_FIXTURES_DIR) / "manifests" / "good";
 
 std::string read_text(const fs::path& path) {
@@ -186,8 +187,8 @@ std::vector<ManifestResult> parse_all(const CacheScope& scope) {
 }  // namespace
 
 TEST_CASE("registry cache: a record decodes to the manifest the parser gave") {
-  for (const char* name : {"cpu.json", "reference.json", "cuda.json", "hip.json"}) {
-    const fs::path path = kSource / "manifests" / name;
+  for (const fs::path& path : {kSource / "manifests" / "cpu.json", kSource / "manifests" / "reference.json",
+                               kGpuManifests / "cuda.json", kGpuManifests / "hip.json"}) {
     check_round_trip(read_text(path), path.string());
   }
   for (const auto& entry : fs::directory_iterator(kGoodManifests)) {

@@ -2,10 +2,10 @@
 # GPU check of the CUDA plugin, for the GPU machine (one H200; see
 # /work/shared/GPU.md): builds the project with the `cuda` preset (or, when the
 # whole project does not build, the GPU plugins alone), checks the binary
-# (exported symbols, sm_90 code), runs the correctness check of every op x
-# dtype, and the benchmark of kdispatch against PyTorch eager and
-# torch.compile under CUDA-graph replay (tools/gpu/bench.py), and prints
-# its table last.
+# (exported symbols, SASS of every KDISPATCH_CUDA_ARCHITECTURES arch), runs
+# the correctness check of every op x dtype, and the benchmark of kdispatch
+# against PyTorch eager and torch.compile under CUDA-graph replay
+# (tools/gpu/bench.py), and prints its table last.
 #
 #   tools/gpu/check.sh [build|test|bench|python|all]     (default: all)
 #
@@ -13,7 +13,7 @@
 #   build  configure + build the whole project (preset cuda, tests on)
 #   test   the conformance suite on the cuda backend, `kdispatch run --all`
 #          (cuda checked against cpu), ctest, the dispatch benchmark
-#   bench  the plugin binary (exports, sm_90 code), tools/gpu/bench.py (kdispatch through its
+#   bench  the plugin binary (exports, SASS per arch), tools/gpu/bench.py (kdispatch through its
 #          dispatcher, PyTorch eager and torch.compile, graph replay and
 #          back-to-back launches), its table
 #   python tools/gpu/python_check.sh: the Python module built for the
@@ -117,7 +117,13 @@ fi
 exported=$(nm -D --defined-only "$plugin" | awk '{print $3}' | tr '\n' ' ')
 note "plugin: $(stat -c %s "$plugin") bytes, exports: $exported"
 [[ "$exported" == "kdispatch_plugin_api " ]] || { note "FAIL: the plugin exports more than kdispatch_plugin_api"; status=1; }
-grep -q "sm_90" "$OUT/plugin.txt" || { note "FAIL: no sm_90 code in the plugin"; status=1; }
+# The archs the build was configured for (plugins/gpu/targets.cmake).
+cuda_archs=$(sed -n 's/^KDISPATCH_CUDA_ARCHITECTURES:STRING=//p' "$root/build/cuda/CMakeCache.txt" 2> /dev/null |
+             tr ';' ' ')
+[[ -n "$cuda_archs" ]] || { note "FAIL: no KDISPATCH_CUDA_ARCHITECTURES in build/cuda/CMakeCache.txt"; status=1; }
+for arch in $cuda_archs; do
+  grep -q "sm_$arch\b" "$OUT/plugin.txt" || { note "FAIL: no sm_$arch code in the plugin"; status=1; }
+done
 
 # --- benchmark ---------------------------------------------------------------------
 # torch.compile's kernels are cached beside the build, for the next call.

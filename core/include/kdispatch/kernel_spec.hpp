@@ -36,7 +36,7 @@ struct KernelSpec {
   bool same_implementation(const KernelSpec& other) const {
     return plugin == other.plugin && symbol == other.symbol;
   }
-  // "plugin 'cuda' symbol 'kd_cuda_rmsnorm' (manifests/cuda.json)"
+  // "plugin 'cuda' symbol 'kd_cuda_rmsnorm' (lib/kdispatch/plugins/cuda.json)"
   std::string describe() const;
   // Every field equal.
   bool operator==(const KernelSpec&) const = default;

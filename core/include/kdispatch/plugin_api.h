@@ -21,6 +21,10 @@
  *                        loads; it reads a field added after 1.0 only when
  *                        the struct_size reported by the other side covers
  *                        it (KD_STRUCT_HAS_FIELD).
+ *   Neither is bumped when an enum value that no host of the major passes is
+ *   withdrawn: binaries of either side keep working together. Its number
+ *   stays reserved (a comment in the enum), is never given to another value,
+ *   and the changelog says so.
  * Every struct starts with `size_t struct_size` and only ever grows at its
  * end. Its *_STRUCT_SIZE macro names the last field; the static asserts below
  * fail to compile when a field is appended without updating that macro.
@@ -28,6 +32,8 @@
  * Changelog
  *   1.0  first version: kd_plugin_api, kd_device_info, kd_attr, kd_call_args,
  *        kd_memory_api.
+ *        kd_copy_kind 3 (device to device) withdrawn, no bump (see above): no
+ *        host passed it; 3 is reserved.
  */
 #ifndef KDISPATCH_PLUGIN_API_H_
 #define KDISPATCH_PLUGIN_API_H_
@@ -142,7 +148,7 @@ typedef kd_status (*kd_kernel_fn)(const kd_call_args* args);
 typedef enum kd_copy_kind {
   KD_COPY_HOST_TO_DEVICE = 1,
   KD_COPY_DEVICE_TO_HOST = 2,
-  KD_COPY_DEVICE_TO_DEVICE = 3,
+  /* 3 is reserved (a withdrawn kind, see the changelog): never reuse it. */
   KD_COPY_KIND_FORCE_32BIT = 0x7fffffff
 } kd_copy_kind;
 
