@@ -971,7 +971,11 @@ std::optional<std::vector<Target>> read_targets(Reader& r, const json& list, con
 
 constexpr std::string_view kTargetsExpected = "a list of target objects";
 
-std::optional<KernelSpec> read_kernel(Reader& r, const json& j, const std::string& pointer, const Manifest& m) {
+// One kernel entry; nullopt after reporting its problems. Its op id goes
+// into `declared_ops` whenever the id itself is valid, so that an invalid
+// manifest still says which ops it would provide.
+std::optional<KernelSpec> read_kernel(Reader& r, const json& j, const std::string& pointer, const Manifest& m,
+                                      std::vector<std::string>& declared_ops) {
   if (!j.is_object()) {
     r.bad(pointer, "a kernel object {\"op\", \"symbol\", ...}", j);
     return std::nullopt;
@@ -981,6 +985,9 @@ std::optional<KernelSpec> read_kernel(Reader& r, const json& j, const std::strin
   KernelSpec k;
   k.op = r.checked_string(j, pointer, "op", true, "an op id <group>.<name> of [a-z0-9_]+", is_valid_op_id)
              .value_or("");
+  if (!k.op.empty() && std::find(declared_ops.begin(), declared_ops.end(), k.op) == declared_ops.end()) {
+    declared_ops.push_back(k.op);
+  }
   k.symbol = r.checked_string(j, pointer, "symbol", true, "a C identifier [A-Za-z_][A-Za-z0-9_]*", is_identifier)
                  .value_or("");
   if (const json* dtypes = r.get(j, pointer, "dtypes", false, "")) {
@@ -1002,11 +1009,11 @@ std::optional<KernelSpec> read_kernel(Reader& r, const json& j, const std::strin
   return k;
 }
 
-void read_kernels(Reader& r, const json& list, Manifest& m) {
+void read_kernels(Reader& r, const json& list, Manifest& m, std::vector<std::string>& declared_ops) {
   std::map<std::string, std::pair<std::string, size_t>> seen;  // op -> (pointer, index in m.kernels)
   for (size_t i = 0; i < list.size(); ++i) {
     const auto pointer = pointer_index("/kernels", i);
-    auto k = read_kernel(r, list[i], pointer, m);
+    auto k = read_kernel(r, list[i], pointer, m, declared_ops);
     if (!k) continue;
     const auto [it, inserted] = seen.emplace(k->op, std::make_pair(pointer, m.kernels.size()));
     if (inserted) {
@@ -1053,7 +1060,11 @@ bool read_format_version(Reader& r, const json& doc, Manifest& m) {
   return true;
 }
 
-void read_manifest_document(Reader& r, const json& doc, Manifest& m) {
+// Reads `doc` into `m`, field by field: a field that does not validate is
+// reported and left empty, and the others are still read, so that an
+// invalid manifest keeps the names that did validate (`declared_ops`: the
+// op ids of its kernels, valid kernels or not).
+void read_manifest_document(Reader& r, const json& doc, Manifest& m, std::vector<std::string>& declared_ops) {
   if (!doc.is_object()) {
     r.bad("", "a manifest object {\"kdispatch_manifest\": \"1.0\", ...}", doc);
     return;
@@ -1109,7 +1120,7 @@ void read_manifest_document(Reader& r, const json& doc, Manifest& m) {
     m.targets = read_targets(r, *targets, "/targets").value_or(std::vector<Target>{});
   }
   if (const json* kernels = r.array(doc, "", "kernels", true, "a list of kernel objects (may be empty)")) {
-    read_kernels(r, *kernels, m);
+    read_kernels(r, *kernels, m, declared_ops);
   }
   if (const json* ops = r.array(doc, "", "ops", false, "a list of op schemas")) {
     read_op_schema_list(r, *ops, "/ops", m.ops);
@@ -1131,6 +1142,13 @@ std::filesystem::path Manifest::library_path() const {
   return std::filesystem::path(path).parent_path() / library;
 }
 
+std::vector<std::string> Manifest::kernel_ops() const {
+  std::vector<std::string> ids;
+  ids.reserve(kernels.size());
+  for (const KernelSpec& k : kernels) ids.push_back(k.op);
+  return ids;
+}
+
 namespace {
 
 // parse_manifest; with `ops_json`, also the document's "ops" list as
@@ -1143,8 +1161,10 @@ ManifestResult parse_manifest_document(std::string_view text, const std::string&
     if (!doc) return result;
     Manifest m;
     m.path = path;
-    read_manifest_document(r, *doc, m);
+    read_manifest_document(r, *doc, m, result.ops);
     r.finish();
+    result.plugin = m.plugin;
+    result.backend = m.backend;
     if (result.errors.empty()) {
       if (ops_json != nullptr && !m.ops.empty()) *ops_json = doc->at("ops").dump();
       result.manifest = std::move(m);

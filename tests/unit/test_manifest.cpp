@@ -510,6 +510,62 @@ TEST_CASE("manifest rules beyond the fixtures") {
   }
 }
 
+TEST_CASE("an invalid manifest still says which plugin, backend and ops it declares") {
+  SUBCASE("one misspelt dtype: every name of the shipped cuda manifest is kept") {
+    const std::string text = read_text(kSource / "manifests" / "cuda.json");
+    const auto valid = parse_manifest(text, "cuda.json");
+    REQUIRE(valid.ok());
+    std::string misspelt = text;
+    for (size_t at = misspelt.find("\"float32\""); at != std::string::npos; at = misspelt.find("\"float32\"", at)) {
+      misspelt.replace(at, 9, "\"floatt32\"");
+    }
+    const auto r = parse_manifest(misspelt, "cuda.json");
+    CHECK_FALSE(r.ok());
+    CHECK(r.errors.size() > 1);
+    CHECK(contains(r.errors[0].message, "found \"floatt32\""));
+    CHECK(r.plugin == "cuda");
+    CHECK(r.backend == "cuda");
+    CHECK(r.ops == valid.manifest->kernel_ops());
+  }
+  SUBCASE("a field that does not validate stays empty; the others are kept") {
+    const auto r = parse_manifest(R"({"kdispatch_manifest": "1.0", "plugin": "Bad-Name", "backend": "b",
+      "library": "libp.so", "abi": "1.0", "kernels": [
+        {"op": "no_group", "symbol": "a"},
+        {"op": "g.x", "symbol": "x", "dtypes": ["nope"]},
+        {"op": "g.y", "symbol": "1y"},
+        {"op": "g.x", "symbol": "x2"},
+        {"op": 7, "symbol": "z"},
+        "not a kernel"]})",
+                                  "partial.json");
+    CHECK_FALSE(r.ok());
+    CHECK(r.plugin.empty());
+    CHECK(r.backend == "b");
+    CHECK(r.ops == std::vector<std::string>{"g.x", "g.y"});
+  }
+  SUBCASE("a valid manifest names what its manifest holds") {
+    const auto r = read_manifest(kSource / "manifests" / "cpu.json");
+    REQUIRE(r.ok());
+    CHECK(r.plugin == r.manifest->plugin);
+    CHECK(r.backend == r.manifest->backend);
+    CHECK(r.ops == r.manifest->kernel_ops());
+    CHECK_FALSE(r.ops.empty());
+  }
+  SUBCASE("nothing is read from text that is not a manifest of this format") {
+    for (const std::string text : {
+             R"({"kdispatch_manifest": "1.0", "plugin": "p", "backend": "b", "kernels": [{"op": "g.x",)",
+             R"({"kdispatch_manifest": "3.0", "plugin": "p", "backend": "b", "kernels": [{"op": "g.x"}]})",
+             R"({"kdispatch_manifest": "1.0", "plugin": "p", "plugin": "q", "backend": "b", "kernels": []})",
+             R"([{"kdispatch_manifest": "1.0", "plugin": "p"}])"}) {
+      CAPTURE(text);
+      const auto r = parse_manifest(text, "other.json");
+      CHECK_FALSE(r.ok());
+      CHECK(r.plugin.empty());
+      CHECK(r.backend.empty());
+      CHECK(r.ops.empty());
+    }
+  }
+}
+
 TEST_CASE("op-schema files") {
   SUBCASE("not a list") {
     const auto r = parse_op_schemas(R"({"op": "a.b"})", "ops.json");

@@ -36,6 +36,8 @@ struct Manifest {
 
   // The library's path: the manifest's directory / library.
   std::filesystem::path library_path() const;
+  // The op ids of its kernels, in manifest order.
+  std::vector<std::string> kernel_ops() const;
   // Every field equal.
   bool operator==(const Manifest&) const = default;
 };
@@ -44,6 +46,15 @@ struct ManifestResult {
   std::optional<Manifest> manifest;  // set when there is no error
   std::vector<Problem> errors;       // KD-E010..E013, naming file and field
   std::vector<Problem> warnings;     // unknown keys, newer minor version
+  // What the document says about itself, read best-effort whether or not
+  // it is valid: each field only where that field validated on its own
+  // (empty otherwise; all empty for text that is not JSON, repeats a key,
+  // is no object or has an unknown major format). Nothing of an invalid
+  // manifest is registered; these let errors, `list` and `doctor` name the
+  // plugin, its backend and the ops it would have provided.
+  std::string plugin;
+  std::string backend;
+  std::vector<std::string> ops;  // op ids of its kernels, in manifest order, each once
   bool ok() const { return manifest.has_value(); }
 };
 
