@@ -394,7 +394,7 @@ std::pair<size_t, size_t> line_and_column(std::string_view text, size_t bytes_re
 
 // The parser's own words without its "[json.exception...] ... column N: " prefix,
 // which would repeat the position in another form.
-std::string parser_message(const json::parse_error& e) {
+std::string parser_message(const json::exception& e) {
   std::string_view what = e.what();
   if (const auto column = what.find("column "); column != std::string_view::npos) {
     if (const auto colon = what.find(": ", column); colon != std::string_view::npos) {
@@ -406,6 +406,30 @@ std::string parser_message(const json::parse_error& e) {
   }
   return std::string(what);
 }
+
+// nlohmann refuses a number beyond the range of a double with out_of_range
+// 406, which carries no position. Its SAX interface is given the position:
+// reading the text again through this handler finds it.
+class ErrorPosition {
+ public:
+  bool null() { return true; }
+  bool boolean(bool /*value*/) { return true; }
+  bool number_integer(json::number_integer_t /*value*/) { return true; }
+  bool number_unsigned(json::number_unsigned_t /*value*/) { return true; }
+  bool number_float(json::number_float_t /*value*/, const json::string_t& /*text*/) { return true; }
+  bool string(json::string_t& /*value*/) { return true; }
+  bool binary(json::binary_t& /*value*/) { return true; }
+  bool start_object(std::size_t /*size*/) { return true; }
+  bool key(json::string_t& /*value*/) { return true; }
+  bool end_object() { return true; }
+  bool start_array(std::size_t /*size*/) { return true; }
+  bool end_array() { return true; }
+  bool parse_error(std::size_t position, const std::string& /*token*/, const nlohmann::detail::exception& /*e*/) {
+    bytes_read = position;
+    return false;
+  }
+  size_t bytes_read = 0;  // as json::parse_error::byte counts them
+};
 
 // Parses `text`; nullopt after reporting KD-E010 or repeated keys.
 std::optional<json> parse_json(std::string_view text, Reader& r) {
@@ -419,6 +443,14 @@ std::optional<json> parse_json(std::string_view text, Reader& r) {
   } catch (const json::parse_error& e) {
     // KD-E010 reads FILE:LINE:COL: message, as compilers print it.
     const auto [line, column] = line_and_column(text, e.byte);
+    r.raw_error(ErrorCode::manifest_bad_json,
+                fmt::format("{}:{}:{}: {}", r.file(), line, column, parser_message(e)));
+    return std::nullopt;
+  } catch (const json::out_of_range& e) {
+    // While parsing, only a number too large for a double ("1e400").
+    ErrorPosition position;
+    json::sax_parse(text.begin(), text.end(), &position);
+    const auto [line, column] = line_and_column(text, position.bytes_read);
     r.raw_error(ErrorCode::manifest_bad_json,
                 fmt::format("{}:{}:{}: {}", r.file(), line, column, parser_message(e)));
     return std::nullopt;

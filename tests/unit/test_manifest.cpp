@@ -336,6 +336,9 @@ TEST_CASE("KD-E010 reports file:line:column") {
   const auto message = error_of("{\"a\" 1}");
   CHECK(contains(message, "syntax error"));
   CHECK_FALSE(contains(message, "json.exception"));
+  // A number beyond a double is bad JSON too, at its last character.
+  CHECK(error_of("{\"a\": [1,\n  1e400]}") == "m.json:2:7: number overflow parsing '1e400'");
+  CHECK(error_of("11111E211111E2").starts_with("m.json:1:12: number overflow"));
 }
 
 TEST_CASE("target inheritance and replacement") {
