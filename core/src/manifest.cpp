@@ -1205,6 +1205,7 @@ ManifestResult parse_manifest_document(std::string_view text, const std::string&
     // Validation reports problems instead of throwing; reaching this is a bug
     // here, and still must not take down a process that only scans plugins.
     result.manifest.reset();
+    result.internal_error = true;
     r.error(ErrorCode::manifest_bad_field, "", fmt::format("internal error while validating: {}", e.what()));
   }
   return result;
@@ -1269,6 +1270,8 @@ SchemaFileResult parse_op_schemas(std::string_view text, const std::string& path
     read_op_schema_list(r, *doc, "", result.schemas);
     r.finish();
   } catch (const std::exception& e) {
+    // As in parse_manifest_document: a bug, flagged as one.
+    result.internal_error = true;
     r.error(ErrorCode::manifest_bad_field, "", fmt::format("internal error while validating: {}", e.what()));
   }
   return result;
