@@ -4,22 +4,14 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "builtin_schemas.hpp"
 #include "kdispatch/platform.hpp"
 #include "kdispatch/log.hpp"
 #include "scanner.hpp"
 
 namespace kdispatch {
-namespace {
-
-std::vector<std::string> ops_of(const Manifest& m) {
-  std::vector<std::string> ops;
-  for (const auto& k : m.kernels) ops.push_back(k.op);
-  return ops;
-}
-
-}  // namespace
-
 Context::Context(ContextOptions options)
     : registry_(std::make_unique<KernelRegistry>()),
       selector_(std::make_unique<Selector>(*registry_, options.selector ? std::move(*options.selector)
@@ -48,18 +40,19 @@ void Context::register_record(PluginRecord& record) {
     case PluginState::shadowed:
       return;
     case PluginState::disabled:
-      registry_->record_failure({record.name, record.backend, record.manifest_path,
-                                 record.manifest ? ops_of(*record.manifest) : std::vector<std::string>{},
+      registry_->record_failure({record.name, record.backend, record.manifest_path, record.ops,
                                  Problem{ErrorCode::backend_not_registered, record.manifest_path, record.note}});
       return;
-    case PluginState::error:
-      // The last problem is the error that stopped the plugin (warnings come first).
-      if (!record.problems.empty()) {
-        registry_->record_failure({record.name, record.backend, record.manifest_path,
-                                   record.manifest ? ops_of(*record.manifest) : std::vector<std::string>{},
-                                   record.problems.back()});
-      }
+    case PluginState::error: {
+      // Warnings come first; the first error is what the failure reports.
+      const auto is_error = [](const Problem& p) { return !p.warning; };
+      const auto first = std::find_if(record.problems.begin(), record.problems.end(), is_error);
+      if (first == record.problems.end()) return;
+      const auto errors = static_cast<size_t>(std::count_if(first, record.problems.end(), is_error));
+      registry_->record_failure({record.name, record.backend, record.manifest_path, record.ops, *first,
+                                 /*manifest_invalid=*/!record.manifest.has_value(), errors - 1});
       return;
+    }
     case PluginState::found:
       break;
   }
@@ -87,6 +80,7 @@ std::vector<Problem> Context::add_manifest(const Manifest& manifest) {
   PluginRecord record;
   record.name = manifest.plugin;
   record.backend = manifest.backend;
+  record.ops = manifest.kernel_ops();
   record.manifest_path = manifest.path;
   record.library_path = manifest.library_path().string();
   record.manifest = manifest;

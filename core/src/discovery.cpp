@@ -129,6 +129,25 @@ DirectoryListing manifests_in(const fs::path& dir) {
   return out;
 }
 
+// One warning per invalid manifest: the first problem and how many more
+// (a bad name repeated in every kernel would otherwise fill the screen);
+// every problem at debug level.
+void log_skipped_manifest(const PluginRecord& rec, const std::vector<Problem>& errors) {
+  if (errors.empty()) return;
+  std::string who;
+  if (!rec.name.empty()) who += fmt::format("plugin '{}'", rec.name);
+  if (!rec.backend.empty()) who += fmt::format("{}backend '{}'", who.empty() ? "" : ", ", rec.backend);
+  const Problem& first = errors.front();
+  log(LogLevel::warn, "skipping manifest {}{}: {}: {}{}", rec.manifest_path, who.empty() ? "" : " (" + who + ")",
+      code_string(first.code), first.message,
+      errors.size() == 1 ? ""
+                         : fmt::format(" (and {} more problem{}; `kdispatch validate` lists them all)",
+                                       errors.size() - 1, errors.size() == 2 ? "" : "s"));
+  for (const Problem& e : errors) {
+    log(LogLevel::debug, "problem of manifest {}: {}: {}", rec.manifest_path, code_string(e.code), e.message);
+  }
+}
+
 }  // namespace
 
 DiscoveryResult discover_plugins(const SearchPathOptions& options) {
@@ -177,22 +196,23 @@ DiscoveryResult discover_plugins(const SearchPathOptions& options) {
         continue;
       }
       ManifestResult parsed = cache.read(file);
+      rec.name = std::move(parsed.plugin);
+      rec.backend = std::move(parsed.backend);
+      rec.ops = std::move(parsed.ops);
       for (const auto& w : parsed.warnings) {
         log(LogLevel::warn, "{}", w.message);
         rec.problems.push_back(w);
       }
       if (!parsed.ok()) {
+        // An invalid manifest claims no plugin name: a valid one of the same
+        // name later in the path still loads.
         rec.state = PluginState::error;
-        for (const auto& e : parsed.errors) {
-          log(LogLevel::warn, "skipping manifest {}: {}: {}", rec.manifest_path, code_string(e.code), e.message);
-          rec.problems.push_back(e);
-        }
+        log_skipped_manifest(rec, parsed.errors);
+        for (auto& e : parsed.errors) rec.problems.push_back(std::move(e));
         result.plugins.push_back(std::move(rec));
         continue;
       }
       const Manifest& m = *parsed.manifest;
-      rec.name = m.plugin;
-      rec.backend = m.backend;
       rec.library_path = m.library_path().string();
       log(LogLevel::debug, "found manifest {}: plugin '{}', backend '{}', {} kernel(s)", rec.manifest_path, m.plugin,
           m.backend, m.kernels.size());

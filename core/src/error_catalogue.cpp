@@ -18,10 +18,13 @@ constexpr CatalogueEntry kCatalogue[] = {
     // ---------------------------------------------------------------- selection
     {ErrorCode::unknown_op,
      "Unknown op: no kernels registered for it"sv,
-     "No loaded plugin and no op schema declares the requested op id. The message "
-     "lists the closest known op ids and any plugin that failed to load."sv,
+     "No loaded plugin and no op schema declares the requested op id. When a plugin "
+     "declares the op but failed to load or has an invalid manifest, the message says "
+     "so and gives the first problem; the hints list the closest known op ids and "
+     "every other plugin that failed to load."sv,
      "- A typo in the op id (ids are \"<group>.<name>\", lower case, e.g. layernorm.rmsnorm)\n"
      "- The plugin that declares the op failed to load or was not found on the search path\n"
+     "- The plugin's manifest is invalid (a misspelt dtype or key value): none of its kernels is registered\n"
      "- The plugin is filtered out by KDISPATCH_PLUGINS_DISABLE or KDISPATCH_PLUGINS_SELECT\n"
      "- A third-party op whose schema (\"ops\" in its manifest) was not shipped"sv,
      "- Check the spelling against the \"did you mean\" hint and `kdispatch list`\n"
@@ -35,14 +38,17 @@ constexpr CatalogueEntry kCatalogue[] = {
      "A backend was named (backend=..., --backend or KDISPATCH_FORCE_BACKEND) but no "
      "registered kernel of that backend implements the op. The message lists the "
      "backends that are registered and, when a plugin declaring the backend did not "
-     "load, why."sv,
+     "load or its manifest is invalid, why (for an invalid manifest: its path and first "
+     "problem)."sv,
      "- The plugin providing the backend is not installed or not on the search path\n"
      "- The plugin was found but failed to load (the message gives the KD-E01x/E02x reason)\n"
+     "- The plugin's manifest is invalid, e.g. one misspelt dtype name: the whole manifest is skipped\n"
      "- The plugin is disabled via KDISPATCH_PLUGINS_DISABLE or not matched by KDISPATCH_PLUGINS_SELECT\n"
      "- The backend exists but simply does not implement this op\n"
      "- A typo in the backend name"sv,
      "- Run `kdispatch list` to see which backends implement the op\n"
      "- Run `kdispatch doctor` and fix the problem it reports for the backend's plugin\n"
+     "- For an invalid manifest, `kdispatch validate FILE` lists every problem with its JSON pointer\n"
      "- Add the plugin's directory: --add-plugin-path DIR or KDISPATCH_ADD_PLUGIN_PATH=DIR\n"
      "- Check KDISPATCH_PLUGINS_DISABLE / KDISPATCH_PLUGINS_SELECT (disable applies first)\n"
      "- Pick a registered backend: `kdispatch select OP --backend B`, or drop backend=... to let selection choose"sv},
@@ -51,16 +57,20 @@ constexpr CatalogueEntry kCatalogue[] = {
      "No backend usable on the device"sv,
      "Backends are registered for the op, but none can run on the device of the call: "
      "each was rejected by device type, arch window, CPU features or dtype. The "
-     "message gives the reason for each backend."sv,
+     "message gives the reason for each backend, and names any plugin that declares "
+     "the op but failed to load or has an invalid manifest, with its first problem."sv,
      "- Only a GPU backend is registered and the call runs on the CPU (e.g. only the cuda plugin on a CPU box)\n"
      "- The device's arch is outside the kernel's min_arch/max_arch window (cuda) or archs list (hip)\n"
      "- The CPU lacks a required feature (e.g. avx2)\n"
      "- No backend supports the dtype of the call\n"
      "- KDISPATCH_DEVICE or --device names a different device than intended\n"
-     "- The cpu reference plugin is missing or disabled"sv,
+     "- The cpu reference plugin is missing or disabled\n"
+     "- The plugin for this device declares the op but its manifest is invalid or it failed to load"sv,
      "- Run `kdispatch list --device D` to see each backend's eligibility and the reason it was rejected\n"
      "- Check the detected device: `kdispatch doctor`; override with --device D or KDISPATCH_DEVICE\n"
      "- Install or enable a plugin for this device (e.g. the cpu plugin); check KDISPATCH_PLUGINS_DISABLE\n"
+     "- Fix a plugin the message names as failed: `kdispatch doctor` says why, `kdispatch validate FILE` lists "
+     "every problem of an invalid manifest\n"
      "- Call with a dtype the backends list in their manifest \"dtypes\"\n"
      "- Move the tensors to a device a backend supports"sv},
 

@@ -394,7 +394,7 @@ std::pair<size_t, size_t> line_and_column(std::string_view text, size_t bytes_re
 
 // The parser's own words without its "[json.exception...] ... column N: " prefix,
 // which would repeat the position in another form.
-std::string parser_message(const json::parse_error& e) {
+std::string parser_message(const json::exception& e) {
   std::string_view what = e.what();
   if (const auto column = what.find("column "); column != std::string_view::npos) {
     if (const auto colon = what.find(": ", column); colon != std::string_view::npos) {
@@ -406,6 +406,30 @@ std::string parser_message(const json::parse_error& e) {
   }
   return std::string(what);
 }
+
+// nlohmann refuses a number beyond the range of a double with out_of_range
+// 406, which carries no position. Its SAX interface is given the position:
+// reading the text again through this handler finds it.
+class ErrorPosition {
+ public:
+  bool null() { return true; }
+  bool boolean(bool /*value*/) { return true; }
+  bool number_integer(json::number_integer_t /*value*/) { return true; }
+  bool number_unsigned(json::number_unsigned_t /*value*/) { return true; }
+  bool number_float(json::number_float_t /*value*/, const json::string_t& /*text*/) { return true; }
+  bool string(json::string_t& /*value*/) { return true; }
+  bool binary(json::binary_t& /*value*/) { return true; }
+  bool start_object(std::size_t /*size*/) { return true; }
+  bool key(json::string_t& /*value*/) { return true; }
+  bool end_object() { return true; }
+  bool start_array(std::size_t /*size*/) { return true; }
+  bool end_array() { return true; }
+  bool parse_error(std::size_t position, const std::string& /*token*/, const nlohmann::detail::exception& /*e*/) {
+    bytes_read = position;
+    return false;
+  }
+  size_t bytes_read = 0;  // as json::parse_error::byte counts them
+};
 
 // Parses `text`; nullopt after reporting KD-E010 or repeated keys.
 std::optional<json> parse_json(std::string_view text, Reader& r) {
@@ -419,6 +443,14 @@ std::optional<json> parse_json(std::string_view text, Reader& r) {
   } catch (const json::parse_error& e) {
     // KD-E010 reads FILE:LINE:COL: message, as compilers print it.
     const auto [line, column] = line_and_column(text, e.byte);
+    r.raw_error(ErrorCode::manifest_bad_json,
+                fmt::format("{}:{}:{}: {}", r.file(), line, column, parser_message(e)));
+    return std::nullopt;
+  } catch (const json::out_of_range& e) {
+    // While parsing, only a number too large for a double ("1e400").
+    ErrorPosition position;
+    json::sax_parse(text.begin(), text.end(), &position);
+    const auto [line, column] = line_and_column(text, position.bytes_read);
     r.raw_error(ErrorCode::manifest_bad_json,
                 fmt::format("{}:{}:{}: {}", r.file(), line, column, parser_message(e)));
     return std::nullopt;
@@ -1091,7 +1123,11 @@ std::optional<std::vector<Target>> read_targets(Reader& r, const json& list, con
 
 constexpr std::string_view kTargetsExpected = "a list of target objects";
 
-std::optional<KernelSpec> read_kernel(Reader& r, const json& j, const std::string& pointer, const Manifest& m) {
+// One kernel entry; nullopt after reporting its problems. Its op id goes
+// into `declared_ops` whenever the id itself is valid, so that an invalid
+// manifest still says which ops it would provide.
+std::optional<KernelSpec> read_kernel(Reader& r, const json& j, const std::string& pointer, const Manifest& m,
+                                      std::vector<std::string>& declared_ops) {
   if (!j.is_object()) {
     r.bad(pointer, "a kernel object {\"op\", \"symbol\", ...}", j);
     return std::nullopt;
@@ -1101,6 +1137,9 @@ std::optional<KernelSpec> read_kernel(Reader& r, const json& j, const std::strin
   KernelSpec k;
   k.op = r.checked_string(j, pointer, "op", true, "an op id <group>.<name> of [a-z0-9_]+", is_valid_op_id)
              .value_or("");
+  if (!k.op.empty() && std::find(declared_ops.begin(), declared_ops.end(), k.op) == declared_ops.end()) {
+    declared_ops.push_back(k.op);
+  }
   k.symbol = r.checked_string(j, pointer, "symbol", true, "a C identifier [A-Za-z_][A-Za-z0-9_]*", is_identifier)
                  .value_or("");
   if (const json* dtypes = r.get(j, pointer, "dtypes", false, "")) {
@@ -1122,11 +1161,11 @@ std::optional<KernelSpec> read_kernel(Reader& r, const json& j, const std::strin
   return k;
 }
 
-void read_kernels(Reader& r, const json& list, Manifest& m) {
+void read_kernels(Reader& r, const json& list, Manifest& m, std::vector<std::string>& declared_ops) {
   std::map<std::string, std::pair<std::string, size_t>> seen;  // op -> (pointer, index in m.kernels)
   for (size_t i = 0; i < list.size(); ++i) {
     const auto pointer = pointer_index("/kernels", i);
-    auto k = read_kernel(r, list[i], pointer, m);
+    auto k = read_kernel(r, list[i], pointer, m, declared_ops);
     if (!k) continue;
     const auto [it, inserted] = seen.emplace(k->op, std::make_pair(pointer, m.kernels.size()));
     if (inserted) {
@@ -1173,7 +1212,11 @@ bool read_format_version(Reader& r, const json& doc, Manifest& m) {
   return true;
 }
 
-void read_manifest_document(Reader& r, const json& doc, Manifest& m) {
+// Reads `doc` into `m`, field by field: a field that does not validate is
+// reported and left empty, and the others are still read, so that an
+// invalid manifest keeps the names that did validate (`declared_ops`: the
+// op ids of its kernels, valid kernels or not).
+void read_manifest_document(Reader& r, const json& doc, Manifest& m, std::vector<std::string>& declared_ops) {
   if (!doc.is_object()) {
     r.bad("", "a manifest object {\"kdispatch_manifest\": \"1.0\", ...}", doc);
     return;
@@ -1229,7 +1272,7 @@ void read_manifest_document(Reader& r, const json& doc, Manifest& m) {
     m.targets = read_targets(r, *targets, "/targets").value_or(std::vector<Target>{});
   }
   if (const json* kernels = r.array(doc, "", "kernels", true, "a list of kernel objects (may be empty)")) {
-    read_kernels(r, *kernels, m);
+    read_kernels(r, *kernels, m, declared_ops);
   }
   if (const json* ops = r.array(doc, "", "ops", false, "a list of op schemas")) {
     read_op_schema_list(r, *ops, "/ops", m.ops);
@@ -1251,6 +1294,13 @@ std::filesystem::path Manifest::library_path() const {
   return std::filesystem::path(path).parent_path() / library;
 }
 
+std::vector<std::string> Manifest::kernel_ops() const {
+  std::vector<std::string> ids;
+  ids.reserve(kernels.size());
+  for (const KernelSpec& k : kernels) ids.push_back(k.op);
+  return ids;
+}
+
 namespace {
 
 // parse_manifest; with `ops_json`, also the document's "ops" list as
@@ -1263,8 +1313,10 @@ ManifestResult parse_manifest_document(std::string_view text, const std::string&
     if (!doc) return result;
     Manifest m;
     m.path = path;
-    read_manifest_document(r, *doc, m);
+    read_manifest_document(r, *doc, m, result.ops);
     r.finish();
+    result.plugin = m.plugin;
+    result.backend = m.backend;
     if (result.errors.empty()) {
       if (ops_json != nullptr && !m.ops.empty()) *ops_json = doc->at("ops").dump();
       result.manifest = std::move(m);
@@ -1273,6 +1325,7 @@ ManifestResult parse_manifest_document(std::string_view text, const std::string&
     // Validation reports problems instead of throwing; reaching this is a bug
     // here, and still must not take down a process that only scans plugins.
     result.manifest.reset();
+    result.internal_error = true;
     r.error(ErrorCode::manifest_bad_field, "", fmt::format("internal error while validating: {}", e.what()));
   }
   return result;
@@ -1337,6 +1390,8 @@ SchemaFileResult parse_op_schemas(std::string_view text, const std::string& path
     read_op_schema_list(r, *doc, "", result.schemas);
     r.finish();
   } catch (const std::exception& e) {
+    // As in parse_manifest_document: a bug, flagged as one.
+    result.internal_error = true;
     r.error(ErrorCode::manifest_bad_field, "", fmt::format("internal error while validating: {}", e.what()));
   }
   return result;

@@ -369,6 +369,9 @@ ManifestResult ManifestCache::read(const fs::path& path) {
       if (std::optional<Manifest> cached = decode_manifest_record(it->second.record, path.string())) {
         ++hits_;
         ManifestResult result;
+        result.plugin = cached->plugin;
+        result.backend = cached->backend;
+        result.ops = cached->kernel_ops();
         result.manifest = std::move(cached);
         return result;
       }

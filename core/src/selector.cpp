@@ -23,10 +23,30 @@ std::string dtype_list(const std::vector<Dtype>& dtypes) {
   return fmt::format("[{}]", fmt::join(names, ", "));
 }
 
-std::string failure_text(const PluginFailure& f) {
-  return fmt::format("plugin '{}'{} was not loaded: [{}] {}", f.plugin.empty() ? "?" : f.plugin,
+bool declares(const PluginFailure& f, std::string_view op) {
+  return std::find(f.ops.begin(), f.ops.end(), op) != f.ops.end();
+}
+
+// Why `f` gives no kernel for `op`, in one line. A plugin whose invalid
+// manifest declares the op says so, with the manifest's first problem.
+std::string failure_text(const PluginFailure& f, std::string_view op) {
+  const std::string more =
+      f.more_problems == 0
+          ? std::string()
+          : fmt::format(" (and {} more problem{})", f.more_problems, f.more_problems == 1 ? "" : "s");
+  if (f.manifest_invalid && !f.backend.empty() && declares(f, op)) {
+    // Problem messages start with the file, which this line names already.
+    std::string_view problem = f.problem.message;
+    if (problem.starts_with(f.manifest) && problem.substr(f.manifest.size()).starts_with(": ")) {
+      problem.remove_prefix(f.manifest.size() + 2);
+    }
+    return fmt::format("plugin '{}' declares backend '{}' for this op but its manifest {} is invalid: [{}] {}{}",
+                       f.plugin.empty() ? "?" : f.plugin, f.backend, f.manifest, code_string(f.problem.code),
+                       problem, more);
+  }
+  return fmt::format("plugin '{}'{} was not loaded: [{}] {}{}", f.plugin.empty() ? "?" : f.plugin,
                      f.manifest.empty() ? "" : fmt::format(" ({})", f.manifest), code_string(f.problem.code),
-                     f.problem.message);
+                     f.problem.message, more);
 }
 
 size_t edit_distance(std::string_view a, std::string_view b) {
@@ -115,21 +135,23 @@ const KernelSpec& Selector::select(const SelectRequest& request) const {
   const auto failures_for = [&](auto&& pred) {
     std::vector<std::string> lines;
     for (const auto& f : failures) {
-      if (pred(f)) lines.push_back(failure_text(f));
+      if (pred(f)) lines.push_back(failure_text(f, request.op));
     }
     return lines;
   };
-  const auto declares_op = [&](const PluginFailure& f) {
-    return std::find(f.ops.begin(), f.ops.end(), request.op) != f.ops.end();
-  };
+  const auto declares_op = [&](const PluginFailure& f) { return declares(f, request.op); };
 
-  // Rule 1: the op is unknown.
+  // Rule 1: the op is unknown. Plugins that declare it but failed say why
+  // in the message; every other failure is a hint.
   if (specs.empty()) {
-    std::vector<std::string> hints;
+    std::string message = fmt::format("No kernels registered for op '{}'", request.op);
+    std::vector<std::string> hints = failures_for(declares_op);
+    if (!hints.empty()) message += fmt::format(": {}", fmt::join(hints, "; "));
     for (const auto& s : closest_ops(request.op, registry_.ops())) hints.push_back(fmt::format("did you mean '{}'?", s));
-    for (auto& line : failures_for([](const PluginFailure&) { return true; })) hints.push_back(std::move(line));
-    throw SelectionError(ErrorCode::unknown_op, fmt::format("No kernels registered for op '{}'", request.op),
-                         std::move(hints));
+    for (auto& line : failures_for([&](const PluginFailure& f) { return !declares_op(f); })) {
+      hints.push_back(std::move(line));
+    }
+    throw SelectionError(ErrorCode::unknown_op, std::move(message), std::move(hints));
   }
 
   // Rule 2: a backend is named.

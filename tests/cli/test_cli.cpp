@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 
@@ -202,6 +203,113 @@ TEST_CASE("a plugin whose library is missing: KD-E002 says where it was looked f
   CHECK(first_line.find("plugin 'cuda'") != std::string::npos);
   CHECK(first_line.find("not found") != std::string::npos);
   CHECK(first_line.find(dir + "/libkdispatch-cuda.so") != std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("an invalid manifest: select, list and doctor name its plugin, backend and first problem") {
+  // The shipped cuda manifest with every "float32" misspelt, beside valid
+  // cpu and reference manifests.
+  const std::string dir = plugin_dir({kManifests + "/cpu.json", kManifests + "/reference.json"});
+  std::string text;
+  {
+    std::ifstream in(kManifests + "/cuda.json");
+    text.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  size_t misspelt = 0;
+  for (size_t at = text.find("\"float32\""); at != std::string::npos; at = text.find("\"float32\"", at)) {
+    text.replace(at, 9, "\"floatt32\"");
+    ++misspelt;
+  }
+  REQUIRE(misspelt > 1);
+  std::ofstream(dir + "/cuda.json") << text;
+  std::ofstream(dir + "/libkdispatch-cuda.so") << "stand-in";
+  const std::string manifest = dir + "/cuda.json";
+  const auto says_for = [&](const std::string& path) {
+    return fmt::format(
+        "plugin 'cuda' declares backend 'cuda' for this op but its manifest {} is invalid: [KD-E011] "
+        "/kernels/0/dtypes/0: expected a dtype name (float32, float16, bfloat16, float64, int32, int64, uint8 or "
+        "bool), found \"floatt32\" (and {} more problems)",
+        path, misspelt - 1);
+  };
+  const std::string says = says_for(manifest);
+  const auto error_line = [](const ToolResult& r) {
+    const size_t at = r.err.find("error[");
+    return at == std::string::npos ? std::string() : r.err.substr(at, r.err.find('\n', at) - at);
+  };
+
+  SUBCASE("select with no backend named: KD-E003 names it beside the rejected ones") {
+    const ToolResult r = run_tool({"select", "layernorm.rmsnorm", "--device", "cuda:9.0", "--plugin-path", dir});
+    INFO(r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(error_line(r) ==
+          "error[KD-E003]: op 'layernorm.rmsnorm' has no backend usable on device 'cuda:9.0' (registered: [cpu, "
+          "reference]): cpu: targets cpu, not cuda; reference: targets cpu, not cuda; " + says);
+    CHECK(r.err.find("  hint: " + says + "\n") != std::string::npos);
+  }
+  SUBCASE("select --backend cuda: KD-E002 says why there is none") {
+    const ToolResult r = run_tool(
+        {"select", "layernorm.rmsnorm", "--backend", "cuda", "--device", "cuda:9.0", "--plugin-path", dir});
+    INFO(r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(error_line(r) ==
+          "error[KD-E002]: No 'cuda' backend registered for op 'layernorm.rmsnorm' (registered: [cpu, reference]): " +
+              says);
+    CHECK(r.err.find("  hint: " + says + "\n") != std::string::npos);
+  }
+  SUBCASE("an op no valid manifest declares: KD-E001 says the invalid one does") {
+    const std::string alone = make_temp_dir();
+    fs::copy_file(manifest, alone + "/cuda.json");
+    const ToolResult r = run_tool({"select", "layernorm.rmsnorm", "--device", "cuda:9.0", "--plugin-path", alone});
+    INFO(r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(error_line(r) == "error[KD-E001]: No kernels registered for op 'layernorm.rmsnorm': " +
+                               says_for(alone + "/cuda.json"));
+    fs::remove_all(alone);
+  }
+  SUBCASE("one warning line for the manifest; KDISPATCH_LOG=debug lists every problem") {
+    const ToolResult r = run_tool({"list", "--plugin-path", dir});
+    CHECK(r.exit_code == 0);
+    const std::string warning =
+        fmt::format("kdispatch: warn: skipping manifest {} (plugin 'cuda', backend 'cuda'): KD-E011: {}: "
+                    "/kernels/0/dtypes/0: ",
+                    manifest, manifest);
+    const size_t at = r.err.find(warning);
+    REQUIRE(at != std::string::npos);
+    CHECK(r.err.find("skipping manifest", at + warning.size()) == std::string::npos);
+    CHECK(r.err.find(fmt::format("(and {} more problems; `kdispatch validate` lists them all)\n", misspelt - 1),
+                     at) != std::string::npos);
+    const ToolResult debug = run_tool({"list", "--plugin-path", dir}, {{"KDISPATCH_LOG", "debug"}});
+    size_t listed = 0;
+    for (size_t p = debug.err.find("problem of manifest " + manifest); p != std::string::npos;
+         p = debug.err.find("problem of manifest " + manifest, p + 1)) {
+      ++listed;
+    }
+    CHECK(listed == misspelt);
+  }
+  SUBCASE("list and doctor show it under its name and backend, with its problems") {
+    for (const std::vector<std::string>& args :
+         {std::vector<std::string>{"list", "--json", "--plugin-path", dir},
+          std::vector<std::string>{"doctor", "--json", "--no-load", "--plugin-path", dir}}) {
+      INFO(args[0]);
+      const Json doc = json_of(run_tool(args));
+      const Json* cuda = nullptr;
+      for (const auto& p : doc["plugins"]) {
+        if (p["manifest"] == manifest) cuda = &p;
+      }
+      REQUIRE(cuda != nullptr);
+      CHECK((*cuda)["name"] == "cuda");
+      CHECK((*cuda)["backend"] == "cuda");
+      CHECK((*cuda)["status"] == "error");
+      CHECK((*cuda)["problems"].size() == misspelt);
+    }
+    const ToolResult list = run_tool({"list", "--plugin-path", dir});
+    CHECK(list.out.find("  NAME       BACKEND    STATE     MANIFEST\n") != std::string::npos);
+    CHECK(list.out.find("  cuda       cuda       error     " + manifest + "\n") != std::string::npos);
+    const ToolResult doctor = run_tool({"doctor", "--no-load", "--plugin-path", dir});
+    CHECK(doctor.out.find("  cuda [error]\n    backend:  cuda\n    manifest: " + manifest + "\n") !=
+          std::string::npos);
+    CHECK(doctor.out.find("found \"floatt32\"") != std::string::npos);
+  }
   fs::remove_all(dir);
 }
 

@@ -1,8 +1,9 @@
 // libFuzzer target: op schemas and shape patterns, then the call checker
 // on tensors made from the input. The input is an op-schema list (JSON),
 // a NUL byte, and bytes that become the dims, dtypes and offsets of the
-// call's tensors. A schema that parses must compile, and the three tiers of
-// the check must agree: accepted or refused with KD-E030, never a crash.
+// call's tensors. Parsing must not fail internally (internal_error), a
+// schema that parses must compile, and the three tiers of the check must
+// agree: accepted or refused with KD-E030, never a crash.
 #include <dlpack/dlpack.h>
 
 #include <array>
@@ -39,6 +40,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const size_t text_size = end == nullptr ? size : static_cast<size_t>(end - data);
   const std::string_view text(reinterpret_cast<const char*>(data), text_size);
   const kdispatch::SchemaFileResult parsed = kdispatch::parse_op_schemas(text, "fuzz-ops.json");
+  // The parser catches its own exceptions; one it caught is a bug.
+  if (parsed.internal_error) __builtin_trap();
   Reader in{data + text_size, size - text_size};
   static float storage[4096];
   for (const kdispatch::OpSchema& schema : parsed.schemas) {

@@ -171,6 +171,9 @@ void check_same(const std::vector<ManifestResult>& a, const std::vector<Manifest
   REQUIRE(a.size() == b.size());
   for (size_t i = 0; i < a.size(); ++i) {
     CHECK(a[i].manifest == b[i].manifest);
+    CHECK(a[i].plugin == b[i].plugin);
+    CHECK(a[i].backend == b[i].backend);
+    CHECK(a[i].ops == b[i].ops);
     REQUIRE(a[i].errors.size() == b[i].errors.size());
     REQUIRE(a[i].warnings.size() == b[i].warnings.size());
     for (size_t j = 0; j < a[i].errors.size(); ++j) CHECK(a[i].errors[j].message == b[i].errors[j].message);
@@ -265,6 +268,7 @@ TEST_CASE("registry cache: discovery over a warm cache gives the registry a cold
     CHECK(a[i].library_path == b[i].library_path);
     CHECK(a[i].state == b[i].state);
     CHECK(a[i].manifest == b[i].manifest);
+    CHECK(a[i].ops == b[i].ops);
     CHECK(a[i].note == b[i].note);
     REQUIRE(a[i].problems.size() == b[i].problems.size());
     for (size_t j = 0; j < a[i].problems.size(); ++j) {

@@ -115,6 +115,40 @@ TEST_CASE("KD-E002 says why a plugin declaring the backend did not load") {
                  "/p/libkdispatch-cuda.so") != std::string::npos);
 }
 
+TEST_CASE("a plugin whose invalid manifest declares the op is named in KD-E001, E002 and E003") {
+  KernelRegistry reg;
+  reg.add(spec("layernorm.rmsnorm", "cpu", {cpu_target()}));
+  PluginFailure invalid{"cuda", "cuda", "/p/cuda.json", {"layernorm.rmsnorm", "moe.topk_softmax"},
+                        Problem{ErrorCode::manifest_bad_field, "/p/cuda.json",
+                                "/p/cuda.json: /kernels/0/dtypes/0: expected a dtype name, found \"floatt32\""}};
+  invalid.manifest_invalid = true;
+  invalid.more_problems = 2;
+  reg.record_failure(invalid);
+  Selector sel(reg);
+  const std::string says =
+      "plugin 'cuda' declares backend 'cuda' for this op but its manifest /p/cuda.json is invalid: [KD-E011] "
+      "/kernels/0/dtypes/0: expected a dtype name, found \"floatt32\" (and 2 more problems)";
+  CHECK(error_of([&] { sel.select(req("layernorm.rmsnorm", "cpu", "cuda")); }, ErrorCode::backend_not_registered) ==
+        "No 'cuda' backend registered for op 'layernorm.rmsnorm' (registered: [cpu]): " + says);
+  CHECK(error_of([&] { sel.select(req("layernorm.rmsnorm", "cuda:9.0")); }, ErrorCode::no_usable_backend) ==
+        "op 'layernorm.rmsnorm' has no backend usable on device 'cuda:9.0' (registered: [cpu]): cpu: targets cpu, "
+        "not cuda; " + says);
+  CHECK(error_of([&] { sel.select(req("moe.topk_softmax", "cuda:9.0")); }, ErrorCode::unknown_op) ==
+        "No kernels registered for op 'moe.topk_softmax': " + says);
+  // For an op it does not declare, it is one failed plugin among others.
+  try {
+    sel.select(req("layernorm.rmsnrom", "cpu"));
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK(e.message() == "No kernels registered for op 'layernorm.rmsnrom'");
+    REQUIRE(e.hints().size() == 2);
+    CHECK(e.hints()[0] == "did you mean 'layernorm.rmsnorm'?");
+    CHECK(e.hints()[1] ==
+          "plugin 'cuda' (/p/cuda.json) was not loaded: [KD-E011] /p/cuda.json: /kernels/0/dtypes/0: expected a "
+          "dtype name, found \"floatt32\" (and 2 more problems)");
+  }
+}
+
 TEST_CASE("two backends usable on cuda:9.0 raise KD-E004 and resolve once one is named") {
   KernelRegistry reg;
   reg.add(spec("layernorm.rmsnorm", "cuda", {cuda_target("8.0")}));

@@ -95,6 +95,7 @@ Runner add_doctor(CLI::App& app) {
     for (const auto& p : plugins) {
       fmt::print("  {} [{}]\n", p["name"].get<std::string>().empty() ? "?" : p["name"].get<std::string>(),
                  p["state"].get<std::string>());
+      if (!p["backend"].get<std::string>().empty()) fmt::print("    backend:  {}\n", p["backend"].get<std::string>());
       fmt::print("    manifest: {}\n", p["manifest"].get<std::string>());
       if (!p["library"].get<std::string>().empty()) fmt::print("    library:  {}\n", p["library"].get<std::string>());
       if (p.contains("note")) fmt::print("    note:     {}\n", p["note"].get<std::string>());

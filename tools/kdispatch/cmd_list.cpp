@@ -51,14 +51,26 @@ Runner add_list(CLI::App& app) {
     fmt::print("device: {} ({})\n\n", device.device.str(), device.source);
     fmt::print("plugins:\n");
     if (plugins.empty()) fmt::print("  (none found; try kdispatch doctor)\n");
+    // A manifest that is invalid still shows the names that validated; "?"
+    // stands for one that did not.
     size_t name_width = 10;
-    for (const auto& rec : plugins) name_width = std::max(name_width, rec.name.size());
+    size_t plugin_backend_width = 10;
     for (const auto& rec : plugins) {
-      const std::string name = rec.name.empty() ? "?" : rec.name;
-      fmt::print("  {:<{}} {:<9} {}\n", name, name_width, plugin_state_name(rec.state), rec.manifest_path);
-      if (!rec.note.empty()) fmt::print("  {:<{}} {}\n", "", name_width, rec.note);
+      name_width = std::max(name_width, rec.name.size());
+      plugin_backend_width = std::max(plugin_backend_width, rec.backend.size());
+    }
+    if (!plugins.empty()) {
+      fmt::print("  {:<{}} {:<{}} {:<9} {}\n", "NAME", name_width, "BACKEND", plugin_backend_width, "STATE",
+                 "MANIFEST");
+    }
+    const size_t indent = name_width + plugin_backend_width + 1;
+    for (const auto& rec : plugins) {
+      fmt::print("  {:<{}} {:<{}} {:<9} {}\n", rec.name.empty() ? "?" : rec.name, name_width,
+                 rec.backend.empty() ? "?" : rec.backend, plugin_backend_width, plugin_state_name(rec.state),
+                 rec.manifest_path);
+      if (!rec.note.empty()) fmt::print("  {:<{}} {}\n", "", indent, rec.note);
       for (const auto& p : rec.problems) {
-        fmt::print("  {:<{}} {}: {}\n", "", name_width, code_string(p.code), p.message);
+        fmt::print("  {:<{}} {}: {}\n", "", indent, code_string(p.code), p.message);
       }
     }
     const auto ops = ctx.registry().ops();

@@ -53,13 +53,17 @@ enum class PluginState {
 std::string_view plugin_state_name(PluginState state);
 
 struct PluginRecord {
-  std::string name;      // from the manifest (may be empty if unreadable)
+  // name, backend and ops are what the manifest declares, also when it is
+  // invalid: each as far as that field validated (empty when it did not,
+  // or when the file could not be read at all).
+  std::string name;
   std::string backend;
+  std::vector<std::string> ops;  // op ids of its kernels
   std::string manifest_path;
   std::string library_path;
   PluginState state = PluginState::found;
-  std::optional<Manifest> manifest;
-  std::vector<Problem> problems;  // errors that stopped it, and warnings
+  std::optional<Manifest> manifest;  // set when the manifest is valid
+  std::vector<Problem> problems;  // warnings, then the errors that stopped it
   std::string note;               // why disabled / shadowed
 };
 

@@ -36,6 +36,8 @@ struct Manifest {
 
   // The library's path: the manifest's directory / library.
   std::filesystem::path library_path() const;
+  // The op ids of its kernels, in manifest order.
+  std::vector<std::string> kernel_ops() const;
   // Every field equal.
   bool operator==(const Manifest&) const = default;
 };
@@ -44,6 +46,21 @@ struct ManifestResult {
   std::optional<Manifest> manifest;  // set when there is no error
   std::vector<Problem> errors;       // KD-E010..E013, naming file and field
   std::vector<Problem> warnings;     // unknown keys, newer minor version
+  // What the document says about itself, read best-effort whether or not
+  // it is valid: each field only where that field validated on its own
+  // (empty otherwise; all empty for text that is not JSON, repeats a key,
+  // is no object or has an unknown major format). Nothing of an invalid
+  // manifest is registered; these let errors, `list` and `doctor` name the
+  // plugin, its backend and the ops it would have provided.
+  std::string plugin;
+  std::string backend;
+  std::vector<std::string> ops;  // op ids of its kernels, in manifest order, each once
+  // Validation stopped on an exception that no input should cause (a JSON
+  // value read as the wrong type, a key looked up with at() that is not
+  // there): a bug here, never a verdict on the input. `errors` then ends
+  // with a KD-E011 "internal error while validating" problem and
+  // `manifest` is empty. The tests and the fuzz target require it false.
+  bool internal_error = false;
   bool ok() const { return manifest.has_value(); }
 };
 
@@ -51,7 +68,9 @@ struct ManifestResult {
 // is returned with its code, the file, and the JSON pointer of the field
 // ("/kernels/2/targets/0/min_arch: expected \"major.minor\", found \"9\"").
 // Bad JSON reports file:line:col. Also checks the library path is a plain
-// file name (KD-E012); it does not look at the file system.
+// file name (KD-E012); it does not look at the file system. An exception of
+// the parser itself is caught as well, so that a process that only scans
+// plugins outlives a bug here, and flagged as internal_error.
 ManifestResult parse_manifest(std::string_view text, const std::string& path);
 ManifestResult read_manifest(const std::filesystem::path& path);
 
@@ -65,6 +84,7 @@ struct SchemaFileResult {
   std::vector<OpSchema> schemas;
   std::vector<Problem> errors;
   std::vector<Problem> warnings;
+  bool internal_error = false;  // as in ManifestResult
 };
 
 // Parses an op-schema file: a JSON list of op schemas (manifests/ops/*.json).

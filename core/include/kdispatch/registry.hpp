@@ -28,7 +28,11 @@ struct PluginFailure {
   std::string backend;   // may be empty when the manifest did not say
   std::string manifest;  // path
   std::vector<std::string> ops;  // ops its manifest declares, when known
-  Problem problem;
+  Problem problem;       // the first error
+  // The manifest itself is invalid (or unreadable): plugin, backend and ops
+  // are what it declares as far as those fields validated.
+  bool manifest_invalid = false;
+  size_t more_problems = 0;  // errors after `problem`
 };
 
 // Thread-safe. Specs are never freed: pointers returned stay valid for the
