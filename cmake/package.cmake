@@ -6,7 +6,7 @@
 #                          and the kernel-header generator it runs
 #   lib/pkgconfig/         kdispatch.pc
 #   share/kdispatch/       op schemas (ops/) and JSON Schemas (schema/)
-#   share/doc/kdispatch/   README.md
+#   share/doc/kdispatch/   README.md, docs/*.md
 include(CMakePackageConfigHelpers)
 
 set(KDISPATCH_CMAKE_DIR "${CMAKE_INSTALL_LIBDIR}/cmake/kdispatch")
@@ -31,7 +31,7 @@ install(FILES
   DESTINATION "${KDISPATCH_CMAKE_DIR}")
 
 # pkg-config: the same include directories and library. The C++ API needs
-# C++20 (`-std=c++20`), which a .pc file cannot require; README says so.
+# C++20 (`-std=c++20`), which a .pc file cannot require; docs/building.md says so.
 set(KDISPATCH_PC_DLPACK_CFLAGS "")
 if(KDISPATCH_DLPACK_INSTALL_INCLUDE)
   set(KDISPATCH_PC_DLPACK_CFLAGS " -I${KDISPATCH_DLPACK_INSTALL_INCLUDE}")
@@ -44,3 +44,4 @@ install(FILES "${PROJECT_BINARY_DIR}/kdispatch.pc" DESTINATION "${CMAKE_INSTALL_
 install(DIRECTORY manifests/ops/ DESTINATION "${CMAKE_INSTALL_DATADIR}/kdispatch/ops")
 install(DIRECTORY manifests/schema/ DESTINATION "${CMAKE_INSTALL_DATADIR}/kdispatch/schema")
 install(FILES README.md DESTINATION "${CMAKE_INSTALL_DOCDIR}")
+install(DIRECTORY docs/ DESTINATION "${CMAKE_INSTALL_DOCDIR}/docs" FILES_MATCHING PATTERN "*.md")
