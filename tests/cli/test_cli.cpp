@@ -212,7 +212,7 @@ TEST_CASE("an invalid manifest: select, list and doctor name its plugin, backend
   const std::string dir = plugin_dir({kManifests + "/cpu.json", kManifests + "/reference.json"});
   std::string text;
   {
-    std::ifstream in(kManifests + "/cuda.json");
+    std::ifstream in(kGpuManifests + "/cuda.json");
     text.assign(std::istreambuf_iterator<char>(in), {});
   }
   size_t misspelt = 0;

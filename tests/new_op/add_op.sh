@@ -61,7 +61,11 @@ echo "=== validate"
 echo "=== run"
 "$bin/kdispatch" run scratch.scaled_add
 echo "=== conformance suite"
-KDISPATCH_CONFORMANCE_BACKEND=cpu "$bin/kdispatch-conformance" --subcase=scratch.scaled_add
+KDISPATCH_CONFORMANCE_BACKEND=cpu "$bin/kdispatch-conformance" --subcase=scratch.scaled_add --success \
+  >"$work/conformance.log" || { cat "$work/conformance.log"; exit 1; }
+# The op's cases ran (a filter that matched nothing would pass vacuously).
+grep -E "scratch.scaled_add on cpu: [1-9][0-9]* calls checked" "$work/conformance.log"
+grep -E "^\[doctest\] (test cases|assertions)" "$work/conformance.log"
 echo "=== Python: NumPy and torch"
 (cd "$tree/tests/python" && "$python" test_numpy_calls.py --op scratch.scaled_add &&
   "$python" test_torch_ops.py --op scratch.scaled_add)

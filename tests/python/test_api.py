@@ -6,6 +6,7 @@ twice), the inventory functions against `kdispatch list --json`."""
 import gc
 import json
 import os
+import pathlib
 import pickle
 import subprocess
 import sys
@@ -222,6 +223,21 @@ class Inventory(unittest.TestCase):
             kdispatch.select(OP, device="gpu")
         with self.assertRaises(ValueError):
             kdispatch.select(OP, dtype="float8")
+
+    def test_doctor_is_the_tools_report(self):
+        """One report, made by the core: kdispatch.doctor() is `kdispatch
+        doctor --json` as dicts, field for field."""
+        tool = os.environ.get("KDISPATCH_TOOL")
+        self.assertTrue(tool, "KDISPATCH_TOOL names the kdispatch tool (ctest sets it)")
+        # One search path for both (by default each looks beside its own program).
+        plugins = str(pathlib.Path(kdispatch.select(OP, device="cpu")["manifest"]).parent)
+        cli = json.loads(subprocess.run([tool, "doctor", "--json", "--plugin-path", plugins], capture_output=True,
+                                        text=True).stdout)
+        try:
+            kdispatch.configure(plugin_path=[plugins])
+            self.assertEqual(kdispatch.doctor(), cli)
+        finally:
+            kdispatch.configure()
 
     def test_doctor(self):
         report = kdispatch.doctor()

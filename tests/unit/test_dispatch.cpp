@@ -11,6 +11,7 @@
 #include <sstream>
 #include <thread>
 
+#include "harness.hpp"
 #include "kdispatch/context.hpp"
 #include "kdispatch/dispatcher.hpp"
 
@@ -22,8 +23,30 @@ std::unique_ptr<Context> cpu_context() {
   ContextOptions options;
   options.search.replace = {KDISPATCH_PLUGIN_DIR};
   options.search.use_environment = false;
-  options.search.select = {"cpu"};  // a GPU backend, where present, must not serve these calls
+  // A GPU backend, where present, must not serve these calls; the
+  // reference backend checks them.
+  options.search.select = {"cpu", "reference"};
   return std::make_unique<Context>(options);
+}
+
+// True when the outputs in `got` (a call of an op that writes only its
+// outputs) are what the op's reference backend writes for the same inputs,
+// within the schema's tolerances.
+bool matches_reference(Dispatcher& dispatch, std::string_view op, std::span<const DLTensor> got,
+                       std::span<const NamedAttr> attrs = {}) {
+  std::vector<std::vector<char>> storage;
+  std::vector<DLTensor> want(got.begin(), got.end());
+  for (DLTensor& t : want) {
+    size_t bytes = t.dtype.bits / 8;
+    for (int d = 0; d < t.ndim; ++d) bytes *= static_cast<size_t>(t.shape[d]);
+    storage.emplace_back(static_cast<const char*>(t.data), static_cast<const char*>(t.data) + bytes);
+    t.data = storage.back().data();
+  }
+  const OpHandle reference = dispatch.op(op, "reference");
+  reference(want, attrs);
+  const harness::Comparison c = harness::compare(reference.schema(), got, want);
+  if (!c.ok) MESSAGE(op << ": " << c.first_mismatch);
+  return c.ok;
 }
 
 // A float32 rmsnorm call [rows, h] with random inputs and a NaN-poisoned output.
@@ -74,17 +97,15 @@ TEST_CASE("dispatch: a good call runs the cpu kernel and opens its plugin on fir
   op(call.tensors, std::vector<NamedAttr>{{"eps", 1e-5}});
   REQUIRE(ctx->load_state("cpu").has_value());
   CHECK(ctx->load_state("cpu")->binary != nullptr);
-  double sum = 0;
-  for (int64_t j = 0; j < call.h; ++j) sum += double(call.x[j]) * call.x[j];
-  const double inv = 1.0 / std::sqrt(sum / double(call.h) + 1e-5);
-  CHECK(call.out[2] == doctest::Approx(call.x[2] * inv * call.weight[2]).epsilon(1e-5));
+  const std::vector<NamedAttr> eps{{"eps", 1e-5}};
+  CHECK(matches_reference(dispatch, "layernorm.rmsnorm", call.tensors, eps));
   // The unchecked handle runs the same kernel.
   const KernelHandle kernel = op.resolve(call.tensors);
   CHECK(kernel.spec().backend == "cpu");
   std::array<kd_attr, kMaxSchemaAttrs> storage;
   call.out.assign(call.out.size(), 0.0f);
-  kernel(call.tensors, op.pack_attrs(std::vector<NamedAttr>{{"eps", 1e-5}}, storage));
-  CHECK(call.out[2] == doctest::Approx(call.x[2] * inv * call.weight[2]).epsilon(1e-5));
+  kernel(call.tensors, op.pack_attrs(eps, storage));
+  CHECK(matches_reference(dispatch, "layernorm.rmsnorm", call.tensors, eps));
 }
 
 // Every bad call, either on a fresh op or after an accepted call of the same
@@ -188,15 +209,7 @@ TEST_CASE("dispatch: calls alternating between shapes each get their own result"
     for (RmsnormCall* call : {&small, &large}) {
       call->out.assign(call->out.size(), std::nanf(""));
       op(call->tensors);
-      for (int64_t r = 0; r < call->shape2[0]; ++r) {
-        double sum = 0;
-        for (int64_t j = 0; j < call->h; ++j) sum += double(call->x[r * call->h + j]) * call->x[r * call->h + j];
-        const double inv = 1.0 / std::sqrt(sum / double(call->h) + 1e-6);
-        for (int64_t j = 0; j < call->h; ++j) {
-          const size_t i = static_cast<size_t>(r * call->h + j);
-          CHECK(call->out[i] == doctest::Approx(call->x[i] * inv * call->weight[j]).epsilon(1e-5));
-        }
-      }
+      CHECK(matches_reference(dispatch, "layernorm.rmsnorm", call->tensors));
     }
   }
 }
@@ -221,13 +234,13 @@ TEST_CASE("dispatch: threads calling one op with different shapes (the remembere
                                     DLTensor{weight.data(), cpu, 1, f32, shape1.data(), nullptr, 0}};
       std::vector<DLTensor> bad = tensors;
       bad[2].shape = &shape2[0];  // weight of size rows, not h
+      op(tensors);
+      if (!matches_reference(dispatch, "layernorm.rmsnorm", tensors)) ++wrong;
+      const std::vector<float> want = out;
       for (int i = 0; i < 300; ++i) {
         out.assign(out.size(), std::nanf(""));
         op(tensors);
-        double sum = 0;
-        for (int64_t j = 0; j < h; ++j) sum += double(x[j]) * x[j];
-        const double expected = x[0] / std::sqrt(sum / double(h) + 1e-6);
-        if (std::abs(out[0] - expected) > 1e-5 * std::abs(expected) + 1e-6) ++wrong;
+        if (out != want) ++wrong;
         try {
           op(bad);
           ++wrong;  // accepted a weight of the wrong size

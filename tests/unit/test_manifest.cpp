@@ -517,7 +517,7 @@ TEST_CASE("manifest rules beyond the fixtures") {
 
 TEST_CASE("an invalid manifest still says which plugin, backend and ops it declares") {
   SUBCASE("one misspelt dtype: every name of the shipped cuda manifest is kept") {
-    const std::string text = read_text(kSource / "manifests" / "cuda.json");
+    const std::string text = read_text(kGpuManifests / "cuda.json");
     const auto valid = parse_manifest(text, "cuda.json");
     REQUIRE(valid.ok());
     std::string misspelt = text;

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "common.hpp"
+#include "kdispatch/doctor.hpp"
 #include "kdispatch/platform.hpp"
 
 namespace kdispatch::cli {
@@ -23,51 +24,16 @@ Runner add_doctor(CLI::App& app) {
 
   return [options]() -> int {
     Context& ctx = make_context(options->common);
-    bool any_error = false;
+    const DoctorReport report = doctor_report(ctx, !options->no_load);
     Json plugins = Json::array();
-    for (const auto& rec : ctx.discovery().plugins) {
-      Json p = plugin_json(rec);
-      // The verdict follows what was found: a plugin in error, or any
-      // problem that is not a warning (KD-E005 leaves the plugin loaded).
-      if (rec.state == PluginState::error) any_error = true;
-      for (const Problem& q : rec.problems) any_error = any_error || !q.warning;
-      if (rec.state == PluginState::found && !options->no_load) {
-        try {
-          const PluginBinary& bin = ctx.load_plugin(rec.name);
-          p["loaded"] = true;
-          p["version"] = bin.version;
-          p["abi"] = fmt::format("{}.{}", bin.abi_major, bin.abi_minor);
-          Json devices = Json::array();
-          for (const auto& d : bin.devices) {
-            devices.push_back({{"device", d.device.str()}, {"id", d.id}, {"name", d.name}});
-          }
-          p["devices"] = devices;
-        } catch (const Error& e) {
-          any_error = true;
-          p["loaded"] = false;
-          p["status"] = "error";
-          p["problems"].push_back(problem_json({e.code(), rec.library_path, e.message()}));
-        }
-      }
-      plugins.push_back(std::move(p));
-    }
-    Json problems = Json::array();
-    for (const Problem& q : ctx.discovery().problems) {
-      problems.push_back(problem_json(q));
-      any_error = true;
-    }
-    for (const auto& p : plugins) {
-      for (const auto& q : p["problems"]) problems.push_back(q);
-    }
-    // Ops whose results run and bench cannot check.
-    std::vector<std::string> without_reference;
-    for (const auto& op : ctx.registry().ops()) {
-      if (ctx.registry().reference(op) == nullptr) without_reference.push_back(op);
-    }
+    for (const PluginReport& r : report.plugins) plugins.push_back(plugin_report_json(r));
+    const Json problems = problems_json(report.problems);
+    const std::vector<std::string>& without_reference = report.ops_without_reference;
+    const bool any_error = report.any_error;
 
     if (options->common.json) {
       Json search = Json::array();
-      for (const auto& d : ctx.discovery().search_path) search.push_back(d.path.string());
+      for (const auto& d : report.search_path) search.push_back(d.path.string());
       Json doc;
       doc["search_path"] = search;
       doc["plugins"] = plugins;
@@ -78,7 +44,7 @@ Runner add_doctor(CLI::App& app) {
     }
 
     fmt::print("search path:\n");
-    for (const auto& d : ctx.discovery().search_path) {
+    for (const auto& d : report.search_path) {
       std::error_code ec;
       fmt::print("  {} ({}{})\n", d.path.string(), d.origin,
                  std::filesystem::is_directory(d.path, ec) ? "" : ", does not exist");

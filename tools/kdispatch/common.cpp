@@ -137,6 +137,27 @@ Json problems_json(const std::vector<Problem>& problems) {
   return out;
 }
 
+Json plugin_report_json(const PluginReport& report) {
+  Json p;
+  p["name"] = report.name;
+  p["backend"] = report.backend;
+  p["manifest"] = report.manifest;
+  p["library"] = report.library;
+  p["status"] = report.ok ? "ok" : "error";
+  p["state"] = plugin_state_name(report.state);
+  if (!report.note.empty()) p["note"] = report.note;
+  p["problems"] = problems_json(report.problems);
+  p["loaded"] = report.loaded;
+  if (report.loaded) {
+    p["version"] = report.version;
+    p["abi"] = report.abi;
+    Json devices = Json::array();
+    for (const auto& d : report.devices) devices.push_back({{"device", d.device.str()}, {"id", d.id}, {"name", d.name}});
+    p["devices"] = devices;
+  }
+  return p;
+}
+
 Json plugin_json(const PluginRecord& record) {
   Json p;
   p["name"] = record.name;

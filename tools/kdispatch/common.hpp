@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kdispatch/context.hpp"
+#include "kdispatch/doctor.hpp"
 #include "kdispatch/error.hpp"
 
 namespace kdispatch::cli {
@@ -75,6 +76,9 @@ Json problem_json(const Problem& problem);
 Json problems_json(const std::vector<Problem>& problems);
 // The "plugins" entries of list and doctor.
 Json plugin_json(const PluginRecord& record);
+// A plugin of the doctor report: plugin_json's fields, then "loaded" and,
+// when loaded, "version", "abi" and "devices".
+Json plugin_report_json(const PluginReport& report);
 
 // A subcommand: registers its options; returns the function that runs it.
 using Runner = std::function<int()>;

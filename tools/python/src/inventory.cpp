@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <kdispatch/doctor.hpp>
 #include <kdispatch/error_catalogue.hpp>
 #include <kdispatch/platform.hpp>
 
@@ -118,6 +119,7 @@ py::dict problem_dict(const Problem& p) {
   d["code"] = code_string(p.code);
   d["file"] = p.file;
   d["message"] = p.message;
+  d["severity"] = p.warning ? "warning" : "error";
   return d;
 }
 
@@ -184,51 +186,47 @@ py::dict schema(const std::string& op) {
 }
 
 py::dict doctor() {
-  Context& ctx = runtime().context;
+  const DoctorReport report = doctor_report(runtime().context);
   py::list search;
-  for (const auto& d : ctx.discovery().search_path) search.append(d.path.string());
+  for (const auto& d : report.search_path) search.append(d.path.string());
   py::list plugins;
-  py::list problems;
-  for (const auto& rec : ctx.discovery().plugins) {
+  for (const PluginReport& r : report.plugins) {
     py::dict p;
-    p["name"] = rec.name;
-    p["backend"] = rec.backend;
-    p["manifest"] = rec.manifest_path;
-    p["library"] = rec.library_path;
-    p["state"] = std::string(plugin_state_name(rec.state));
-    p["status"] = rec.state == PluginState::found ? "ok" : "error";
-    p["note"] = rec.note;
-    py::list rec_problems;
-    for (const auto& q : rec.problems) rec_problems.append(problem_dict(q));
-    p["loaded"] = false;
-    if (rec.state == PluginState::found) {
-      try {
-        const auto& bin = ctx.load_plugin(rec.name);
-        p["loaded"] = true;
-        p["version"] = bin.version;
-        p["abi"] = fmt::format("{}.{}", bin.abi_major, bin.abi_minor);
-        py::list devices;
-        for (const auto& dev : bin.devices) {
-          py::dict dd;
-          dd["device"] = dev.device.str();
-          dd["id"] = dev.id;
-          dd["name"] = dev.name;
-          devices.append(dd);
-        }
-        p["devices"] = devices;
-      } catch (const Error& e) {
-        p["status"] = "error";
-        rec_problems.append(problem_dict({e.code(), rec.library_path, e.message()}));
+    p["name"] = r.name;
+    p["backend"] = r.backend;
+    p["manifest"] = r.manifest;
+    p["library"] = r.library;
+    p["status"] = r.ok ? "ok" : "error";
+    p["state"] = std::string(plugin_state_name(r.state));
+    if (!r.note.empty()) p["note"] = r.note;
+    py::list problems;
+    for (const auto& q : r.problems) problems.append(problem_dict(q));
+    p["problems"] = problems;
+    p["loaded"] = r.loaded;
+    if (r.loaded) {
+      p["version"] = r.version;
+      p["abi"] = r.abi;
+      py::list devices;
+      for (const auto& dev : r.devices) {
+        py::dict dd;
+        dd["device"] = dev.device.str();
+        dd["id"] = dev.id;
+        dd["name"] = dev.name;
+        devices.append(dd);
       }
+      p["devices"] = devices;
     }
-    p["problems"] = rec_problems;
-    for (py::handle q : rec_problems) problems.append(q);
     plugins.append(p);
   }
+  py::list problems;
+  for (const auto& q : report.problems) problems.append(problem_dict(q));
+  py::list without_reference;
+  for (const auto& op : report.ops_without_reference) without_reference.append(op);
   py::dict out;
   out["search_path"] = search;
   out["plugins"] = plugins;
   out["problems"] = problems;
+  out["ops_without_reference"] = without_reference;
   return out;
 }
 
