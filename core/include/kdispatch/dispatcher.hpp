@@ -95,6 +95,8 @@ class OpHandle {
   // The rest of a call whose tensors passed the check.
   void call_checked(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream,
                     const CompiledSchema::CallInfo& info) const;
+  // operator() for a call that gives attributes.
+  void call_with_attrs(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream) const;
   OpState* state_;
 };
 
