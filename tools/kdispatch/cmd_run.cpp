@@ -44,7 +44,8 @@ Json results_json(const Sweep& sweep) {
                        {"us_per_call", r.us_per_call},
                        {"gb_per_s", r.gb_per_s},
                        {"input_sets", r.input_sets},
-                       {"rotated_bytes", r.rotated_bytes}});
+                       {"rotated_bytes", r.rotated_bytes},
+                       {"rotation_capped", r.rotation_capped}});
   }
   Json skipped = Json::array();
   for (const auto& s : sweep.skipped) skipped.push_back({{"op", s.op}, {"backend", s.backend}, {"reason", s.reason}});
@@ -81,7 +82,8 @@ void print_sweep(const Sweep& sweep, bool bench) {
     const std::string_view check = status == "passed" ? "ok" : status == "failed" ? "FAIL" : "-";
     fmt::print("{:<{}}  {:<{}} {:<7} {:<9} {:<28} {:<6} {:>9.2e} {:>9.3g} {:>9.3g} {:>10.2f} {:>8.2f}{}\n", r.op,
                width, r.backend, backend_width, r.device, r.dtype, r.shapes, check, r.max_abs_err, r.max_ulps,
-               r.mean_ulps, r.us_per_call, r.gb_per_s, bench ? fmt::format(" {:>5}", r.input_sets) : "");
+               r.mean_ulps, r.us_per_call, r.gb_per_s,
+               bench ? fmt::format(" {:>5}", fmt::format("{}{}", r.input_sets, r.rotation_capped ? "*" : "")) : "");
     if (!r.ok || !r.error.empty()) fmt::print("{:<{}}  -> {}\n", "", width, r.error);
   }
   if (bench && !sweep.caches.empty()) {
@@ -90,6 +92,12 @@ void print_sweep(const Sweep& sweep, bool bench) {
                "memory as in a model; last-level cache:\n");
     for (const auto& [device, cache] : sweep.caches) {
       fmt::print("  {}: {:.1f} MiB, {}\n", device, cache.bytes / (1024.0 * 1024.0), cache.source);
+    }
+    for (const auto& r : sweep.results) {
+      if (!r.rotation_capped) continue;
+      fmt::print("* {} {} {} at {}: capped at {} sets, which with the outputs take {:.1f} MiB, under 3x the cache: "
+                 "its calls may read from cache\n",
+                 r.op, r.backend, r.dtype, r.shapes, r.input_sets, r.rotated_bytes / (1024.0 * 1024.0));
     }
   }
   for (const auto& s : sweep.skipped) fmt::print("skipped: {} on {}: {}\n", s.op, s.backend, s.reason);
@@ -189,7 +197,8 @@ Runner add_bench(CLI::App& app) {
       "within a quarter of memory, so that inputs come from memory as in a model, where other work runs\n"
       "between two calls of an op. The host's cache is the last level of the CPUs this process may run on\n"
       "(sysfs, else sysconf, else 32 MiB); a GPU's is taken as 60 MB (an H200's 50 MiB L2 rounded up: the\n"
-      "plugins report no cache size). At the schemas' \"bench\" sizes one set is usually enough.\n"
+      "plugins report no cache size). At the schemas' \"bench\" sizes one set is usually enough; a SETS\n"
+      "figure marked * was capped before the copies reached 3x the cache (small calls).\n"
       "Results are checked as in `run`; exit code 3 when one does not match or a kernel fails.\n"
       "Example: kdispatch bench moe.topk_softmax --dtype bfloat16 --shape '*=65536' --shape E=256");
 

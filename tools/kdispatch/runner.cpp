@@ -531,14 +531,16 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
                 ((a.written && !a.inplace) ? output_bytes : input_bytes) += static_cast<double>(data.tensors[i].bytes());
               }
               size_t sets = 1;
+              r.rotated_bytes = input_bytes + output_bytes;
               if (options.rotate_inputs) {
                 const CacheSize cache = last_level_cache(target);
                 sweep.caches.emplace(r.device, cache);
                 sets = input_sets_for(input_bytes, output_bytes, cache.bytes, usable_memory());
+                r.rotated_bytes = static_cast<double>(sets) * input_bytes + output_bytes;
+                r.rotation_capped = r.rotated_bytes < kCachePasses * cache.bytes;
               }
               InputSets rotation = make_input_sets(schema, host, data, sets, target);
               r.input_sets = sets;
-              r.rotated_bytes = static_cast<double>(sets) * input_bytes + output_bytes;
               int iters = std::max(options.iters, 1);
               std::vector<double> samples;
               size_t next = 0;

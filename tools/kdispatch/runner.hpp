@@ -43,6 +43,7 @@ struct SweepResult {
   double us_per_call = 0, gb_per_s = 0;
   size_t input_sets = 1;     // the timed calls rotated among this many copies of the inputs
   double rotated_bytes = 0;  // the bytes they touch: every set's inputs and the one set of outputs
+  bool rotation_capped = false;  // the sets were capped before rotated_bytes reached 3x the cache
 };
 
 // The last-level cache of a device, as rotate_inputs counts it.
