@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <bit>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -16,6 +17,36 @@
 #include "schema_check.hpp"
 
 namespace kdispatch {
+
+// An attribute name with two words that hold its first and last characters
+// (overlapping loads, zero-padded below 8), so that names of up to 16
+// characters compare without a library call.
+struct AttrName {
+  std::string_view text;
+  uint64_t head = 0;
+  uint64_t tail = 0;
+
+  explicit AttrName(std::string_view s) : text(s) {
+    const char* p = s.data();
+    const size_t n = s.size();
+    if (n >= 8) {
+      std::memcpy(&head, p, 8);
+      std::memcpy(&tail, p + n - 8, 8);
+    } else if (n >= 4) {
+      uint32_t first;
+      uint32_t last;
+      std::memcpy(&first, p, 4);
+      std::memcpy(&last, p + n - 4, 4);
+      head = first | uint64_t{last} << 32;
+    } else if (n > 0) {
+      head = static_cast<unsigned char>(p[0]) | static_cast<unsigned char>(p[n / 2]) << 8 |
+             static_cast<unsigned char>(p[n - 1]) << 16;
+    }
+  }
+  bool operator==(const AttrName& o) const {
+    return head == o.head && tail == o.tail && text.size() == o.text.size() && (text.size() <= 16 || text == o.text);
+  }
+};
 
 // One (op, backend request): its compiled schema and the kernels resolved
 // for it, per (device type, device id, dtype). Owned by the Dispatcher and
@@ -39,8 +70,12 @@ struct OpState {
   std::optional<CompiledSchema> compiled;  // absent: no schema, not callable
   // Every attribute with its default, in schema order; complete when every
   // attribute has a default (then a call without attributes copies nothing).
+  // A required attribute's entry has its name and type, and a zero value.
   std::vector<kd_attr> defaults;
   bool defaults_complete = true;
+  std::vector<AttrName> attr_names;          // the schema's, in schema order
+  uint64_t all_attrs = 0;                    // bit per attribute
+  uint64_t required_attrs = 0;               // bit per attribute without a default
   bool plain_calls = false;  // defaults_complete and no trace file: a call without attributes packs nothing
   std::span<const kd_attr> plain_attrs;  // `defaults`, for plain calls
   std::array<std::atomic<const Resolved*>, kSlots> cache{};
@@ -56,6 +91,54 @@ struct OpState {
       if (r->device == device && r->dtype == dtype && r->generation == generation) return r;
     }
     return nullptr;
+  }
+
+  // The attributes of a call that gives `attrs` by name, in the common case:
+  // each given value written into a copy of its attribute's default entry,
+  // then the default entries of the attributes not given. False (and `out`
+  // partly written) when a given name is unknown or repeated, a value's type
+  // is not the attribute's, or a required attribute is missing:
+  // OpHandle::pack_attrs then converts the value or words the error.
+  bool pack_given(std::span<const NamedAttr> attrs, kd_attr* out) const noexcept {
+    static_assert(std::is_same_v<std::variant_alternative_t<0, AttrValue>, double> &&
+                  std::is_same_v<std::variant_alternative_t<1, AttrValue>, int64_t> &&
+                  std::is_same_v<std::variant_alternative_t<2, AttrValue>, bool> &&
+                  std::is_same_v<std::variant_alternative_t<3, AttrValue>, std::string>);
+    const size_t n = attr_names.size();
+    uint64_t given = 0;
+    for (const NamedAttr& a : attrs) {
+      const AttrName name(a.name);
+      size_t i = 0;
+      while (i < n && !(attr_names[i] == name)) ++i;
+      if (i == n || (given >> i & 1) != 0) return false;
+      given |= uint64_t{1} << i;
+      kd_attr& attr = out[i];
+      attr = defaults[i];
+      switch (a.value.index()) {
+        case 0:
+          if (attr.type != KD_ATTR_TYPE_FLOAT) return false;
+          attr.value.f = *std::get_if<0>(&a.value);
+          break;
+        case 1:
+          if (attr.type != KD_ATTR_TYPE_INT) return false;
+          attr.value.i = *std::get_if<1>(&a.value);
+          break;
+        case 2:
+          if (attr.type != KD_ATTR_TYPE_BOOL) return false;
+          attr.value.b = *std::get_if<2>(&a.value) ? 1 : 0;
+          break;
+        default:
+          if (attr.type != KD_ATTR_TYPE_STRING) return false;
+          attr.value.s = std::get_if<3>(&a.value)->c_str();
+          break;
+      }
+    }
+    if ((given & required_attrs) != required_attrs) return false;
+    for (uint64_t rest = all_attrs & ~given; rest != 0; rest &= rest - 1) {
+      const int i = std::countr_zero(rest);
+      out[i] = defaults[i];
+    }
+    return true;
   }
 };
 
@@ -82,8 +165,19 @@ uint64_t intern_hash(std::string_view op, std::string_view backend) {
                          : hash_bytes(hash_bytes(0x243f6a8885a308d3ull, op), backend);
 }
 
+int32_t kd_attr_type_of(AttrType type) {
+  switch (type) {
+    case AttrType::float_: return KD_ATTR_TYPE_FLOAT;
+    case AttrType::int_: return KD_ATTR_TYPE_INT;
+    case AttrType::bool_: return KD_ATTR_TYPE_BOOL;
+    case AttrType::string: break;
+  }
+  return KD_ATTR_TYPE_STRING;
+}
+
 void fill_attr(kd_attr& out, const AttrArg& arg, const AttrValue& value, std::string_view op) {
   out.name = arg.name.c_str();
+  out.type = kd_attr_type_of(arg.type);
   out.reserved = 0;
   const auto mistyped = [&](std::string_view given) {
     return CallError(ErrorCode::bad_arguments, fmt::format("op '{}', attribute '{}': expected {}, got {}", op,
@@ -91,23 +185,19 @@ void fill_attr(kd_attr& out, const AttrArg& arg, const AttrValue& value, std::st
   };
   switch (arg.type) {
     case AttrType::float_:
-      out.type = KD_ATTR_TYPE_FLOAT;
       if (auto* d = std::get_if<double>(&value)) out.value.f = *d;
       else if (auto* i = std::get_if<int64_t>(&value)) out.value.f = static_cast<double>(*i);
       else throw mistyped(std::holds_alternative<bool>(value) ? "bool" : "string");
       break;
     case AttrType::int_:
-      out.type = KD_ATTR_TYPE_INT;
       if (auto* i = std::get_if<int64_t>(&value)) out.value.i = *i;
       else throw mistyped(std::holds_alternative<double>(value) ? "float" : std::holds_alternative<bool>(value) ? "bool" : "string");
       break;
     case AttrType::bool_:
-      out.type = KD_ATTR_TYPE_BOOL;
       if (auto* b = std::get_if<bool>(&value)) out.value.b = *b ? 1 : 0;
       else throw mistyped(std::holds_alternative<double>(value) ? "float" : std::holds_alternative<int64_t>(value) ? "int" : "string");
       break;
     case AttrType::string:
-      out.type = KD_ATTR_TYPE_STRING;
       if (auto* s = std::get_if<std::string>(&value)) out.value.s = s->c_str();
       else throw mistyped("a number or bool");
       break;
@@ -135,6 +225,7 @@ std::string_view OpHandle::backend() const { return state_->backend; }
 std::span<const kd_attr> OpHandle::pack_attrs(std::span<const NamedAttr> attrs, std::span<kd_attr> storage) const {
   if (attrs.empty() && state_->defaults_complete) [[likely]] return state_->defaults;
   const OpSchema& s = schema();
+  if (storage.size() >= s.attrs.size() && state_->pack_given(attrs, storage.data())) return storage.first(s.attrs.size());
   uint64_t used = 0;  // bit per given attribute
   for (size_t i = 0; i < s.attrs.size(); ++i) {
     const AttrArg& arg = s.attrs[i];
@@ -183,13 +274,19 @@ KernelHandle OpHandle::resolve(std::span<const DLTensor> tensors) const {
 }
 
 void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream) const {
+  // A call with attributes leaves before anything is loaded, so that its
+  // path takes no registers or stack from the common call below.
+  if (!attrs.empty()) {
+    call_with_attrs(tensors, attrs, stream);
+    return;
+  }
   // The common call, kept small so that it needs few registers: no
   // attributes given, a repeat of a recently accepted signature, a cached
   // kernel, no tracing. Everything else goes through call_checked(), each
   // tier of the check run at most once.
   const OpState& state = *state_;
   CompiledSchema::CallInfo info;
-  if (attrs.empty() && state.plain_calls) [[likely]] {
+  if (state.plain_calls) [[likely]] {
     if (state.compiled->matches_remembered(tensors, &info)) [[likely]] {
       if (const OpState::Resolved* r = state.find_cached(device_word(info.device), info.dtype)) [[likely]] {
         KernelHandle(r->fn, r->spec)(tensors, state.plain_attrs, stream);
@@ -202,6 +299,30 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
     return;
   }
   info = state.compiled->check(tensors);
+  call_checked(tensors, attrs, stream, info.device, info.dtype);
+}
+
+// The call with attributes, as operator() without them: when pack_given()
+// takes the attributes, the tensors repeat a remembered signature, the
+// kernel is cached and no trace is written, the kernel runs at once;
+// anything else goes through call_checked(), each tier of the check run at
+// most once. The attributes are packed first, while few values are live.
+[[gnu::noinline]] void OpHandle::call_with_attrs(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs,
+                                                 void* stream) const {
+  const OpState& state = *state_;
+  std::array<kd_attr, kMaxSchemaAttrs> storage;
+  const bool packed = state.pack_given(attrs, storage.data());
+  CompiledSchema::CallInfo info;
+  if (state.compiled->matches_remembered(tensors, &info)) [[likely]] {
+    if (packed && state.trace_file == nullptr) [[likely]] {
+      if (const OpState::Resolved* r = state.find_cached(device_word(info.device), info.dtype)) [[likely]] {
+        KernelHandle(r->fn, r->spec)(tensors, std::span<const kd_attr>(storage.data(), state.defaults.size()), stream);
+        return;
+      }
+    }
+  } else {
+    info = state.compiled->check_plan(tensors);
+  }
   call_checked(tensors, attrs, stream, info.device, info.dtype);
 }
 
@@ -305,9 +426,14 @@ OpState* Dispatcher::intern(std::string_view op, std::string_view backend) {
     if (arg.default_value) {
       fill_attr(a, arg, *arg.default_value, state->op);
     } else {
+      a.name = arg.name.c_str();
+      a.type = kd_attr_type_of(arg.type);
+      state->required_attrs |= uint64_t{1} << state->defaults.size();
       state->defaults_complete = false;
     }
+    state->all_attrs |= uint64_t{1} << state->defaults.size();
     state->defaults.push_back(a);
+    state->attr_names.emplace_back(arg.name);
   }
   state->plain_calls = state->defaults_complete && state->trace_file == nullptr;
   state->plain_attrs = state->defaults;
@@ -359,10 +485,6 @@ KernelHandle Dispatcher::resolve_slow(OpState& state, DLDevice device, Dtype dty
 void Dispatcher::call(std::string_view op, std::span<DLTensor> tensors, std::span<const NamedAttr> attrs,
                       std::string_view backend, void* stream) {
   OpHandle(intern(op, backend))(tensors, attrs, stream);
-}
-
-KernelHandle Dispatcher::find_kernel(std::string_view op, DLDevice device, Dtype dtype, std::string_view backend) {
-  return resolve(*intern(op, backend), device, dtype);
 }
 
 void Dispatcher::trace(const OpState& state, const KernelHandle& kernel, std::span<const DLTensor> tensors, double us) {

@@ -108,6 +108,113 @@ TEST_CASE("dispatch: a good call runs the cpu kernel and opens its plugin on fir
   CHECK(matches_reference(dispatch, "layernorm.rmsnorm", call.tensors, eps));
 }
 
+TEST_CASE("dispatch: a repeated call with an attribute runs with the value given, not the last one or the default") {
+  auto ctx = cpu_context();
+  Dispatcher dispatch(*ctx);
+  const OpHandle op = dispatch.op("layernorm.rmsnorm");
+  RmsnormCall call;
+  double sum = 0;
+  for (int64_t j = 0; j < call.h; ++j) sum += double(call.x[j]) * call.x[j];
+  // The first call runs the compiled plan; the later ones take the
+  // remembered signature and the cached kernel.
+  for (const double eps : {1e-5, 4.0, 4.0, 0.5, 1e-6}) {
+    call.out.assign(call.out.size(), std::nanf(""));
+    op(call.tensors, std::vector<NamedAttr>{{"eps", eps}});
+    const double inv = 1.0 / std::sqrt(sum / double(call.h) + eps);
+    CHECK(call.out[2] == doctest::Approx(call.x[2] * inv * call.weight[2]).epsilon(1e-5));
+  }
+}
+
+TEST_CASE("dispatch: attributes by name are packed in schema order, defaults filled in, whatever the name's length") {
+  auto ctx = cpu_context();
+  // An op of every attribute type, with names of each length class (up to
+  // 3, 4 to 7, 8 to 16 characters, and longer ones alike at both ends).
+  OpSchema schema;
+  schema.op = "test.attrs";
+  TensorArg x;
+  x.name = "x";
+  x.shape = {ShapeToken{ShapeToken::Kind::symbol, "N", 0}};
+  x.dtype = "float32";
+  schema.tensors = {x};
+  schema.attrs = {AttrArg{"k", AttrType::int_, std::nullopt, ""},
+                  AttrArg{"eps", AttrType::float_, AttrValue(1e-6), ""},
+                  AttrArg{"mode", AttrType::string, AttrValue(std::string("fast")), ""},
+                  AttrArg{"renormalize", AttrType::bool_, AttrValue(false), ""},
+                  AttrArg{"attribute_one_of_many", AttrType::float_, AttrValue(1.0), ""},
+                  AttrArg{"attribute_two_of_many", AttrType::float_, AttrValue(2.0), ""}};
+  ctx->registry().add_schema(schema);
+  KernelSpec spec;
+  spec.op = "test.attrs";
+  spec.backend = spec.plugin = "test_attrs";
+  spec.symbol = "kd_test_attrs";
+  ctx->registry().add(spec);
+  Dispatcher dispatch(*ctx);
+  const OpHandle op = dispatch.op("test.attrs");
+  std::array<kd_attr, kMaxSchemaAttrs> storage;
+  const auto pack = [&](std::vector<NamedAttr> attrs) {
+    const std::span<const kd_attr> packed = op.pack_attrs(attrs, storage);
+    REQUIRE(packed.size() == 6);
+    for (size_t i = 0; i < packed.size(); ++i) CHECK(std::string(packed[i].name) == schema.attrs[i].name);
+    CHECK(packed[0].type == KD_ATTR_TYPE_INT);
+    CHECK(packed[1].type == KD_ATTR_TYPE_FLOAT);
+    CHECK(packed[2].type == KD_ATTR_TYPE_STRING);
+    CHECK(packed[3].type == KD_ATTR_TYPE_BOOL);
+    return std::vector<kd_attr>(packed.begin(), packed.end());
+  };
+
+  SUBCASE("the required one alone") {
+    const auto a = pack({{"k", int64_t{3}}});
+    CHECK(a[0].value.i == 3);
+    CHECK(a[1].value.f == 1e-6);
+    CHECK(std::string(a[2].value.s) == "fast");
+    CHECK(a[3].value.b == 0);
+    CHECK(a[4].value.f == 1.0);
+    CHECK(a[5].value.f == 2.0);
+  }
+  SUBCASE("all of them, in reverse order") {
+    const auto a = pack({{"attribute_two_of_many", 20.0},
+                         {"attribute_one_of_many", 10.0},
+                         {"renormalize", true},
+                         {"mode", std::string("exact")},
+                         {"eps", 1e-5},
+                         {"k", int64_t{8}}});
+    CHECK(a[0].value.i == 8);
+    CHECK(a[1].value.f == 1e-5);
+    CHECK(std::string(a[2].value.s) == "exact");
+    CHECK(a[3].value.b == 1);
+    CHECK(a[4].value.f == 10.0);
+    CHECK(a[5].value.f == 20.0);
+  }
+  SUBCASE("an int for a float attribute is converted") {
+    const auto a = pack({{"k", int64_t{1}}, {"eps", int64_t{2}}});
+    CHECK(a[1].value.f == 2.0);
+  }
+  const auto expect_error = [&](std::vector<NamedAttr> attrs, const std::string& part) {
+    try {
+      op.pack_attrs(attrs, storage);
+      FAIL("the attributes were accepted");
+    } catch (const CallError& e) {
+      CHECK(e.code() == ErrorCode::bad_arguments);
+      CHECK_MESSAGE(std::string(e.what()).find(part) != std::string::npos, e.what());
+    }
+  };
+  SUBCASE("errors") {
+    expect_error({}, "op 'test.attrs': attribute 'k' (int) is required");
+    expect_error({{"eps", 1e-5}}, "op 'test.attrs': attribute 'k' (int) is required");
+    expect_error({{"k", int64_t{1}}, {"k", int64_t{2}}}, "op 'test.attrs' has no attribute 'k'");
+    // As long as two known names, alike at both ends.
+    expect_error({{"k", int64_t{1}}, {"attribute_xyz_of_many", 1.0}},
+                 "op 'test.attrs' has no attribute 'attribute_xyz_of_many' (attributes: [k, eps, mode, renormalize, "
+                 "attribute_one_of_many, attribute_two_of_many])");
+    expect_error({{"k", int64_t{1}}, {"eps_", 1.0}}, "has no attribute 'eps_'");
+    expect_error({{"k", int64_t{1}}, {"eqs", 1.0}}, "has no attribute 'eqs'");
+    expect_error({{"k", 1.5}}, "op 'test.attrs', attribute 'k': expected int, got float");
+    expect_error({{"k", int64_t{1}}, {"renormalize", int64_t{1}}},
+                 "op 'test.attrs', attribute 'renormalize': expected bool, got int");
+    expect_error({{"k", int64_t{1}}, {"mode", true}}, "op 'test.attrs', attribute 'mode': expected string, got a number or bool");
+  }
+}
+
 // Every bad call, either on a fresh op or after an accepted call of the same
 // shapes (which the check remembers: a bad call must not pass for it).
 void bad_argument_cases(const OpHandle& op) {

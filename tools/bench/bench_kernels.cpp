@@ -3,6 +3,16 @@
 // and writes B bytes in all is compared with memcpy of B/2 bytes, which also
 // reads B/2 and writes B/2.
 //
+// The kernels run on the cpu plugin's thread pool, so the memcpy that the
+// target compares them with runs on as many threads: the B/2 bytes split
+// into one contiguous slice per thread (cache-line aligned), the slices
+// copied at once by a persistent pool that sleeps between calls, as the
+// plugin's does. The thread count follows the plugin's rule
+// (plugins/cpu/parallel_for.cpp): KDISPATCH_CPU_THREADS when it is a whole
+// number from 1 to 1024, else one per CPU this process may run on. The table
+// printed last gives both ratios: against that memcpy (the target's) and
+// against a one-thread memcpy (what one core's bandwidth alone would give).
+//
 // By default every benchmark runs 5 times, the repetitions of all of them
 // shuffled together, and the ratio is that of the medians: on a shared or
 // virtual machine memory bandwidth and clock drift over a run, and a kernel
@@ -12,14 +22,21 @@
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 
+#include <sched.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
-#include <string>
-#include <string_view>
-#include <vector>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
 
 #include "bench_defaults.hpp"
 #include "harness.hpp"
@@ -30,21 +47,105 @@ using namespace kdispatch;
 
 namespace {
 
-// The threads the cpu kernels run on (the cpu plugin's pool decides; the
-// memcpy runs on one), so that the table says what it compares.
-std::string kernel_threads() {
-  if (const char* env = std::getenv("KDISPATCH_CPU_THREADS")) {
-    return fmt::format("KDISPATCH_CPU_THREADS={}", env);
-  }
-  return "one per CPU this process may use";
+// The threads the cpu plugin's pool runs its kernels on, by the plugin's
+// rule (plugins/cpu/parallel_for.cpp): KDISPATCH_CPU_THREADS when it is a
+// whole number from 1 to 1024, else the CPUs this process may run on.
+int kernel_threads() {
+  int cpus = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) >= 1) cpus = CPU_COUNT(&set);
+  const char* env = std::getenv("KDISPATCH_CPU_THREADS");
+  if (env == nullptr || *env == '\0') return cpus;
+  char* end = nullptr;
+  errno = 0;
+  const long n = std::strtol(env, &end, 10);
+  return end != env && *end == '\0' && errno == 0 && n >= 1 && n <= 1024 ? static_cast<int>(n) : cpus;
 }
+
+std::string kernel_threads_source() {
+  const char* env = std::getenv("KDISPATCH_CPU_THREADS");
+  return env != nullptr && *env != '\0' ? fmt::format("KDISPATCH_CPU_THREADS={}", env)
+                                         : std::string("one per CPU this process may use");
+}
+
+// memcpy split over a fixed number of threads: the caller copies the first
+// slice, workers (woken per call, asleep in between) the others.
+class ParallelMemcpy {
+ public:
+  explicit ParallelMemcpy(int threads) {
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { worker(i); });
+  }
+  ~ParallelMemcpy() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+  int threads() const { return static_cast<int>(workers_.size()) + 1; }
+
+  void operator()(char* dst, const char* src, size_t bytes) {
+    {
+      std::lock_guard lock(mutex_);
+      dst_ = dst;
+      src_ = src;
+      bytes_ = bytes;
+      pending_ = static_cast<int>(workers_.size());
+      ++generation_;
+    }
+    wake_.notify_all();
+    copy_slice(0);
+    std::unique_lock lock(mutex_);
+    done_.wait(lock, [this] { return pending_ == 0; });
+  }
+
+ private:
+  // Slice i of threads(), its bounds rounded to 64 bytes.
+  void copy_slice(int i) const {
+    const size_t n = static_cast<size_t>(threads());
+    const auto bound = [&](size_t k) { return std::min(bytes_, (bytes_ * k / n + 63) & ~size_t{63}); };
+    const size_t begin = bound(static_cast<size_t>(i));
+    const size_t end = i + 1 == threads() ? bytes_ : bound(static_cast<size_t>(i) + 1);
+    if (end > begin) std::memcpy(dst_ + begin, src_ + begin, end - begin);
+  }
+  void worker(int i) {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock lock(mutex_);
+        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+      }
+      copy_slice(i);
+      std::lock_guard lock(mutex_);
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;  // guards everything below; the job fields are read after a wake
+  std::condition_variable wake_;
+  std::condition_variable done_;
+  uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+  char* dst_ = nullptr;
+  const char* src_ = nullptr;
+  size_t bytes_ = 0;
+};
 
 std::unique_ptr<Context> g_context;
 std::unique_ptr<Dispatcher> g_dispatch;
+std::unique_ptr<ParallelMemcpy> g_memcpy;  // on kernel_threads() threads
 
 // Records each benchmark's time so the ratio table can be printed last.
 class RatioReporter : public benchmark::ConsoleReporter {
  public:
+  // Colours only on a terminal, as Google Benchmark's own console reporter.
+  RatioReporter() : ConsoleReporter(isatty(STDOUT_FILENO) ? OO_Color : OO_None) {}
+
   void ReportRuns(const std::vector<Run>& runs) override {
     ConsoleReporter::ReportRuns(runs);
     for (const Run& r : runs) {
@@ -57,20 +158,29 @@ class RatioReporter : public benchmark::ConsoleReporter {
     }
   }
   void print_table() const {
-    fmt::print("\ncpu kernel threads: {}; memcpy: one thread\n", kernel_threads());
-    fmt::print("{:<30} {:<9} {:>12} {:>12} {:>7}\n", "op", "dtype", "kernel_us", "memcpy_us", "ratio");
+    const int threads = g_memcpy->threads();
+    fmt::print("\ncpu kernel threads: {} ({}); memcpy: one thread, and {} thread{}\n", threads,
+               kernel_threads_source(), threads, threads == 1 ? "" : "s");
+    fmt::print("{:<30} {:<9} {:>12} {:>12} {:>12} {:>9} {:>9}\n", "op", "dtype", "kernel_us", "memcpy1_us",
+               fmt::format("memcpy{}_us", threads), "ratio_1", fmt::format("ratio_{}", threads));
     for (const auto& [name, t] : times_) {
       if (name.rfind("kernel/", 0) != 0) continue;
       const std::string rest = name.substr(7);
-      auto it = times_.find("memcpy/" + rest);
-      if (it == times_.end()) continue;
+      const auto one = times_.find("memcpy/" + rest);
+      if (one == times_.end()) continue;
+      // With one kernel thread the one-thread memcpy is the same-threads one.
+      const auto same = threads == 1 ? one : times_.find("memcpy_threads/" + rest);
+      if (same == times_.end()) continue;
       // "<op>/<dtype>/min_time:.../real_time": the dtype is the second part.
       const auto slash = rest.find('/');
       const auto end = rest.find('/', slash + 1);
-      fmt::print("{:<30} {:<9} {:>12.1f} {:>12.1f} {:>7.2f}\n", rest.substr(0, slash),
-                 rest.substr(slash + 1, end == std::string::npos ? std::string::npos : end - slash - 1), t, it->second,
-                 t / it->second);
+      fmt::print("{:<30} {:<9} {:>12.1f} {:>12.1f} {:>12.1f} {:>9.2f} {:>9.2f}\n", rest.substr(0, slash),
+                 rest.substr(slash + 1, end == std::string::npos ? std::string::npos : end - slash - 1), t,
+                 one->second, same->second, t / one->second, t / same->second);
     }
+    fmt::print("ratio_1: kernel / one-thread memcpy; ratio_{}: kernel / memcpy on the kernel's {} thread{} "
+               "(the DESIGN target, <= 1.5)\n",
+               threads, threads, threads == 1 ? "" : "s");
   }
 
  private:
@@ -93,6 +203,16 @@ void register_op(const OpSchema& schema, Dtype dtype) {
     std::vector<char> dst(bytes / 2, 0);
     for (auto _ : st) {
       std::memcpy(dst.data(), src.data(), src.size());
+      benchmark::ClobberMemory();
+    }
+    st.SetBytesProcessed(static_cast<int64_t>(st.iterations() * bytes));
+  })->Unit(benchmark::kMicrosecond)->UseRealTime()->MinTime(0.2);
+  if (g_memcpy->threads() == 1) return;
+  benchmark::RegisterBenchmark(("memcpy_threads/" + suffix).c_str(), [bytes](benchmark::State& st) {
+    std::vector<char> src(bytes / 2, 1);
+    std::vector<char> dst(bytes / 2, 0);
+    for (auto _ : st) {
+      (*g_memcpy)(dst.data(), src.data(), src.size());
       benchmark::ClobberMemory();
     }
     st.SetBytesProcessed(static_cast<int64_t>(st.iterations() * bytes));
@@ -126,6 +246,7 @@ int main(int argc, char** argv) {
   options.search.use_environment = false;
   g_context = std::make_unique<Context>(options);
   g_dispatch = std::make_unique<Dispatcher>(*g_context);
+  g_memcpy = std::make_unique<ParallelMemcpy>(kernel_threads());
   // Every op of the cpu backend at its schema's "bench" sizes, in each dtype
   // the kernel declares.
   for (const OpSchema* schema : g_context->registry().schemas()) {

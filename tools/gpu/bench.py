@@ -16,6 +16,15 @@ bytes written per call, against the device-to-device copy measured in the
 same run and the H200's 4.8 TB/s HBM3e peak. Each case first checks that
 kdispatch's result agrees with torch eager.
 
+Decode-size cases (1 and 64 rows) are timed once more as a model runs them,
+for kdispatch, torch eager and torch.compile alike (the "+mm" columns): a
+CUDA graph of --calls calls with a bf16 [rows x 4096] @ [4096 x 4096] matmul
+captured before each call (its result feeds nothing: stream order alone
+separates it from the op), so that no call overlaps an identical neighbour,
+as programmatic dependent launch lets back-to-back calls of one kernel do.
+The figure is the graph's time per call minus the matmul's own, from a graph
+of --calls matmuls alone timed just before it.
+
   PYTHONPATH=build/cuda/python python3 tools/gpu/bench.py [--csv F] [--only SUBSTR]
 
 With --device cpu it times the cpu backend against PyTorch eager on the CPU
@@ -42,6 +51,8 @@ import kdispatch
 
 DEVICE = "cuda"  # --device
 L2_BYTES = 60e6  # H200: 50 MiB of L2, rounded up
+DECODE_ROWS = (1, 64)  # rows (tokens) of the decode-size cases
+GEMM_K = GEMM_N = 4096  # the matmul between decode-size calls: [rows x K] @ [K x N], bf16
 PEAK_TBS = 4.8   # H200 HBM3e
 EPS = 1e-6
 LAYERNORM_EPS = 1e-5
@@ -103,10 +114,15 @@ class Case:
     (sharing storage; in-place kdispatch ops update their inputs, which
     changes values but not the work)."""
 
-    def __init__(self, op, dtype, shape, nbytes, make, torch_fn, attrs, compare, outputs=(0,)):
+    def __init__(self, op, dtype, shape, nbytes, make, torch_fn, attrs, compare, outputs=(0,), rows=None):
         self.op, self.dtype, self.shape, self.nbytes = op, dtype, shape, nbytes
         self.make, self.torch_fn, self.attrs, self.compare = make, torch_fn, attrs, compare
         self.outputs = outputs  # kd_args written only: one buffer for every input set
+        self.rows = rows  # rows (tokens) of the call
+
+    @property
+    def decode(self):
+        return self.rows in DECODE_ROWS
 
 
 def randn(*shape, dtype):
@@ -133,7 +149,7 @@ def norm_case(fused, dtype, rows, hidden):
 
     op = "layernorm.fused_add_rmsnorm" if fused else "layernorm.rmsnorm"
     return Case(op, dtype, f"{rows}x{hidden}", nbytes, make, fused_add_rmsnorm if fused else rmsnorm,
-                {"eps": EPS}, compare, () if fused else (0,))
+                {"eps": EPS}, compare, () if fused else (0,), rows=rows)
 
 
 def layernorm_case(dtype, rows, hidden):
@@ -147,7 +163,7 @@ def layernorm_case(dtype, rows, hidden):
         return (x, w, b), (torch.empty_like(x), x, w, b)
 
     return Case("layernorm.layernorm", dtype, f"{rows}x{hidden}", nbytes, make, layernorm,
-                {"eps": LAYERNORM_EPS}, lambda kd, want: [(kd[0], want)])
+                {"eps": LAYERNORM_EPS}, lambda kd, want: [(kd[0], want)], rows=rows)
 
 
 def act_case(name, act, dtype, rows, d):
@@ -159,7 +175,7 @@ def act_case(name, act, dtype, rows, d):
         return (x,), (torch.empty(rows, d, device=DEVICE, dtype=t), x)
 
     return Case(f"activation.{name}", dtype, f"{rows}x{d}", nbytes, make, act_and_mul(act), {},
-                lambda kd, want: [(kd[0], want)])
+                lambda kd, want: [(kd[0], want)], rows=rows)
 
 
 def rotary_case(dtype, neox, tokens, hq, hk, dim):
@@ -176,7 +192,7 @@ def rotary_case(dtype, neox, tokens, hq, hk, dim):
 
     return Case("embeddings.rotary_embedding", dtype,
                 f"{'neox' if neox else 'gptj'} {tokens}x{hq}x{hk}x{dim}", nbytes, make, rotary(neox),
-                {"is_neox": neox}, lambda kd, want: [(kd[1], want[0]), (kd[2], want[1])], ())
+                {"is_neox": neox}, lambda kd, want: [(kd[1], want[0]), (kd[2], want[1])], (), rows=tokens)
 
 
 def topk_case(dtype, rows, experts, k):
@@ -193,13 +209,13 @@ def topk_case(dtype, rows, experts, k):
         return [(kd[0], want[0]), (g.gather(-1, kd[1].long()), g.gather(-1, want[1].long()))]
 
     return Case("moe.topk_softmax", dtype, f"{rows}x{experts} k{k}", nbytes, make, topk_softmax(k),
-                {"renormalize": True}, compare, (0, 1))
+                {"renormalize": True}, compare, (0, 1), rows=rows)
 
 
 def cases():
     if DEVICE == "cpu":  # the sizes of kdispatch-bench-kernels (the schemas' "bench")
         return cpu_cases()
-    large, decode = (32768, 8192), ((1, 4096), (64, 4096))
+    large, decode = (32768, 8192), tuple((rows, 4096) for rows in DECODE_ROWS)
     out = []
     for fused in (False, True):
         out += [norm_case(fused, dt, *large) for dt in DTYPES]
@@ -210,9 +226,9 @@ def cases():
         out += [act_case(name, act, "bfloat16", r, d) for r, d in decode]
     out += [rotary_case(dt, True, 32768, 32, 8, 128) for dt in DTYPES]
     out += [rotary_case("bfloat16", False, 32768, 32, 8, 128)]
-    out += [rotary_case("bfloat16", True, tokens, 32, 8, 128) for tokens in (1, 64)]
+    out += [rotary_case("bfloat16", True, tokens, 32, 8, 128) for tokens in DECODE_ROWS]
     out += [topk_case(dt, 32768, 256, 8) for dt in ("bfloat16", "float32")]
-    out += [topk_case("bfloat16", rows, 256, 8) for rows in (1, 64)]
+    out += [topk_case("bfloat16", rows, 256, 8) for rows in DECODE_ROWS]
     return out
 
 
@@ -294,6 +310,41 @@ def measure(call, sets, calls, repeats):
     g = graph_us(graph, calls, repeats)
     del graph
     return g, b2b_us(call, sets, calls, repeats), sync_us(call, sets, 30)
+
+
+class Gemm:
+    """The matmul between decode-size calls: a bf16 [rows x K] @ [K x N]
+    into a preallocated output that nothing reads. One weight for every row
+    count."""
+
+    def __init__(self):
+        self.weight = randn(GEMM_K, GEMM_N, dtype=torch.bfloat16)
+        self.by_rows = {}
+
+    def __call__(self, rows):
+        if rows not in self.by_rows:
+            a = randn(rows, GEMM_K, dtype=torch.bfloat16)
+            self.by_rows[rows] = (a, torch.empty(rows, GEMM_N, device=DEVICE, dtype=torch.bfloat16))
+        a, out = self.by_rows[rows]
+        return lambda: torch.mm(a, self.weight, out=out)
+
+
+def measure_with_gemm(call, sets, gemm, calls, repeats):
+    """GPU us per call of `call` with `gemm` before each call, in one CUDA
+    graph of `calls` (matmul, call) pairs, minus the matmul's own time (a
+    graph of `calls` matmuls alone, timed just before); and that time."""
+    alone = capture(lambda s: gemm(), [()], calls)
+    gemm_us = graph_us(alone, calls, repeats)
+    del alone
+
+    def pair(s):
+        gemm()
+        call(s)
+
+    graph = capture(pair, sets, calls)
+    both = graph_us(graph, calls, repeats)
+    del graph
+    return both - gemm_us, gemm_us
 
 
 def copy_tbs(calls):
@@ -409,6 +460,7 @@ def main():
           f"(peak {PEAK_TBS} TB/s)", flush=True)
     rows = []
     impls = ["kdispatch", "eager"] + ([] if args.no_compile else ["compile"])
+    gemm = Gemm()
     for case in cases():
         label = f"{case.op} {case.dtype} {case.shape}"
         if args.only and not any(s in label for s in args.only):
@@ -427,7 +479,7 @@ def main():
         if "compile" in impls:
             compiled = torch.compile(case.torch_fn, dynamic=False)
             fns["compile"] = lambda s, fn=compiled: fn(*s[0])
-        result = {"op": case.op, "dtype": case.dtype, "shape": case.shape, "bytes": case.nbytes,
+        result = {"op": case.op, "dtype": case.dtype, "shape": case.shape, "rows": case.rows, "bytes": case.nbytes,
                   "agrees": ok, "agreement": detail}
         for name in impls:
             try:
@@ -436,6 +488,19 @@ def main():
                 print(f"{name} failed on {label}: {e}", file=sys.stderr)
                 g = b = s = float("nan")
             result[f"{name}_graph_us"], result[f"{name}_b2b_us"], result[f"{name}_sync_us"] = g, b, s
+        # Decode sizes again with a matmul between the calls (NaN elsewhere,
+        # so that every row has every CSV column); gemm_us is the matmul's
+        # own time, measured beside each implementation's (the last kept).
+        result["gemm_us"] = float("nan")
+        for name in impls:
+            m = float("nan")
+            if case.decode:
+                try:
+                    m, result["gemm_us"] = measure_with_gemm(fns[name], sets, gemm(case.rows), args.calls,
+                                                             args.repeats)
+                except Exception as e:  # as above
+                    print(f"{name} with a matmul failed on {label}: {e}", file=sys.stderr)
+            result[f"{name}_gemm_graph_us"] = m
         kd = result["kdispatch_graph_us"]
         result["kd_tbs"] = case.nbytes / (kd * 1e-6) / 1e12
         rows.append(result)
@@ -449,20 +514,37 @@ def main():
             writer.writeheader()
             writer.writerows(rows)
     peer = "compile" if "compile" in impls else "eager"
+    gemm_times = {}  # rows -> the matmul's own times, one per decode-size case
+    for r in rows:
+        if not math.isnan(r["gemm_us"]):
+            gemm_times.setdefault(r["rows"], []).append(r["gemm_us"])
     print(f"\nGPU us per call under CUDA-graph replay ({args.calls} calls per graph); ratio = {peer} / "
           f"kdispatch (>= 1: kdispatch as fast or faster); copy_ {copy:.2f} TB/s, peak {PEAK_TBS} TB/s")
-    print(f"{'op':30} {'dtype':9} {'shape':22} {'kdispatch':>9} {peer:>9} {'ratio':>6} {'TB/s':>5} "
-          f"{'eager':>9} {'kd b2b':>8} {'kd sync':>8} {'check':>6}")
-    slower = 0
+    print(f"+mm (decode sizes): the same with a bf16 [rows x {GEMM_K}] @ [{GEMM_K} x {GEMM_N}] matmul before each "
+          f"call in the graph, minus the matmul's own time (" +
+          ", ".join(f"median {statistics.median(t):.2f} us at rows={n}" for n, t in sorted(gemm_times.items())) +
+          f"); ratio +mm = {peer} +mm / kd +mm")
+
+    def us(value, width):
+        return f"{'-':>{width}}" if math.isnan(value) else f"{value:{width}.2f}"
+
+    print(f"{'op':30} {'dtype':9} {'shape':22} {'kdispatch':>9} {'kd +mm':>8} {peer:>9} {peer + ' +mm':>11} "
+          f"{'ratio':>6} {'+mm':>6} {'TB/s':>5} {'eager':>9} {'kd b2b':>8} {'kd sync':>8} {'check':>6}")
+    slower = slower_mm = 0
     for r in rows:
         ratio = r[f"{peer}_graph_us"] / r["kdispatch_graph_us"]
+        kd_mm = r["kdispatch_gemm_graph_us"]
+        ratio_mm = r[f"{peer}_gemm_graph_us"] / kd_mm if kd_mm > 0 else float("nan")
         slower += not ratio >= 1.0
+        slower_mm += not math.isnan(ratio_mm) and not ratio_mm >= 1.0
+        ratio_mm_text = "-" if math.isnan(ratio_mm) else f"{ratio_mm:.3f}"
         print(f"{r['op'].split('.')[1]:30} {r['dtype']:9} {r['shape']:22} {r['kdispatch_graph_us']:9.2f} "
-              f"{r[f'{peer}_graph_us']:9.2f} {ratio:6.3f} {r['kd_tbs']:5.2f} {r['eager_graph_us']:9.2f} "
+              f"{us(kd_mm, 8)} {r[f'{peer}_graph_us']:9.2f} {us(r[f'{peer}_gemm_graph_us'], 11)} "
+              f"{ratio:6.3f} {ratio_mm_text:>6} {r['kd_tbs']:5.2f} {r['eager_graph_us']:9.2f} "
               f"{r['kdispatch_b2b_us']:8.2f} {r['kdispatch_sync_us']:8.2f} {'ok' if r['agrees'] else 'FAIL':>6}")
     failed = sum(not r["agrees"] for r in rows)
-    print(f"bench: {len(rows)} cases, kdispatch slower than {peer} under graph replay in {slower}, "
-          f"disagreeing with eager in {failed}")
+    print(f"bench: {len(rows)} cases, kdispatch slower than {peer} under graph replay in {slower} "
+          f"(with a matmul between decode-size calls: {slower_mm}), disagreeing with eager in {failed}")
     return 1 if failed else 0
 
 

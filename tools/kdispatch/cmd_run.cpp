@@ -42,13 +42,19 @@ Json results_json(const Sweep& sweep) {
                        {"max_ulps", r.max_ulps},
                        {"mean_ulps", r.mean_ulps},
                        {"us_per_call", r.us_per_call},
-                       {"gb_per_s", r.gb_per_s}});
+                       {"gb_per_s", r.gb_per_s},
+                       {"input_sets", r.input_sets},
+                       {"rotated_bytes", r.rotated_bytes},
+                       {"rotation_capped", r.rotation_capped}});
   }
   Json skipped = Json::array();
   for (const auto& s : sweep.skipped) skipped.push_back({{"op", s.op}, {"backend", s.backend}, {"reason", s.reason}});
+  Json caches = Json::object();
+  for (const auto& [device, cache] : sweep.caches) caches[device] = {{"bytes", cache.bytes}, {"source", cache.source}};
   const Counts c = count(sweep);
   return Json{{"results", results},
               {"skipped", skipped},
+              {"caches", caches},
               {"summary", {{"passed", c.passed}, {"failed", c.failed}, {"unchecked", c.unchecked}, {"skipped", c.skipped}}}};
 }
 
@@ -68,15 +74,31 @@ void print_sweep(const Sweep& sweep, bool bench) {
     width = std::max(width, r.op.size());
     backend_width = std::max(backend_width, r.backend.size());
   }
-  fmt::print("{:<{}}  {:<{}} {:<7} {:<9} {:<28} {:<6} {:>9} {:>9} {:>9} {:>10} {:>8}\n", "OP", width, "BACKEND",
-             backend_width, "DEVICE", "DTYPE", "SHAPES", "CHECK", "MAX_ABS", "MAX_ULPS", "MEAN_ULPS", "US/CALL", "GB/S");
+  fmt::print("{:<{}}  {:<{}} {:<7} {:<9} {:<28} {:<6} {:>9} {:>9} {:>9} {:>10} {:>8}{}\n", "OP", width, "BACKEND",
+             backend_width, "DEVICE", "DTYPE", "SHAPES", "CHECK", "MAX_ABS", "MAX_ULPS", "MEAN_ULPS", "US/CALL", "GB/S",
+             bench ? fmt::format(" {:>5}", "SETS") : "");
   for (const auto& r : sweep.results) {
     const std::string_view status = result_status(r);
     const std::string_view check = status == "passed" ? "ok" : status == "failed" ? "FAIL" : "-";
-    fmt::print("{:<{}}  {:<{}} {:<7} {:<9} {:<28} {:<6} {:>9.2e} {:>9.3g} {:>9.3g} {:>10.2f} {:>8.2f}\n", r.op, width,
-               r.backend, backend_width, r.device, r.dtype, r.shapes, check, r.max_abs_err, r.max_ulps, r.mean_ulps,
-               r.us_per_call, r.gb_per_s);
+    fmt::print("{:<{}}  {:<{}} {:<7} {:<9} {:<28} {:<6} {:>9.2e} {:>9.3g} {:>9.3g} {:>10.2f} {:>8.2f}{}\n", r.op,
+               width, r.backend, backend_width, r.device, r.dtype, r.shapes, check, r.max_abs_err, r.max_ulps,
+               r.mean_ulps, r.us_per_call, r.gb_per_s,
+               bench ? fmt::format(" {:>5}", fmt::format("{}{}", r.input_sets, r.rotation_capped ? "*" : "")) : "");
     if (!r.ok || !r.error.empty()) fmt::print("{:<{}}  -> {}\n", "", width, r.error);
+  }
+  if (bench && !sweep.caches.empty()) {
+    fmt::print("\ntiming: the calls rotate among SETS copies of their inputs (outputs shared), the fewest whose\n"
+               "inputs and outputs take 3x the device's last-level cache (at most 64), so that inputs come from\n"
+               "memory as in a model; last-level cache:\n");
+    for (const auto& [device, cache] : sweep.caches) {
+      fmt::print("  {}: {:.1f} MiB, {}\n", device, cache.bytes / (1024.0 * 1024.0), cache.source);
+    }
+    for (const auto& r : sweep.results) {
+      if (!r.rotation_capped) continue;
+      fmt::print("* {} {} {} at {}: capped at {} sets, which with the outputs take {:.1f} MiB, under 3x the cache: "
+                 "its calls may read from cache\n",
+                 r.op, r.backend, r.dtype, r.shapes, r.input_sets, r.rotated_bytes / (1024.0 * 1024.0));
+    }
   }
   for (const auto& s : sweep.skipped) fmt::print("skipped: {} on {}: {}\n", s.op, s.backend, s.reason);
   std::set<std::string> unchecked_ops;
@@ -170,6 +192,13 @@ Runner add_bench(CLI::App& app) {
   add_common_options(*cmd, options->common);
   cmd->footer(
       "Each result is the median time per call over >= 0.3 s of calls; GB/s counts every byte read and written.\n"
+      "The timed calls rotate among copies of the inputs (the SETS column; outputs are one buffer for all):\n"
+      "the fewest copies whose inputs and outputs take 3x the device's last-level cache, at most 64 and\n"
+      "within a quarter of memory, so that inputs come from memory as in a model, where other work runs\n"
+      "between two calls of an op. The host's cache is the last level of the CPUs this process may run on\n"
+      "(sysfs, else sysconf, else 32 MiB); a GPU's is taken as 60 MB (an H200's 50 MiB L2 rounded up: the\n"
+      "plugins report no cache size). At the schemas' \"bench\" sizes one set is usually enough; a SETS\n"
+      "figure marked * was capped before the copies reached 3x the cache (small calls).\n"
       "Results are checked as in `run`; exit code 3 when one does not match or a kernel fails.\n"
       "Example: kdispatch bench moe.topk_softmax --dtype bfloat16 --shape '*=65536' --shape E=256");
 
@@ -178,6 +207,7 @@ Runner add_bench(CLI::App& app) {
     options->sweep.bench_sizes = true;
     options->sweep.iters = 5;
     options->sweep.min_seconds = 0.3;
+    options->sweep.rotate_inputs = true;
     options->sweep.json = options->common.json;
     Context& ctx = make_context(options->common);
     try {

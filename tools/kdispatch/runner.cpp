@@ -1,11 +1,14 @@
 #include "runner.hpp"
 
 #include <fmt/format.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -108,6 +111,144 @@ double usable_memory() {
     }
   }
   return memory;
+}
+
+// --- input rotation (bench) --------------------------------------------------
+
+// Rotated inputs, with the outputs, take this many times the cache: then
+// every call reads its inputs from memory, as in a model where other work
+// runs between two calls of one op (tools/gpu/bench.py does the same).
+constexpr double kCachePasses = 3;
+constexpr size_t kMaxInputSets = 64;
+
+// A GPU's last-level (L2) cache. kd_memory_api reports no cache size, so
+// this is fixed: an H200's 50 MiB L2 rounded up, as in tools/gpu/bench.py.
+// On a GPU with a larger L2 part of the rotated inputs may stay cached.
+constexpr double kDeviceCacheBytes = 60e6;
+
+std::string read_first_line(const std::filesystem::path& path) {
+  std::ifstream file(path);
+  std::string line;
+  std::getline(file, line);
+  return line;
+}
+
+// "32768K" (sysfs) in bytes; 0 when it does not parse.
+double parse_cache_size(const std::string& text) {
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    return 0;
+  }
+  const std::string unit = text.substr(used);
+  if (unit == "K") return value * 1024;
+  if (unit == "M") return value * 1024 * 1024;
+  if (unit == "G") return value * 1024 * 1024 * 1024;
+  return unit.empty() ? value : 0;
+}
+
+// The last-level cache the process's data may occupy on the host: the
+// highest-level data or unified cache of each CPU this process may run on,
+// from sysfs, every cache counted once (CPUs that share one list the same
+// shared_cpu_list), since the cpu backend's threads spread over all of them.
+// Else sysconf(_SC_LEVEL3_CACHE_SIZE) (on some CPUs the whole package's L3,
+// more than a core's share), else 32 MiB.
+CacheSize host_last_level_cache() {
+  static const CacheSize cache = [] {
+    namespace fs = std::filesystem;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) != 0) CPU_SET(0, &set);
+    std::map<std::string, double> caches;  // by shared_cpu_list: the highest level's
+    int level = 0;
+    std::error_code ec;
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+      if (!CPU_ISSET(cpu, &set)) continue;
+      int cpu_level = 0;
+      std::string shared;
+      double bytes = 0;
+      const fs::path dir = fmt::format("/sys/devices/system/cpu/cpu{}/cache", cpu);
+      for (const auto& index : fs::directory_iterator(dir, ec)) {
+        if (index.path().filename().string().rfind("index", 0) != 0) continue;
+        if (read_first_line(index.path() / "type") == "Instruction") continue;
+        const int l = std::atoi(read_first_line(index.path() / "level").c_str());
+        const double b = parse_cache_size(read_first_line(index.path() / "size"));
+        if (l > cpu_level && b > 0) {
+          cpu_level = l;
+          bytes = b;
+          shared = read_first_line(index.path() / "shared_cpu_list");
+        }
+      }
+      if (cpu_level == 0) continue;
+      if (cpu_level > level) caches.clear();
+      if (cpu_level >= level) {
+        level = cpu_level;
+        caches[shared.empty() ? std::to_string(cpu) : shared] = bytes;
+      }
+    }
+    double total = 0;
+    for (const auto& [cpus, bytes] : caches) total += bytes;
+    if (total > 0) {
+      return CacheSize{total, fmt::format("L{} of the CPUs this process may run on, {} cache{} (sysfs)", level,
+                                          caches.size(), caches.size() == 1 ? "" : "s")};
+    }
+    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    if (l3 > 0) return CacheSize{static_cast<double>(l3), "L3 (sysconf)"};
+    return CacheSize{32.0 * 1024 * 1024, "not found; 32 MiB assumed"};
+  }();
+  return cache;
+}
+
+CacheSize last_level_cache(const Target& t) {
+  if (t.device.device.type == DeviceType::cpu) return host_last_level_cache();
+  return CacheSize{kDeviceCacheBytes, "fixed: the plugin reports no L2 size; an H200's 50 MiB rounded up"};
+}
+
+// How many input sets the timing rotates among for a call whose inputs
+// (tensors read, in-place ones included) take `input_bytes` and whose
+// outputs (written only, one buffer for every set) `output_bytes`: the
+// fewest whose inputs and the outputs take kCachePasses x the cache, 1 when
+// one set does, at most kMaxInputSets and within a quarter of the memory
+// this process may use.
+size_t input_sets_for(double input_bytes, double output_bytes, double cache_bytes, double memory) {
+  if (input_bytes <= 0) return 1;
+  const double wanted = std::ceil((kCachePasses * cache_bytes - output_bytes) / input_bytes);
+  const double affordable = std::floor(memory / 4 / input_bytes);
+  return static_cast<size_t>(std::clamp(std::min(wanted, affordable), 1.0, static_cast<double>(kMaxInputSets)));
+}
+
+// `sets` sets of tensors for the timed calls: the first is `data`'s; the
+// others hold their own copies of the inputs of `host` (the values before
+// any call) on `data`'s device and share `data`'s outputs.
+struct InputSets {
+  std::vector<harness::Buffer> buffers;        // the copies
+  std::vector<std::vector<DLTensor>> tensors;  // per set, in schema order
+};
+
+InputSets make_input_sets(const OpSchema& schema, const harness::CallData& host, harness::CallData& data, size_t sets,
+                          const Target& target) {
+  InputSets out;
+  out.tensors.push_back(data.dl());
+  size_t inputs = 0;
+  for (const TensorArg& a : schema.tensors) inputs += !a.written || a.inplace;
+  out.buffers.reserve(inputs * (sets - 1));  // DLTensors point into them: no reallocation
+  for (size_t s = 1; s < sets; ++s) {
+    std::vector<DLTensor> tensors = out.tensors.front();
+    for (size_t i = 0; i < schema.tensors.size(); ++i) {
+      const TensorArg& a = schema.tensors[i];
+      if (a.written && !a.inplace) continue;
+      const harness::Buffer& b = host.tensors[i];
+      harness::Buffer copy(b.dtype(), b.shape(), target.dl, target.memory);
+      std::memcpy(copy.host(), b.host(), b.bytes());
+      copy.upload();
+      out.buffers.push_back(std::move(copy));
+      tensors[i] = out.buffers.back().dl();
+    }
+    out.tensors.push_back(std::move(tensors));
+  }
+  return out;
 }
 
 // What one checked call of the sweep holds at its peak, in bytes: the host
@@ -370,12 +511,33 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
               }
               // Timing: in-place ops keep transforming their tensors, which is
               // fine for timing (values stay finite) and never checked.
+              double input_bytes = 0;
+              double output_bytes = 0;
+              for (size_t i = 0; i < schema.tensors.size(); ++i) {
+                const TensorArg& a = schema.tensors[i];
+                ((a.written && !a.inplace) ? output_bytes : input_bytes) += static_cast<double>(data.tensors[i].bytes());
+              }
+              size_t sets = 1;
+              r.rotated_bytes = input_bytes + output_bytes;
+              if (options.rotate_inputs) {
+                const CacheSize cache = last_level_cache(target);
+                sweep.caches.emplace(r.device, cache);
+                sets = input_sets_for(input_bytes, output_bytes, cache.bytes, usable_memory());
+                r.rotated_bytes = static_cast<double>(sets) * input_bytes + output_bytes;
+                r.rotation_capped = r.rotated_bytes < kCachePasses * cache.bytes;
+              }
+              InputSets rotation = make_input_sets(schema, host, data, sets, target);
+              r.input_sets = sets;
               int iters = std::max(options.iters, 1);
               std::vector<double> samples;
+              size_t next = 0;
               const auto deadline = Clock::now() + std::chrono::duration<double>(options.min_seconds);
               do {
                 const auto start = Clock::now();
-                for (int i = 0; i < iters; ++i) backend_handle(tensors, data.attrs);
+                for (int i = 0; i < iters; ++i) {
+                  backend_handle(rotation.tensors[next], data.attrs);
+                  next = next + 1 == sets ? 0 : next + 1;
+                }
                 synchronize(target);
                 samples.push_back(std::chrono::duration<double>(Clock::now() - start).count() / iters);
               } while (Clock::now() < deadline && samples.size() < 1000);

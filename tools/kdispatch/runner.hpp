@@ -3,6 +3,7 @@
 // reference kernel (role "reference") and timed.
 #pragma once
 
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -22,6 +23,9 @@ struct SweepOptions {
   bool bench_sizes = false;  // start from the schema's "bench" sizes (else its "example")
   int iters = 10;
   double min_seconds = 0;  // bench: time at least this long
+  // bench: time the calls rotating among copies of the inputs that, with
+  // the outputs, exceed the device's last-level cache (input_sets_for()).
+  bool rotate_inputs = false;
   bool check = true;
   std::string save_dir;
   bool json = false;
@@ -37,6 +41,15 @@ struct SweepResult {
   double max_abs_err = 0, max_rel_err = 0;
   double max_ulps = 0, mean_ulps = 0;  // in ulps of the output dtype (harness::Comparison)
   double us_per_call = 0, gb_per_s = 0;
+  size_t input_sets = 1;     // the timed calls rotated among this many copies of the inputs
+  double rotated_bytes = 0;  // the bytes they touch: every set's inputs and the one set of outputs
+  bool rotation_capped = false;  // the sets were capped before rotated_bytes reached 3x the cache
+};
+
+// The last-level cache of a device, as rotate_inputs counts it.
+struct CacheSize {
+  double bytes = 0;
+  std::string source;  // how it was found
 };
 
 struct SweepSkip {
@@ -49,6 +62,7 @@ std::string_view result_status(const SweepResult& r);
 struct Sweep {
   std::vector<SweepResult> results;
   std::vector<SweepSkip> skipped;
+  std::map<std::string, CacheSize> caches;  // by SweepResult::device, where inputs were rotated
   int exit_code = kOk;
 };
 

@@ -100,6 +100,8 @@ class OpHandle {
   // The rest of a call whose tensors passed the check.
   void call_checked(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream, DLDevice device,
                     Dtype dtype) const;
+  // operator() for a call that gives attributes.
+  void call_with_attrs(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream) const;
   OpState* state_;
 };
 
@@ -116,8 +118,6 @@ class Dispatcher {
   // Lookup by name on every call (the handle is the faster way).
   void call(std::string_view op, std::span<DLTensor> tensors, std::span<const NamedAttr> attrs = {},
             std::string_view backend = {}, void* stream = nullptr);
-  // The kernel for (op, device, dtype) by op-id string, without tensors.
-  KernelHandle find_kernel(std::string_view op, DLDevice device, Dtype dtype, std::string_view backend = {});
 
   Context& context() { return context_; }
 
