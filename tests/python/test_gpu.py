@@ -15,6 +15,7 @@
   torch.ops.kdispatch) and replayed on new inputs gives, bit for bit, what
   the same call gives eagerly.
 Each check that raises counts as failed; the others still run."""
+import argparse
 import sys
 import traceback
 
@@ -50,12 +51,12 @@ def capsule(t, stream):
         return t.__dlpack__(stream=stream)
 
 
-def check_ops():
+def check_ops(ops):
     try:
         import cupy
     except ImportError:
         cupy = None
-    for op in kdispatch.ops():
+    for op in ops:
         schema = kdispatch.schema(op)
         opfn = getattr(torch.ops.kdispatch, kt.registered[op])
         checked = failed = 0
@@ -190,8 +191,8 @@ def check_graph():
                    f"{'yes' if identical else 'no'})")
 
 
-def check_capture_each_op():
-    for op in kdispatch.ops():
+def check_capture_each_op(ops):
+    for op in ops:
         schema = kdispatch.schema(op)
         handle = kdispatch.op(op)
         opfn = getattr(torch.ops.kdispatch, kt.registered[op])
@@ -245,8 +246,16 @@ def run(check, *args):
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--op", action="append", help="only the checks of each op, for this op (repeatable)")
+    args = parser.parse_args()
+    ops = args.op or kdispatch.ops()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, kdispatch {kdispatch.version}")
-    run(check_ops)
+    run(check_ops, ops)
+    if args.op:
+        run(check_capture_each_op, ops)
+        print(f"gpu: {sum(results)} passed, {len(results) - sum(results)} failed")
+        return 0 if results and all(results) else 1
     run(check_current_stream)
     if hasattr(torch, "compile"):
         run(check_compile, torch.float32, 1e-4, 1e-4, 0.005)
@@ -255,7 +264,7 @@ def main():
     else:
         print("SKIPPED torch.compile checks: this torch has no torch.compile")
     run(check_graph)
-    run(check_capture_each_op)
+    run(check_capture_each_op, ops)
     print(f"gpu: {sum(results)} passed, {len(results) - sum(results)} failed")
     return 0 if results and all(results) else 1
 
