@@ -264,6 +264,17 @@ void BM_CudaLaunchChecked(benchmark::State& state) {
   f.sync();
 }
 
+// Google Benchmark 1.7 marks a failed run error_occurred, 1.8 and later
+// skipped (the GPU machine has 1.8).
+template <class Run>
+auto run_failed(const Run& run, int) -> decltype(bool(run.error_occurred)) {
+  return run.error_occurred;
+}
+template <class Run>
+auto run_failed(const Run& run, long) -> decltype(static_cast<int>(run.skipped) != 0) {
+  return static_cast<int>(run.skipped) != 0;
+}
+
 // The console table, then the DESIGN targets checked against this run's
 // medians (CPU time per call).
 class TargetReporter : public benchmark::ConsoleReporter {
@@ -274,7 +285,7 @@ class TargetReporter : public benchmark::ConsoleReporter {
   void ReportRuns(const std::vector<Run>& runs) override {
     ConsoleReporter::ReportRuns(runs);
     for (const Run& run : runs) {
-      if (run.error_occurred) continue;
+      if (run_failed(run, 0)) continue;
       const std::string name = run.run_name.str();
       if (run.run_type == Run::RT_Aggregate) {
         if (run.aggregate_name == "median") medians_[name] = run.GetAdjustedCPUTime();
