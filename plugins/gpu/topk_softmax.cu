@@ -1,6 +1,8 @@
 // moe.topk_softmax: p = softmax(gating row) in float32; the K largest p in
 // descending order (ties: lower expert index first), as float32 weights and
-// int32 expert ids; weights divided by their sum when renormalize.
+// int32 expert ids; weights divided by their sum when renormalize. A row
+// holding NaN or +inf has no softmax: its weights are NaN, as the
+// reference's are, and its ids 0 to K-1.
 //
 // Softmax is monotonic, so the K winners are the K largest logits and only
 // their exponentials are needed (plus the row's sum when not renormalizing).
@@ -121,6 +123,11 @@ __global__ void __launch_bounds__(kWarpRowsThreads)
       }
     }
     sort_descending<V>(key);
+    // NaN or +inf anywhere in the row (padding is -inf).
+    bool special = false;
+#pragma unroll
+    for (int i = 0; i < V; ++i) special |= !(value[i] < INFINITY);
+    special = warp_any(special);
 
     uint32_t my_key = 0;  // of round `lane`
     for (int r = 0; r < k; ++r) {
@@ -176,8 +183,8 @@ __global__ void __launch_bounds__(kWarpRowsThreads)
       denominator = warp_sum(sum);
     }
     if (lane < k) {
-      weights[row * k + lane] = e / denominator;
-      ids[row * k + lane] = my_id;
+      weights[row * k + lane] = special ? NAN : e / denominator;
+      ids[row * k + lane] = special ? lane : my_id;
     }
   }
 }
@@ -199,6 +206,9 @@ __global__ void __launch_bounds__(kThreads)
       sum += __expf(to_float(g[e]) - max_logit);
     }
     const float inv_sum = 1.f / block_sum(sum);
+    // NaN in the row, or +inf (then max_logit is +inf and inf - inf is NaN),
+    // makes the sum NaN, and the row has no softmax.
+    const bool special = !(inv_sum == inv_sum);
     float prev = INFINITY;  // the previous round's winner
     int prev_id = -1;
     float selected_sum = 0.f;
@@ -214,14 +224,14 @@ __global__ void __launch_bounds__(kThreads)
       }
       block_argmax(best, best_id);
       if (threadIdx.x == 0) {
-        weights[row * k + r] = best;
-        ids[row * k + r] = best_id;
+        weights[row * k + r] = special ? NAN : best;
+        ids[row * k + r] = special ? r : best_id;
       }
       selected_sum += best;
       prev = best;
       prev_id = best_id;
     }
-    if (renormalize && threadIdx.x == 0) {
+    if (renormalize && !special && threadIdx.x == 0) {
       const float scale = 1.f / selected_sum;
       for (int r = 0; r < k; ++r) weights[row * k + r] *= scale;  // thread 0 wrote these
     }
