@@ -100,6 +100,7 @@ __global__ void __launch_bounds__(kWarpRowsThreads)
     const T* g = gating + row * experts;
     float value[V];
     uint32_t key[V];
+    bool special = false;  // this lane holds NaN or +inf (padding is -inf)
     if constexpr (kVector) {
       const bool present = kFull || first < experts;  // the whole vector, as V divides E
 #pragma unroll
@@ -110,6 +111,7 @@ __global__ void __launch_bounds__(kWarpRowsThreads)
         for (int c = 0; c < kPerLoad; ++c) {
           const int i = j * kPerLoad + c;
           value[i] = present ? to_float(v.v[c]) : -INFINITY;
+          special |= !(value[i] < INFINITY);
           key[i] = present ? rank_key<T, kIndexMask>(v.v[c], value[i], first + i) : 0u;
         }
       }
@@ -119,15 +121,11 @@ __global__ void __launch_bounds__(kWarpRowsThreads)
         const bool present = first + i < experts;
         const T stored = present ? g[first + i] : T{};
         value[i] = present ? to_float(stored) : -INFINITY;
+        special |= !(value[i] < INFINITY);
         key[i] = present ? rank_key<T, kIndexMask>(stored, value[i], first + i) : 0u;
       }
     }
     sort_descending<V>(key);
-    // NaN or +inf anywhere in the row (padding is -inf).
-    bool special = false;
-#pragma unroll
-    for (int i = 0; i < V; ++i) special |= !(value[i] < INFINITY);
-    special = warp_any(special);
 
     uint32_t my_key = 0;  // of round `lane`
     for (int r = 0; r < k; ++r) {
@@ -182,6 +180,8 @@ __global__ void __launch_bounds__(kWarpRowsThreads)
       for (int i = 0; i < V; ++i) sum += __expf(value[i] - max_logit);  // padding: exp(-inf) = 0
       denominator = warp_sum(sum);
     }
+    // NaN or +inf anywhere in the row: no softmax.
+    special = warp_any(special);
     if (lane < k) {
       weights[row * k + lane] = special ? NAN : e / denominator;
       ids[row * k + lane] = special ? lane : my_id;
