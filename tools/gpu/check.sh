@@ -12,7 +12,7 @@
 # Stages, so that each fits one call of the device runner:
 #   build  configure + build the whole project (preset cuda, tests on)
 #   test   the conformance suite on the cuda backend, `kdispatch run --all`
-#          (cuda checked against cpu), ctest, the dispatch benchmark
+#          (checked against the reference backend), ctest, the dispatch benchmark
 #   bench  the plugin binary (exports, SASS per arch), tools/gpu/bench.py (kdispatch through its
 #          dispatcher, PyTorch eager and torch.compile, graph replay and
 #          back-to-back launches), its table

@@ -31,7 +31,9 @@ Runner add_list(CLI::App& app) {
       Json doc;
       doc["device"] = device.device.str();
       doc["plugins"] = Json::array();
-      for (const auto& rec : plugins) doc["plugins"].push_back(plugin_json(rec));
+      for (const PluginReport& r : doctor_report(ctx, /*open_plugins=*/false).plugins) {
+        doc["plugins"].push_back(plugin_report_json(r));
+      }
       doc["ops"] = Json::array();
       for (const auto& op : ctx.registry().ops()) {
         Json backends = Json::array();

@@ -158,17 +158,4 @@ Json plugin_report_json(const PluginReport& report) {
   return p;
 }
 
-Json plugin_json(const PluginRecord& record) {
-  Json p;
-  p["name"] = record.name;
-  p["backend"] = record.backend;
-  p["manifest"] = record.manifest_path;
-  p["library"] = record.library_path;
-  p["status"] = record.state == PluginState::found ? "ok" : "error";
-  p["state"] = plugin_state_name(record.state);
-  if (!record.note.empty()) p["note"] = record.note;
-  p["problems"] = problems_json(record.problems);
-  return p;
-}
-
 }  // namespace kdispatch::cli

@@ -75,9 +75,9 @@ void print_json(const Json& doc);
 Json problem_json(const Problem& problem);
 Json problems_json(const std::vector<Problem>& problems);
 // The "plugins" entries of list and doctor.
-Json plugin_json(const PluginRecord& record);
-// A plugin of the doctor report: plugin_json's fields, then "loaded" and,
-// when loaded, "version", "abi" and "devices".
+// A plugin of the doctor report (list and doctor): "name", "backend",
+// "manifest", "library", "status", "state", "note" (when there is one),
+// "problems", "loaded" and, when loaded, "version", "abi" and "devices".
 Json plugin_report_json(const PluginReport& report);
 
 // A subcommand: registers its options; returns the function that runs it.
