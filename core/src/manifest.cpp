@@ -28,6 +28,7 @@
 #include "file_check.hpp"
 #include "kdispatch/plugin_api.h"
 #include "manifest_for_cache.hpp"
+#include "kdispatch/selector.hpp"
 #include "schema_check.hpp"
 #include "unique_fd.hpp"
 
@@ -1133,7 +1134,7 @@ std::optional<KernelSpec> read_kernel(Reader& r, const json& j, const std::strin
     return std::nullopt;
   }
   const size_t before = r.error_count();
-  r.unknown_keys(j, pointer, {"op", "symbol", "dtypes", "targets", "description"});
+  r.unknown_keys(j, pointer, {"op", "symbol", "dtypes", "targets", "description", "role", "opt_in"});
   KernelSpec k;
   k.op = r.checked_string(j, pointer, "op", true, "an op id <group>.<name> of [a-z0-9_]+", is_valid_op_id)
              .value_or("");
@@ -1156,18 +1157,35 @@ std::optional<KernelSpec> read_kernel(Reader& r, const json& j, const std::strin
   k.plugin = m.plugin;
   k.backend = m.backend;
   k.manifest = m.path;
+  // A kernel's own "role" replaces the manifest's: a plugin may ship the
+  // reference of its own op beside its fast kernels. Such a kernel is the
+  // backend "reference" (kernel_backend), so that it neither clashes with
+  // the plugin's kernel for the same op nor needs a plugin of its own.
   k.role = m.role;
+  if (auto role = r.string(j, pointer, "role", false, kRoleExpected)) {
+    if (*role == "reference") {
+      k.role = KernelRole::reference;
+    } else if (*role == "backend") {
+      k.role = KernelRole::backend;
+    } else {
+      r.bad(pointer_key(pointer, "role"), kRoleExpected, j.at("role"));
+    }
+  }
+  k.backend = kernel_backend(m, k.role);
+  k.opt_in = r.boolean(j, pointer, "opt_in").value_or(false);
   if (r.error_count() != before) return std::nullopt;
   return k;
 }
 
 void read_kernels(Reader& r, const json& list, Manifest& m, std::vector<std::string>& declared_ops) {
-  std::map<std::string, std::pair<std::string, size_t>> seen;  // op -> (pointer, index in m.kernels)
+  // (op, backend) -> (pointer, index in m.kernels): an op may have one
+  // kernel of the plugin's backend and one reference.
+  std::map<std::pair<std::string, std::string>, std::pair<std::string, size_t>> seen;
   for (size_t i = 0; i < list.size(); ++i) {
     const auto pointer = pointer_index("/kernels", i);
     auto k = read_kernel(r, list[i], pointer, m, declared_ops);
     if (!k) continue;
-    const auto [it, inserted] = seen.emplace(k->op, std::make_pair(pointer, m.kernels.size()));
+    const auto [it, inserted] = seen.emplace(std::pair{k->op, k->backend}, std::make_pair(pointer, m.kernels.size()));
     if (inserted) {
       m.kernels.push_back(std::move(*k));
       continue;
@@ -1183,7 +1201,7 @@ void read_kernels(Reader& r, const json& list, Manifest& m, std::vector<std::str
       r.error(ErrorCode::conflicting_registration, pointer,
               fmt::format("Conflicting kernel registration for op '{}', backend '{}': symbol '{}' ({}) != "
                           "symbol '{}' ({})",
-                          k->op, m.backend, first.symbol, it->second.first, k->symbol, pointer));
+                          k->op, k->backend, first.symbol, it->second.first, k->symbol, pointer));
     }
   }
 }
@@ -1288,6 +1306,11 @@ bool is_valid_name(std::string_view name) {
 bool is_valid_op_id(std::string_view op) {
   const auto dot = op.find('.');
   return dot != std::string_view::npos && is_valid_name(op.substr(0, dot)) && is_valid_name(op.substr(dot + 1));
+}
+
+std::string kernel_backend(const Manifest& m, KernelRole role) {
+  if (role == KernelRole::reference && m.role != KernelRole::reference) return std::string(kReferenceBackend);
+  return m.backend;
 }
 
 std::filesystem::path Manifest::library_path() const {

@@ -203,10 +203,16 @@ bool read_kernel(RecordReader& r, const Manifest& m, KernelSpec& k) {
     size_t n = 0;
     if (!r.count_of(targets, n) || !read_target_list(r, n, k.targets)) return false;
   }
+  std::string_view flags;  // role (r: reference, b: backend), then o when opt-in
+  if (!r.raw(flags) || flags.empty() || (flags[0] != 'r' && flags[0] != 'b') ||
+      (flags.size() == 2 && flags[1] != 'o') || flags.size() > 2) {
+    return false;
+  }
   k.plugin = m.plugin;
-  k.backend = m.backend;
   k.manifest = m.path;
-  k.role = m.role;
+  k.role = flags[0] == 'r' ? KernelRole::reference : KernelRole::backend;
+  k.backend = kernel_backend(m, k.role);
+  k.opt_in = flags.size() == 2;
   return true;
 }
 
@@ -236,6 +242,7 @@ std::string encode_manifest_record(const Manifest& m, std::string_view ops_json)
     } else {
       write_targets(w, k.targets);
     }
+    w.text(std::string(k.role == KernelRole::reference ? "r" : "b") + (k.opt_in ? "o" : ""));
   }
   w.text(ops_json);
   return w.take();

@@ -7,11 +7,12 @@
 // The fields, in order (a list is its length, then its items):
 //   format plugin backend library abi sha256 description role
 //   targets: [device min_arch max_arch archs: [arch] features: [feature]]
-//   kernels: [op symbol description dtypes targets]
+//   kernels: [op symbol description dtypes targets flags]
 //   ops_json
 // A kernel's dtypes are one field, a digit per dtype (its place in
 // kAllDtypes); its targets are "=" when they are the manifest's, else a
-// list as above. An absent sha256 or arch is an empty field. Tabs, newlines
+// list as above; its flags are "r" (role reference) or "b" (backend),
+// followed by "o" when it is opt-in. An absent sha256 or arch is an empty field. Tabs, newlines
 // and backslashes inside a field are written \t, \n and \\.
 #pragma once
 
@@ -26,7 +27,7 @@ namespace kdispatch {
 // The record format; the registry cache's header carries it. Bump it
 // whenever the fields above or the parser's output change meaning, so that
 // records written by other code are not read as this code's.
-inline constexpr int kManifestRecordFormat = 1;
+inline constexpr int kManifestRecordFormat = 2;
 
 // `manifest` as one record (it holds no newline). `ops_json` is the text
 // parse_manifest_for_cache gave with it. The path is not part of the

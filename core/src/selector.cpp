@@ -68,6 +68,19 @@ size_t edit_distance(std::string_view a, std::string_view b) {
 
 const char* const kReferenceOnlyWhenAsked =
     "a reference kernel, which runs only when named (backend=...) or forced (KDISPATCH_FORCE_BACKEND)";
+const char* const kOptInOnlyWhenAsked =
+    "opt-in: runs only when named (backend=...), forced (KDISPATCH_FORCE_BACKEND) or listed in "
+    "KDISPATCH_BACKEND_ORDER";
+
+namespace {
+
+// Whether `spec` answers to the backend name `name`: its own, or "reference"
+// for the op's reference kernel whatever its plugin calls its backend.
+bool answers_to(const KernelSpec& spec, std::string_view name) {
+  return spec.backend == name || (name == kReferenceBackend && spec.is_reference());
+}
+
+}  // namespace
 
 SelectorOptions SelectorOptions::from_environment() {
   SelectorOptions options;
@@ -154,10 +167,14 @@ const KernelSpec& Selector::select(const SelectRequest& request) const {
     throw SelectionError(ErrorCode::unknown_op, std::move(message), std::move(hints));
   }
 
-  // Rule 2: a backend is named.
+  // Rule 2: a backend is named. "reference" names the op's reference
+  // kernel, whatever backend name its plugin gives it.
   if (!request.backend.empty()) {
-    const auto it = std::find_if(specs.begin(), specs.end(),
-                                 [&](const KernelSpec* s) { return s->backend == request.backend; });
+    auto it = std::find_if(specs.begin(), specs.end(), [&](const KernelSpec* s) { return s->backend == request.backend; });
+    if (it == specs.end() && request.backend == kReferenceBackend) {
+      const KernelSpec* reference = registry_.reference(request.op);
+      it = std::find(specs.begin(), specs.end(), reference);
+    }
     if (it == specs.end()) {
       std::string message = fmt::format("No '{}' backend registered for op '{}' (registered: {})", request.backend,
                                         request.op, backend_list(specs));
@@ -182,19 +199,24 @@ const KernelSpec& Selector::select(const SelectRequest& request) const {
 
   // Rule 3: filter by device and dtype, then choose. A reference kernel
   // can only be forced: it makes no call ambiguous and is never the one
-  // usable backend.
+  // usable backend. An opt-in kernel takes part only when its backend is
+  // in the preference order.
   const std::vector<Eligibility> checked = eligibility(request.op, request.device, request.dtype);
-  std::vector<const KernelSpec*> usable;  // references included: what force may pick
+  std::vector<const KernelSpec*> usable;  // references and opt-ins included: what force may pick
   std::vector<const KernelSpec*> eligible;
+  const auto ordered = [&](const KernelSpec* s) {
+    return std::find(options_.backend_order.begin(), options_.backend_order.end(), s->backend) !=
+           options_.backend_order.end();
+  };
   for (const auto& e : checked) {
     if (!e.eligible) continue;
     usable.push_back(e.spec);
-    if (!e.spec->is_reference()) eligible.push_back(e.spec);
+    if (!e.spec->is_reference() && (!e.spec->opt_in || ordered(e.spec))) eligible.push_back(e.spec);
   }
 
   if (!options_.force_backend.empty()) {
     for (const KernelSpec* s : usable) {
-      if (s->backend == options_.force_backend) return *s;
+      if (answers_to(*s, options_.force_backend)) return *s;
     }
     bool first_time;
     {
@@ -212,8 +234,10 @@ const KernelSpec& Selector::select(const SelectRequest& request) const {
   if (eligible.empty()) {
     std::vector<std::string> reasons;
     for (const auto& e : checked) {
-      reasons.push_back(fmt::format("{}: {}", e.spec->backend,
-                                    e.eligible ? std::string_view(kReferenceOnlyWhenAsked) : std::string_view(e.reason)));
+      const std::string_view why = !e.eligible              ? std::string_view(e.reason)
+                                   : e.spec->is_reference() ? std::string_view(kReferenceOnlyWhenAsked)
+                                                            : std::string_view(kOptInOnlyWhenAsked);
+      reasons.push_back(fmt::format("{}: {}", e.spec->backend, why));
     }
     for (auto& line : failures_for(declares_op)) reasons.push_back(std::move(line));
     throw SelectionError(ErrorCode::no_usable_backend,

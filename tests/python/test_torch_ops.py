@@ -139,6 +139,46 @@ def check_fake_words_as_cpp():
     return checked, failed
 
 
+def check_backend_argument():
+    """torch.ops.kdispatch.* and the functional forms take the backend to run
+    as their last argument: the reference backend's result bit for bit, and
+    an unknown backend refused as kdispatch.call refuses it."""
+    checked = failed = 0
+    for op in kdispatch.ops():
+        case = kt.cases(op)[0]
+        dtype = kt.dtypes(op)[0]
+        schema = kdispatch.schema(op)
+        inputs = kt.inputs(op, dtype, case, seed=7)
+        want = kt.reference(op, inputs, case)
+        got = [t.clone() for t in inputs]
+        attrs = [case.attrs.get(a["name"], a["default"]) for a in schema["attrs"]]
+        getattr(torch.ops.kdispatch, kdt.registered[op])(*got, *attrs, "reference")
+        written = [i for i, t in enumerate(schema["tensors"]) if t["written"]]
+        same = all(torch.equal(got[i], want[i]) or torch.allclose(got[i], want[i], rtol=0, atol=0, equal_nan=True)
+                   for i in written)
+        group, short = op.split(".", 1)
+        inputs_of = [i for i, t in enumerate(schema["tensors"]) if not t["written"] or t["inplace"]]
+        keywords = {s: case.sizes[s] for s in kdt._schema.Functional(schema).keyword_symbols}
+        result = getattr(getattr(kdt, group), short)(*[inputs[i] for i in inputs_of], **keywords, **case.attrs,
+                                                     backend="reference")
+        result = result if isinstance(result, tuple) else (result,)
+        same = same and all(torch.equal(r, want[i]) or torch.allclose(r, want[i], rtol=0, atol=0, equal_nan=True)
+                            for r, i in zip(result, written))
+        try:
+            getattr(torch.ops.kdispatch, kdt.registered[op])(*[t.clone() for t in inputs], *attrs, "no_such_backend")
+            refused = False
+        except kdispatch.SelectionError as e:
+            refused = e.code == "KD-E002"
+        checked += 1
+        failed += not (same and refused)
+        if not (same and refused):
+            print(f"FAIL {op}: backend='reference' gives the reference's result: {same}; an unknown backend "
+                  f"is KD-E002: {refused}")
+    print(f"{'ok  ' if failed == 0 else 'FAIL'} the backend argument of the torch ops and functional forms: "
+          f"{checked - failed} of {checked} ops")
+    return checked, failed
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--op", help="only this op (default: every op kdispatch.ops() lists, then --fake-words)")
@@ -151,7 +191,7 @@ def main():
         c, f = check_op(op)
         total, bad = total + c, bad + f
     if not args.op:
-        for check in (check_fake_words_as_cpp, check_capsules_of_torch):
+        for check in (check_fake_words_as_cpp, check_capsules_of_torch, check_backend_argument):
             c, f = check()
             total, bad = total + c, bad + f
     print(f"torch {torch.__version__}: {total - bad} passed, {bad} failed ({len(ops)} ops)")

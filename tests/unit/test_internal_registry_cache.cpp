@@ -51,7 +51,8 @@ void write_text(const fs::path& path, const std::string& text) { std::ofstream(p
 
 // A manifest that sets every field the record holds: a checksum, the
 // reference role, targets of each kind, kernels with inherited, own and
-// empty targets, text that needs escaping, and op schemas (the built-in
+// empty targets, a kernel of its own role and opt-in, text that needs
+// escaping, and op schemas (the built-in
 // layernorm ones, which use ranges, tests, tolerances and examples).
 std::string every_field_manifest() {
   return R"({"kdispatch_manifest": "1.0", "plugin": "every_field", "backend": "every_field",
@@ -67,7 +68,8 @@ std::string every_field_manifest() {
       {"op": "every.inherits", "symbol": "kd_inherits", "description": "the manifest's targets"},
       {"op": "every.own", "symbol": "kd_own", "dtypes": ["float32", "bfloat16", "int64", "bool"],
        "targets": [{"device": "cuda", "max_arch": "9.0"}], "description": "\\t is not a tab"},
-      {"op": "every.anywhere", "symbol": "kd_anywhere", "targets": []}],
+      {"op": "every.anywhere", "symbol": "kd_anywhere", "targets": []},
+      {"op": "every.opt_in", "symbol": "kd_opt_in", "role": "backend", "opt_in": true}],
     "ops": )" +
          read_text(kSource / "manifests" / "ops" / "layernorm.json") + "}";
 }

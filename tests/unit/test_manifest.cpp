@@ -656,3 +656,33 @@ TEST_CASE("parsing never throws nor fails internally, whatever the text") {
     check(damaged, "damaged.json");
   }
 }
+
+TEST_CASE("a kernel's own role and opt_in: a plugin ships the reference of its op beside its kernel") {
+  const ManifestResult r = parse_with(R"("kernels": [
+      {"op": "example.op", "symbol": "kd_fast"},
+      {"op": "example.op", "symbol": "kd_reference", "role": "reference"},
+      {"op": "activation.silu_and_mul", "symbol": "kd_second", "opt_in": true}])");
+  for (const Problem& e : r.errors) INFO(e.message);
+  REQUIRE(r.ok());
+  const auto& k = r.manifest->kernels;
+  REQUIRE(k.size() == 3);
+  CHECK(k[0].backend == "b");
+  CHECK_FALSE(k[0].is_reference());
+  // The reference is the backend "reference" of the same plugin: no clash
+  // with the plugin's kernel for the op, no plugin of its own.
+  CHECK(k[1].backend == "reference");
+  CHECK(k[1].plugin == "p");
+  CHECK(k[1].is_reference());
+  CHECK(k[2].opt_in);
+  CHECK_FALSE(k[0].opt_in);
+  // Two kernels of one backend for an op still conflict.
+  const ManifestResult twice = parse_with(R"("kernels": [
+      {"op": "example.op", "symbol": "kd_one", "role": "reference"},
+      {"op": "example.op", "symbol": "kd_two", "role": "reference"}])");
+  REQUIRE_FALSE(twice.ok());
+  CHECK(twice.errors[0].message.find("backend 'reference'") != std::string::npos);
+  // A role that is neither is refused, naming the field.
+  const ManifestResult bad = parse_with(R"("kernels": [{"op": "example.op", "symbol": "kd_x", "role": "oracle"}])");
+  REQUIRE_FALSE(bad.ok());
+  CHECK(bad.errors[0].message.find("/kernels/0/role") != std::string::npos);
+}

@@ -445,3 +445,40 @@ TEST_CASE("concurrent selection while another thread registers") {
     CHECK(sel.select(req("op.n" + std::to_string(i), "cuda:9.0")).backend == "cuda");
   }
 }
+
+TEST_CASE("an opt-in kernel changes no call that does not ask for it") {
+  KernelRegistry reg;
+  reg.add(spec("activation.silu_and_mul", "cpu", {cpu_target()}));
+  KernelSpec second = spec("activation.silu_and_mul", "example_cpu", {cpu_target()});
+  second.opt_in = true;
+  reg.add(second);
+  Selector sel(reg);
+  // Not named: the one backend that is not opt-in, no KD-E004.
+  CHECK(sel.select(req("activation.silu_and_mul", "cpu")).backend == "cpu");
+  // Named, forced, or in the preference order: the opt-in kernel.
+  CHECK(sel.select(req("activation.silu_and_mul", "cpu", "example_cpu")).backend == "example_cpu");
+  Selector forced(reg, SelectorOptions{"example_cpu", {}});
+  CHECK(forced.select(req("activation.silu_and_mul", "cpu")).backend == "example_cpu");
+  Selector ordered(reg, SelectorOptions{{}, {"example_cpu", "cpu"}});
+  CHECK(ordered.select(req("activation.silu_and_mul", "cpu")).backend == "example_cpu");
+
+  // Alone, it is not chosen either, and KD-E003 says why.
+  KernelRegistry only;
+  only.add(second);
+  const std::string why =
+      error_of([&] { Selector(only).select(req("activation.silu_and_mul", "cpu")); }, ErrorCode::no_usable_backend);
+  CHECK_MESSAGE(why.find("example_cpu: opt-in: runs only when named") != std::string::npos, why);
+}
+
+TEST_CASE("backend 'reference' names the op's reference kernel, whatever its backend is called") {
+  KernelRegistry reg;
+  reg.add(spec("example.op", "example_cpu", {cpu_target()}));
+  KernelSpec ref = spec("example.op", "example_ref", {cpu_target()});
+  ref.role = KernelRole::reference;
+  reg.add(ref);
+  Selector sel(reg);
+  CHECK(sel.select(req("example.op", "cpu")).backend == "example_cpu");
+  CHECK(sel.select(req("example.op", "cpu", "reference")).backend == "example_ref");
+  Selector forced(reg, SelectorOptions{"reference", {}});
+  CHECK(forced.select(req("example.op", "cpu")).backend == "example_ref");
+}

@@ -41,6 +41,7 @@ Runner add_list(CLI::App& app) {
           backends.push_back({{"backend", e.spec->backend},
                               {"plugin", e.spec->plugin},
                               {"role", e.spec->is_reference() ? "reference" : "backend"},
+                              {"opt_in", e.spec->opt_in},
                               {"eligible", e.eligible},
                               {"reason", e.eligible ? Json(nullptr) : Json(e.reason)}});
         }
@@ -89,7 +90,10 @@ Runner add_list(CLI::App& app) {
       bool first = true;
       for (const auto& e : sel.eligibility(op, device.device, std::nullopt)) {
         const std::string note =
-            for_command_line(e.eligible && e.spec->is_reference() ? kReferenceOnlyWhenAsked : e.reason);
+            for_command_line(!e.eligible               ? e.reason
+                             : e.spec->is_reference() ? kReferenceOnlyWhenAsked
+                             : e.spec->opt_in         ? kOptInOnlyWhenAsked
+                                                      : "");
         fmt::print("{:<{}}  {:<{}} {:<7} {}\n", first ? op : "", width, e.spec->backend, backend_width,
                    e.eligible ? "yes" : "no", note);
         first = false;

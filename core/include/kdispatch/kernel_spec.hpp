@@ -27,7 +27,11 @@ struct KernelSpec {
   std::vector<Dtype> dtypes;    // empty = any dtype
   std::string description;
   std::string manifest;     // path of the manifest that declared it
-  KernelRole role = KernelRole::backend;  // the manifest's "role"
+  KernelRole role = KernelRole::backend;  // the kernel's "role", else the manifest's
+  // "opt_in": eligible only when its backend is named in the call, forced
+  // (KDISPATCH_FORCE_BACKEND) or listed in KDISPATCH_BACKEND_ORDER, so that
+  // installing a second implementation of an op changes no existing call.
+  bool opt_in = false;
 
   bool is_reference() const { return role == KernelRole::reference; }
 

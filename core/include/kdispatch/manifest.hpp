@@ -42,6 +42,11 @@ struct Manifest {
   bool operator==(const Manifest&) const = default;
 };
 
+// The backend of a kernel of `m` with `role`: the manifest's, except for a
+// reference kernel in a manifest whose own role is not reference, which is
+// the backend "reference".
+std::string kernel_backend(const Manifest& m, KernelRole role);
+
 struct ManifestResult {
   std::optional<Manifest> manifest;  // set when there is no error
   std::vector<Problem> errors;       // KD-E010..E013, naming file and field

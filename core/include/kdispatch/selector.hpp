@@ -47,6 +47,12 @@ struct Eligibility {
 // Why a reference kernel usable on the device was not chosen (KD-E003's
 // reason, and what `kdispatch list` says).
 extern const char* const kReferenceOnlyWhenAsked;
+// The same for an opt-in kernel (KernelSpec::opt_in).
+extern const char* const kOptInOnlyWhenAsked;
+// The backend name that reaches an op's reference kernel, whatever its
+// plugin calls its backend (`backend=reference`,
+// KDISPATCH_FORCE_BACKEND=reference).
+inline constexpr std::string_view kReferenceBackend = "reference";
 
 class Selector {
  public:

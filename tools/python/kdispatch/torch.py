@@ -6,7 +6,8 @@ and those of the plugins found at import) as
 
 - the torch schema comes from the op schema: tensors in schema order, the
   ones the op writes as mutated arguments (``Tensor(a!)``), then the
-  attributes typed with their defaults; the op returns nothing;
+  attributes typed with their defaults, then ``str? backend=None``; the op
+  returns nothing;
 - the CPU and CUDA kernels are the dispatcher's checked call; CUDA tensors
   run on torch's current stream of their device, with no synchronisation and
   no allocation, so calls can be captured in a CUDA graph;
@@ -20,6 +21,11 @@ e.g. ``kdispatch.torch.layernorm.rmsnorm(x, weight, eps=1e-6) -> out``:
 they take the tensors the op reads (in schema order), clone the ones it
 updates in place, and take the sizes that only outputs have as keywords
 (``kdispatch.torch.moe.topk_softmax(gating_output, K=8)``).
+
+Every op and functional variant takes a last argument ``backend`` (None by
+default: the selection rules decide): a name runs that backend's kernel,
+e.g. ``torch.ops.kdispatch.layernorm_rmsnorm(out, x, w, 1e-6, "reference")``
+or ``kdispatch.torch.layernorm.rmsnorm(x, w, backend="reference")``.
 """
 import types as _types
 import warnings as _warnings
@@ -60,7 +66,9 @@ def _default_text(attr):
 
 def torch_schema(schema):
     """The torch.library schema of an op schema, e.g.
-    "layernorm_rmsnorm(Tensor(a!) out, Tensor x, Tensor weight, float eps=1e-06) -> ()"."""
+    "layernorm_rmsnorm(Tensor(a!) out, Tensor x, Tensor weight, float eps=1e-06, str? backend=None) -> ()":
+    the tensors, the attributes, then the backend to run (None: the
+    selection rules decide, as for kdispatch.call)."""
     aliases = iter("abcdefghijklmnopqrstuvwxyz")
     args = []
     for t in schema["tensors"]:
@@ -70,6 +78,7 @@ def torch_schema(schema):
         if not a["required"]:
             text += "=" + _default_text(a)
         args.append(text)
+    args.append("str? backend=None")
     return f"{op_name(schema['op'])}({', '.join(args)}) -> ()"
 
 
@@ -129,7 +138,7 @@ def _make_functional(schema, opfn):
     input_names = [tensors[i]["name"] for i in spec.inputs]
     attr_defaults = [(a["name"], a["default"], a["required"]) for a in spec.attrs]
     keyword_symbols = list(spec.keyword_symbols)
-    known_keywords = set(keyword_symbols) | {a["name"] for a in spec.attrs}
+    known_keywords = set(keyword_symbols) | {a["name"] for a in spec.attrs} | {"backend"}
 
     def functional(*inputs, **kwargs):
         if len(inputs) != len(spec.inputs):
@@ -182,7 +191,7 @@ def _make_functional(schema, opfn):
                 t = _torch.empty(shape, dtype=torch_dtype, device=device)
             args[i] = t
             outputs.append(t)
-        opfn(*args, *attrs)
+        opfn(*args, *attrs, kwargs.get("backend"))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     name = op.split(".", 1)[1]
@@ -190,7 +199,7 @@ def _make_functional(schema, opfn):
     functional.__qualname__ = name
     outputs = ", ".join(tensors[i]["name"] for i in spec.outputs)
     keywords = [f"{s}" for s in keyword_symbols] + [a["name"] + ("" if a["required"] else f"={a['default']!r}")
-                                                   for a in spec.attrs]
+                                                   for a in spec.attrs] + ["backend=None"]
     functional.__doc__ = (f"{name}({', '.join(input_names + keywords)}) -> {outputs}\n\n{schema['doc']}\n\n"
                           f"Functional form of torch.ops.{NAMESPACE}.{op_name(op)}: allocates or clones its "
                           "outputs and returns them.")
@@ -208,6 +217,10 @@ def _register_all():
                            f"'{names[name]}' is already; '{op}' is not registered")
             continue
         names[name] = op
+        if any(a["name"] == "backend" for a in schema["attrs"]):
+            _warnings.warn(f"kdispatch.torch: op '{op}' has an attribute named 'backend', the name of the torch "
+                           "ops' backend argument; it is not registered")
+            continue
         try:
             _lib.define(torch_schema(schema))
         except RuntimeError as e:  # e.g. an argument name torch's schema parser refuses

@@ -103,7 +103,18 @@ void Op::call(const py::args& args, const py::kwargs& kwargs) const { call_with_
 void Op::call_positional(const py::args& args) const {
   const OpSchema& schema = handle_.schema();
   const size_t num_tensors = schema.tensors.size();
-  const size_t given = args.size();
+  size_t given = args.size();
+  // torch.ops.kdispatch.* pass a last argument, the backend (None: the
+  // selection rules decide), after every attribute.
+  OpHandle handle = handle_;
+  if (given == num_tensors + schema.attrs.size() + 1) {
+    PyObject* backend = args[given - 1].ptr();
+    --given;
+    if (backend != Py_None) {
+      if (!PyUnicode_Check(backend)) throw py::type_error("backend must be a str or None");
+      handle = runtime().dispatcher.op(handle_.op(), utf8(backend));
+    }
+  }
   if (given < num_tensors || given > num_tensors + schema.attrs.size()) {
     throw_call_error(fmt::format("op '{}' takes {} tensors and up to {} attributes, got {} arguments", schema.op,
                                  num_tensors, schema.attrs.size(), given));
@@ -116,7 +127,7 @@ void Op::call_positional(const py::args& args) const {
   }
   TensorArgs tensors(schema, StreamRequest{});
   for (size_t i = 0; i < num_tensors; ++i) tensors.add(args[i].ptr());
-  run(handle_, tensors, std::span<const NamedAttr>(attrs.data(), num_attrs));
+  run(handle, tensors, std::span<const NamedAttr>(attrs.data(), num_attrs));
 }
 
 void Op::check_layout(const py::args& args) const {

@@ -18,7 +18,8 @@ class Op {
   // op(*tensors, stream=None, **attrs)
   void call(const pybind11::args& args, const pybind11::kwargs& kwargs) const;
   // The torch kernel: tensors then every attribute in schema order
-  // (trailing ones may be left out; their defaults apply).
+  // (trailing ones may be left out; their defaults apply), then optionally
+  // the backend (a str names one, None lets the selection rules decide).
   void call_positional(const pybind11::args& args) const;
   // The check of a call on tensors without data (torch's meta and fake
   // tensors): the dispatcher's own rules and words, data not read.
