@@ -151,7 +151,11 @@ TEST_CASE("dispatch: attributes by name are packed in schema order, defaults fil
   Dispatcher dispatch(*ctx);
   const OpHandle op = dispatch.op("test.attrs");
   std::array<kd_attr, kMaxSchemaAttrs> storage;
-  const auto pack = [&](std::vector<NamedAttr> attrs) {
+  // A packed string attribute points into the NamedAttr it came from, so the
+  // attributes outlive what pack returns.
+  std::vector<NamedAttr> attrs;
+  const auto pack = [&](std::vector<NamedAttr> given) {
+    attrs = std::move(given);
     const std::span<const kd_attr> packed = op.pack_attrs(attrs, storage);
     REQUIRE(packed.size() == 6);
     for (size_t i = 0; i < packed.size(); ++i) CHECK(std::string(packed[i].name) == schema.attrs[i].name);
