@@ -380,16 +380,7 @@ void download_all(CallData& data) {
 
 // --- cases ----------------------------------------------------------------------
 
-std::vector<Dtype> call_dtypes(const OpSchema& schema) {
-  if (!schema.dtype_vars.empty()) {
-    for (const auto& t : schema.tensors) {
-      if (auto it = schema.dtype_vars.find(t.dtype); it != schema.dtype_vars.end()) return it->second;
-    }
-  } else if (!schema.tensors.empty()) {
-    if (auto d = parse_dtype(schema.tensors[0].dtype)) return {*d};
-  }
-  return {};
-}
+std::vector<Dtype> call_dtypes(const OpSchema& schema) { return schema.call_dtypes(); }
 
 std::vector<Dtype> kernel_dtypes(const OpSchema& schema, const KernelSpec& spec) {
   std::vector<Dtype> out;
