@@ -674,8 +674,10 @@ TEST_CASE("validate and doctor say which ops have no reference kernel") {
   const std::string dir = std::string(KDISPATCH_BINARY_DIR) + "/tests/fixtures/plugins/fx_no_reference";
   const ToolResult v = run_tool({"validate", dir + "/fx_no_reference.json", kManifests + "/cpu.json"});
   CHECK(v.exit_code == 0);
-  CHECK(v.out.find("fx_no_reference.json: note: op 'fixture.scaled' has no reference kernel") != std::string::npos);
-  CHECK(v.out.find("cpu.json: note") == std::string::npos);
+  CHECK(v.out.find("fx_no_reference.json: warning: KD-E014: " + dir +
+                   "/fx_no_reference.json: /kernels/0/op: op 'fixture.scaled' has no reference kernel") !=
+        std::string::npos);
+  CHECK(v.out.find("cpu.json: warning") == std::string::npos);
   const ToolResult vj = run_tool({"validate", dir + "/fx_no_reference.json", "--json"});
   CHECK(json_of(vj)["results"][0]["ops_without_reference"] == Json{"fixture.scaled"});
   const ToolResult d = run_tool({"doctor", "--add-plugin-path", dir, "--json"});
