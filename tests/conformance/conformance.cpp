@@ -67,13 +67,28 @@ void conform(const OpSchema& schema) {
   const std::string& op = schema.op;
   const KernelSpec* reference_spec = g_context->registry().reference(op);
   REQUIRE_MESSAGE(reference_spec != nullptr, "no reference kernel for " << op);
+  // Without an output every comparison would pass having compared nothing.
+  REQUIRE_MESSAGE(schema.has_output(), op << ": no tensor of its schema is \"written\" or \"inplace\": nothing to compare");
   const OpHandle reference = g_dispatch->op(op, reference_spec->backend);
   const std::vector<harness::TestCase> cases = harness::test_cases(schema);
+  // A dtype of the schema that no backend's kernel serves, on any device, is
+  // never called by anyone.
+  const std::vector<Dtype> takes = harness::call_dtypes(schema);
+  for (Dtype d : takes) {
+    bool served = false;
+    for (const KernelSpec* s : g_context->registry().get(op)) served = served || (!s->is_reference() && s->supports(d));
+    CHECK_MESSAGE(served, op << ": " << dtype_name(d) << ", a dtype of its schema, is served by no backend's kernel");
+  }
   for (const Backend& b : g_backends) {
     const KernelSpec* spec = g_context->registry().get_backend(op, b.name);
     if (spec == nullptr || spec == reference_spec) continue;
     const std::vector<Dtype> dtypes = harness::kernel_dtypes(schema, *spec);
     CHECK_MESSAGE(!dtypes.empty(), op << " on " << b.name << ": the kernel declares no dtype the schema takes");
+    for (Dtype d : spec->dtypes) {
+      CHECK_MESSAGE(std::find(takes.begin(), takes.end(), d) != takes.end(),
+                    op << " on " << b.name << ": the kernel declares " << dtype_name(d)
+                       << ", which the op's schema does not take: never checked");
+    }
     const OpHandle handle = g_dispatch->op(op, b.name);
     int runs = 0;
     for (Dtype dtype : dtypes) {

@@ -16,6 +16,7 @@
 #include "json_text.hpp"
 #include "save_files.hpp"
 #include "kdispatch/dispatcher.hpp"
+#include "kdispatch/selector.hpp"
 
 namespace kdispatch::cli {
 
@@ -340,11 +341,31 @@ std::string_view result_status(const SweepResult& r) {
 
 Sweep run_sweep(Context& ctx, const SweepOptions& options) {
   Sweep sweep;
+  sweep.unchecked_allowed = options.allow_unchecked || !options.check;
   Dispatcher dispatch(ctx);
   std::vector<std::string> ops = options.ops;
+  std::vector<std::string> schema_ops;
+  for (const OpSchema* s : ctx.registry().schemas()) schema_ops.push_back(s->op);
+  // Ops with kernels and no schema: nothing can make their inputs. A typo
+  // in a manifest's op id is the usual cause.
+  std::vector<std::string> ops_without_schema;
+  for (const std::string& op : ctx.registry().ops()) {
+    if (ctx.registry().schema(op) == nullptr) ops_without_schema.push_back(op);
+  }
   if (ops.empty()) {
     for (const OpSchema* s : ctx.registry().schemas()) {
       if (ctx.registry().has(s->op)) ops.push_back(s->op);
+    }
+    for (const std::string& op : ops_without_schema) {
+      std::vector<std::string> backends;
+      for (const KernelSpec* s : ctx.registry().get(op)) {
+        if (options.backend.empty() || s->backend == options.backend) backends.push_back(s->backend);
+      }
+      if (backends.empty()) continue;
+      const std::vector<std::string> near = closest_ops(op, schema_ops, 1);
+      sweep.not_run.push_back({op, fmt::format("{}", fmt::join(backends, ",")),
+                               fmt::format("has kernels but no op schema{}: nothing can make its inputs",
+                                           near.empty() ? "" : fmt::format(" (did you mean '{}'?)", near.front()))});
     }
   }
   check_dtype_flag(options.dtype, nullptr);
@@ -382,6 +403,7 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
   };
 
   for (const std::string& op : ops) {
+    const size_t results_before = sweep.results.size();
     // With --all, an op that cannot be run at all (its schema is past what
     // the checker handles, its example sizes cannot be allocated, ...) is
     // reported and the sweep goes on; an op named on the command line stops
@@ -413,8 +435,47 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
       // it would only be compared with itself.
       const KernelSpec* reference = ctx.registry().reference(op);
 
+      // The kernels asked for, whatever the devices here: the named
+      // backend's, else every one but the reference. A dtype of the schema
+      // that none of them serves never runs.
+      std::vector<const KernelSpec*> asked;
+      for (const KernelSpec* s : specs) {
+        if (!s->is_reference() || !options.backend.empty()) asked.push_back(s);
+      }
+      const std::vector<Dtype> takes = harness::call_dtypes(schema);
+      if (!asked.empty()) {
+        std::vector<Dtype> unserved;
+        for (Dtype d : takes) {
+          if (!options.dtype.empty() && dtype_name(d) != options.dtype) continue;
+          if (std::none_of(asked.begin(), asked.end(), [&](const KernelSpec* s) { return s->supports(d); })) {
+            unserved.push_back(d);
+          }
+        }
+        if (!unserved.empty()) {
+          sweep.not_run.push_back(
+              {op, options.backend.empty() ? "-" : options.backend,
+               fmt::format("{}, {} of its schema, {} serves (none lists {} in its manifest's \"dtypes\"): never run",
+                           dtype_list(unserved), unserved.size() == 1 ? "a dtype" : "dtypes",
+                           options.backend.empty() ? "no backend's kernel" : "its kernel",
+                           unserved.size() == 1 ? "it" : "them")});
+        }
+      } else if (options.ops.empty()) {
+        sweep.not_run.push_back({op, "-", "no backend but its reference implements it: never run"});
+      }
+
       for (const KernelSpec* spec : specs) {
         if (spec->is_reference() && options.backend.empty()) continue;
+        std::vector<Dtype> outside;
+        for (Dtype d : spec->dtypes) {
+          const bool wanted = options.dtype.empty() || dtype_name(d) == options.dtype;
+          if (wanted && std::find(takes.begin(), takes.end(), d) == takes.end()) outside.push_back(d);
+        }
+        if (!outside.empty()) {
+          sweep.not_run.push_back({op, spec->backend,
+                                   fmt::format("its kernel declares {}, which the op's schema does not take ({}): "
+                                               "never run",
+                                               dtype_list(outside), dtype_list(takes))});
+        }
         const PluginBinary* binary = nullptr;
         try {
           binary = &ctx.load_plugin(spec->plugin);
@@ -474,6 +535,10 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
               if (!options.check) {
                 r.ok = true;
                 r.checked_against = "not checked: --no-check";
+              } else if (!schema.has_output()) {
+                r.ok = true;
+                r.checked_against =
+                    "not checked: no tensor of the op's schema is \"written\" or \"inplace\": nothing to compare";
               } else if (reference == nullptr) {
                 r.ok = true;
                 r.checked_against = "not checked: the op has no reference kernel";
@@ -574,6 +639,29 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
       if (!options.ops.empty()) throw;
       sweep.skipped.push_back({op, "-", "not enough memory for its example sizes"});
     }
+    if (!options.ops.empty() && sweep.results.size() == results_before) {
+      std::string why;
+      const std::vector<const KernelSpec*> kernels = ctx.registry().get(op);
+      if (kernels.empty()) {
+        const std::vector<std::string> near = closest_ops(op, ops_without_schema, 1);
+        why = near.empty() ? "no kernel implements it"
+                           : fmt::format("no kernel implements it; kernels are registered for '{}', which has no op "
+                                         "schema: a typo in their manifest's op id?",
+                                         near.front());
+      } else if (options.backend.empty() && std::all_of(kernels.begin(), kernels.end(), [](const KernelSpec* s) {
+                   return s->is_reference();
+                 })) {
+        why = "no backend but its reference implements it";
+      } else {
+        why = "every kernel was skipped (above)";
+      }
+      sweep.not_run.push_back({op, options.backend.empty() ? "-" : options.backend, "ran no case: " + why});
+    }
+  }
+  const bool unchecked = std::any_of(sweep.results.begin(), sweep.results.end(),
+                                     [](const SweepResult& r) { return result_status(r) == "unchecked"; });
+  if (sweep.exit_code == kOk && (!sweep.not_run.empty() || (unchecked && !sweep.unchecked_allowed))) {
+    sweep.exit_code = kUnchecked;
   }
   return sweep;
 }
