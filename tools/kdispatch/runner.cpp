@@ -241,7 +241,7 @@ InputSets make_input_sets(const OpSchema& schema, const harness::CallData& host,
       const TensorArg& a = schema.tensors[i];
       if (a.written && !a.inplace) continue;
       const harness::Buffer& b = host.tensors[i];
-      harness::Buffer copy(b.dtype(), b.shape(), target.dl, target.memory);
+      harness::Buffer copy(b.dtype(), b.shape(), target.dl, target.memory, b.name());
       std::memcpy(copy.host(), b.host(), b.bytes());
       copy.upload();
       out.buffers.push_back(std::move(copy));
@@ -527,9 +527,16 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
               std::vector<DLTensor> tensors = data.dl();
               // The kernel first: where it refuses the arguments (K > E, say),
               // its message is the result's, and no reference is computed.
-              backend_handle(tensors, data.attrs);
-              synchronize(target);
+              // One that writes outside a tensor fails the result.
+              const std::string kernel = fmt::format("kernel '{}' of backend '{}'", spec->symbol, spec->backend);
+              {
+                harness::GuardWatch watch(kernel);
+                watch.watch(data);
+                backend_handle(tensors, data.attrs);
+                synchronize(target);
+              }
               harness::download_all(data);
+              harness::check_guards(data, kernel);
               // Expected outputs: the op's reference kernel on the same
               // inputs, on the host.
               if (!options.check) {
@@ -548,13 +555,18 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
               } else {
                 harness::CallData ref = harness::clone_to(host, DLDevice{kDLCPU, 0}, nullptr);
                 std::vector<DLTensor> t = ref.dl();
+                const std::string reference_kernel =
+                    fmt::format("the reference kernel '{}' of backend '{}'", reference->symbol, reference->backend);
                 try {
+                  harness::GuardWatch watch(reference_kernel);
+                  watch.watch(ref);
                   dispatch.op(op, reference->backend)(t, ref.attrs);
                 } catch (const Error& e) {
                   throw KernelError(ErrorCode::kernel_failed,
                                     fmt::format("the reference ('{}') failed: [{}] {}", reference->backend,
                                                 e.code_string(), e.message()));
                 }
+                harness::check_guards(ref, reference_kernel);
                 const harness::Comparison c = harness::compare(schema, data, ref);
                 r.checked = true;
                 r.checked_against = fmt::format("reference ({})", reference->backend);
@@ -597,6 +609,9 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
               std::vector<double> samples;
               size_t next = 0;
               const auto deadline = Clock::now() + std::chrono::duration<double>(options.min_seconds);
+              harness::GuardWatch watch(kernel);
+              watch.watch(data);
+              for (const harness::Buffer& b : rotation.buffers) watch.watch(b);
               do {
                 const auto start = Clock::now();
                 for (int i = 0; i < iters; ++i) {
@@ -609,6 +624,12 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
               std::sort(samples.begin(), samples.end());
               r.us_per_call = samples[samples.size() / 2] * 1e6;
               r.gb_per_s = static_cast<double>(data.bytes_moved(schema)) / (r.us_per_call * 1e3);
+              // The timed calls wrote the host tensors in place: their guards
+              // are checked again (a device's would need another download).
+              if (target.memory == nullptr) harness::check_guards(data, kernel);
+            } catch (const harness::GuardViolation& e) {
+              r.ok = false;
+              r.error = e.what();
             } catch (const KernelError& e) {
               r.ok = false;
               r.error = fmt::format("[{}] {}", e.code_string(), e.message());
