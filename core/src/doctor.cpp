@@ -2,6 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
+#include "kdispatch/coverage.hpp"
+
 namespace kdispatch {
 
 DoctorReport doctor_report(Context& context, bool open_plugins) {
@@ -40,10 +44,16 @@ DoctorReport doctor_report(Context& context, bool open_plugins) {
     report.problems.insert(report.problems.end(), p.problems.begin(), p.problems.end());
     report.plugins.push_back(std::move(p));
   }
+  report.coverage = check_plugins(context);
+  report.problems.insert(report.problems.end(), report.coverage.begin(), report.coverage.end());
   for (const std::string& op : context.registry().ops()) {
     if (context.registry().reference(op) == nullptr) report.ops_without_reference.push_back(op);
   }
   return report;
+}
+
+size_t DoctorReport::warnings() const {
+  return static_cast<size_t>(std::count_if(problems.begin(), problems.end(), [](const Problem& q) { return q.warning; }));
 }
 
 }  // namespace kdispatch

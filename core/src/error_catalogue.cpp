@@ -164,6 +164,24 @@ constexpr CatalogueEntry kCatalogue[] = {
      "- Or install a plugin release built for your kdispatch version\n"
      "- Fix a malformed value and check with `kdispatch validate FILE`"sv},
 
+    {ErrorCode::op_unchecked,
+     "Manifests and op schemas leave an op unchecked"sv,
+     "A warning of `kdispatch validate` and `kdispatch doctor`: each file is valid, but "
+     "together they leave part of an op that no check can reach, so `kdispatch run` and "
+     "the conformance suite would pass it without comparing anything. The message names "
+     "the file, the JSON pointer of the field and the op."sv,
+     "- A kernel's op id has a typo: no op schema has that id (the message suggests the closest one)\n"
+     "- A kernel lists a dtype the op's schema does not take: no call ever selects the kernel in it\n"
+     "- A dtype of the op's schema is left out of every backend kernel's \"dtypes\": it is never run\n"
+     "- An op schema marks no tensor \"written\" or \"inplace\": there is no output to compare\n"
+     "- A reference kernel's op id has a typo, or no other plugin implements its op: it checks nothing\n"
+     "- The reference plugin's manifest lacks \"role\": \"reference\": the op has no reference and every "
+     "result is unchecked"sv,
+     "- Go to the JSON pointer in the message and fix the op id, \"dtypes\" or \"written\"\n"
+     "- Give the op a reference: a plugin whose manifest says \"role\": \"reference\" (docs/plugins.md)\n"
+     "- Run `kdispatch validate FILE...` with the plugin's and its reference's manifests until it warns no more\n"
+     "- Then `kdispatch run OP --add-plugin-path DIR`: it exits 0 only when every result was checked"sv},
+
     // ---------------------------------------------------------- plugin binaries
     {ErrorCode::plugin_open_failed,
      "Plugin library could not be opened"sv,
@@ -270,6 +288,19 @@ constexpr CatalogueEntry kCatalogue[] = {
      "- Fix or remove the plugin; rebuilding it changes the file and it is scanned again\n"
      "- A slow but healthy probe: raise KDISPATCH_SCAN_TIMEOUT (seconds, default 10)\n"
      "- KDISPATCH_SCAN=always rescans every time; KDISPATCH_SCAN=off opens plugins in-process without a scan"sv},
+
+    {ErrorCode::plugin_orphan_library,
+     "Plugin library with no manifest"sv,
+     "A warning of `kdispatch doctor`: a shared library (NAME.so) lies in a directory of "
+     "the plugin search path, but no manifest there names it in \"library\". kdispatch "
+     "reads manifests, never guesses: the library is never loaded and its kernels are "
+     "never registered."sv,
+     "- The plugin's manifest was not installed or copied beside the library\n"
+     "- The manifest names another file (a typo, or a version suffix)\n"
+     "- A leftover library of an old build or a renamed plugin"sv,
+     "- Put the plugin's manifest (NAME.json) beside the library, or fix its \"library\"\n"
+     "- Remove a leftover library from the plugin directory\n"
+     "- Check with `kdispatch doctor` and `kdispatch inspect FILE.so`"sv},
 
     {ErrorCode::bad_arguments,
      "Call arguments do not match the op schema"sv,

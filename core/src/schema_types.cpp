@@ -43,6 +43,19 @@ std::vector<Dtype> OpSchema::allowed_dtypes(const TensorArg& tensor) const {
   return {};
 }
 
+std::vector<Dtype> OpSchema::call_dtypes() const {
+  for (const TensorArg& t : tensors) {
+    if (const auto var = dtype_vars.find(t.dtype); var != dtype_vars.end()) return var->second;
+  }
+  if (tensors.empty()) return {};
+  if (const auto dtype = parse_dtype(tensors.front().dtype)) return {*dtype};
+  return {};
+}
+
+bool OpSchema::has_output() const {
+  return std::any_of(tensors.begin(), tensors.end(), [](const TensorArg& t) { return t.written || t.inplace; });
+}
+
 Tolerance default_tolerance(Dtype dtype) {
   switch (dtype) {
     case Dtype::float64: return {.ulps = 1 << 20, .atol = 1e-12, .mean_ulps = 1 << 16};

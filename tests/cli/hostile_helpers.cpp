@@ -24,8 +24,9 @@ fs::path dir_with_cpu_plugin(const std::string& name) {
   fs::create_directories(dir);
   fs::permissions(dir, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec | fs::perms::others_read |
                            fs::perms::others_exec);
-  fs::copy_file(kPluginDir + "/cpu.json", dir / "cpu.json");
-  fs::copy_file(kPluginDir + "/libkdispatch-cpu.so", dir / "libkdispatch-cpu.so");
+  for (const char* file : {"cpu.json", "libkdispatch-cpu.so", "reference.json", "libkdispatch-reference.so"}) {
+    fs::copy_file(kPluginDir + "/" + file, dir / file);
+  }
   return dir;
 }
 

@@ -472,8 +472,9 @@ TEST_CASE("common options go before the subcommand too") {
 
 TEST_CASE("--device cuda:N names a device by ordinal; a device that is not here is skipped") {
   const ToolResult run = run_tool({"run", "layernorm.rmsnorm", "--device", "cuda:1", "--dtype", "float32"});
-  CHECK(run.exit_code == 0);
+  CHECK(run.exit_code == 4);  // the op named ran no case: nothing was checked
   CHECK(run.out.find("no cuda:1 device here") != std::string::npos);
+  CHECK(run.out.find("not run: layernorm.rmsnorm: ran no case: every kernel was skipped (above)") != std::string::npos);
   const ToolResult bad = run_tool({"run", "layernorm.rmsnorm", "--device", "cuda:x"});
   CHECK(bad.exit_code == 1);
   CHECK(bad.err.find("cuda:N") != std::string::npos);
@@ -616,8 +617,10 @@ TEST_CASE("run --all: every op and dtype on cpu checked against the reference, n
   CHECK(j.at("summary").at("skipped") == j.at("skipped").size());
   const ToolResult human = run_tool({"run", "--all", "--backend", "cpu", "--iters", "1"});
   CHECK(human.exit_code == 0);
-  CHECK(human.out.find(fmt::format("\nrun: {} passed, 0 failed, 0 unchecked, 0 skipped\n", cpu_results)) !=
+  CHECK(human.out.find(fmt::format("\nrun: {} passed, 0 failed, 0 unchecked, 0 skipped, 0 not run\n", cpu_results)) !=
         std::string::npos);
+  CHECK(j.at("not_run").empty());
+  CHECK(j.at("exit_code") == 0);
 }
 
 TEST_CASE("run: a kernel 1% wrong fails in float32, float16 and bfloat16") {
@@ -640,20 +643,33 @@ TEST_CASE("run: a kernel 1% wrong fails in float32, float16 and bfloat16") {
   CHECK(json_of(odd).at("summary").at("failed") == 3);
 }
 
-TEST_CASE("run: an op without a reference kernel is unchecked, never passed") {
+TEST_CASE("run: an op without a reference kernel is unchecked, never passed, and exits 4 unless allowed") {
   const std::string dir = std::string(KDISPATCH_BINARY_DIR) + "/tests/fixtures/plugins/fx_no_reference";
   const ToolResult r =
       run_tool({"run", "fixture.scaled", "--add-plugin-path", dir, "--iters", "1", "--json"});
   INFO("stdout: " << r.out << "\nstderr: " << r.err);
-  CHECK(r.exit_code == 0);
+  CHECK(r.exit_code == 4);
   const Json j = json_of(r);
   REQUIRE(j.at("results").size() == 1);
   CHECK(j.at("results")[0].at("status") == "unchecked");
   CHECK(j.at("results")[0].at("checked") == false);
-  CHECK(j.at("summary") == Json{{"passed", 0}, {"failed", 0}, {"unchecked", 1}, {"skipped", 0}});
+  CHECK(j.at("summary") == Json{{"passed", 0}, {"failed", 0}, {"unchecked", 1}, {"skipped", 0}, {"not_run", 0}});
+  CHECK(j.at("exit_code") == 4);
   const ToolResult human = run_tool({"run", "fixture.scaled", "--add-plugin-path", dir, "--iters", "1"});
+  CHECK(human.exit_code == 4);
   CHECK(human.out.find("unchecked: fixture.scaled: not checked: the op has no reference kernel") != std::string::npos);
-  CHECK(human.out.find("\nrun: 0 passed, 0 failed, 1 unchecked, 0 skipped\n") != std::string::npos);
+  CHECK(human.out.find("\nrun: 0 passed, 0 failed, 1 unchecked, 0 skipped, 0 not run\n"
+                       "run: exit 4: nothing failed, but not everything asked for was checked: 1 unchecked (above); "
+                       "--allow-unchecked accepts unchecked results\n") != std::string::npos);
+  const ToolResult allowed =
+      run_tool({"run", "fixture.scaled", "--add-plugin-path", dir, "--iters", "1", "--allow-unchecked"});
+  CHECK(allowed.exit_code == 0);
+  CHECK(allowed.out.find("\nrun: 0 passed, 0 failed, 1 unchecked, 0 skipped, 0 not run\n") != std::string::npos);
+  CHECK(allowed.out.find("exit 4") == std::string::npos);
+  // --no-check asks for unchecked results: it implies --allow-unchecked.
+  CHECK(run_tool({"run", "fixture.scaled", "--add-plugin-path", dir, "--iters", "1", "--no-check"}).exit_code == 0);
+  CHECK(run_tool({"bench", "fixture.scaled", "--add-plugin-path", dir}).exit_code == 4);
+  CHECK(run_tool({"bench", "fixture.scaled", "--add-plugin-path", dir, "--allow-unchecked"}).exit_code == 0);
 }
 
 TEST_CASE("inspect reports the differences of manifest and binary that the loader refuses") {
@@ -674,8 +690,10 @@ TEST_CASE("validate and doctor say which ops have no reference kernel") {
   const std::string dir = std::string(KDISPATCH_BINARY_DIR) + "/tests/fixtures/plugins/fx_no_reference";
   const ToolResult v = run_tool({"validate", dir + "/fx_no_reference.json", kManifests + "/cpu.json"});
   CHECK(v.exit_code == 0);
-  CHECK(v.out.find("fx_no_reference.json: note: op 'fixture.scaled' has no reference kernel") != std::string::npos);
-  CHECK(v.out.find("cpu.json: note") == std::string::npos);
+  CHECK(v.out.find("fx_no_reference.json: warning: KD-E014: " + dir +
+                   "/fx_no_reference.json: /kernels/0/op: op 'fixture.scaled' has no reference kernel") !=
+        std::string::npos);
+  CHECK(v.out.find("cpu.json: warning") == std::string::npos);
   const ToolResult vj = run_tool({"validate", dir + "/fx_no_reference.json", "--json"});
   CHECK(json_of(vj)["results"][0]["ops_without_reference"] == Json{"fixture.scaled"});
   const ToolResult d = run_tool({"doctor", "--add-plugin-path", dir, "--json"});

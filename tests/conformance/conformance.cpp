@@ -5,7 +5,8 @@
 // (NaN, infinities, ties, far tails, every 16-bit value), against the op's
 // reference kernel run on the same inputs, within the tolerances of the
 // op's schema. Outputs are poisoned before each call and inputs are random,
-// never all zeros. Nothing here names an op: what to run comes from the
+// never all zeros; every tensor lies between guard bytes, and a kernel that
+// writes outside one fails. Nothing here names an op: what to run comes from the
 // schemas, and the expected results from the reference backend.
 //
 //   KDISPATCH_CONFORMANCE_BACKEND=cuda kdispatch-conformance   one backend
@@ -52,12 +53,31 @@ harness::Comparison run_case(const OpSchema& schema, const OpHandle& handle, con
   const harness::CallData host = harness::make_case(schema, dtype, c, seed);
   harness::CallData data = harness::clone_to(host, b.dl, b.memory);
   std::vector<DLTensor> tensors = data.dl();
-  REQUIRE_NOTHROW(handle(tensors, data.attrs));
-  synchronize(b);
+  const std::string kernel = fmt::format("the kernel of backend '{}'", b.name);
+  {
+    harness::GuardWatch watch(kernel);
+    watch.watch(data);
+    REQUIRE_NOTHROW(handle(tensors, data.attrs));
+    synchronize(b);
+  }
   harness::download_all(data);
   harness::CallData want = harness::clone_to(host, DLDevice{kDLCPU, 0}, nullptr);
   std::vector<DLTensor> want_tensors = want.dl();
-  REQUIRE_NOTHROW(reference(want_tensors, want.attrs));
+  {
+    harness::GuardWatch watch("the reference kernel");
+    watch.watch(want);
+    REQUIRE_NOTHROW(reference(want_tensors, want.attrs));
+  }
+  // A kernel that wrote outside its tensors fails, whatever it computed.
+  try {
+    harness::check_guards(data, kernel);
+    harness::check_guards(want, "the reference kernel");
+  } catch (const harness::GuardViolation& e) {
+    harness::Comparison outside;
+    outside.ok = false;
+    outside.first_mismatch = e.what();
+    return outside;
+  }
   const std::vector<std::string> none;
   return harness::compare(schema, data, want, c.special != nullptr ? c.special->unchecked : none);
 }
@@ -67,13 +87,28 @@ void conform(const OpSchema& schema) {
   const std::string& op = schema.op;
   const KernelSpec* reference_spec = g_context->registry().reference(op);
   REQUIRE_MESSAGE(reference_spec != nullptr, "no reference kernel for " << op);
+  // Without an output every comparison would pass having compared nothing.
+  REQUIRE_MESSAGE(schema.has_output(), op << ": no tensor of its schema is \"written\" or \"inplace\": nothing to compare");
   const OpHandle reference = g_dispatch->op(op, reference_spec->backend);
   const std::vector<harness::TestCase> cases = harness::test_cases(schema);
+  // A dtype of the schema that no backend's kernel serves, on any device, is
+  // never called by anyone.
+  const std::vector<Dtype> takes = harness::call_dtypes(schema);
+  for (Dtype d : takes) {
+    bool served = false;
+    for (const KernelSpec* s : g_context->registry().get(op)) served = served || (!s->is_reference() && s->supports(d));
+    CHECK_MESSAGE(served, op << ": " << dtype_name(d) << ", a dtype of its schema, is served by no backend's kernel");
+  }
   for (const Backend& b : g_backends) {
     const KernelSpec* spec = g_context->registry().get_backend(op, b.name);
     if (spec == nullptr || spec == reference_spec) continue;
     const std::vector<Dtype> dtypes = harness::kernel_dtypes(schema, *spec);
     CHECK_MESSAGE(!dtypes.empty(), op << " on " << b.name << ": the kernel declares no dtype the schema takes");
+    for (Dtype d : spec->dtypes) {
+      CHECK_MESSAGE(std::find(takes.begin(), takes.end(), d) != takes.end(),
+                    op << " on " << b.name << ": the kernel declares " << dtype_name(d)
+                       << ", which the op's schema does not take: never checked");
+    }
     const OpHandle handle = g_dispatch->op(op, b.name);
     int runs = 0;
     for (Dtype dtype : dtypes) {
@@ -128,6 +163,9 @@ void conform_threads(const OpSchema& schema) {
     const bool inplace = std::any_of(schema.tensors.begin(), schema.tensors.end(),
                                      [](const TensorArg& t) { return t.inplace; });
     const int repeats = inplace ? 1 : 3;
+    const std::string kernel = fmt::format("the kernel of backend '{}'", b.name);
+    harness::GuardWatch watch(kernel);
+    for (auto& job : jobs) watch.watch(job->data);
     std::vector<std::thread> threads;
     for (auto& job : jobs) {
       threads.emplace_back([&handle, repeats, &job = *job] {
@@ -146,6 +184,7 @@ void conform_threads(const OpSchema& schema) {
       INFO(schema.op << " on " << b.name << " from four threads, " << harness::describe(*largest));
       REQUIRE_MESSAGE(job->ok, job->error);
       harness::download_all(job->data);
+      CHECK_NOTHROW(harness::check_guards(job->data, kernel));
       harness::CallData want = harness::clone_to(job->host, DLDevice{kDLCPU, 0}, nullptr);
       std::vector<DLTensor> want_tensors = want.dl();
       REQUIRE_NOTHROW(reference(want_tensors, want.attrs));

@@ -11,6 +11,14 @@
 #include <random>
 #include <stdexcept>
 
+#include <signal.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <mutex>
+
 
 namespace kdispatch::harness {
 
@@ -225,6 +233,8 @@ std::string shapes_str(const Shapes& shapes) {
 // --- buffers --------------------------------------------------------------------
 
 namespace {
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
 void check(kd_status status, const char* what, const char* error) {
   if (status != KD_STATUS_OK) {
     throw KernelError(ErrorCode::device_error, fmt::format("{} failed: {}", what, error[0] ? error : "no message"));
@@ -232,15 +242,36 @@ void check(kd_status status, const char* what, const char* error) {
 }
 }  // namespace
 
-Buffer::Buffer(Dtype dtype, std::vector<int64_t> shape, DLDevice device, const kd_memory_api* memory)
-    : dtype_(dtype), shape_(std::move(shape)), memory_(memory) {
-  host_.resize(tensor_bytes(dtype, shape_));
-  tensor_.data = host_.data();
+Buffer::Buffer(Dtype dtype, std::vector<int64_t> shape, DLDevice device, const kd_memory_api* memory,
+               std::string name)
+    : dtype_(dtype), shape_(std::move(shape)), name_(std::move(name)), memory_(memory) {
+  bytes_ = tensor_bytes(dtype, shape_);
+  // [PROT_NONE page][front guard][data][back guard][PROT_NONE page]; the
+  // data starts on a page, and each guard holds at least kGuardBytes.
+  page_ = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t front = round_up(kGuardBytes, page_);
+  if (bytes_ > SIZE_MAX - kGuardBytes - front - 3 * page_) throw std::bad_alloc();
+  const size_t data_and_back = round_up(bytes_ + kGuardBytes, page_);
+  mapping_bytes_ = page_ + front + data_and_back + page_;
+  void* mapping = mmap(nullptr, mapping_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mapping == MAP_FAILED) throw std::bad_alloc();
+  mapping_ = static_cast<unsigned char*>(mapping);
+  mprotect(mapping_, page_, PROT_NONE);
+  mprotect(mapping_ + mapping_bytes_ - page_, page_, PROT_NONE);
+  data_ = mapping_ + page_ + front;
+  std::memset(mapping_ + page_, kGuardByte, front);
+  std::memset(data_ + bytes_, kGuardByte, data_and_back - bytes_);
+  tensor_.data = data_;
   if (memory_ != nullptr) {
     char error[256] = "";
-    check(memory_->alloc(device.device_id, std::max<size_t>(host_.size(), 1), &device_ptr_, error, sizeof error),
-          "device allocation", error);
-    tensor_.data = device_ptr_;
+    try {
+      check(memory_->alloc(device.device_id, bytes_ + 2 * kGuardBytes, &device_ptr_, error, sizeof error),
+            "device allocation", error);
+    } catch (...) {
+      munmap(mapping_, mapping_bytes_);
+      throw;
+    }
+    tensor_.data = static_cast<unsigned char*>(device_ptr_) + kGuardBytes;
   }
   tensor_.device = device;
   tensor_.ndim = static_cast<int32_t>(shape_.size());
@@ -253,13 +284,19 @@ Buffer::Buffer(Dtype dtype, std::vector<int64_t> shape, DLDevice device, const k
 Buffer::Buffer(Buffer&& o) noexcept
     : dtype_(o.dtype_),
       shape_(std::move(o.shape_)),
-      host_(std::move(o.host_)),
+      name_(std::move(o.name_)),
+      bytes_(o.bytes_),
+      mapping_(o.mapping_),
+      mapping_bytes_(o.mapping_bytes_),
+      page_(o.page_),
+      data_(o.data_),
       device_ptr_(o.device_ptr_),
       memory_(o.memory_),
       tensor_(o.tensor_) {
+  o.mapping_ = nullptr;
+  o.data_ = nullptr;
   o.device_ptr_ = nullptr;
   tensor_.shape = shape_.data();
-  if (memory_ == nullptr) tensor_.data = host_.data();
 }
 
 Buffer::~Buffer() {
@@ -267,22 +304,46 @@ Buffer::~Buffer() {
     char error[256] = "";
     memory_->free(tensor_.device.device_id, device_ptr_, error, sizeof error);
   }
+  if (mapping_ != nullptr) munmap(mapping_, mapping_bytes_);
 }
 
 void Buffer::upload() {
-  if (memory_ == nullptr || host_.empty()) return;
+  if (memory_ == nullptr) return;
   char error[256] = "";
-  check(memory_->copy(tensor_.device.device_id, device_ptr_, host_.data(), host_.size(), KD_COPY_HOST_TO_DEVICE, error,
-                      sizeof error),
+  check(memory_->copy(tensor_.device.device_id, device_ptr_, data_ - kGuardBytes, bytes_ + 2 * kGuardBytes,
+                      KD_COPY_HOST_TO_DEVICE, error, sizeof error),
         "copy to device", error);
 }
 
 void Buffer::download() {
-  if (memory_ == nullptr || host_.empty()) return;
+  if (memory_ == nullptr) return;
   char error[256] = "";
-  check(memory_->copy(tensor_.device.device_id, host_.data(), device_ptr_, host_.size(), KD_COPY_DEVICE_TO_HOST, error,
-                      sizeof error),
+  check(memory_->copy(tensor_.device.device_id, data_ - kGuardBytes, device_ptr_, bytes_ + 2 * kGuardBytes,
+                      KD_COPY_DEVICE_TO_HOST, error, sizeof error),
         "copy from device", error);
+}
+
+std::optional<Buffer::Damage> Buffer::guard_damage() const {
+  std::optional<Damage> damage;
+  const auto note = [&](int64_t offset) {
+    if (!damage) damage = Damage{offset, offset};
+    damage->last = offset;
+  };
+  const unsigned char* front = mapping_ + page_;
+  for (const unsigned char* p = front; p < data_; ++p) {
+    if (*p != kGuardByte) note(p - data_);
+  }
+  const unsigned char* end = mapping_ + mapping_bytes_ - page_;
+  for (const unsigned char* p = data_ + bytes_; p < end; ++p) {
+    if (*p != kGuardByte) note(p - data_);
+  }
+  return damage;
+}
+
+std::vector<Buffer::Span> Buffer::guard_pages() const {
+  if (memory_ != nullptr || mapping_ == nullptr) return {};
+  const auto base = reinterpret_cast<uintptr_t>(mapping_);
+  return {Span{base, base + page_}, Span{base + mapping_bytes_ - page_, base + mapping_bytes_}};
 }
 
 std::vector<DLTensor> CallData::dl() const {
@@ -330,7 +391,7 @@ CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, ui
   std::uniform_real_distribution<double> uniform(-2.0, 2.0);
   for (const TensorArg& arg : schema.tensors) {
     const Dtype d = arg_dtype(schema, arg, dtype);
-    Buffer b(d, tensor_shape(arg, shapes), DLDevice{kDLCPU, 0}, nullptr);
+    Buffer b(d, tensor_shape(arg, shapes), DLDevice{kDLCPU, 0}, nullptr, arg.name);
     const size_t n = b.numel();
     const bool is_float = d == Dtype::float32 || d == Dtype::float16 || d == Dtype::bfloat16 || d == Dtype::float64;
     if (arg.written && !arg.inplace) {
@@ -366,7 +427,7 @@ CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, ui
 CallData clone_to(const CallData& src, DLDevice device, const kd_memory_api* memory) {
   CallData out{{}, src.attrs, src.dtype, src.shapes};
   for (const Buffer& b : src.tensors) {
-    Buffer copy(b.dtype(), b.shape(), device, memory);
+    Buffer copy(b.dtype(), b.shape(), device, memory, b.name());
     std::memcpy(copy.host(), b.host(), b.bytes());
     copy.upload();
     out.tensors.push_back(std::move(copy));
@@ -378,18 +439,151 @@ void download_all(CallData& data) {
   for (auto& b : data.tensors) b.download();
 }
 
+// --- guards ---------------------------------------------------------------------
+
+void check_guards(const CallData& data, const std::string& kernel) {
+  for (const Buffer& b : data.tensors) {
+    const std::optional<Buffer::Damage> damage = b.guard_damage();
+    if (!damage) continue;
+    const auto bytes = static_cast<int64_t>(b.bytes());
+    const char* where = damage->first >= bytes ? "past its end"
+                        : damage->last < 0     ? "before its start"
+                                               : "before its start and past its end";
+    throw GuardViolation(fmt::format(
+        "{} wrote outside tensor '{}' ({} bytes): the guard bytes at offsets {} to {} from its start, {}, changed",
+        kernel, b.name(), bytes, damage->first, damage->last, where));
+  }
+}
+
+namespace {
+
+// The guard pages being watched, read by the SIGSEGV handler: fixed slots
+// of plain data, published by `state` (0 free, 1 taken, 2 watched), so the
+// handler reads no lock and allocates nothing.
+struct GuardSlot {
+  std::atomic<int> state{0};
+  uintptr_t pages[2][2] = {};  // two [begin, end) spans
+  uintptr_t data = 0;
+  size_t bytes = 0;
+  char kernel[192] = {};
+  char tensor[64] = {};
+};
+constexpr size_t kGuardSlots = 1024;
+GuardSlot g_guard_slots[kGuardSlots];
+struct sigaction g_previous_segv{};
+
+// write(2) of a NUL-terminated string, in a signal handler.
+void write_text(const char* text) {
+  size_t n = std::strlen(text);
+  while (n > 0) {
+    const ssize_t w = write(2, text, n);
+    if (w <= 0) return;
+    text += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+void write_number(int64_t v) {
+  char digits[24];
+  char* p = digits + sizeof digits;
+  *--p = '\0';
+  const bool negative = v < 0;
+  uint64_t u = negative ? 0 - static_cast<uint64_t>(v) : static_cast<uint64_t>(v);
+  do {
+    *--p = static_cast<char>('0' + u % 10);
+    u /= 10;
+  } while (u != 0);
+  if (negative) *--p = '-';
+  write_text(p);
+}
+
+void on_guard_fault(int signal, siginfo_t* info, void* context) {
+  const auto address = reinterpret_cast<uintptr_t>(info->si_addr);
+  for (const GuardSlot& slot : g_guard_slots) {
+    if (slot.state.load(std::memory_order_acquire) != 2) continue;
+    bool hit = false;
+    for (const auto& span : slot.pages) hit = hit || (address >= span[0] && address < span[1]);
+    if (!hit) continue;
+    const char* access = "touched";
+#if defined(__x86_64__)
+    // Bit 1 of the page-fault error code: a write.
+    access = (static_cast<ucontext_t*>(context)->uc_mcontext.gregs[REG_ERR] & 2) != 0 ? "wrote" : "read";
+#else
+    (void)context;
+#endif
+    write_text("kdispatch: ");
+    write_text(slot.kernel);
+    write_text(" ");
+    write_text(access);
+    write_text(" outside tensor '");
+    write_text(slot.tensor);
+    write_text("' (");
+    write_number(static_cast<int64_t>(slot.bytes));
+    write_text(" bytes), beyond its guard bytes: at byte offset ");
+    write_number(static_cast<int64_t>(address - slot.data));
+    write_text(" from its start, a guard page; stopping (exit ");
+    write_number(kGuardFaultExit);
+    write_text(")\n");
+    _exit(kGuardFaultExit);
+  }
+  // Not a guard page: the fault the process would have had.
+  sigaction(signal, &g_previous_segv, nullptr);
+}
+
+void install_guard_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction action {};
+    action.sa_sigaction = on_guard_fault;
+    action.sa_flags = SA_SIGINFO;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGSEGV, &action, &g_previous_segv);
+  });
+}
+
+void copy_text(char* to, size_t capacity, const std::string& text) {
+  const size_t n = std::min(text.size(), capacity - 1);
+  std::memcpy(to, text.data(), n);
+  to[n] = '\0';
+}
+
+}  // namespace
+
+GuardWatch& GuardWatch::watch(const Buffer& buffer) {
+  const std::vector<Buffer::Span> pages = buffer.guard_pages();
+  if (pages.size() != 2) return *this;
+  install_guard_handler();
+  for (size_t i = 0; i < kGuardSlots; ++i) {
+    GuardSlot& slot = g_guard_slots[i];
+    int free = 0;
+    if (!slot.state.compare_exchange_strong(free, 1, std::memory_order_acq_rel)) continue;
+    for (size_t p = 0; p < 2; ++p) {
+      slot.pages[p][0] = pages[p].begin;
+      slot.pages[p][1] = pages[p].end;
+    }
+    slot.data = reinterpret_cast<uintptr_t>(buffer.host());
+    slot.bytes = buffer.bytes();
+    copy_text(slot.kernel, sizeof slot.kernel, kernel_);
+    copy_text(slot.tensor, sizeof slot.tensor, buffer.name());
+    slot.state.store(2, std::memory_order_release);
+    slots_.push_back(i);
+    return *this;
+  }
+  return *this;  // every slot taken: the guard bytes still catch a near overrun
+}
+
+GuardWatch& GuardWatch::watch(const CallData& data) {
+  for (const Buffer& b : data.tensors) watch(b);
+  return *this;
+}
+
+GuardWatch::~GuardWatch() {
+  for (size_t i : slots_) g_guard_slots[i].state.store(0, std::memory_order_release);
+}
+
 // --- cases ----------------------------------------------------------------------
 
-std::vector<Dtype> call_dtypes(const OpSchema& schema) {
-  if (!schema.dtype_vars.empty()) {
-    for (const auto& t : schema.tensors) {
-      if (auto it = schema.dtype_vars.find(t.dtype); it != schema.dtype_vars.end()) return it->second;
-    }
-  } else if (!schema.tensors.empty()) {
-    if (auto d = parse_dtype(schema.tensors[0].dtype)) return {*d};
-  }
-  return {};
-}
+std::vector<Dtype> call_dtypes(const OpSchema& schema) { return schema.call_dtypes(); }
 
 std::vector<Dtype> kernel_dtypes(const OpSchema& schema, const KernelSpec& spec) {
   std::vector<Dtype> out;

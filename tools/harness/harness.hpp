@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -50,10 +51,22 @@ size_t tensor_bytes(Dtype dtype, const std::vector<int64_t>& shape);
 size_t call_bytes(const OpSchema& schema, Dtype dtype, const Shapes& shapes);
 
 // --- buffers --------------------------------------------------------------------
-// One tensor: always a host copy; a device copy when `memory` is given.
+// One tensor: always a host copy; a device copy when `memory` is given. Its
+// data lies between guard regions of kGuardByte, at least kGuardBytes before
+// and after it, on the host and on the device, so that a kernel writing
+// outside the tensor (a schema's output smaller than what the kernel writes)
+// is found by guard_damage() instead of corrupting other memory. On the host
+// the data and guards are a mapping of their own, with a PROT_NONE page
+// before and after them: an access further out faults there, and a
+// GuardWatch reports that fault.
 class Buffer {
  public:
-  Buffer(Dtype dtype, std::vector<int64_t> shape, DLDevice device, const kd_memory_api* memory);
+  static constexpr size_t kGuardBytes = 4096;
+  static constexpr unsigned char kGuardByte = 0xa5;
+
+  // `name` (the schema's name of the tensor) is what guard reports call it.
+  Buffer(Dtype dtype, std::vector<int64_t> shape, DLDevice device, const kd_memory_api* memory,
+         std::string name = {});
   ~Buffer();
   Buffer(Buffer&&) noexcept;
   Buffer& operator=(Buffer&&) = delete;
@@ -61,21 +74,43 @@ class Buffer {
 
   DLTensor& dl() { return tensor_; }
   const DLTensor& dl() const { return tensor_; }
-  void* host() { return host_.data(); }
-  const void* host() const { return host_.data(); }
-  size_t bytes() const { return host_.size(); }
+  void* host() { return data_; }
+  const void* host() const { return data_; }
+  size_t bytes() const { return bytes_; }
   size_t numel() const { return bytes() / dtype_size(dtype_); }
   Dtype dtype() const { return dtype_; }
   const std::vector<int64_t>& shape() const { return shape_; }
+  const std::string& name() const { return name_; }
   double at(size_t i) const { return load(host(), dtype_, i); }
-  void upload();    // host -> device (no-op for host tensors)
-  void download();  // device -> host
+  void upload();    // host -> device, guards included (no-op for host tensors)
+  void download();  // device -> host, guards included
+
+  // Changed bytes of the guards of the host copy (download() a device
+  // tensor first): offsets of the first and last from the data's start,
+  // negative before it.
+  struct Damage {
+    int64_t first = 0;
+    int64_t last = 0;
+  };
+  std::optional<Damage> guard_damage() const;
+
+  // The host mapping's PROT_NONE pages, [begin, end) each; empty for a
+  // device tensor, whose host copy no kernel touches.
+  struct Span {
+    uintptr_t begin = 0, end = 0;
+  };
+  std::vector<Span> guard_pages() const;
 
  private:
   Dtype dtype_;
   std::vector<int64_t> shape_;
-  std::vector<unsigned char> host_;
-  void* device_ptr_ = nullptr;
+  std::string name_;
+  size_t bytes_ = 0;
+  unsigned char* mapping_ = nullptr;  // the host mapping: page, front guard, data, back guard, page
+  size_t mapping_bytes_ = 0;
+  size_t page_ = 0;
+  unsigned char* data_ = nullptr;  // in the mapping
+  void* device_ptr_ = nullptr;     // the device allocation: kGuardBytes, the data, kGuardBytes
   const kd_memory_api* memory_ = nullptr;
   DLTensor tensor_{};
 };
@@ -99,6 +134,39 @@ CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, ui
 // The same values on another device (for checking one backend against another).
 CallData clone_to(const CallData& data, DLDevice device, const kd_memory_api* memory);
 void download_all(CallData& data);
+
+// --- guards ---------------------------------------------------------------------
+
+// A kernel wrote outside a tensor of its call.
+class GuardViolation : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+// Throws GuardViolation naming `kernel`, the first tensor of `data` whose
+// guards changed, and the offsets changed, from its data's start. The host
+// copies are checked: download_all() a device call first.
+void check_guards(const CallData& data, const std::string& kernel);
+
+// While it lives, a fault in a guard page of the host tensors it watches
+// (an access far outside a tensor, past its guard region) prints
+// "kdispatch: <kernel> ... tensor '<name>' ... at byte offset N ..." on
+// stderr and ends the process with exit status kGuardFaultExit, instead of
+// a crash that says nothing. Any other fault keeps its default action.
+// Several may live at once, on several threads.
+inline constexpr int kGuardFaultExit = 3;  // the tool's exit status for a kernel failure
+class GuardWatch {
+ public:
+  explicit GuardWatch(std::string kernel) : kernel_(std::move(kernel)) {}
+  ~GuardWatch();
+  GuardWatch(const GuardWatch&) = delete;
+  GuardWatch& operator=(const GuardWatch&) = delete;
+  GuardWatch& watch(const Buffer& buffer);
+  GuardWatch& watch(const CallData& data);
+
+ private:
+  std::string kernel_;
+  std::vector<size_t> slots_;
+};
 
 // --- cases ----------------------------------------------------------------------
 

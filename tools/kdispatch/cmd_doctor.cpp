@@ -1,6 +1,7 @@
 // kdispatch doctor: the search path, every plugin found, whether it loads,
 // its ABI and the devices its probe reports, every problem with its code,
-// and the ops that have no reference kernel.
+// what the plugins together leave unchecked, library files no manifest
+// names, and the ops that have no reference kernel.
 // Unlike list and select, doctor opens each plugin: that is what it checks.
 #include <fmt/format.h>
 
@@ -20,7 +21,9 @@ Runner add_doctor(CLI::App& app) {
       "doctor", "Diagnose plugin discovery and loading: what was found, what loads, why anything does not");
   add_common_options(*cmd, options->common);
   cmd->add_flag("--no-load", options->no_load, "Check manifests and files only; open no plugin library");
-  cmd->footer("Exit code 2 when any plugin has an error. KDISPATCH_LOG=debug shows every step.");
+  cmd->footer(
+      "Exit code 2 when any plugin has an error; warnings (an op left unchecked, KD-E014; a library no manifest\n"
+      "names, KD-E028) leave it 0. KDISPATCH_LOG=debug shows every step.");
 
   return [options]() -> int {
     Context& ctx = make_context(options->common);
@@ -79,14 +82,25 @@ Runner add_doctor(CLI::App& app) {
                    q["message"].get<std::string>());
       }
     }
+    if (!report.coverage.empty()) {
+      fmt::print("\nwhat the plugins leave unchecked, and libraries no manifest names:\n");
+      for (const Problem& q : report.coverage) fmt::print("  warning {}: {}\n", code_string(q.code), q.message);
+    }
     if (without_reference.empty()) {
       fmt::print("\nevery op has a reference kernel\n");
     } else {
       fmt::print("\nops without a reference kernel (run and bench report them unchecked): {}\n",
                  fmt::join(without_reference, ", "));
     }
-    fmt::print("\n{}\n", any_error ? "problems found (kdispatch explain KD-Ennn says how to fix each)"
-                                   : "no problems found");
+    const size_t warnings = report.warnings();
+    if (any_error) {
+      fmt::print("\nproblems found (kdispatch explain KD-Ennn says how to fix each)\n");
+    } else if (warnings > 0) {
+      fmt::print("\nno errors, {} warning{} (kdispatch explain KD-Ennn says how to fix each)\n", warnings,
+                 warnings == 1 ? "" : "s");
+    } else {
+      fmt::print("\nno problems found\n");
+    }
     return any_error ? kDispatchError : kOk;
   };
 }

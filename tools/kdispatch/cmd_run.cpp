@@ -11,7 +11,7 @@ namespace kdispatch::cli {
 namespace {
 
 struct Counts {
-  size_t passed = 0, failed = 0, unchecked = 0, skipped = 0;
+  size_t passed = 0, failed = 0, unchecked = 0, skipped = 0, not_run = 0;
 };
 
 Counts count(const Sweep& sweep) {
@@ -21,6 +21,7 @@ Counts count(const Sweep& sweep) {
     (status == "passed" ? c.passed : status == "failed" ? c.failed : c.unchecked)++;
   }
   c.skipped = sweep.skipped.size();
+  c.not_run = sweep.not_run.size();
   return c;
 }
 
@@ -49,13 +50,22 @@ Json results_json(const Sweep& sweep) {
   }
   Json skipped = Json::array();
   for (const auto& s : sweep.skipped) skipped.push_back({{"op", s.op}, {"backend", s.backend}, {"reason", s.reason}});
+  Json not_run = Json::array();
+  for (const auto& g : sweep.not_run) not_run.push_back({{"op", g.op}, {"backend", g.backend}, {"reason", g.reason}});
   Json caches = Json::object();
   for (const auto& [device, cache] : sweep.caches) caches[device] = {{"bytes", cache.bytes}, {"source", cache.source}};
   const Counts c = count(sweep);
   return Json{{"results", results},
               {"skipped", skipped},
+              {"not_run", not_run},
               {"caches", caches},
-              {"summary", {{"passed", c.passed}, {"failed", c.failed}, {"unchecked", c.unchecked}, {"skipped", c.skipped}}}};
+              {"summary",
+               {{"passed", c.passed},
+                {"failed", c.failed},
+                {"unchecked", c.unchecked},
+                {"skipped", c.skipped},
+                {"not_run", c.not_run}}},
+              {"exit_code", sweep.exit_code}};
 }
 
 // --iters' check: an error message, or empty.
@@ -106,9 +116,21 @@ void print_sweep(const Sweep& sweep, bool bench) {
     if (result_status(r) == "unchecked") unchecked_ops.insert(fmt::format("{}: {}", r.op, r.checked_against));
   }
   for (const auto& u : unchecked_ops) fmt::print("unchecked: {}\n", u);
+  for (const auto& g : sweep.not_run) {
+    fmt::print("not run: {}{}: {}\n", g.op, g.backend == "-" ? "" : fmt::format(" on {}", g.backend), g.reason);
+  }
   const Counts c = count(sweep);
-  fmt::print("\n{}: {} passed, {} failed, {} unchecked, {} skipped\n", bench ? "bench" : "run", c.passed, c.failed,
-             c.unchecked, c.skipped);
+  const std::string_view tool = bench ? "bench" : "run";
+  fmt::print("\n{}: {} passed, {} failed, {} unchecked, {} skipped, {} not run\n", tool, c.passed, c.failed,
+             c.unchecked, c.skipped, c.not_run);
+  if (sweep.exit_code == kUnchecked) {
+    std::vector<std::string> what;
+    if (c.unchecked > 0 && !sweep.unchecked_allowed) what.push_back(fmt::format("{} unchecked", c.unchecked));
+    if (c.not_run > 0) what.push_back(fmt::format("{} not run", c.not_run));
+    fmt::print("{}: exit {}: nothing failed, but not everything asked for was checked: {} (above){}\n", tool,
+               static_cast<int>(kUnchecked), fmt::join(what, ", "),
+               c.unchecked > 0 && !sweep.unchecked_allowed ? "; --allow-unchecked accepts unchecked results" : "");
+  }
 }
 
 int print_sweep_result(const Sweep& sweep, bool json, bool bench) {
@@ -146,7 +168,9 @@ Runner add_run(CLI::App& app) {
   cmd->add_option("--iters", options->sweep.iters, "Timed calls per result, at least 1 (default 10)")
       ->type_name("N")
       ->check(CLI::Validator(at_least_one, ""));
-  cmd->add_flag("--no-check", options->no_check, "Do not check results");
+  cmd->add_flag("--no-check", options->no_check, "Do not check results (implies --allow-unchecked)");
+  cmd->add_flag("--allow-unchecked", options->sweep.allow_unchecked,
+                "Exit 0 although results were not compared with anything (no reference kernel, no written tensor)");
   cmd->add_option("--save", options->sweep.save_dir,
                   "Write every tensor as .npy (DIR/<op>.<backend>.<dtype>.<arg>.{in,out}.npy) and the attributes as "
                   "DIR/<op>.<backend>.<dtype>.attrs.json")
@@ -154,8 +178,13 @@ Runner add_run(CLI::App& app) {
   add_common_options(*cmd, options->common);
   cmd->footer(
       "Checks every result against the op's reference kernel (role \"reference\") within the tolerances of the op's\n"
-      "schema; an op without a reference is reported unchecked, never passed.\n"
-      "Exit code 3 when a result does not match or a kernel fails.\n"
+      "schema; a result compared with nothing (the op has no reference, or its schema marks no tensor written) is\n"
+      "reported unchecked, never passed. \"not run\" lists what was asked for and never ran, whatever the devices\n"
+      "here: an op named that ran no case, schema dtypes no kernel serves, kernel dtypes the schema does not take,\n"
+      "and (--all) ops with kernels and no schema.\n"
+      "Exit code: 0 every result passed; 2 a dispatch, manifest or file error; 3 a result does not match or a kernel\n"
+      "fails; 4 nothing failed but not everything was checked (an unchecked result,\n"
+      "unless --allow-unchecked, or anything not run).\n"
       "Example: kdispatch run --all; kdispatch run layernorm.rmsnorm --dtype bfloat16 --shape H=8192");
 
   return [options]() -> int {
@@ -189,6 +218,8 @@ Runner add_bench(CLI::App& app) {
   cmd->add_option("--attr", options->sweep.attr_overrides,
                   "An attribute's value, typed by the op schema, e.g. renormalize=true (repeatable)")
       ->type_name("NAME=VALUE");
+  cmd->add_flag("--allow-unchecked", options->sweep.allow_unchecked,
+                "Exit 0 although results were not compared with anything (no reference kernel, no written tensor)");
   add_common_options(*cmd, options->common);
   cmd->footer(
       "Each result is the median time per call over >= 0.3 s of calls; GB/s counts every byte read and written.\n"
@@ -199,7 +230,8 @@ Runner add_bench(CLI::App& app) {
       "(sysfs, else sysconf, else 32 MiB); a GPU's is taken as 60 MB (an H200's 50 MiB L2 rounded up: the\n"
       "plugins report no cache size). At the schemas' \"bench\" sizes one set is usually enough; a SETS\n"
       "figure marked * was capped before the copies reached 3x the cache (small calls).\n"
-      "Results are checked as in `run`; exit code 3 when one does not match or a kernel fails.\n"
+      "Results are checked as in `run`, with the same exit codes: 3 when one does not match or a kernel fails, 4\n"
+      "when nothing failed but not everything was checked.\n"
       "Example: kdispatch bench moe.topk_softmax --dtype bfloat16 --shape '*=65536' --shape E=256");
 
   return [options]() -> int {

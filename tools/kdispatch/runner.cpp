@@ -16,6 +16,7 @@
 #include "json_text.hpp"
 #include "save_files.hpp"
 #include "kdispatch/dispatcher.hpp"
+#include "kdispatch/selector.hpp"
 
 namespace kdispatch::cli {
 
@@ -240,7 +241,7 @@ InputSets make_input_sets(const OpSchema& schema, const harness::CallData& host,
       const TensorArg& a = schema.tensors[i];
       if (a.written && !a.inplace) continue;
       const harness::Buffer& b = host.tensors[i];
-      harness::Buffer copy(b.dtype(), b.shape(), target.dl, target.memory);
+      harness::Buffer copy(b.dtype(), b.shape(), target.dl, target.memory, b.name());
       std::memcpy(copy.host(), b.host(), b.bytes());
       copy.upload();
       out.buffers.push_back(std::move(copy));
@@ -340,11 +341,31 @@ std::string_view result_status(const SweepResult& r) {
 
 Sweep run_sweep(Context& ctx, const SweepOptions& options) {
   Sweep sweep;
+  sweep.unchecked_allowed = options.allow_unchecked || !options.check;
   Dispatcher dispatch(ctx);
   std::vector<std::string> ops = options.ops;
+  std::vector<std::string> schema_ops;
+  for (const OpSchema* s : ctx.registry().schemas()) schema_ops.push_back(s->op);
+  // Ops with kernels and no schema: nothing can make their inputs. A typo
+  // in a manifest's op id is the usual cause.
+  std::vector<std::string> ops_without_schema;
+  for (const std::string& op : ctx.registry().ops()) {
+    if (ctx.registry().schema(op) == nullptr) ops_without_schema.push_back(op);
+  }
   if (ops.empty()) {
     for (const OpSchema* s : ctx.registry().schemas()) {
       if (ctx.registry().has(s->op)) ops.push_back(s->op);
+    }
+    for (const std::string& op : ops_without_schema) {
+      std::vector<std::string> backends;
+      for (const KernelSpec* s : ctx.registry().get(op)) {
+        if (options.backend.empty() || s->backend == options.backend) backends.push_back(s->backend);
+      }
+      if (backends.empty()) continue;
+      const std::vector<std::string> near = closest_ops(op, schema_ops, 1);
+      sweep.not_run.push_back({op, fmt::format("{}", fmt::join(backends, ",")),
+                               fmt::format("has kernels but no op schema{}: nothing can make its inputs",
+                                           near.empty() ? "" : fmt::format(" (did you mean '{}'?)", near.front()))});
     }
   }
   check_dtype_flag(options.dtype, nullptr);
@@ -382,6 +403,7 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
   };
 
   for (const std::string& op : ops) {
+    const size_t results_before = sweep.results.size();
     // With --all, an op that cannot be run at all (its schema is past what
     // the checker handles, its example sizes cannot be allocated, ...) is
     // reported and the sweep goes on; an op named on the command line stops
@@ -413,8 +435,47 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
       // it would only be compared with itself.
       const KernelSpec* reference = ctx.registry().reference(op);
 
+      // The kernels asked for, whatever the devices here: the named
+      // backend's, else every one but the reference. A dtype of the schema
+      // that none of them serves never runs.
+      std::vector<const KernelSpec*> asked;
+      for (const KernelSpec* s : specs) {
+        if (!s->is_reference() || !options.backend.empty()) asked.push_back(s);
+      }
+      const std::vector<Dtype> takes = harness::call_dtypes(schema);
+      if (!asked.empty()) {
+        std::vector<Dtype> unserved;
+        for (Dtype d : takes) {
+          if (!options.dtype.empty() && dtype_name(d) != options.dtype) continue;
+          if (std::none_of(asked.begin(), asked.end(), [&](const KernelSpec* s) { return s->supports(d); })) {
+            unserved.push_back(d);
+          }
+        }
+        if (!unserved.empty()) {
+          sweep.not_run.push_back(
+              {op, options.backend.empty() ? "-" : options.backend,
+               fmt::format("{}, {} of its schema, {} serves (none lists {} in its manifest's \"dtypes\"): never run",
+                           dtype_list(unserved), unserved.size() == 1 ? "a dtype" : "dtypes",
+                           options.backend.empty() ? "no backend's kernel" : "its kernel",
+                           unserved.size() == 1 ? "it" : "them")});
+        }
+      } else if (options.ops.empty()) {
+        sweep.not_run.push_back({op, "-", "no backend but its reference implements it: never run"});
+      }
+
       for (const KernelSpec* spec : specs) {
         if (spec->is_reference() && options.backend.empty()) continue;
+        std::vector<Dtype> outside;
+        for (Dtype d : spec->dtypes) {
+          const bool wanted = options.dtype.empty() || dtype_name(d) == options.dtype;
+          if (wanted && std::find(takes.begin(), takes.end(), d) == takes.end()) outside.push_back(d);
+        }
+        if (!outside.empty()) {
+          sweep.not_run.push_back({op, spec->backend,
+                                   fmt::format("its kernel declares {}, which the op's schema does not take ({}): "
+                                               "never run",
+                                               dtype_list(outside), dtype_list(takes))});
+        }
         const PluginBinary* binary = nullptr;
         try {
           binary = &ctx.load_plugin(spec->plugin);
@@ -466,14 +527,25 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
               std::vector<DLTensor> tensors = data.dl();
               // The kernel first: where it refuses the arguments (K > E, say),
               // its message is the result's, and no reference is computed.
-              backend_handle(tensors, data.attrs);
-              synchronize(target);
+              // One that writes outside a tensor fails the result.
+              const std::string kernel = fmt::format("kernel '{}' of backend '{}'", spec->symbol, spec->backend);
+              {
+                harness::GuardWatch watch(kernel);
+                watch.watch(data);
+                backend_handle(tensors, data.attrs);
+                synchronize(target);
+              }
               harness::download_all(data);
+              harness::check_guards(data, kernel);
               // Expected outputs: the op's reference kernel on the same
               // inputs, on the host.
               if (!options.check) {
                 r.ok = true;
                 r.checked_against = "not checked: --no-check";
+              } else if (!schema.has_output()) {
+                r.ok = true;
+                r.checked_against =
+                    "not checked: no tensor of the op's schema is \"written\" or \"inplace\": nothing to compare";
               } else if (reference == nullptr) {
                 r.ok = true;
                 r.checked_against = "not checked: the op has no reference kernel";
@@ -483,13 +555,18 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
               } else {
                 harness::CallData ref = harness::clone_to(host, DLDevice{kDLCPU, 0}, nullptr);
                 std::vector<DLTensor> t = ref.dl();
+                const std::string reference_kernel =
+                    fmt::format("the reference kernel '{}' of backend '{}'", reference->symbol, reference->backend);
                 try {
+                  harness::GuardWatch watch(reference_kernel);
+                  watch.watch(ref);
                   dispatch.op(op, reference->backend)(t, ref.attrs);
                 } catch (const Error& e) {
                   throw KernelError(ErrorCode::kernel_failed,
                                     fmt::format("the reference ('{}') failed: [{}] {}", reference->backend,
                                                 e.code_string(), e.message()));
                 }
+                harness::check_guards(ref, reference_kernel);
                 const harness::Comparison c = harness::compare(schema, data, ref);
                 r.checked = true;
                 r.checked_against = fmt::format("reference ({})", reference->backend);
@@ -532,6 +609,9 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
               std::vector<double> samples;
               size_t next = 0;
               const auto deadline = Clock::now() + std::chrono::duration<double>(options.min_seconds);
+              harness::GuardWatch watch(kernel);
+              watch.watch(data);
+              for (const harness::Buffer& b : rotation.buffers) watch.watch(b);
               do {
                 const auto start = Clock::now();
                 for (int i = 0; i < iters; ++i) {
@@ -544,6 +624,12 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
               std::sort(samples.begin(), samples.end());
               r.us_per_call = samples[samples.size() / 2] * 1e6;
               r.gb_per_s = static_cast<double>(data.bytes_moved(schema)) / (r.us_per_call * 1e3);
+              // The timed calls wrote the host tensors in place: their guards
+              // are checked again (a device's would need another download).
+              if (target.memory == nullptr) harness::check_guards(data, kernel);
+            } catch (const harness::GuardViolation& e) {
+              r.ok = false;
+              r.error = e.what();
             } catch (const KernelError& e) {
               r.ok = false;
               r.error = fmt::format("[{}] {}", e.code_string(), e.message());
@@ -574,6 +660,29 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
       if (!options.ops.empty()) throw;
       sweep.skipped.push_back({op, "-", "not enough memory for its example sizes"});
     }
+    if (!options.ops.empty() && sweep.results.size() == results_before) {
+      std::string why;
+      const std::vector<const KernelSpec*> kernels = ctx.registry().get(op);
+      if (kernels.empty()) {
+        const std::vector<std::string> near = closest_ops(op, ops_without_schema, 1);
+        why = near.empty() ? "no kernel implements it"
+                           : fmt::format("no kernel implements it; kernels are registered for '{}', which has no op "
+                                         "schema: a typo in their manifest's op id?",
+                                         near.front());
+      } else if (options.backend.empty() && std::all_of(kernels.begin(), kernels.end(), [](const KernelSpec* s) {
+                   return s->is_reference();
+                 })) {
+        why = "no backend but its reference implements it";
+      } else {
+        why = "every kernel was skipped (above)";
+      }
+      sweep.not_run.push_back({op, options.backend.empty() ? "-" : options.backend, "ran no case: " + why});
+    }
+  }
+  const bool unchecked = std::any_of(sweep.results.begin(), sweep.results.end(),
+                                     [](const SweepResult& r) { return result_status(r) == "unchecked"; });
+  if (sweep.exit_code == kOk && (!sweep.not_run.empty() || (unchecked && !sweep.unchecked_allowed))) {
+    sweep.exit_code = kUnchecked;
   }
   return sweep;
 }

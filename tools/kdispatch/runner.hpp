@@ -27,6 +27,9 @@ struct SweepOptions {
   // the outputs, exceed the device's last-level cache (input_sets_for()).
   bool rotate_inputs = false;
   bool check = true;
+  // Unchecked results (no reference, nothing to compare) leave the exit
+  // code 0 rather than kUnchecked. --no-check implies it.
+  bool allow_unchecked = false;
   std::string save_dir;
   bool json = false;
   bool progress = true;
@@ -56,13 +59,27 @@ struct SweepSkip {
   std::string op, backend, reason;
 };
 
+// Something the sweep was asked to check that never ran, whatever the
+// devices here: an op named that ran no case, a dtype of an op's schema that
+// no kernel serves, a dtype a kernel declares that the schema does not take,
+// an op with kernels and no schema. Each makes the exit code kUnchecked.
+struct SweepGap {
+  std::string op, backend;  // backend "-": the op as a whole
+  std::string reason;
+};
+
 // "passed", "failed" or "unchecked".
 std::string_view result_status(const SweepResult& r);
 
 struct Sweep {
   std::vector<SweepResult> results;
   std::vector<SweepSkip> skipped;
+  std::vector<SweepGap> not_run;
   std::map<std::string, CacheSize> caches;  // by SweepResult::device, where inputs were rotated
+  bool unchecked_allowed = false;  // SweepOptions::allow_unchecked, or --no-check
+  // kDispatchError or kKernelFailure where something failed; else
+  // kUnchecked where something was not checked (not_run, or an unchecked
+  // result without allow_unchecked); else kOk.
   int exit_code = kOk;
 };
 

@@ -1,7 +1,8 @@
 // The report of `kdispatch doctor` and kdispatch.doctor(): where plugins
 // were looked for, every plugin found, whether it loads (its version, ABI
-// and the devices its probe reports), every problem with its code, and the
-// ops no reference kernel can check. Made here once; the tool prints it as
+// and the devices its probe reports), every problem with its code, what the
+// plugins together leave unchecked (coverage.hpp), and the ops no reference
+// kernel can check. Made here once; the tool prints it as
 // text or JSON and the Python module returns it as dicts, with the same
 // fields.
 #pragma once
@@ -33,14 +34,18 @@ struct PluginReport {
 struct DoctorReport {
   std::vector<SearchDir> search_path;
   std::vector<PluginReport> plugins;  // in discovery order
-  // The search path's own problems, then every plugin's.
+  // The search path's own problems, then every plugin's, then `coverage`.
   std::vector<Problem> problems;
+  // Warnings on what the plugins found leave unchecked (KD-E014) and on
+  // libraries no manifest names (KD-E028): check_plugins().
+  std::vector<Problem> coverage;
   // Ops that have kernels but no reference: run and bench report them
   // unchecked, and the conformance suite cannot check them.
   std::vector<std::string> ops_without_reference;
   // The verdict: a plugin in error, a problem that is not a warning, or a
   // search-path problem.
   bool any_error = false;
+  size_t warnings() const;  // problems that are warnings
 };
 
 // The report on `context`'s plugins. With `open_plugins`, every plugin found

@@ -24,6 +24,7 @@ enum class ErrorCode : int {
   manifest_bad_field = 11,        // KD-E011
   manifest_bad_library_path = 12, // KD-E012
   manifest_bad_version = 13,      // KD-E013
+  op_unchecked = 14,              // KD-E014 (a warning: files that together leave an op unchecked)
   // plugin binaries
   plugin_open_failed = 20,        // KD-E020
   plugin_no_entry = 21,           // KD-E021
@@ -33,6 +34,7 @@ enum class ErrorCode : int {
   plugin_insecure = 25,           // KD-E025
   plugin_checksum_mismatch = 26,  // KD-E026
   plugin_scan_failed = 27,        // KD-E027
+  plugin_orphan_library = 28,     // KD-E028 (a warning: a library no manifest names)
   // calls
   bad_arguments = 30,             // KD-E030
   dtype_not_supported = 31,       // KD-E031

@@ -152,6 +152,13 @@ struct OpSchema {
   }
   // The dtypes a tensor may take (its variable's list, or its one dtype).
   std::vector<Dtype> allowed_dtypes(const TensorArg& tensor) const;
+  // The dtypes a call may have, the one that selects the kernel (a kernel's
+  // "dtypes" in its manifest): those of the first dtype variable a tensor
+  // uses, else the first tensor's dtype.
+  std::vector<Dtype> call_dtypes() const;
+  // Whether a tensor is "written" or "inplace": without one, nothing a
+  // kernel does can be compared with the reference.
+  bool has_output() const;
   // The declared tolerance for outputs of `dtype`, else default_tolerance.
   Tolerance tolerance(Dtype dtype) const;
   // Every field equal, doc and source included.
