@@ -27,6 +27,7 @@ install(FILES
   "${PROJECT_BINARY_DIR}/cmake/kdispatchConfigVersion.cmake"
   cmake/KdispatchPlugin.cmake
   cmake/KdispatchPluginKernels.cmake
+  cmake/KdispatchPluginCheck.cmake
   cmake/plugin.map
   DESTINATION "${KDISPATCH_CMAKE_DIR}")
 
