@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The installed package as a third party uses it: installs the build into a
-# temporary prefix, copies plugins/examples/scaled_add and tests/consumer out
-# of the source tree, builds them against the prefix alone (find_package, and
-# pkg-config for the consumer), and drives the installed tool over the
-# example plugin. Also checks that building the example writes nothing
-# outside its build tree and that its install honours --prefix.
+# temporary prefix, copies the examples it installs (share/kdispatch/examples:
+# the scaled_add plugin and the consumer program) out of it, builds them
+# against the prefix alone (find_package, and pkg-config for the consumer),
+# and drives the installed tool and kdispatch-conformance over the example
+# plugin and its reference. Also checks that building the example writes
+# nothing outside its build tree and that its install honours --prefix.
 #
 #   check_package.sh BUILD_DIR SOURCE_DIR CXX [CXXFLAGS [LDFLAGS]]
 set -euo pipefail
@@ -26,6 +27,11 @@ mkdir -p "$HOME"
 step "cmake --install into $prefix"
 cmake --install "$build" --prefix "$prefix" >"$work/install.log"
 (cd "$prefix" && find . -path ./lib/python3 -prune -o \( -type f -o -type l \) -print | sort)
+examples=$prefix/share/kdispatch/examples
+for f in bin/kdispatch bin/kdispatch-conformance include/kdispatch/plugin_helpers.hpp \
+         share/kdispatch/examples/scaled_add/CMakeLists.txt share/kdispatch/examples/consumer/CMakeLists.txt; do
+  [[ -f "$prefix/$f" ]] || fail "the package does not install $f"
+done
 
 configure() {  # SRC BUILD [args...]
   local src=$1 dir=$2
@@ -37,7 +43,7 @@ configure() {  # SRC BUILD [args...]
 }
 
 step "example plugin, built against the prefix only"
-cp -r "$source/plugins/examples/scaled_add" "$work/scaled_add"
+cp -r "$examples/scaled_add" "$work/scaled_add"
 touch "$work/before-build"
 sleep 1
 configure "$work/scaled_add" "$work/scaled_add-build"
@@ -52,14 +58,16 @@ ls "$plugins"
 step "nothing written outside the example's build tree"
 outside=$(find "$work" -newer "$work/before-build" -not -path "$work/scaled_add-build*" -not -path "$work" | sort)
 [[ -z "$outside" ]] || fail "the example's build wrote outside its build tree: $outside"
-for stray in /example_cpu.json /libkdispatch-example-cpu.so /plugins; do
+for stray in /example_cpu.json /libkdispatch-example-cpu.so /example_reference.json \
+             /libkdispatch-example-reference.so /plugins; do
   [[ ! -e "$stray" ]] || fail "$stray exists"
 done
 echo "only $work/scaled_add-build* changed"
 
 step "the example's install honours --prefix"
 cmake --install "$work/scaled_add-build" --prefix "$work/example-prefix" >/dev/null
-for f in lib/kdispatch/plugins/libkdispatch-example-cpu.so lib/kdispatch/plugins/example_cpu.json; do
+for f in lib/kdispatch/plugins/libkdispatch-example-cpu.so lib/kdispatch/plugins/example_cpu.json \
+         lib/kdispatch/plugins/libkdispatch-example-reference.so lib/kdispatch/plugins/example_reference.json; do
   [[ -f "$work/example-prefix/$f" ]] || fail "missing $work/example-prefix/$f"
   echo "$work/example-prefix/$f"
 done
@@ -70,14 +78,36 @@ kd=("$prefix/bin/kdispatch" --add-plugin-path "$plugins")
 step "kdispatch --version"
 "$prefix/bin/kdispatch" --version
 
-step "kdispatch list: both ops of the example"
+step "kdispatch list: both ops of the example, and the reference of its own"
 "${kd[@]}" list --device cpu | tee "$work/list.txt"
 grep -Eq '^elementwise\.scaled_add +example_cpu +yes' "$work/list.txt" || fail "list: no usable scaled_add"
+grep -A1 -E '^elementwise\.scaled_add ' "$work/list.txt" | grep -Eq '^ +reference +yes +a reference kernel' ||
+  fail "list: no reference for scaled_add"
 grep -Eq '^ +example_cpu +yes' "$work/list.txt" || fail "list: no example_cpu silu_and_mul"
 
 step "kdispatch select elementwise.scaled_add"
 "${kd[@]}" select elementwise.scaled_add --device cpu --json | tee "$work/select.json"
 grep -q '"backend": "example_cpu"' "$work/select.json" || fail "select did not pick example_cpu"
+
+step "kdispatch run elementwise.scaled_add: checked against the example's own reference"
+"${kd[@]}" run elementwise.scaled_add | tee "$work/run-scaled-add.txt"
+for dtype in float32 float16 bfloat16; do
+  grep -Eq "^elementwise\.scaled_add +example_cpu +cpu:0 +$dtype .* ok " "$work/run-scaled-add.txt" ||
+    fail "run: elementwise.scaled_add in $dtype was not checked ok"
+done
+grep -Eq '^run: 3 passed, 0 failed, 0 unchecked' "$work/run-scaled-add.txt" || fail "run of elementwise.scaled_add"
+
+step "--backend reference and KDISPATCH_FORCE_BACKEND=reference reach the example's reference"
+"${kd[@]}" select elementwise.scaled_add --backend reference --device cpu | tee "$work/select-reference.txt"
+KDISPATCH_FORCE_BACKEND=reference "${kd[@]}" select elementwise.scaled_add --device cpu | tee -a "$work/select-reference.txt"
+[[ $(grep -c "plugin 'example_reference'" "$work/select-reference.txt") == 2 ]] || fail "the reference was not selected"
+
+step "kdispatch-conformance on example_cpu: every case of the schemas' tests"
+KDISPATCH_ADD_PLUGIN_PATH=$plugins KDISPATCH_CONFORMANCE_BACKEND=example_cpu "$prefix/bin/kdispatch-conformance" \
+  >"$work/conformance.txt" 2>&1 || { cat "$work/conformance.txt"; fail "kdispatch-conformance on example_cpu"; }
+grep -E 'calls checked|test cases' "$work/conformance.txt"
+grep -q 'elementwise.scaled_add on example_cpu: [0-9]* calls checked' "$work/conformance.txt" ||
+  fail "kdispatch-conformance did not check elementwise.scaled_add"
 
 step "kdispatch run activation.silu_and_mul --backend example_cpu (checked)"
 "${kd[@]}" run activation.silu_and_mul --backend example_cpu | tee "$work/run.txt"
@@ -97,7 +127,7 @@ KDISPATCH_BACKEND_ORDER=example_cpu,cpu "${kd[@]}" select activation.silu_and_mu
 grep -q "backend 'example_cpu'" "$work/order.txt" || fail "KDISPATCH_BACKEND_ORDER was not followed"
 
 step "consumer built with find_package"
-cp -r "$source/tests/consumer" "$work/consumer"
+cp -r "$examples/consumer" "$work/consumer"
 configure "$work/consumer" "$work/consumer-build"
 cmake --build "$work/consumer-build" >"$work/consumer-build.log" 2>&1 ||
   { cat "$work/consumer-build.log"; fail "build of the consumer"; }
