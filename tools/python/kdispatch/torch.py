@@ -15,6 +15,10 @@ and those of the plugins found at import) as
   torch.compile(fullgraph=True) traces through the ops, meta tensors work,
   and a bad call is refused with the words of a real one.
 
+The plugins are those of the plugin path at import, and the registered
+kernels keep them: call ``kdispatch.configure(plugin_path=...,
+add_plugin_path=...)`` before ``import kdispatch.torch``.
+
 Functional variants allocate the outputs from the schema and return them,
 e.g. ``kdispatch.torch.layernorm.rmsnorm(x, weight, eps=1e-6) -> out``:
 they take the tensors the op reads (in schema order), clone the ones it
