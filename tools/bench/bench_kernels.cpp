@@ -1,5 +1,5 @@
 // Each cpu op at a large size against a memcpy moving the same bytes in the
-// same run (DESIGN target: kernel time <= 1.5x memcpy). A kernel that reads
+// same run (performance target: kernel time <= 1.5x memcpy). A kernel that reads
 // and writes B bytes in all is compared with memcpy of B/2 bytes, which also
 // reads B/2 and writes B/2.
 //
@@ -166,7 +166,7 @@ class RatioReporter : public benchmark::ConsoleReporter {
                  one->second, same->second, t / one->second, t / same->second);
     }
     fmt::print("ratio_1: kernel / one-thread memcpy; ratio_{}: kernel / memcpy on the kernel's {} thread{} "
-               "(the DESIGN target, <= 1.5)\n",
+               "(the performance target, <= 1.5)\n",
                threads, threads, threads == 1 ? "" : "s");
   }
 

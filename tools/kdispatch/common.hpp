@@ -18,7 +18,7 @@ namespace kdispatch::cli {
 
 using Json = nlohmann::ordered_json;
 
-// DESIGN.md section 8.
+// The exit codes of README.md (the kdispatch tool).
 enum ExitCode : int { kOk = 0, kUsage = 1, kDispatchError = 2, kKernelFailure = 3 };
 
 struct CommonOptions {
