@@ -23,13 +23,33 @@
 #     [INSTALL_DESTINATION <dir>]     default: the package's plugin folder,
 #                                     <libdir>/kdispatch/plugins, relative to
 #                                     the installing project's prefix
-#     [NO_INSTALL])
+#     [NO_INSTALL]
+#     [VALIDATE ON|OFF]               `kdispatch validate` the manifest before
+#                                     anything is compiled (default ON)
+#     [CHECK_SYMBOLS ON|OFF])         `kdispatch inspect` the linked library,
+#                                     then load it (`kdispatch doctor`): every
+#                                     declared kernel symbol resolves
+#                                     (default ON, OFF with EMBED_MANIFEST)
 #
 # The result is a MODULE library with hidden visibility that exports only
 # `kdispatch_plugin_api` (version script), carries its manifest in the ELF
 # section `.kdispatch_manifest`, and lies beside a copy of its manifest, as
 # in a plugin directory: `kdispatch --add-plugin-path <dir>` finds it there.
-# Nothing is written outside the build tree before `cmake --install`.
+# The library's file name is the manifest's "library" (the loader looks for
+# that name next to the manifest). Nothing is written outside the build tree
+# before `cmake --install`.
+#
+# The build runs the package's own tool, KDISPATCH_EXECUTABLE (the target
+# kdispatch::kdispatch: built first in the kdispatch tree, the installed
+# `bin/kdispatch` in a package), through KdispatchPluginCheck.cmake: the
+# manifest is validated (format, meaning and the op schemas under "ops")
+# before the kernel header is generated, and an invalid one fails the build
+# with the tool's KD-Ennn message; after linking, `kdispatch inspect` checks
+# that the library exports the entry symbol and embeds the manifest it was
+# declared with, and `kdispatch doctor` loads it alone from its folder, so a
+# kernel symbol its table does not resolve (KD-E023) or a failing probe
+# (KD-E024) fails the build too (a failure removes the library). A cross build, whose tool
+# cannot run here, passes VALIDATE OFF CHECK_SYMBOLS OFF.
 #
 # The kernels are declared once, by the manifest. At build time the helper
 # generates `kd_plugin_kernels.hpp` from MANIFEST (KdispatchPluginKernels.cmake)
@@ -57,14 +77,18 @@ function(kdispatch_plugin_include_dir target var)
 endfunction()
 
 # Outside the kdispatch build the helper needs the package's targets
-# (kdispatch::plugin_api); they are beside it in an installed package.
+# (kdispatch::plugin_api, and the tool kdispatch::kdispatch that checks
+# plugins at build time); they are beside it in an installed package.
 if(NOT TARGET kdispatch::plugin_api AND EXISTS "${_KDISPATCH_PLUGIN_HELPER_DIR}/kdispatchTargets.cmake")
   include("${_KDISPATCH_PLUGIN_HELPER_DIR}/kdispatchTargets.cmake")
+endif()
+if(NOT DEFINED KDISPATCH_EXECUTABLE AND TARGET kdispatch::kdispatch)
+  set(KDISPATCH_EXECUTABLE kdispatch::kdispatch)
 endif()
 
 function(kdispatch_add_plugin target)
   cmake_parse_arguments(ARG "NO_INSTALL"
-    "MANIFEST;EMBED_MANIFEST;OUTPUT_DIRECTORY;INSTALL_DESTINATION;KERNEL_NAMESPACE;SYMBOL_PREFIX"
+    "MANIFEST;EMBED_MANIFEST;OUTPUT_DIRECTORY;INSTALL_DESTINATION;KERNEL_NAMESPACE;SYMBOL_PREFIX;VALIDATE;CHECK_SYMBOLS"
     "SOURCES;LINK_LIBRARIES" ${ARGN})
   if(ARG_UNPARSED_ARGUMENTS)
     message(FATAL_ERROR "kdispatch_add_plugin(${target}): unknown arguments: ${ARG_UNPARSED_ARGUMENTS}")
@@ -82,6 +106,21 @@ function(kdispatch_add_plugin target)
   get_filename_component(manifest "${ARG_MANIFEST}" ABSOLUTE)
   if(NOT EXISTS "${manifest}")
     message(FATAL_ERROR "kdispatch_add_plugin(${target}): manifest ${manifest} does not exist")
+  endif()
+  if(NOT DEFINED ARG_VALIDATE)
+    set(ARG_VALIDATE ON)
+  endif()
+  if(NOT DEFINED ARG_CHECK_SYMBOLS)
+    # A binary built to disagree with its manifest (EMBED_MANIFEST) is a test fixture.
+    if(ARG_EMBED_MANIFEST)
+      set(ARG_CHECK_SYMBOLS OFF)
+    else()
+      set(ARG_CHECK_SYMBOLS ON)
+    endif()
+  endif()
+  if((ARG_VALIDATE OR ARG_CHECK_SYMBOLS) AND NOT KDISPATCH_EXECUTABLE)
+    message(FATAL_ERROR "kdispatch_add_plugin(${target}): the kdispatch tool was not found beside the package "
+                        "(KDISPATCH_EXECUTABLE is empty); pass VALIDATE OFF CHECK_SYMBOLS OFF to build without it")
   endif()
   if(NOT ARG_EMBED_MANIFEST)
     set(ARG_EMBED_MANIFEST "${manifest}")
@@ -102,6 +141,10 @@ function(kdispatch_add_plugin target)
   string(JSON library ERROR_VARIABLE json_error GET "${manifest_text}" library)
   if(json_error)
     message(FATAL_ERROR "kdispatch_add_plugin(${target}): ${manifest}: no \"library\": ${json_error}")
+  endif()
+  string(JSON plugin_name ERROR_VARIABLE json_error GET "${manifest_text}" plugin)
+  if(json_error)
+    message(FATAL_ERROR "kdispatch_add_plugin(${target}): ${manifest}: no \"plugin\": ${json_error}")
   endif()
 
   # The manifest text as a byte array in its own section, so that
@@ -135,6 +178,21 @@ const char kd_plugin_embedded_manifest[] = {${embed_bytes}0x00};
 ")
   set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${manifest}" "${embed}")
 
+  get_filename_component(manifest_name "${manifest}" NAME)
+  set(check_script "${_KDISPATCH_PLUGIN_HELPER_DIR}/KdispatchPluginCheck.cmake")
+
+  # The manifest validated by the tool, before anything is generated from it.
+  set(validated "")
+  if(ARG_VALIDATE)
+    set(validated "${CMAKE_CURRENT_BINARY_DIR}/${target}_manifest.validated")
+    add_custom_command(OUTPUT "${validated}"
+      COMMAND ${CMAKE_COMMAND} "-DTOOL=$<TARGET_FILE:${KDISPATCH_EXECUTABLE}>" -DCHECK=validate
+              "-DFILE=${manifest}" "-DSTAMP=${validated}" -P "${check_script}"
+      DEPENDS "${manifest}" "${check_script}" ${KDISPATCH_EXECUTABLE}
+      COMMENT "kdispatch validate ${manifest_name}"
+      VERBATIM)
+  endif()
+
   # The kernel prototypes and the symbol table, from the manifest (see above).
   kdispatch_plugin_include_dir(${target} include_dir)
   set(kernels_header "${include_dir}/kd_plugin_kernels.hpp")
@@ -143,13 +201,17 @@ const char kd_plugin_embedded_manifest[] = {${embed_bytes}0x00};
     COMMAND ${CMAKE_COMMAND} "-DMANIFEST=${manifest}" "-DOUTPUT=${kernels_header}"
             "-DKERNEL_NAMESPACE=${ARG_KERNEL_NAMESPACE}" "-DSYMBOL_PREFIX=${ARG_SYMBOL_PREFIX}"
             -P "${_KDISPATCH_PLUGIN_HELPER_DIR}/KdispatchPluginKernels.cmake"
-    DEPENDS "${manifest}" "${_KDISPATCH_PLUGIN_HELPER_DIR}/KdispatchPluginKernels.cmake"
+    DEPENDS "${manifest}" "${_KDISPATCH_PLUGIN_HELPER_DIR}/KdispatchPluginKernels.cmake" ${validated}
     COMMENT "kernel table of ${target} from ${manifest}"
     VERBATIM)
 
-  add_library(${target} MODULE ${ARG_SOURCES} "${embed_source}" "${kernels_header}")
+  add_library(${target} MODULE ${ARG_SOURCES} "${embed_source}" "${kernels_header}" ${validated})
   target_include_directories(${target} PRIVATE "${include_dir}")
   target_link_libraries(${target} PRIVATE kdispatch::plugin_api ${ARG_LINK_LIBRARIES})
+  # The thread pool of <kdispatch/plugin_helpers.hpp>.
+  if(TARGET Threads::Threads)
+    target_link_libraries(${target} PRIVATE Threads::Threads)
+  endif()
   set_target_properties(${target} PROPERTIES
     PREFIX "" SUFFIX "" OUTPUT_NAME "${library}"
     C_VISIBILITY_PRESET hidden CXX_VISIBILITY_PRESET hidden
@@ -157,11 +219,17 @@ const char kd_plugin_embedded_manifest[] = {${embed_bytes}0x00};
     LIBRARY_OUTPUT_DIRECTORY "${ARG_OUTPUT_DIRECTORY}")
   target_link_options(${target} PRIVATE
     "LINKER:--version-script=${_KDISPATCH_PLUGIN_HELPER_DIR}/plugin.map" "LINKER:--no-undefined")
-  get_filename_component(manifest_name "${manifest}" NAME)
   add_custom_command(TARGET ${target} POST_BUILD
     COMMAND ${CMAKE_COMMAND} -E copy_if_different "${manifest}"
             "${ARG_OUTPUT_DIRECTORY}/${manifest_name}"
     VERBATIM)
+  if(ARG_CHECK_SYMBOLS)
+    add_dependencies(${target} ${KDISPATCH_EXECUTABLE})
+    add_custom_command(TARGET ${target} POST_BUILD
+      COMMAND ${CMAKE_COMMAND} "-DTOOL=$<TARGET_FILE:${KDISPATCH_EXECUTABLE}>" -DCHECK=inspect
+              "-DFILE=$<TARGET_FILE:${target}>" "-DPLUGIN=${plugin_name}" -P "${check_script}"
+      VERBATIM)
+  endif()
   if(NOT ARG_NO_INSTALL)
     install(TARGETS ${target} LIBRARY DESTINATION "${ARG_INSTALL_DESTINATION}")
     install(FILES "${manifest}" DESTINATION "${ARG_INSTALL_DESTINATION}")

@@ -35,6 +35,12 @@ string(JSON count ERROR_VARIABLE error LENGTH "${text}" kernels)
 if(error)
   message(FATAL_ERROR "${MANIFEST}: no \"kernels\" list: ${error}")
 endif()
+foreach(key plugin backend)
+  string(JSON ${key}_name ERROR_VARIABLE error GET "${text}" ${key})
+  if(error OR NOT ${key}_name MATCHES "^[a-z0-9_]+$")
+    message(FATAL_ERROR "${MANIFEST}: /${key}: expected a name of [a-z0-9_]+")
+  endif()
+endforeach()
 
 string(LENGTH "${SYMBOL_PREFIX}" prefix_length)
 set(symbols "")
@@ -108,6 +114,10 @@ set(header
 
 ${declarations}
 namespace kd_plugin {
+
+// The manifest's \"plugin\" and \"backend\".
+inline constexpr char kPluginName[] = \"${plugin_name}\";
+inline constexpr char kBackendName[] = \"${backend_name}\";
 
 // The kernel of a symbol of the manifest; NULL for any other symbol.
 inline kd_kernel_fn find_kernel(const char* symbol) noexcept {

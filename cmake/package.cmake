@@ -2,10 +2,13 @@
 # the library, the headers, the tool and the plugins (each installed by its
 # own directory):
 #   lib/cmake/kdispatch/   kdispatchConfig.cmake, kdispatchConfigVersion.cmake,
-#                          the exported targets, kdispatch_add_plugin()
-#                          and the kernel-header generator it runs
+#                          the exported targets (the tool among them:
+#                          kdispatch::kdispatch), kdispatch_add_plugin()
+#                          and the scripts it runs
 #   lib/pkgconfig/         kdispatch.pc
-#   share/kdispatch/       op schemas (ops/) and JSON Schemas (schema/)
+#   share/kdispatch/       op schemas (ops/), JSON Schemas (schema/) and the
+#                          examples (examples/: the scaled_add plugin, the
+#                          consumer program)
 #   share/doc/kdispatch/   README.md, docs/*.md
 include(CMakePackageConfigHelpers)
 
@@ -17,7 +20,7 @@ install(EXPORT kdispatchTargets NAMESPACE kdispatch:: DESTINATION "${KDISPATCH_C
 configure_package_config_file(cmake/kdispatchConfig.cmake.in
   "${PROJECT_BINARY_DIR}/cmake/kdispatchConfig.cmake"
   INSTALL_DESTINATION "${KDISPATCH_CMAKE_DIR}"
-  PATH_VARS CMAKE_INSTALL_INCLUDEDIR CMAKE_INSTALL_LIBDIR)
+  PATH_VARS CMAKE_INSTALL_INCLUDEDIR CMAKE_INSTALL_LIBDIR CMAKE_INSTALL_DATADIR)
 # SameMajorVersion: the SONAME carries the major, and a program built
 # against one major runs with any later release of it.
 write_basic_package_version_file("${PROJECT_BINARY_DIR}/cmake/kdispatchConfigVersion.cmake"
@@ -27,6 +30,7 @@ install(FILES
   "${PROJECT_BINARY_DIR}/cmake/kdispatchConfigVersion.cmake"
   cmake/KdispatchPlugin.cmake
   cmake/KdispatchPluginKernels.cmake
+  cmake/KdispatchPluginCheck.cmake
   cmake/plugin.map
   DESTINATION "${KDISPATCH_CMAKE_DIR}")
 
@@ -42,6 +46,10 @@ configure_file(cmake/kdispatch.pc.in "${PROJECT_BINARY_DIR}/kdispatch.pc" @ONLY)
 install(FILES "${PROJECT_BINARY_DIR}/kdispatch.pc" DESTINATION "${CMAKE_INSTALL_LIBDIR}/pkgconfig")
 
 install(DIRECTORY manifests/ops/ DESTINATION "${CMAKE_INSTALL_DATADIR}/kdispatch/ops")
+# The examples the documentation points to: an out-of-tree plugin and a
+# program built against the package.
+install(DIRECTORY plugins/examples/ DESTINATION "${CMAKE_INSTALL_DATADIR}/kdispatch/examples")
+install(DIRECTORY tests/consumer/ DESTINATION "${CMAKE_INSTALL_DATADIR}/kdispatch/examples/consumer")
 install(DIRECTORY manifests/schema/ DESTINATION "${CMAKE_INSTALL_DATADIR}/kdispatch/schema")
 install(FILES README.md DESTINATION "${CMAKE_INSTALL_DOCDIR}")
 install(DIRECTORY docs/ DESTINATION "${CMAKE_INSTALL_DOCDIR}/docs" FILES_MATCHING PATTERN "*.md")

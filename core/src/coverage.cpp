@@ -33,20 +33,26 @@ std::vector<std::string> CoverageView::schema_ops() const {
 
 namespace {
 
-// A kernel of another plugin of the view.
+// A kernel of the op other than `self`, of the given role (the kernel's
+// own, else its manifest's): in `manifest`, which holds `self`, and in the
+// view's other plugins. One manifest may hold both the backend kernel and
+// the reference kernel of an op.
 struct OtherKernel {
   const KernelSpec* spec;
   const Manifest* manifest;
 };
 
-std::vector<OtherKernel> other_kernels(const CoverageView& view, const Manifest& self, std::string_view op,
-                                       KernelRole role) {
+std::vector<OtherKernel> other_kernels(const CoverageView& view, const Manifest& manifest, const KernelSpec* self,
+                                       std::string_view op, KernelRole role) {
   std::vector<OtherKernel> out;
-  for (const Manifest* m : view.manifests()) {
-    if (m->plugin == self.plugin || m->role != role) continue;
-    for (const KernelSpec& k : m->kernels) {
-      if (k.op == op) out.push_back({&k, m});
+  const auto take = [&](const Manifest& m) {
+    for (const KernelSpec& k : m.kernels) {
+      if (&k != self && k.op == op && k.role == role) out.push_back({&k, &m});
     }
+  };
+  take(manifest);
+  for (const Manifest* m : view.manifests()) {
+    if (m->plugin != manifest.plugin) take(*m);
   }
   return out;
 }
@@ -80,22 +86,21 @@ bool named_like_reference(const Manifest& m) {
   return false;
 }
 
-// Why nothing checks op `op` of `self`'s kernel, beyond its missing
+// Why nothing checks op `op` of a kernel of `self`, beyond its missing
 // reference: a reference declared for a similar op id, or a plugin named
 // like a reference that lacks "role": "reference".
 std::string missing_reference_hint(const CoverageView& view, const Manifest& self, const std::string& op) {
   std::vector<std::string> reference_ops;
   for (const Manifest* m : view.manifests()) {
-    if (m->role != KernelRole::reference) continue;
     for (const KernelSpec& k : m->kernels) {
-      if (k.op != op) reference_ops.push_back(k.op);
+      if (k.is_reference() && k.op != op) reference_ops.push_back(k.op);
     }
   }
   for (const std::string& near : closest_ops(op, reference_ops, 1)) {
     return fmt::format("; a reference is declared for op '{}': a typo?", near);
   }
-  for (const OtherKernel& k : other_kernels(view, self, op, KernelRole::backend)) {
-    if (named_like_reference(*k.manifest)) {
+  for (const OtherKernel& k : other_kernels(view, self, nullptr, op, KernelRole::backend)) {
+    if (k.manifest != &self && named_like_reference(*k.manifest)) {
       return fmt::format("; plugin '{}' ({}) implements it too, and its manifest lacks \"role\": \"reference\"",
                          k.manifest->plugin, k.manifest->path);
     }
@@ -148,22 +153,22 @@ std::vector<Problem> check_manifest_coverage(const Manifest& m, const CoverageVi
                                        dtype_names(takes), outside.size() == 1 ? "it" : "them"));
     }
 
-    const std::vector<OtherKernel> backends = other_kernels(view, m, k.op, KernelRole::backend);
+    const std::vector<OtherKernel> backends = other_kernels(view, m, &k, k.op, KernelRole::backend);
     if (reference) {
       if (backends.empty()) {
         // An op of similar id that backends implement and no reference checks.
         std::vector<std::string> unreferenced;
         for (const Manifest* other : view.manifests()) {
-          if (other->role != KernelRole::backend) continue;
           for (const KernelSpec& ok : other->kernels) {
-            if (ok.op != k.op && other_kernels(view, *other, ok.op, KernelRole::reference).empty()) {
+            if (!ok.is_reference() && ok.op != k.op &&
+                other_kernels(view, *other, &ok, ok.op, KernelRole::reference).empty()) {
               unreferenced.push_back(ok.op);
             }
           }
         }
         const std::vector<std::string> near = closest_ops(k.op, unreferenced, 1);
         warn(at + "/op",
-             fmt::format("reference kernel of op '{}', which no other plugin implements: it checks nothing{}", k.op,
+             fmt::format("reference kernel of op '{}', which no other kernel implements: it checks nothing{}", k.op,
                          near.empty() ? "" : fmt::format("; did you mean '{}', which has kernels and no reference?",
                                                          near.front())));
         continue;
@@ -198,7 +203,7 @@ std::vector<Problem> check_manifest_coverage(const Manifest& m, const CoverageVi
                        k.op, dtype_names(unserved), dtype_names(takes), dtype_names(k.dtypes),
                        unserved.size() == 1 ? "that dtype" : "those dtypes"));
     }
-    if (other_kernels(view, m, k.op, KernelRole::reference).empty()) {
+    if (other_kernels(view, m, &k, k.op, KernelRole::reference).empty()) {
       warn(at + "/op", fmt::format("op '{}' has no reference kernel (no plugin with \"role\": \"reference\" implements "
                                    "it): run and bench report its results unchecked{}",
                                    k.op, missing_reference_hint(view, m, k.op)));

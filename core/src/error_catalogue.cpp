@@ -76,16 +76,24 @@ constexpr CatalogueEntry kCatalogue[] = {
 
     {ErrorCode::ambiguous_backend,
      "Several backends usable, none chosen"sv,
-     "More than one backend can run the op on this device and nothing says which one "
-     "to use. There is no silent built-in ranking, by design: the choice must be "
-     "explicit."sv,
-     "- Several plugins implement the op for the same device (e.g. the cpu reference and a third-party cpu backend)\n"
-     "- No backend was named and no preference order is configured"sv,
-     "- Name one for the call: backend=... in the API or --backend B on the command line\n"
-     "- Or set a preference order that breaks ties: KDISPATCH_BACKEND_ORDER=a,b (or the API equivalent)\n"
-     "- Or force one for everything: KDISPATCH_FORCE_BACKEND=name (used where eligible)\n"
-     "- Or disable the plugin you do not want: KDISPATCH_PLUGINS_DISABLE=name\n"
-     "- See the candidates: `kdispatch list --device D` or `kdispatch select OP --device D`"sv},
+     "More than one backend can run the op on this device and dtype, and nothing says "
+     "which one to use. There is no built-in ranking, by design: the selector takes the "
+     "backend named for the call, else KDISPATCH_FORCE_BACKEND when it is usable, else "
+     "the first backend of KDISPATCH_BACKEND_ORDER that is usable, and reports this error "
+     "when none of them decides. A reference kernel never counts here: it runs only when "
+     "named or forced."sv,
+     "- Two plugins implement the op for the same device, e.g. the shipped cpu backend and a third-party one "
+     "(the example plugin's example_cpu for activation.silu_and_mul)\n"
+     "- No backend was named for the call, and KDISPATCH_BACKEND_ORDER is unset or names none of the usable "
+     "backends (the message lists them)"sv,
+     "- Name a backend for the call: --backend B on the command line, backend=\"B\" in Python, "
+     "dispatcher.op(op, \"B\") in C++\n"
+     "- Or rank backends for every op: KDISPATCH_BACKEND_ORDER=a,b (the first usable one wins; in C++ "
+     "ContextOptions::selector's backend_order)\n"
+     "- Or force one for every op it can run: KDISPATCH_FORCE_BACKEND=B (any other op is selected as usual, "
+     "with a warning)\n"
+     "- Or leave out the plugin you do not want: KDISPATCH_PLUGINS_DISABLE=name\n"
+     "- See the candidates: `kdispatch select OP --device D` or `kdispatch list --device D`"sv},
 
     {ErrorCode::conflicting_registration,
      "Conflicting registration"sv,

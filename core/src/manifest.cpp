@@ -1,4 +1,4 @@
-// Plugin manifests and op-schema files (DESIGN.md section 5). The only file of
+// Plugin manifests and op-schema files (docs/manifest.md, docs/op-schema.md). The only file of
 // the core that includes nlohmann/json: everything else sees the validated
 // structs of manifest.hpp and schema.hpp.
 //
@@ -1192,7 +1192,7 @@ void read_kernels(Reader& r, const json& list, Manifest& m, std::vector<std::str
     }
     const KernelSpec& first = m.kernels[it->second.second];
     if (first.same_implementation(*k)) {
-      // Same rule as the registry (DESIGN.md 4.4): the same symbol again is a no-op.
+      // Same rule as the registry (docs/manifest.md, kernels): the same symbol again is a no-op.
       r.warn(ErrorCode::conflicting_registration, pointer,
              fmt::format("op '{}' is declared again with the same symbol '{}' (first at {}); only the first "
                          "entry counts",

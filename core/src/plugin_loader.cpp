@@ -66,7 +66,7 @@ std::string classify_dlopen_error(const std::string& library, const std::string&
   return "the dynamic loader refused it";
 }
 
-// Libraries are never unloaded (DESIGN.md section 3): the table and kernel
+// Libraries are never unloaded (docs/plugins.md): the table and kernel
 // pointers must stay valid until exit, and unloading a library that
 // registered atexit handlers or thread-locals (GPU runtimes do) can crash the
 // process later. So every opened library is kept in a registry that is never

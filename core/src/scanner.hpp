@@ -1,4 +1,4 @@
-// Out-of-process plugin scanning (DESIGN.md section 6, after GStreamer's
+// Out-of-process plugin scanning (docs/internals.md, after GStreamer's
 // plugin scanner). Opening a library runs its code, and a constructor that
 // segfaults, aborts, exits, loops or prints would take the process down or
 // corrupt its output. So the first time a plugin file is to be opened, a

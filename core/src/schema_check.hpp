@@ -1,4 +1,4 @@
-// Checking a call's tensors against an op schema (DESIGN.md section 5).
+// Checking a call's tensors against an op schema (docs/op-schema.md).
 // Internal: the dispatcher's checked call uses it, and OpHandle::check gives
 // the same verdict and words to everyone else. The schema is compiled once
 // per op into a plan of small integer slots, so the per-call check does no

@@ -14,13 +14,12 @@
 #include <memory>
 #include <type_traits>
 
+#include <kdispatch/plugin_helpers.hpp>
+
 #include "convert.hpp"
 #include "fast_math.hpp"
-#include "half_float.hpp"
-#include "kd_plugin.hpp"
 #include "kd_plugin_kernels.hpp"
 #include "multiversion.hpp"
-#include "parallel_for.hpp"
 #include "prefetch.hpp"
 #include "tensor_access.hpp"
 
@@ -164,7 +163,7 @@ kd_status gated_activation(const kd_call_args* args) noexcept {
       const Store store = store_for(rows * d * static_cast<int64_t>(sizeof(T)));
       const float* table = nullptr;
       if constexpr (kTabulated<T>) table = activation_table<Act, T>();
-      parallel_for(rows, 3 * d, [&](int64_t begin, int64_t end) noexcept {
+      kd_plugin::parallel_for(rows, 3 * d, [&](int64_t begin, int64_t end) noexcept {
         gated_rows<Act, T>(o, xd, d, table, store, begin, end);
       });
       return KD_STATUS_OK;

@@ -43,7 +43,7 @@ int64_t unaligned_head(const T* dst, int64_t n) {
   return head < n ? head : n;
 }
 
-KD_AVX2 void widen_half_avx2(const Half* src, float* dst, int64_t n) noexcept {
+KD_AVX2 void widen_half_avx2(const Float16* src, float* dst, int64_t n) noexcept {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
@@ -112,8 +112,8 @@ KD_AVX2 inline void narrow16_loop(const float* src, T* dst, int64_t n, Store sto
   narrow_portable(src + i, dst + i, n - i, store);
 }
 
-KD_AVX2 void narrow_half_avx2(const float* src, Half* dst, int64_t n, Store store) noexcept {
-  narrow16_loop<Half, NarrowHalfx16>(src, dst, n, store);
+KD_AVX2 void narrow_half_avx2(const float* src, Float16* dst, int64_t n, Store store) noexcept {
+  narrow16_loop<Float16, NarrowHalfx16>(src, dst, n, store);
 }
 
 KD_AVX2 void narrow_bf16_avx2(const float* src, BFloat16* dst, int64_t n, Store store) noexcept {
@@ -132,9 +132,9 @@ KD_AVX2 void copy_floats_avx2(const float* src, float* dst, int64_t n, Store sto
 #endif  // KD_CPU_X86_CONVERT
 
 struct Converters {
-  void (*widen_half)(const Half*, float*, int64_t) noexcept;
+  void (*widen_half)(const Float16*, float*, int64_t) noexcept;
   void (*widen_bf16)(const BFloat16*, float*, int64_t) noexcept;
-  void (*narrow_half)(const float*, Half*, int64_t, Store) noexcept;
+  void (*narrow_half)(const float*, Float16*, int64_t, Store) noexcept;
   void (*narrow_bf16)(const float*, BFloat16*, int64_t, Store) noexcept;
   void (*narrow_float)(const float*, float*, int64_t, Store) noexcept;
 };
@@ -148,7 +148,7 @@ Converters pick_converters() {
             copy_floats_avx2};
   }
 #endif
-  return {widen_portable<Half>, widen_portable<BFloat16>, narrow_portable<Half>,
+  return {widen_portable<Float16>, widen_portable<BFloat16>, narrow_portable<Float16>,
           narrow_portable<BFloat16>, copy_floats};
 }
 
@@ -157,13 +157,13 @@ const Converters kConverters = pick_converters();
 
 }  // namespace
 
-void widen(const Half* src, float* dst, int64_t n) noexcept { kConverters.widen_half(src, dst, n); }
+void widen(const Float16* src, float* dst, int64_t n) noexcept { kConverters.widen_half(src, dst, n); }
 
 void widen(const BFloat16* src, float* dst, int64_t n) noexcept {
   kConverters.widen_bf16(src, dst, n);
 }
 
-void narrow(const float* src, Half* dst, int64_t n, Store store) noexcept {
+void narrow(const float* src, Float16* dst, int64_t n, Store store) noexcept {
   kConverters.narrow_half(src, dst, n, store);
 }
 

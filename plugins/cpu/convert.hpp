@@ -1,9 +1,11 @@
-// Block conversions between a storage type (float, Half, BFloat16) and float.
+// The cpu plugin's storage types (float, and Float16 and BFloat16 with their
+// element conversions, from <kdispatch/plugin_helpers.hpp>), and block
+// conversions between them and float.
 //
 // The row kernels widen a block of their inputs to float, do their math on
 // float arrays (which the x86-64-v3 clone vectorises), and narrow the block
 // back. The conversions themselves are the expensive part for the 16-bit
-// types when written portably (see half_float.hpp), so they live here, behind
+// types when written portably (the helper header's), so they live here, behind
 // one indirect call per block: on a CPU with AVX2 and F16C they use the
 // hardware converts (float16) and 256-bit integer ops (bfloat16), picked once
 // at load time; elsewhere the portable conversions. Both round to nearest
@@ -11,12 +13,17 @@
 // the host CPU.
 #pragma once
 
+#include <kdispatch/plugin_helpers.hpp>
+
 #include <cstdint>
 #include <type_traits>
 
-#include "half_float.hpp"
-
 namespace kdispatch::cpu {
+
+using kd_plugin::BFloat16;
+using kd_plugin::Float16;
+using kd_plugin::from_float;
+using kd_plugin::to_float;
 
 // How narrow() writes its destination.
 enum class Store {
@@ -38,11 +45,11 @@ inline Store store_for(int64_t output_bytes) {
 }
 
 // dst[0, n) = float(src[0, n)).
-void widen(const Half* src, float* dst, int64_t n) noexcept;
+void widen(const Float16* src, float* dst, int64_t n) noexcept;
 void widen(const BFloat16* src, float* dst, int64_t n) noexcept;
 
 // dst[0, n) = T(src[0, n)), rounded to nearest even. For float, a copy.
-void narrow(const float* src, Half* dst, int64_t n, Store store) noexcept;
+void narrow(const float* src, Float16* dst, int64_t n, Store store) noexcept;
 void narrow(const float* src, BFloat16* dst, int64_t n, Store store) noexcept;
 void narrow(const float* src, float* dst, int64_t n, Store store) noexcept;
 

@@ -17,12 +17,11 @@
 #include <type_traits>
 #include <vector>
 
+#include <kdispatch/plugin_helpers.hpp>
+
 #include "convert.hpp"
-#include "half_float.hpp"
-#include "kd_plugin.hpp"
 #include "kd_plugin_kernels.hpp"
 #include "multiversion.hpp"
-#include "parallel_for.hpp"
 #include "tensor_access.hpp"
 
 namespace kdispatch::cpu {
@@ -154,9 +153,9 @@ kd_status check_norm_arguments(const kd_call_args* args, const char* op, float* 
   if (!same_dtype(t[0], t[1]) || !same_dtype(t[0], t[2])) {
     return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensor dtypes differ", op);
   }
-  const kd_attr* a = attr_of_type(args, 0, KD_ATTR_TYPE_FLOAT);
+  const kd_attr* a = find_attr(args, "eps", KD_ATTR_TYPE_FLOAT);
   if (a == nullptr) {
-    return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: attribute eps is not a float",
+    return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: attribute eps is missing or not a float",
                            op);
   }
   *eps = static_cast<float>(a->value.f);
@@ -191,7 +190,7 @@ kd_status run_norm(const kd_call_args* args, const char* op, DoRows&& do_rows) n
       const NormCall call{weight_as_float(data_as<T>(args->tensors[2]), h, weight_storage),
                           leading_rows(x, 1), h, eps};
       std::atomic<bool> out_of_memory{false};
-      parallel_for(call.rows, h, [&](int64_t begin, int64_t end) noexcept {
+      kd_plugin::parallel_for(call.rows, h, [&](int64_t begin, int64_t end) noexcept {
         std::unique_ptr<float[]> row;
         if constexpr (kNeedsRow) {
           row.reset(new (std::nothrow) float[h]);
@@ -241,8 +240,8 @@ kd_status layernorm(const kd_call_args* args) noexcept {
     if (!same_dtype(t[0], t[1]) || !same_dtype(t[0], t[2]) || !same_dtype(t[0], t[3])) {
       return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensor dtypes differ", kOp);
     }
-    const kd_attr* eps = attr_of_type(args, 0, KD_ATTR_TYPE_FLOAT);
-    if (eps == nullptr) return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: attribute eps is not a float", kOp);
+    const kd_attr* eps = find_attr(args, "eps", KD_ATTR_TYPE_FLOAT);
+    if (eps == nullptr) return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: attribute eps is missing or not a float", kOp);
     return dispatch_float_dtype(args, kOp, t[1], [&](auto tag) {
       using T = typename decltype(tag)::type;
       std::vector<float> weight_storage, bias_storage;
@@ -251,7 +250,7 @@ kd_status layernorm(const kd_call_args* args) noexcept {
       const int64_t rows = leading_rows(t[1], 1);
       const Store store = store_for(rows * h * int64_t{sizeof(T)});
       std::atomic<bool> out_of_memory{false};
-      parallel_for(rows, h, [&](int64_t begin, int64_t end) noexcept {
+      kd_plugin::parallel_for(rows, h, [&](int64_t begin, int64_t end) noexcept {
         std::unique_ptr<float[]> row;
         if constexpr (!std::is_same_v<T, float>) {
           row.reset(new (std::nothrow) float[h]);

@@ -1,12 +1,11 @@
 // The cpu plugin's entry point: device probe; the kernel table is generated
 // from manifests/cpu.json (kd_plugin_kernels.hpp).
 
-#include <kdispatch/plugin_api.h>
+#include <kdispatch/plugin_helpers.hpp>
 
 #include <fstream>
 #include <string>
 
-#include "kd_plugin.hpp"
 #include "kd_plugin_kernels.hpp"
 
 namespace kdispatch::cpu {
@@ -30,23 +29,8 @@ std::string read_cpu_name() {
 kd_status probe(kd_device_info* devices, size_t capacity, size_t* count, char* error,
                 size_t error_capacity) noexcept {
   try {
-    if (count == nullptr || (capacity > 0 && devices == nullptr)) {
-      kd_plugin::copy_string(error, error_capacity, "probe: null output pointer");
-      return KD_STATUS_INVALID_ARGUMENT;
-    }
-    *count = 1;
-    if (capacity == 0) return KD_STATUS_OK;
-    kd_device_info& d = devices[0];
-    if (!KD_STRUCT_HAS_FIELD(kd_device_info, name, d.struct_size)) {
-      kd_plugin::copy_string(error, error_capacity, "probe: kd_device_info too small");
-      return KD_STATUS_INVALID_ARGUMENT;
-    }
-    d.device_type = kDLCPU;
-    d.device_id = 0;
-    kd_plugin::copy_string(d.arch, sizeof(d.arch), "");
     static const std::string name = read_cpu_name();
-    kd_plugin::copy_string(d.name, sizeof(d.name), name.c_str());
-    return KD_STATUS_OK;
+    return kd_plugin::probe_host_cpu(devices, capacity, count, error, error_capacity, name.c_str());
   } catch (...) {
     kd_plugin::copy_string(error, error_capacity, "probe: unexpected exception");
     return KD_STATUS_INTERNAL;
@@ -56,4 +40,5 @@ kd_status probe(kd_device_info* devices, size_t capacity, size_t* count, char* e
 }  // namespace
 }  // namespace kdispatch::cpu
 
-KD_DEFINE_PLUGIN("cpu", "0.1.0", "cpu", kdispatch::cpu::probe, kd_plugin::find_kernel, nullptr)
+KD_DEFINE_PLUGIN(kd_plugin::kPluginName, "0.1.0", kd_plugin::kBackendName, kdispatch::cpu::probe,
+                 kd_plugin::find_kernel, nullptr)

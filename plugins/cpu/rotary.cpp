@@ -11,12 +11,11 @@
 #include <new>
 #include <type_traits>
 
+#include <kdispatch/plugin_helpers.hpp>
+
 #include "convert.hpp"
-#include "half_float.hpp"
-#include "kd_plugin.hpp"
 #include "kd_plugin_kernels.hpp"
 #include "multiversion.hpp"
-#include "parallel_for.hpp"
 #include "tensor_access.hpp"
 
 namespace kdispatch::cpu {
@@ -118,10 +117,10 @@ kd_status rotary_embedding(const kd_call_args* args) noexcept {
     if (!same_dtype(query, key) || !same_dtype(query, cache)) {
       return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensor dtypes differ", kOp);
     }
-    const kd_attr* is_neox = attr_of_type(args, 0, KD_ATTR_TYPE_BOOL);
+    const kd_attr* is_neox = find_attr(args, "is_neox", KD_ATTR_TYPE_BOOL);
     if (is_neox == nullptr) {
       return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT,
-                             "%s: attribute is_neox is not a bool", kOp);
+                             "%s: attribute is_neox is missing or not a bool", kOp);
     }
     // Every position is checked before anything is written, so a bad call
     // leaves query and key untouched.
@@ -144,7 +143,7 @@ kd_status rotary_embedding(const kd_call_args* args) noexcept {
       const int64_t scratch_floats =
           std::is_same_v<T, float> ? 0 : (1 + std::max(shape.heads_q, shape.heads_k)) * width;
       std::atomic<bool> out_of_memory{false};
-      parallel_for(tokens, work_per_token, [&](int64_t begin, int64_t end) noexcept {
+      kd_plugin::parallel_for(tokens, work_per_token, [&](int64_t begin, int64_t end) noexcept {
         std::unique_ptr<float[]> scratch;
         if (scratch_floats > 0) {
           scratch.reset(new (std::nothrow) float[scratch_floats]);

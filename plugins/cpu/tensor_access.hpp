@@ -1,6 +1,6 @@
-// Reading the cpu kernels' arguments: the tensor helpers of kd_tensor.hpp,
-// the cheap defensive checks every kernel makes, and the switch from a
-// DLPack dtype to the cpu plugin's storage types.
+// Reading the cpu kernels' arguments: the tensor and attribute helpers of
+// <kdispatch/plugin_helpers.hpp>, and the cheap defensive checks every
+// kernel makes.
 //
 // The host has validated the call against the op schema before it reaches a
 // kernel; these checks only keep a kernel from reading out of bounds when
@@ -8,18 +8,16 @@
 #pragma once
 
 #include <kdispatch/plugin_api.h>
+#include <kdispatch/plugin_helpers.hpp>
 
 #include <cstdint>
-#include <utility>
-
-#include "half_float.hpp"
-#include "kd_plugin.hpp"
-#include "kd_tensor.hpp"
 
 namespace kdispatch::cpu {
 
 using kd_plugin::data_as;
 using kd_plugin::dim;
+using kd_plugin::dispatch_float_dtype;  // float, Float16 or BFloat16
+using kd_plugin::find_attr;
 using kd_plugin::is_dtype;
 using kd_plugin::leading_rows;
 using kd_plugin::same_dtype;
@@ -59,21 +57,6 @@ kd_status check_arguments(const kd_call_args* args, const char* op, int num_attr
     }
   }
   return KD_STATUS_OK;
-}
-
-// Calls fn(TypeTag<T>{}) with T the storage type of `t` (float, Half or
-// BFloat16); any other dtype is KD_STATUS_UNSUPPORTED.
-template <class Fn>
-kd_status dispatch_float_dtype(const kd_call_args* args, const char* op, const DLTensor& t,
-                               Fn&& fn) {
-  return kd_plugin::dispatch_float_dtype<float, Half, BFloat16>(args, op, t,
-                                                                std::forward<Fn>(fn));
-}
-
-// Attribute `index`, checked for its type.
-inline const kd_attr* attr_of_type(const kd_call_args* args, int index, kd_attr_type type) {
-  const kd_attr* a = &args->attrs[index];
-  return a->type == type ? a : nullptr;
 }
 
 }  // namespace kdispatch::cpu

@@ -8,12 +8,11 @@
 #include <new>
 #include <type_traits>
 
+#include <kdispatch/plugin_helpers.hpp>
+
 #include "convert.hpp"
-#include "half_float.hpp"
-#include "kd_plugin.hpp"
 #include "kd_plugin_kernels.hpp"
 #include "multiversion.hpp"
-#include "parallel_for.hpp"
 #include "tensor_access.hpp"
 #include "topk_softmax_avx2.hpp"
 #include "topk_softmax_rows.hpp"
@@ -168,13 +167,13 @@ using RowsFn = void (*)(const T*, int64_t, const RowArgs&, float*, int32_t*);
 
 struct RowKernels {
   RowsFn<float> f32;
-  RowsFn<Half> f16;
+  RowsFn<Float16> f16;
   RowsFn<BFloat16> bf16;
 
   template <class T>
   RowsFn<T> get() const {
     if constexpr (std::is_same_v<T, float>) return f32;
-    if constexpr (std::is_same_v<T, Half>) return f16;
+    if constexpr (std::is_same_v<T, Float16>) return f16;
     if constexpr (std::is_same_v<T, BFloat16>) return bf16;
   }
 };
@@ -184,10 +183,10 @@ RowKernels pick_row_kernels() {
   __builtin_cpu_init();  // a static initialiser may run before anything else called it
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
       __builtin_cpu_supports("fma")) {
-    return {topk_rows_avx2<float>, topk_rows_avx2<Half>, topk_rows_avx2<BFloat16>};
+    return {topk_rows_avx2<float>, topk_rows_avx2<Float16>, topk_rows_avx2<BFloat16>};
   }
 #endif
-  return {topk_rows_portable<float>, topk_rows_portable<Half>, topk_rows_portable<BFloat16>};
+  return {topk_rows_portable<float>, topk_rows_portable<Float16>, topk_rows_portable<BFloat16>};
 }
 
 // Chosen once, when the plugin is loaded.
@@ -235,10 +234,10 @@ kd_status topk_softmax(const kd_call_args* args) noexcept {
       return kd_plugin::fail(args, KD_STATUS_UNSUPPORTED,
                              "%s: topk_weights must be float32 and topk_ids int32", kOp);
     }
-    const kd_attr* renormalize_attr = attr_of_type(args, 0, KD_ATTR_TYPE_BOOL);
+    const kd_attr* renormalize_attr = find_attr(args, "renormalize", KD_ATTR_TYPE_BOOL);
     if (renormalize_attr == nullptr) {
       return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT,
-                             "%s: attribute renormalize is not a bool", kOp);
+                             "%s: attribute renormalize is missing or not a bool", kOp);
     }
     const bool renormalize = renormalize_attr->value.b != 0;
     if (k == 0) return KD_STATUS_OK;
@@ -249,7 +248,7 @@ kd_status topk_softmax(const kd_call_args* args) noexcept {
       const T* g = data_as<T>(gating);
       std::atomic<bool> out_of_memory{false};
       const topk::RowsFn<T> rows_kernel = topk::kRowKernels.get<T>();
-      parallel_for(rows, e, [&](int64_t begin, int64_t end) noexcept {
+      kd_plugin::parallel_for(rows, e, [&](int64_t begin, int64_t end) noexcept {
         topk::Scratch s{std::unique_ptr<float[]>(new (std::nothrow) float[e + k + 2 * kReductionLanes]),
                   std::unique_ptr<int32_t[]>(new (std::nothrow) int32_t[e + kReductionLanes])};
         if (!s.floats || !s.indices) {

@@ -23,7 +23,7 @@ namespace {
 
 KD_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
-KD_AVX2 inline __m256 load8(const Half* p) {
+KD_AVX2 inline __m256 load8(const Float16* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
@@ -329,9 +329,9 @@ KD_AVX2 void topk_rows_avx2(const T* src, int64_t rows, const RowArgs& a, float*
 }
 
 template void topk_rows_avx2<float>(const float*, int64_t, const RowArgs&, float*, int32_t*);
-template void topk_rows_avx2<Half>(const Half*, int64_t, const RowArgs&, float*, int32_t*);
+template void topk_rows_avx2<Float16>(const Float16*, int64_t, const RowArgs&, float*, int32_t*);
 template void topk_rows_avx2<BFloat16>(const BFloat16*, int64_t, const RowArgs&, float*, int32_t*);
-template void float_row_avx2<Half>(const Half*, const RowArgs&, float*, int32_t*);
+template void float_row_avx2<Float16>(const Float16*, const RowArgs&, float*, int32_t*);
 template void float_row_avx2<BFloat16>(const BFloat16*, const RowArgs&, float*, int32_t*);
 
 }  // namespace kdispatch::cpu::topk

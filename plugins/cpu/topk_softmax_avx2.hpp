@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#include "half_float.hpp"
+#include "convert.hpp"
 #include "topk_softmax_rows.hpp"
 
 #define KD_AVX2 __attribute__((target("avx2,f16c,fma")))
@@ -88,7 +88,7 @@ inline bool key_rows(const RowArgs& a) {
 }
 
 // The rows of a range (src, weights and ids at its first row), for T =
-// float, Half and BFloat16: the 16-bit rows of key_rows shapes in keys, the
+// float, Float16 and BFloat16: the 16-bit rows of key_rows shapes in keys, the
 // others in floats.
 template <class T>
 KD_AVX2 void topk_rows_avx2(const T* src, int64_t rows, const RowArgs& a, float* weights,
@@ -98,7 +98,7 @@ KD_AVX2 void topk_rows_avx2(const T* src, int64_t rows, const RowArgs& a, float*
 template <class T>
 KD_AVX2 void float_row_avx2(const T* src, const RowArgs& a, float* weights, int32_t* ids);
 
-// The rows of a range in keys, for T = Half and BFloat16 and a key_rows
+// The rows of a range in keys, for T = Float16 and BFloat16 and a key_rows
 // shape; a row with a NaN goes to float_row_avx2.
 template <class T>
 KD_AVX2 void key_rows_avx2(const T* src, int64_t rows, const RowArgs& a, float* weights,

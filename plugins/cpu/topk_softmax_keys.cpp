@@ -24,7 +24,7 @@ namespace {
 template <class T>
 struct Bits16;
 template <>
-struct Bits16<Half> {
+struct Bits16<Float16> {
   static constexpr int16_t kInfinity = 0x7c00;
 };
 template <>
@@ -456,7 +456,7 @@ KD_AVX2 void key_rows_avx2(const T* src, int64_t rows, const RowArgs& a, float* 
   if (r < rows) key_row_alone(src + r * a.e, a, weights + r * a.k, ids + r * a.k);
 }
 
-template void key_rows_avx2<Half>(const Half*, int64_t, const RowArgs&, float*, int32_t*);
+template void key_rows_avx2<Float16>(const Float16*, int64_t, const RowArgs&, float*, int32_t*);
 template void key_rows_avx2<BFloat16>(const BFloat16*, int64_t, const RowArgs&, float*, int32_t*);
 
 }  // namespace kdispatch::cpu::topk

@@ -11,13 +11,13 @@
 #include <type_traits>
 #include <utility>
 
+#include <kdispatch/plugin_helpers.hpp>
+
 #include "gpu_compat.hpp"
-#include "kd_plugin.hpp"
-#include "kd_tensor.hpp"
 
 namespace kd_gpu {
 
-// The tensor helpers every plugin's host code shares (kd_tensor.hpp).
+// The tensor helpers every plugin's host code shares (<kdispatch/plugin_helpers.hpp>).
 using kd_plugin::data_as;
 using kd_plugin::dim;
 using kd_plugin::is_dtype;

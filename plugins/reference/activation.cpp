@@ -2,8 +2,9 @@
 #include <cmath>
 #include <numbers>
 
+#include <kdispatch/plugin_helpers.hpp>
+
 #include "kd_plugin_kernels.hpp"
-#include "run_kernel.hpp"
 #include "tensor.hpp"
 
 namespace kdispatch::reference {
@@ -12,7 +13,7 @@ namespace {
 // Tensors (out [*, D], x [*, 2*D]).
 template <class Act>
 kd_status gated(const kd_call_args* args, const char* op, Act act) {
-  return run_kernel(args, [&] {
+  return kd_plugin::guarded(args, [&] {
     expect_arity(args, 2, 0, op);
     const Tensor out(args->tensors[0]), x(args->tensors[1]);
     const int64_t d = out.dim(-1);

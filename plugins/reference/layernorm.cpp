@@ -3,8 +3,9 @@
 #include <cmath>
 #include <vector>
 
+#include <kdispatch/plugin_helpers.hpp>
+
 #include "kd_plugin_kernels.hpp"
-#include "run_kernel.hpp"
 #include "tensor.hpp"
 
 namespace kdispatch::reference {
@@ -27,13 +28,13 @@ void normalise(const std::vector<double>& x, const Tensor& weight, int64_t rows,
 // kd_ref_rmsnorm
 // Tensors (out, x, weight), attribute eps.
 kd_status rmsnorm(const kd_call_args* args) noexcept {
-  return run_kernel(args, [&] {
+  return kd_plugin::guarded(args, [&] {
     expect_arity(args, 3, 1, "layernorm.rmsnorm");
     const Tensor out(args->tensors[0]), x(args->tensors[1]), weight(args->tensors[2]);
     const int64_t h = x.dim(-1);
     std::vector<double> values(static_cast<size_t>(x.numel()));
     for (int64_t i = 0; i < x.numel(); ++i) values[i] = x.get(i);
-    normalise(values, weight, x.rows(1), h, float_attr(args, 0, "eps"), out);
+    normalise(values, weight, x.rows(1), h, kd_plugin::float_attr(args, "eps"), out);
   });
 }
 
@@ -41,7 +42,7 @@ kd_status rmsnorm(const kd_call_args* args) noexcept {
 // Tensors (x, residual, weight), both of the first updated in place:
 // residual = x + residual, stored in its dtype; x = rmsnorm(stored residual).
 kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
-  return run_kernel(args, [&] {
+  return kd_plugin::guarded(args, [&] {
     expect_arity(args, 3, 1, "layernorm.fused_add_rmsnorm");
     const Tensor x(args->tensors[0]), residual(args->tensors[1]), weight(args->tensors[2]);
     std::vector<double> sum(static_cast<size_t>(x.numel()));
@@ -49,7 +50,7 @@ kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
       residual.set(i, x.get(i) + residual.get(i));
       sum[i] = residual.get(i);
     }
-    normalise(sum, weight, x.rows(1), x.dim(-1), float_attr(args, 0, "eps"), x);
+    normalise(sum, weight, x.rows(1), x.dim(-1), kd_plugin::float_attr(args, "eps"), x);
   });
 }
 
@@ -57,10 +58,10 @@ kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
 // Tensors (out, x, weight, bias), attribute eps: out = (x - mean) /
 // sqrt(var + eps) * weight + bias over each row, var the biased variance.
 kd_status layernorm(const kd_call_args* args) noexcept {
-  return run_kernel(args, [&] {
+  return kd_plugin::guarded(args, [&] {
     expect_arity(args, 4, 1, "layernorm.layernorm");
     const Tensor out(args->tensors[0]), x(args->tensors[1]), weight(args->tensors[2]), bias(args->tensors[3]);
-    const double eps = float_attr(args, 0, "eps");
+    const double eps = kd_plugin::float_attr(args, "eps");
     const int64_t h = x.dim(-1);
     for (int64_t r = 0; r < x.rows(1); ++r) {
       double mean = 0;

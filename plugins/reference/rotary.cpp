@@ -1,8 +1,9 @@
 // embeddings.rotary_embedding in float64, neox and GPT-J styles.
 #include <string>
 
+#include <kdispatch/plugin_helpers.hpp>
+
 #include "kd_plugin_kernels.hpp"
-#include "run_kernel.hpp"
 #include "tensor.hpp"
 
 namespace kdispatch::reference {
@@ -32,10 +33,10 @@ void rotate(const Tensor& x, int64_t t, int64_t h, const Tensor& cos_sin, int64_
 // cos_sin_cache [P, 2*R]), attribute is_neox. A position outside [0, P) is
 // refused before anything is written.
 kd_status rotary_embedding(const kd_call_args* args) noexcept {
-  return run_kernel(args, [&] {
+  return kd_plugin::guarded(args, [&] {
     expect_arity(args, 4, 1, "embeddings.rotary_embedding");
     const Tensor positions(args->tensors[0]), query(args->tensors[1]), key(args->tensors[2]), cache(args->tensors[3]);
-    const bool is_neox = bool_attr(args, 0, "is_neox");
+    const bool is_neox = kd_plugin::bool_attr(args, "is_neox");
     const int64_t r = cache.dim(-1) / 2;
     const int64_t cache_rows = cache.dim(0);
     for (int64_t t = 0; t < positions.numel(); ++t) {

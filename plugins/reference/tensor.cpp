@@ -104,24 +104,6 @@ void Tensor::set(int64_t i, double value) const {
   }
 }
 
-namespace {
-const kd_attr& attr_at(const kd_call_args* args, int index, const char* name, int32_t type) {
-  if (index >= args->num_attrs || args->attrs == nullptr || std::strcmp(args->attrs[index].name, name) != 0 ||
-      args->attrs[index].type != type) {
-    throw std::invalid_argument(std::string("attribute ") + std::to_string(index) + " is not '" + name + "'");
-  }
-  return args->attrs[index];
-}
-}  // namespace
-
-double float_attr(const kd_call_args* args, int index, const char* name) {
-  return attr_at(args, index, name, KD_ATTR_TYPE_FLOAT).value.f;
-}
-
-bool bool_attr(const kd_call_args* args, int index, const char* name) {
-  return attr_at(args, index, name, KD_ATTR_TYPE_BOOL).value.b != 0;
-}
-
 void expect_arity(const kd_call_args* args, int tensors, int attrs, const char* op) {
   if (args->num_tensors != tensors || args->num_attrs != attrs || args->tensors == nullptr) {
     throw std::invalid_argument(std::string(op) + ": expected " + std::to_string(tensors) + " tensors and " +

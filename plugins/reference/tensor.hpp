@@ -36,11 +36,6 @@ class Tensor {
   Kind kind_;
 };
 
-// The attribute `index` of the call (the host passes every attribute of the
-// schema, in schema order); throws when it is missing or of another type.
-double float_attr(const kd_call_args* args, int index, const char* name);
-bool bool_attr(const kd_call_args* args, int index, const char* name);
-
 // Throws std::invalid_argument unless the call has `tensors` tensors and
 // `attrs` attributes.
 void expect_arity(const kd_call_args* args, int tensors, int attrs, const char* op);

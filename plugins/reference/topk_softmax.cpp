@@ -5,8 +5,9 @@
 #include <string>
 #include <vector>
 
+#include <kdispatch/plugin_helpers.hpp>
+
 #include "kd_plugin_kernels.hpp"
-#include "run_kernel.hpp"
 #include "tensor.hpp"
 
 namespace kdispatch::reference {
@@ -17,10 +18,10 @@ namespace kdispatch::reference {
 // descending order, ties to the lower index; weights divided by their sum
 // when renormalize.
 kd_status topk_softmax(const kd_call_args* args) noexcept {
-  return run_kernel(args, [&] {
+  return kd_plugin::guarded(args, [&] {
     expect_arity(args, 3, 1, "moe.topk_softmax");
     const Tensor weights(args->tensors[0]), ids(args->tensors[1]), gating(args->tensors[2]);
-    const bool renormalize = bool_attr(args, 0, "renormalize");
+    const bool renormalize = kd_plugin::bool_attr(args, "renormalize");
     const int64_t k = weights.dim(-1);
     const int64_t e = gating.dim(-1);
     if (k > e) {

@@ -10,7 +10,8 @@
       `TOOL explain --json` (core/src/error_catalogue.cpp) gives, in order.
   check_doc_references.py --source DIR environment
       Every KDISPATCH_* environment variable that core/, plugins/, tools/ or
-      the CMake files read (getenv, secure_getenv, get_env, os.environ, a shell $NAME or
+      the CMake files read (getenv, secure_getenv, get_env, environment_value
+      of plugin_helpers.hpp, os.environ, a shell $NAME or
       CMake's ENV) is documented in docs/environment.md.
 
 Exit status 1 with one line per problem.
@@ -26,7 +27,7 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 # How each kind of file reads an environment variable.
 ENV_READS = {
     (".c", ".cpp", ".hpp", ".h", ".cu", ".cuh"): re.compile(
-        r"""(?:secure_getenv|getenv|get_env)\(\s*"(KDISPATCH_[A-Z0-9_]+)"\s*\)"""),
+        r"""(?:secure_getenv|getenv|get_env|environment_value)\(\s*"(KDISPATCH_[A-Z0-9_]+)"\s*\)"""),
     (".py",): re.compile(r"""environ(?:\.get\(|\[)\s*["'](KDISPATCH_[A-Z0-9_]+)["']"""),
     (".sh",): re.compile(r"""\$\{?(KDISPATCH_[A-Z0-9_]+)"""),
     (".txt", ".cmake"): re.compile(r"""ENV[ {]+(KDISPATCH_[A-Z0-9_]+)"""),

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The installed package as a third party uses it: installs the build into a
-# temporary prefix, copies plugins/examples/scaled_add and tests/consumer out
-# of the source tree, builds them against the prefix alone (find_package, and
-# pkg-config for the consumer), and drives the installed tool over the
-# example plugin. Also checks that building the example writes nothing
-# outside its build tree and that its install honours --prefix.
+# temporary prefix, copies the examples it installs (share/kdispatch/examples:
+# the scaled_add plugin and the consumer program) out of it, builds them
+# against the prefix alone (find_package, and pkg-config for the consumer),
+# and drives the installed tool and kdispatch-conformance over the example
+# plugin and its reference kernel. Also checks that building the example writes
+# nothing outside its build tree and that its install honours --prefix.
 #
 #   check_package.sh BUILD_DIR SOURCE_DIR CXX [CXXFLAGS [LDFLAGS]]
 set -euo pipefail
@@ -26,6 +27,11 @@ mkdir -p "$HOME"
 step "cmake --install into $prefix"
 cmake --install "$build" --prefix "$prefix" >"$work/install.log"
 (cd "$prefix" && find . -path ./lib/python3 -prune -o \( -type f -o -type l \) -print | sort)
+examples=$prefix/share/kdispatch/examples
+for f in bin/kdispatch bin/kdispatch-conformance include/kdispatch/plugin_helpers.hpp \
+         share/kdispatch/examples/scaled_add/CMakeLists.txt share/kdispatch/examples/consumer/CMakeLists.txt; do
+  [[ -f "$prefix/$f" ]] || fail "the package does not install $f"
+done
 
 configure() {  # SRC BUILD [args...]
   local src=$1 dir=$2
@@ -37,7 +43,7 @@ configure() {  # SRC BUILD [args...]
 }
 
 step "example plugin, built against the prefix only"
-cp -r "$source/plugins/examples/scaled_add" "$work/scaled_add"
+cp -r "$examples/scaled_add" "$work/scaled_add"
 touch "$work/before-build"
 sleep 1
 configure "$work/scaled_add" "$work/scaled_add-build"
@@ -70,34 +76,101 @@ kd=("$prefix/bin/kdispatch" --add-plugin-path "$plugins")
 step "kdispatch --version"
 "$prefix/bin/kdispatch" --version
 
-step "kdispatch list: both ops of the example"
+step "kdispatch list: both ops of the example, and the reference of its own"
 "${kd[@]}" list --device cpu | tee "$work/list.txt"
 grep -Eq '^elementwise\.scaled_add +example_cpu +yes' "$work/list.txt" || fail "list: no usable scaled_add"
+grep -A1 -E '^elementwise\.scaled_add ' "$work/list.txt" | grep -Eq '^ +reference +yes +a reference kernel' ||
+  fail "list: no reference for scaled_add"
 grep -Eq '^ +example_cpu +yes' "$work/list.txt" || fail "list: no example_cpu silu_and_mul"
 
 step "kdispatch select elementwise.scaled_add"
 "${kd[@]}" select elementwise.scaled_add --device cpu --json | tee "$work/select.json"
 grep -q '"backend": "example_cpu"' "$work/select.json" || fail "select did not pick example_cpu"
 
+step "kdispatch run elementwise.scaled_add: checked against the example's own reference"
+"${kd[@]}" run elementwise.scaled_add | tee "$work/run-scaled-add.txt"
+for dtype in float32 float16 bfloat16; do
+  grep -Eq "^elementwise\.scaled_add +example_cpu +cpu:0 +$dtype .* ok " "$work/run-scaled-add.txt" ||
+    fail "run: elementwise.scaled_add in $dtype was not checked ok"
+done
+grep -Eq '^run: 3 passed, 0 failed, 0 unchecked' "$work/run-scaled-add.txt" || fail "run of elementwise.scaled_add"
+
+step "--backend reference and KDISPATCH_FORCE_BACKEND=reference reach the example's reference"
+"${kd[@]}" select elementwise.scaled_add --backend reference --device cpu | tee "$work/select-reference.txt"
+KDISPATCH_FORCE_BACKEND=reference "${kd[@]}" select elementwise.scaled_add --device cpu | tee -a "$work/select-reference.txt"
+[[ $(grep -c "backend 'reference' (plugin 'example_cpu'" "$work/select-reference.txt") == 2 ]] ||
+  fail "the example's reference was not selected"
+
+step "kdispatch-conformance on example_cpu: every case of the schemas' tests"
+KDISPATCH_ADD_PLUGIN_PATH=$plugins KDISPATCH_CONFORMANCE_BACKEND=example_cpu "$prefix/bin/kdispatch-conformance" \
+  >"$work/conformance.txt" 2>&1 || { cat "$work/conformance.txt"; fail "kdispatch-conformance on example_cpu"; }
+grep -E 'calls checked|test cases' "$work/conformance.txt"
+grep -q 'elementwise.scaled_add on example_cpu: [0-9]* calls checked' "$work/conformance.txt" ||
+  fail "kdispatch-conformance did not check elementwise.scaled_add"
+
 step "kdispatch run activation.silu_and_mul --backend example_cpu (checked)"
 "${kd[@]}" run activation.silu_and_mul --backend example_cpu | tee "$work/run.txt"
 grep -Eq '^run: 3 passed, 0 failed' "$work/run.txt" || fail "run of example_cpu"
 
-step "two usable backends, none chosen: KD-E004"
-set +e
-"${kd[@]}" select activation.silu_and_mul --device cpu 2>"$work/e004.txt"
-rc=$?
-set -e
-cat "$work/e004.txt"
-[[ $rc == 2 ]] && grep -q 'error\[KD-E004\]' "$work/e004.txt" || fail "expected KD-E004 with exit 2, got $rc"
-grep -q -- '--backend' "$work/e004.txt" || fail "the message does not name --backend"
+step "the example's silu_and_mul is opt-in: a call that names no backend still gets cpu"
+"${kd[@]}" select activation.silu_and_mul --device cpu | tee "$work/select-silu.txt"
+grep -q "backend 'cpu'" "$work/select-silu.txt" || fail "installing the example changed the choice for silu_and_mul"
 
-step "KDISPATCH_BACKEND_ORDER=example_cpu,cpu resolves it"
-KDISPATCH_BACKEND_ORDER=example_cpu,cpu "${kd[@]}" select activation.silu_and_mul --device cpu | tee "$work/order.txt"
-grep -q "backend 'example_cpu'" "$work/order.txt" || fail "KDISPATCH_BACKEND_ORDER was not followed"
+step "naming it reaches it: --backend example_cpu, and KDISPATCH_BACKEND_ORDER=example_cpu,cpu"
+"${kd[@]}" select activation.silu_and_mul --device cpu --backend example_cpu | tee "$work/order.txt"
+KDISPATCH_BACKEND_ORDER=example_cpu,cpu "${kd[@]}" select activation.silu_and_mul --device cpu | tee -a "$work/order.txt"
+[[ $(grep -c "backend 'example_cpu'" "$work/order.txt") == 2 ]] || fail "example_cpu was not selected where named"
+
+step "Python and torch: the installed package over the example plugin"
+site=$(find "$prefix/lib" -type d -name kdispatch -path '*-packages/kdispatch' | head -n 1)
+if [[ -n "$site" ]] && /usr/bin/python3 -c 'import numpy, torch' 2>/dev/null; then
+  PYTHONPATH=$(dirname "$site") KDISPATCH_EXAMPLE_PLUGINS=$plugins /usr/bin/python3 - <<'PY'
+import os
+import kdispatch
+kdispatch.configure(add_plugin_path=[os.environ["KDISPATCH_EXAMPLE_PLUGINS"]])
+import torch
+import kdispatch.torch
+import kdispatch.testing as kt
+
+torch.manual_seed(0)
+x = torch.randn(5, 2 * 37)
+want = torch.empty(5, 37)
+kdispatch.call("activation.silu_and_mul", want, x, backend="reference")
+for backend in (None, "example_cpu"):
+    chosen = kdispatch.select("activation.silu_and_mul", backend=backend, device="cpu")["backend"]
+    out = torch.full((5, 37), float("nan"))
+    kdispatch.call("activation.silu_and_mul", out, x, backend=backend)
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-6), backend
+    out = torch.full((5, 37), float("nan"))
+    kdispatch.op("activation.silu_and_mul", backend)(out, x)
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-6), backend
+    got = kdispatch.torch.activation.silu_and_mul(x, backend=backend)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), backend
+    print(f"activation.silu_and_mul backend={backend!r}: runs {chosen}, matches the reference")
+assert kdispatch.select("activation.silu_and_mul", device="cpu")["backend"] == "cpu"
+out = torch.full((5, 37), float("nan"))
+torch.ops.kdispatch.activation_silu_and_mul(out, x, "example_cpu")
+assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
+print("torch.ops.kdispatch.activation_silu_and_mul(out, x, 'example_cpu'): matches the reference")
+
+op = "elementwise.scaled_add"
+for dtype in kt.dtypes(op, backend="example_cpu"):
+    checked = 0
+    for case in kt.cases(op):
+        inputs = kt.inputs(op, dtype, case)
+        got = [t.clone() for t in inputs]
+        kdispatch.call(op, *got, backend="example_cpu", **case.attrs)
+        verdict = kt.check(op, got, inputs, case)
+        assert verdict.ok, (case, verdict.first_mismatch)
+        checked += 1
+    print(f"{op} {dtype} on example_cpu from Python: {checked} cases match the example's reference")
+PY
+else
+  echo "the installed Python package, NumPy or torch is missing: the Python step is not run"
+fi
 
 step "consumer built with find_package"
-cp -r "$source/tests/consumer" "$work/consumer"
+cp -r "$examples/consumer" "$work/consumer"
 configure "$work/consumer" "$work/consumer-build"
 cmake --build "$work/consumer-build" >"$work/consumer-build.log" 2>&1 ||
   { cat "$work/consumer-build.log"; fail "build of the consumer"; }

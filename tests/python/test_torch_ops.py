@@ -179,6 +179,29 @@ def check_backend_argument():
     return checked, failed
 
 
+def check_unknown_names():
+    """A misspelt op or group is an AttributeError that names what exists
+    and the configure-before-import rule, not a bare one."""
+    checked = failed = 0
+    for spelt, want in ((lambda: kdispatch.torch.layernorm.rmsnrom, "did you mean 'rmsnorm'?"),
+                        (lambda: kdispatch.torch.layernrom, "did you mean 'layernorm'?")):
+        checked += 1
+        try:
+            spelt()
+            message = "no error"
+        except AttributeError as e:
+            message = str(e)
+        ok = want in message and "kdispatch.configure(add_plugin_path=[...]) before importing" in message
+        failed += not ok
+        if not ok:
+            print(f"FAIL an unknown name: {message}")
+    ok = hasattr(kdispatch.torch.layernorm, "rmsnorm") and not hasattr(kdispatch.torch, "no_such_group")
+    checked, failed = checked + 1, failed + (not ok)
+    print(f"{'ok  ' if failed == 0 else 'FAIL'} unknown ops and groups of kdispatch.torch: {checked - failed} of "
+          f"{checked}")
+    return checked, failed
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--op", help="only this op (default: every op kdispatch.ops() lists, then --fake-words)")
@@ -191,7 +214,7 @@ def main():
         c, f = check_op(op)
         total, bad = total + c, bad + f
     if not args.op:
-        for check in (check_fake_words_as_cpp, check_capsules_of_torch, check_backend_argument):
+        for check in (check_fake_words_as_cpp, check_capsules_of_torch, check_backend_argument, check_unknown_names):
             c, f = check()
             total, bad = total + c, bad + f
     print(f"torch {torch.__version__}: {total - bad} passed, {bad} failed ({len(ops)} ops)")

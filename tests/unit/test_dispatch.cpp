@@ -193,9 +193,9 @@ TEST_CASE("dispatch: attributes by name are packed in schema order, defaults fil
     const auto a = pack({{"k", int64_t{1}}, {"eps", int64_t{2}}});
     CHECK(a[1].value.f == 2.0);
   }
-  const auto expect_error = [&](std::vector<NamedAttr> attrs, const std::string& part) {
+  const auto expect_error = [&](std::vector<NamedAttr> given, const std::string& part) {
     try {
-      op.pack_attrs(attrs, storage);
+      op.pack_attrs(given, storage);
       FAIL("the attributes were accepted");
     } catch (const CallError& e) {
       CHECK(e.code() == ErrorCode::bad_arguments);

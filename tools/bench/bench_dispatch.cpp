@@ -1,5 +1,5 @@
 // What dispatch costs per call, against a plain function-pointer call of a
-// kernel that does nothing (DESIGN targets: handle <= 1.2x direct; checked
+// kernel that does nothing (performance targets: handle <= 1.2x direct; checked
 // call, with and without attributes, <= direct + 25 ns; lookup by op-id
 // string <= 30 ns). After the table, with the console output, one line per
 // target compares the medians of this run (CPU time, which a neighbour's
@@ -275,7 +275,7 @@ auto run_failed(const Run& run, long) -> decltype(static_cast<int>(run.skipped) 
   return static_cast<int>(run.skipped) != 0;
 }
 
-// The console table, then the DESIGN targets checked against this run's
+// The console table, then the performance targets checked against this run's
 // medians (CPU time per call).
 class TargetReporter : public benchmark::ConsoleReporter {
  public:
@@ -307,7 +307,7 @@ class TargetReporter : public benchmark::ConsoleReporter {
     };
     const double direct = ns("BM_DirectCall");
     if (direct < 0) return;
-    std::printf("\nDESIGN targets, medians of CPU time per call (direct call %.2f ns):\n", direct);
+    std::printf("\nPerformance targets, medians of CPU time per call (direct call %.2f ns):\n", direct);
     const auto ratio = [&](const char* name, const char* what, double limit) {
       if (const double t = ns(name); t >= 0) {
         std::printf("  %-34s %6.2f ns = %.2fx direct  (target <= %.1fx)  %s\n", what, t, t / direct, limit,

@@ -1,5 +1,5 @@
 // Each cpu op at a large size against a memcpy moving the same bytes in the
-// same run (DESIGN target: kernel time <= 1.5x memcpy). A kernel that reads
+// same run (performance target: kernel time <= 1.5x memcpy). A kernel that reads
 // and writes B bytes in all is compared with memcpy of B/2 bytes, which also
 // reads B/2 and writes B/2.
 //
@@ -8,7 +8,7 @@
 // into one contiguous slice per thread (cache-line aligned), the slices
 // copied at once by a persistent pool that sleeps between calls, as the
 // plugin's does. The thread count follows the plugin's rule
-// (plugins/cpu/parallel_for.cpp): KDISPATCH_CPU_THREADS when it is a whole
+// (kd_plugin::cpu_thread_count()): KDISPATCH_CPU_THREADS when it is a whole
 // number from 1 to 1024, else one per CPU this process may run on. The table
 // printed last gives both ratios: against that memcpy (the target's) and
 // against a one-thread memcpy (what one core's bandwidth alone would give).
@@ -22,11 +22,7 @@
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 
-#include <sched.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -38,6 +34,8 @@
 #include <thread>
 #include <vector>
 
+#include <kdispatch/plugin_helpers.hpp>
+
 #include "bench_defaults.hpp"
 #include "harness.hpp"
 #include "kdispatch/context.hpp"
@@ -48,19 +46,8 @@ using namespace kdispatch;
 namespace {
 
 // The threads the cpu plugin's pool runs its kernels on, by the plugin's
-// rule (plugins/cpu/parallel_for.cpp): KDISPATCH_CPU_THREADS when it is a
-// whole number from 1 to 1024, else the CPUs this process may run on.
-int kernel_threads() {
-  int cpus = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) >= 1) cpus = CPU_COUNT(&set);
-  const char* env = std::getenv("KDISPATCH_CPU_THREADS");
-  if (env == nullptr || *env == '\0') return cpus;
-  char* end = nullptr;
-  errno = 0;
-  const long n = std::strtol(env, &end, 10);
-  return end != env && *end == '\0' && errno == 0 && n >= 1 && n <= 1024 ? static_cast<int>(n) : cpus;
-}
+// rule (kd_plugin::cpu_thread_count() of <kdispatch/plugin_helpers.hpp>).
+int kernel_threads() { return kd_plugin::cpu_thread_count(); }
 
 std::string kernel_threads_source() {
   const char* env = std::getenv("KDISPATCH_CPU_THREADS");
@@ -179,7 +166,7 @@ class RatioReporter : public benchmark::ConsoleReporter {
                  one->second, same->second, t / one->second, t / same->second);
     }
     fmt::print("ratio_1: kernel / one-thread memcpy; ratio_{}: kernel / memcpy on the kernel's {} thread{} "
-               "(the DESIGN target, <= 1.5)\n",
+               "(the performance target, <= 1.5)\n",
                threads, threads, threads == 1 ? "" : "s");
   }
 

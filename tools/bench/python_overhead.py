@@ -18,7 +18,7 @@ synchronisation inside a sample; the device is synchronised between samples,
 outside the timing), so this is host time, not kernel time. On the CPU the
 kernel runs inside the call and is part of the time, for every path alike.
 
-Targets (DESIGN.md section 10 and the Python issue): torch.ops.kdispatch no
+Targets (docs/performance.md): torch.ops.kdispatch no
 slower than torch's function; the pre-resolved op at most 0.6x of it.
 
   PYTHONPATH=build/default/python /usr/bin/python3 tools/bench/python_overhead.py [--device cuda]

@@ -1,5 +1,5 @@
-// kdispatch select: which backend a call of OP would run, by the rules of
-// DESIGN.md section 4. Metadata only: no plugin library is opened.
+// kdispatch select: which backend a call of OP would run, by the selection
+// rules (README.md, Selection). Metadata only: no plugin library is opened.
 #include <fmt/format.h>
 
 #include "common.hpp"

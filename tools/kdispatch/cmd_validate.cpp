@@ -101,8 +101,9 @@ Runner add_validate(CLI::App& app) {
     }
     std::set<std::string> referenced;
     for (const Manifest* m : view.manifests()) {
-      if (m->role != KernelRole::reference) continue;
-      for (const auto& k : m->kernels) referenced.insert(k.op);
+      for (const auto& k : m->kernels) {
+        if (k.is_reference()) referenced.insert(k.op);
+      }
     }
 
     Json results = Json::array();

@@ -18,9 +18,10 @@ namespace kdispatch::cli {
 
 using Json = nlohmann::ordered_json;
 
-// DESIGN.md section 8, and kUnchecked: `run` and `bench` found nothing
-// wrong but did not check everything they were asked to (an unchecked
-// result, an op or a dtype that never ran). 2 and 3 take precedence.
+// The exit codes of README.md (the kdispatch tool), and kUnchecked: `run`
+// and `bench` found nothing wrong but did not check everything they were
+// asked to (an unchecked result, an op or a dtype that never ran). 2 and 3
+// take precedence.
 enum ExitCode : int { kOk = 0, kUsage = 1, kDispatchError = 2, kKernelFailure = 3, kUnchecked = 4 };
 
 struct CommonOptions {

@@ -1,4 +1,4 @@
-// kdispatch: the command-line face of the dispatcher. DESIGN.md section 8.
+// kdispatch: the command-line face of the dispatcher (README.md, the kdispatch tool).
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -13,7 +13,7 @@ namespace {
 
 // Whether --json was asked for: then errors that no subcommand reports
 // itself (usage errors, the last-resort ones) are still one JSON document on
-// stdout, as DESIGN.md section 8 promises, with "usage" or "error" as code.
+// stdout, as the README promises, with "usage" or "error" as code.
 bool wants_json(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string_view arg = argv[i];

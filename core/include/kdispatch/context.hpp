@@ -82,7 +82,7 @@ class Context {
   // nullopt when the plugin was never asked for.
   std::optional<PluginLoadState> load_state(const std::string& plugin) const;
   // `kdispatch scan`: every plugin found is opened now in the helper process
-  // (DESIGN.md section 6), whatever the registry cache holds, and the
+  // (docs/internals.md), whatever the registry cache holds, and the
   // outcome recorded there. Nothing is opened in this process.
   std::vector<PluginScanResult> scan_plugins();
 

@@ -47,7 +47,7 @@ class CoverageView {
 // the JSON pointer of the field: a kernel whose op has no schema (with a
 // did-you-mean, the manifest's own "ops" first), kernel dtypes the op's
 // schema does not take, schema dtypes that no backend kernel of the view
-// serves, a reference kernel whose op no other plugin implements, an op with
+// serves, a reference kernel whose op no other kernel implements, an op with
 // no reference kernel in the view, and an op schema of its "ops" with no
 // written or in-place tensor.
 std::vector<Problem> check_manifest_coverage(const Manifest& manifest, const CoverageView& view);

@@ -1,4 +1,4 @@
-// Finding plugins (DESIGN.md section 6): the search path, manifests in each
+// Finding plugins (docs/environment.md, plugin discovery): the search path, manifests in each
 // directory, name filters. Reads JSON (or, for manifests unchanged since an
 // earlier process, the registry cache) and stats library files; never opens
 // a library.

@@ -1,5 +1,5 @@
 // Calling kernels: resolve an op once to a handle, then call it with DLPack
-// tensors and named attributes (DESIGN.md section 2).
+// tensors and named attributes (docs/internals.md, the checked call).
 //
 //   kdispatch::Context ctx;                       // discovers plugins (no dlopen)
 //   kdispatch::Dispatcher dispatch(ctx);

@@ -1,4 +1,4 @@
-// Element types of tensors, by their DESIGN.md names.
+// Element types of tensors, by the names op schemas use (docs/op-schema.md).
 #pragma once
 
 #include <kdispatch/export.h>

@@ -15,7 +15,7 @@ namespace kdispatch KDISPATCH_API {
 
 // What a kernel is for. A reference kernel is the oracle of its op: the
 // selector never picks one on its own, only when it is named or forced, and
-// the checks of every other backend compare against it (DESIGN.md 4, 5).
+// the checks of every other backend compare against it (docs/manifest.md).
 enum class KernelRole : uint8_t { backend, reference };
 
 struct KernelSpec {

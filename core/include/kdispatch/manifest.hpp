@@ -1,5 +1,5 @@
-// Plugin manifests and op-schema files: parsing and validation (DESIGN.md
-// section 5). The implementation, manifest.cpp, is the only file of the core
+// Plugin manifests and op-schema files: parsing and validation
+// (docs/manifest.md, docs/op-schema.md). The implementation, manifest.cpp, is the only file of the core
 // that includes nlohmann/json.
 #pragma once
 

@@ -73,7 +73,7 @@ struct AttrArg {
 };
 
 // How far a backend's result in one dtype may be from the op's reference
-// (DESIGN.md 5). For every element, in units of the output dtype's spacing
+// (docs/op-schema.md). For every element, in units of the output dtype's spacing
 // at the expected value (ulp):
 //   |got - want| <= ulps * ulp(want) + atol
 // and over all elements of an output

@@ -1,4 +1,4 @@
-// The selection rules of DESIGN.md section 4, in one place.
+// The selection rules (README.md, Selection), in one place.
 #pragma once
 
 #include <kdispatch/export.h>

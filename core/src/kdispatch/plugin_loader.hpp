@@ -1,4 +1,4 @@
-// Opening plugin binaries (DESIGN.md section 3). plugin_loader.cpp is the only
+// Opening plugin binaries (docs/plugins.md, the entry point). plugin_loader.cpp is the only
 // file of the core that includes Boost.DLL.
 #pragma once
 

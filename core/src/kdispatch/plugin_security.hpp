@@ -1,5 +1,5 @@
 // Checks made before a plugin library is opened: loading a library runs its
-// code (DESIGN.md section 6).
+// code (docs/manifest.md, the library).
 #pragma once
 
 #include <filesystem>

@@ -1,5 +1,6 @@
 // A plugin whose one kernel does nothing: what a call costs beyond the kernel.
-#include "kd_plugin.hpp"
+#include <kdispatch/plugin_helpers.hpp>
+
 #include "kd_plugin_kernels.hpp"
 
 kd_status kd_bench::noop(const kd_call_args* /*args*/) noexcept { return KD_STATUS_OK; }

@@ -16,6 +16,10 @@ and those of the plugins found at import) as
   torch.compile(fullgraph=True) traces through the ops, meta tensors work,
   and a bad call is refused with the words of a real one.
 
+The plugins are those of the plugin path at import, and the registered
+kernels keep them: call ``kdispatch.configure(plugin_path=...,
+add_plugin_path=...)`` before ``import kdispatch.torch``.
+
 Functional variants allocate the outputs from the schema and return them,
 e.g. ``kdispatch.torch.layernorm.rmsnorm(x, weight, eps=1e-6) -> out``:
 they take the tensors the op reads (in schema order), clone the ones it
@@ -27,6 +31,7 @@ default: the selection rules decide): a name runs that backend's kernel,
 e.g. ``torch.ops.kdispatch.layernorm_rmsnorm(out, x, w, 1e-6, "reference")``
 or ``kdispatch.torch.layernorm.rmsnorm(x, w, backend="reference")``.
 """
+import difflib as _difflib
 import types as _types
 import warnings as _warnings
 
@@ -206,6 +211,25 @@ def _make_functional(schema, opfn):
     return functional
 
 
+def _unknown(where, what, name, known):
+    near = _difflib.get_close_matches(name, known, n=1)
+    return AttributeError(
+        f"{where} has no {what}" + (f"; did you mean '{near[0]}'?" if near else "") +
+        f" (known: {', '.join(sorted(known)) or 'none'}). An op of a plugin is registered when kdispatch.torch "
+        "is imported: call kdispatch.configure(add_plugin_path=[...]) before importing it; "
+        "`kdispatch list` shows the ops a plugin path provides.")
+
+
+class _Group(_types.ModuleType):
+    """The functional variants of one op group, kdispatch.torch.<group>.<name>."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        group = self.__name__.rsplit(".", 1)[1]
+        raise _unknown(self.__name__, f"op '{group}.{name}'", name, [k for k in vars(self) if not k.startswith("_")])
+
+
 def _register_all():
     groups = {}
     names = {}
@@ -244,10 +268,16 @@ def _register_all():
             if group in globals():
                 _warnings.warn(f"kdispatch.torch: group '{group}' clashes with a name of kdispatch.torch; "
                                f"its functional variants are under kdispatch.torch.groups['{group}']")
-            module = groups[group] = _types.ModuleType(f"{__name__}.{group}", f"Functional variants of {group}.*")
+            module = groups[group] = _Group(f"{__name__}.{group}", f"Functional variants of {group}.*")
             globals().setdefault(group, module)
         setattr(module, short, functional)
     return groups
 
 
 groups = _register_all()
+
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    raise _unknown(__name__, f"op group '{name}'", name, list(groups))

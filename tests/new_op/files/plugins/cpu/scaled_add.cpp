@@ -8,7 +8,7 @@ namespace kdispatch::cpu {
 kd_status scaled_add(const kd_call_args* args) noexcept {
   constexpr const char* kOp = "scratch.scaled_add";
   if (const kd_status s = check_arguments<3>(args, kOp, 1, {1, 1, 1}); s != KD_STATUS_OK) return s;
-  const kd_attr* alpha = attr_of_type(args, 0, KD_ATTR_TYPE_FLOAT);
+  const kd_attr* alpha = find_attr(args, "alpha", KD_ATTR_TYPE_FLOAT);
   if (alpha == nullptr) return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: alpha must be a float", kOp);
   const DLTensor& out = args->tensors[0];
   const DLTensor& x = args->tensors[1];
