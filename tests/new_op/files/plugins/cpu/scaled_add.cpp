@@ -1,4 +1,5 @@
 // scratch.scaled_add: out = x + alpha * y, in float, rounded to T once.
+#include "convert.hpp"
 #include "kd_plugin_kernels.hpp"
 #include "tensor_access.hpp"
 
