@@ -176,13 +176,22 @@ inline uint32_t pack_dtype(DLDataType t) {
   return static_cast<uint32_t>(t.code) | static_cast<uint32_t>(t.bits) << 8 | static_cast<uint32_t>(t.lanes) << 16;
 }
 
+// True when `t` has no element: it addresses no memory, whatever its strides.
+inline bool is_empty(const DLTensor& t) {
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] == 0) return true;
+  }
+  return false;
+}
+
 // True when `t` is laid out densely in row-major order (strides NULL or
-// matching; dims of size 1 may have any stride).
+// matching; dims of size 1 may have any stride, and so may every dim of a
+// tensor with no element, as torch's own is_contiguous() says).
 inline bool is_contiguous(const DLTensor& t) {
   if (t.strides == nullptr) return true;
   int64_t expected = 1;
   for (int i = t.ndim - 1; i >= 0; --i) {
-    if (t.shape[i] != 1 && t.strides[i] != expected) return false;
+    if (t.shape[i] != 1 && t.strides[i] != expected) return is_empty(t);
     expected *= t.shape[i];
   }
   return true;

@@ -74,7 +74,9 @@ def check_capsules_of_torch():
     a producer kdispatch knows nothing about), in every dtype of every op."""
     checked = failed = 0
     for op in kdispatch.ops():
-        case = kt.cases(op)[0]
+        # The largest small case: leading dims above 1, where torch's strides
+        # of an empty tensor differ from a dense layout's.
+        case = max((c for c in kt.cases(op) if c.elements <= 1 << 16 and not c.special), key=lambda c: c.elements)
         for dtype in kt.dtypes(op):
             inputs = kt.inputs(op, dtype, case, seed=3)
             got = [t.clone() for t in inputs]
@@ -145,7 +147,9 @@ def check_backend_argument():
     an unknown backend refused as kdispatch.call refuses it."""
     checked = failed = 0
     for op in kdispatch.ops():
-        case = kt.cases(op)[0]
+        # The largest small case: leading dims above 1, where torch's strides
+        # of an empty tensor differ from a dense layout's.
+        case = max((c for c in kt.cases(op) if c.elements <= 1 << 16 and not c.special), key=lambda c: c.elements)
         dtype = kt.dtypes(op)[0]
         schema = kdispatch.schema(op)
         inputs = kt.inputs(op, dtype, case, seed=7)
@@ -202,6 +206,54 @@ def check_unknown_names():
     return checked, failed
 
 
+def check_zero_size():
+    """Tensors with no element are valid: for each op, a case of its schema
+    with the leading dims, then each size symbol, set to 0, in tensors
+    torch.empty makes (strides no dense layout has, e.g. [1, 1] for [3, 0]),
+    the other tensors as the case has them, through kdispatch.call and the
+    torch op."""
+    import re
+    checked = failed = 0
+    for op in kdispatch.ops():
+        schema = kdispatch.schema(op)
+        dtype = "float32" if "float32" in kt.dtypes(op) else kt.dtypes(op)[0]
+        # The largest small case: leading dims above 1, where torch's strides
+        # of an empty tensor differ from a dense layout's.
+        case = max((c for c in kt.cases(op) if c.elements <= 1 << 16 and not c.special), key=lambda c: c.elements)
+        inputs = kt.inputs(op, dtype, case)
+        bounds = {str(t["range"][1]) for t in schema["tensors"] if t["range"]}
+        symbols = sorted({name for t in schema["tensors"] for dim in t["shape"] if dim != "*"
+                          for name in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", dim)} - bounds)
+        for zero in ["*"] + symbols:
+            tensors = []
+            for arg, x in zip(schema["tensors"], inputs):
+                dims = arg["shape"]
+                star = bool(dims) and dims[0] == "*"
+                leading = x.dim() - (len(dims) - 1) if star else 0
+                shape = list(x.shape)
+                if zero == "*" and leading > 0:
+                    shape[0] = 0
+                for j, dim in enumerate(dims[1:] if star else dims):
+                    if zero != "*" and re.search(rf"\b{zero}\b", dim):
+                        shape[leading + j] = 0
+                tensors.append(torch.empty(shape, dtype=x.dtype) if 0 in shape else x.clone())
+            empty = [t.numel() == 0 for t in tensors]
+            written = [arg["written"] for arg in schema["tensors"]]
+            if not any(empty) or any(w and not e for w, e in zip(written, empty)) and \
+                    any(not w and e for w, e in zip(written, empty)):
+                continue  # nothing empty, or an output to compute from an empty input (K > E = 0)
+            checked += 1
+            try:
+                kdispatch.call(op, *tensors, **case.attrs)
+                getattr(torch.ops.kdispatch, kdispatch.torch.op_name(op))(*tensors)
+            except Exception as e:  # noqa: BLE001 - any refusal is the failure
+                failed += 1
+                print(f"FAIL {op} with {zero} = 0, shapes {[list(t.shape) for t in tensors]}: "
+                      f"{type(e).__name__}: {e}")
+    print(f"{'ok  ' if failed == 0 else 'FAIL'} tensors with no element: {checked - failed} of {checked} calls")
+    return checked, failed
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--op", help="only this op (default: every op kdispatch.ops() lists, then --fake-words)")
@@ -214,7 +266,8 @@ def main():
         c, f = check_op(op)
         total, bad = total + c, bad + f
     if not args.op:
-        for check in (check_fake_words_as_cpp, check_capsules_of_torch, check_backend_argument, check_unknown_names):
+        for check in (check_fake_words_as_cpp, check_capsules_of_torch, check_backend_argument, check_unknown_names,
+                      check_zero_size):
             c, f = check()
             total, bad = total + c, bad + f
     print(f"torch {torch.__version__}: {total - bad} passed, {bad} failed ({len(ops)} ops)")

@@ -300,6 +300,32 @@ TEST_CASE("dispatch: bad arguments after an accepted call of the same shapes are
   bad_argument_cases(op);
 }
 
+TEST_CASE("dispatch: a tensor with no element is contiguous whatever its strides, as torch lays it out") {
+  auto ctx = cpu_context();
+  Dispatcher dispatch(*ctx);
+  const OpHandle op = dispatch.op("layernorm.rmsnorm");
+  // torch gives a [2, 0, 7] tensor the strides [7, 7, 1] and a [3, 0] one
+  // [1, 1]: what a dense layout would have if each zero dim were 1.
+  std::vector<int64_t> shape3{2, 0, 7}, strides3{7, 7, 1}, shape1{7};
+  std::vector<float> weight(7, 1.0f);
+  float none = std::nanf("");
+  const DLDevice cpu{kDLCPU, 0};
+  const DLDataType f32{kDLFloat, 32, 1};
+  std::vector<DLTensor> empty_rows{DLTensor{&none, cpu, 3, f32, shape3.data(), strides3.data(), 0},
+                                   DLTensor{&none, cpu, 3, f32, shape3.data(), strides3.data(), 0},
+                                   DLTensor{weight.data(), cpu, 1, f32, shape1.data(), nullptr, 0}};
+  CHECK_NOTHROW(op(empty_rows));
+  CHECK(std::isnan(none));  // nothing was written
+  CHECK_NOTHROW(op.check(empty_rows, OpHandle::CheckScope::call));
+  // A tensor with elements and the same kind of strides is still refused.
+  std::vector<int64_t> shape_full{2, 1, 7}, strides_bad{14, 7, 2};
+  std::vector<float> data(2 * 7 * 2, 0.5f);
+  std::vector<DLTensor> strided{DLTensor{data.data(), cpu, 3, f32, shape_full.data(), strides_bad.data(), 0},
+                                DLTensor{data.data(), cpu, 3, f32, shape_full.data(), nullptr, 0},
+                                DLTensor{weight.data(), cpu, 1, f32, shape1.data(), nullptr, 0}};
+  CHECK_THROWS_AS(op(strided), CallError);
+}
+
 TEST_CASE("dispatch: calls alternating between shapes each get their own result") {
   auto ctx = cpu_context();
   Dispatcher dispatch(*ctx);
