@@ -33,6 +33,9 @@ constexpr int kFileFormat = 2;
 constexpr std::string_view kHeaderWord = "kdispatch-registry-cache";
 constexpr std::string_view kScanKind = "scan";
 constexpr std::string_view kManifestKind = "manifest";
+// The largest cache file read: a thousand manifests of twenty kernels take
+// a few MiB.
+constexpr uint64_t kMaxCacheBytes = uint64_t{64} << 20;
 
 // A file changed this shortly before it is parsed may change again without
 // a new stamp: timestamps advance in clock ticks (or whole seconds where a
@@ -209,8 +212,18 @@ CacheFile read_cache(bool manifests) {
     if (why != std::strerror(ENOENT)) log(LogLevel::warn, "registry cache {}: {}; rebuilding it", path.string(), why);
     return file;
   }
+  // No cache of real plugin folders comes near this; a larger (or sparse)
+  // file is not read, so that it costs neither the memory nor the time.
+  const auto too_large = [&path](uint64_t bytes) {
+    log(LogLevel::warn, "registry cache {} is {} bytes, more than a cache holds ({} MiB); rebuilding it",
+        path.string(), bytes, kMaxCacheBytes >> 20);
+    return CacheFile();
+  };
   struct stat st {};
-  if (::fstat(fd.fd, &st) == 0 && st.st_size > 0) text.reserve(static_cast<size_t>(st.st_size));
+  if (::fstat(fd.fd, &st) == 0 && st.st_size > 0) {
+    if (static_cast<uint64_t>(st.st_size) > kMaxCacheBytes) return too_large(static_cast<uint64_t>(st.st_size));
+    text.reserve(static_cast<size_t>(st.st_size));
+  }
   char buffer[65536];
   while (true) {
     const ssize_t n = ::read(fd.fd, buffer, sizeof buffer);
@@ -220,6 +233,10 @@ CacheFile read_cache(bool manifests) {
       return file;
     }
     if (n == 0) break;
+    // A file that grows while it is read.
+    if (text.size() + static_cast<size_t>(n) > kMaxCacheBytes) {
+      return too_large(text.size() + static_cast<size_t>(n));
+    }
     text.append(buffer, static_cast<size_t>(n));
   }
   std::string_view rest = text;

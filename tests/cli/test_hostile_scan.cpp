@@ -176,6 +176,26 @@ TEST_CASE("hostile scan: a corrupt, truncated or unwritable registry cache never
   CHECK(r.err.find("cannot be written") != std::string::npos);
 }
 
+TEST_CASE("hostile scan: a huge or sparse registry cache is not read: one warning, and it is rebuilt") {
+  const fs::path dir = dir_with_cpu_plugin();
+  const fs::path cache = dir.parent_path() / "cache";
+  const std::map<std::string, std::string> env{{"XDG_CACHE_HOME", cache.string()}};
+  REQUIRE(run_tool({"doctor", "--json", "--plugin-path", dir.string()}, env).exit_code == 0);
+  fs::path cache_file;
+  for (const auto& entry : fs::directory_iterator(cache / "kdispatch")) cache_file = entry.path();
+  REQUIRE(!cache_file.empty());
+  // 8 GiB, nearly all of it a hole: reading it whole would take the memory.
+  fs::resize_file(cache_file, uint64_t{8} << 30);
+  const ToolResult r = run_tool({"doctor", "--json", "--plugin-path", dir.string()}, env);
+  INFO("stderr: " << r.err);
+  CHECK(r.exit_code == 0);
+  CHECK((*plugin_named(json_of(r), "cpu"))["loaded"] == true);
+  CHECK(r.err.find("is 8589934592 bytes, more than a cache holds (64 MiB); rebuilding it") != std::string::npos);
+  CHECK(r.err.find("bad_alloc") == std::string::npos);
+  CHECK(fs::file_size(cache_file) < (uint64_t{1} << 20));
+  CHECK(read_file(cache_file).starts_with("kdispatch-registry-cache "));
+}
+
 TEST_CASE("hostile scan: KDISPATCH_SCAN=off opens plugins in-process and writes no cache") {
   const fs::path dir = dir_with_cpu_plugin();
   const fs::path cache = dir.parent_path() / "cache";
