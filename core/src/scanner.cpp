@@ -110,9 +110,9 @@ ScanOutcome run_scanner(const fs::path& program, const fs::path& manifest_path, 
   ScanOutcome outcome;
   int out_pipe[2];
   int result_pipe[2];
-  if (::pipe2(out_pipe, O_CLOEXEC) != 0) return {ScanVerdict::exited, -1, std::strerror(errno)};
+  if (::pipe2(out_pipe, O_CLOEXEC) != 0) return {ScanVerdict::exited, -1, std::strerror(errno), false};
   UniqueFd out_read{out_pipe[0]}, out_write{out_pipe[1]};
-  if (::pipe2(result_pipe, O_CLOEXEC) != 0) return {ScanVerdict::exited, -1, std::strerror(errno)};
+  if (::pipe2(result_pipe, O_CLOEXEC) != 0) return {ScanVerdict::exited, -1, std::strerror(errno), false};
   UniqueFd result_read{result_pipe[0]}, result_write{result_pipe[1]};
 
   posix_spawn_file_actions_t actions;
@@ -129,7 +129,7 @@ ScanOutcome run_scanner(const fs::path& program, const fs::path& manifest_path, 
   out_write.reset();
   result_write.reset();
   if (spawned != 0)
-    return {ScanVerdict::exited, -1, fmt::format("cannot run {}: {}", program_text, std::strerror(spawned))};
+    return {ScanVerdict::exited, -1, fmt::format("cannot run {}: {}", program_text, std::strerror(spawned)), false};
 
   std::string printed;
   std::string result;
@@ -163,14 +163,15 @@ ScanOutcome run_scanner(const fs::path& program, const fs::path& manifest_path, 
     ::kill(pid, SIGKILL);
     ::waitpid(pid, &status, 0);
     return {ScanVerdict::hung, 0,
-            fmt::format("still running after {:.1f} s, killed", static_cast<double>(timeout.count()) / 1000)};
+            fmt::format("still running after {:.1f} s, killed", static_cast<double>(timeout.count()) / 1000),
+            false};
   }
   while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
   if (!printed.empty()) return {ScanVerdict::wrote_stdout, 0, shown(printed)};
   if (WIFSIGNALED(status)) {
     const int sig = WTERMSIG(status);
-    return {ScanVerdict::crashed, sig, fmt::format("signal {} ({})", sig, ::strsignal(sig))};
+    return {ScanVerdict::crashed, sig, fmt::format("signal {} ({})", sig, ::strsignal(sig)), sig != SIGKILL};
   }
   if (result.starts_with("ok")) return {ScanVerdict::ok, 0, {}};
   if (result.starts_with("error\t")) {
@@ -188,9 +189,10 @@ std::optional<Problem> scan_problem(const Manifest& manifest, const ScanOutcome&
   const std::string library = fs::absolute(manifest.library_path()).string();
   const auto failed = [&](const std::string& what) {
     return Problem{ErrorCode::plugin_scan_failed, library,
-                   fmt::format("plugin library {} {} when the plugin scanner opened it; it is not opened in this "
-                               "process until the file changes",
-                               library, what)};
+                   fmt::format("plugin library {} {} when the plugin scanner opened it; {}", library, what,
+                               outcome.definite ? "it is not opened in this process until the file changes"
+                                                : "it is not opened in this process, and the next process scans "
+                                                  "it again")};
   };
   switch (outcome.verdict) {
     case ScanVerdict::ok:
@@ -217,7 +219,7 @@ std::optional<ScanOutcome> scan_now(const Manifest& manifest) {
   ScanOutcome outcome = run_scanner(*program, fs::absolute(manifest.path), scan_timeout());
   log(LogLevel::info, "plugin scanner: '{}': {}{}{}", manifest.plugin, scan_verdict_name(outcome.verdict),
       outcome.detail.empty() ? "" : ": ", outcome.detail);
-  cache_store(manifest, outcome);
+  if (outcome.definite) cache_store(manifest, outcome);
   return outcome;
 }
 

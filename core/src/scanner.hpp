@@ -33,6 +33,12 @@ struct ScanOutcome {
   ScanVerdict verdict = ScanVerdict::ok;
   int code = 0;        // incompatible: the ErrorCode; crashed: the signal; exited: the exit status
   std::string detail;  // the helper's message, or what it printed
+  // False when the outcome may say more about this machine's state than
+  // about the plugin: a timeout (a loaded machine), a helper that could not
+  // be started (a process or file limit), a SIGKILL from outside (the OOM
+  // killer). Such an outcome refuses the plugin in this process but is not
+  // cached: the next process scans it again.
+  bool definite = true;
 };
 
 enum class ScanPolicy { cache, always, off };
