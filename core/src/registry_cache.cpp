@@ -29,7 +29,7 @@ namespace fs = std::filesystem;
 namespace {
 
 // The layout of the lines below; bump it when they change.
-constexpr int kFileFormat = 2;
+constexpr int kFileFormat = 3;
 constexpr std::string_view kHeaderWord = "kdispatch-registry-cache";
 constexpr std::string_view kScanKind = "scan";
 constexpr std::string_view kManifestKind = "manifest";
@@ -45,8 +45,12 @@ constexpr uint64_t kMaxCacheBytes = uint64_t{64} << 20;
 constexpr int64_t kSettleNs = 100'000'000;
 constexpr int64_t kSettleNsWholeSeconds = 2'000'000'000;
 
+// The library file as the manifests' entries key theirs: device, inode,
+// size, and modification and change times (a copy that keeps the size and
+// mtime, `cp -p` or `rsync -t`, is a new inode or a new ctime), and the
+// manifest's sha256.
 struct ScanStamp {
-  std::string library_size, library_mtime, manifest_sha256;
+  std::string library_file, manifest_sha256;
   bool operator==(const ScanStamp&) const = default;
 };
 
@@ -108,8 +112,8 @@ std::optional<ScanStamp> scan_stamp_of(const Manifest& manifest) {
   const fs::path library = fs::absolute(manifest.library_path());
   if (::stat(library.c_str(), &st) != 0) return std::nullopt;
   ScanStamp s;
-  s.library_size = std::to_string(st.st_size);
-  s.library_mtime = fmt::format("{}.{:09}", st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
+  s.library_file = fmt::format("{}:{}:{}:{}:{}", static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
+                               static_cast<int64_t>(st.st_size), nanoseconds(st.st_mtim), nanoseconds(st.st_ctim));
   try {
     s.manifest_sha256 = sha256_file(manifest.path);
   } catch (const std::exception&) {
@@ -171,14 +175,14 @@ bool parse_number(std::string_view text, Int& out, int base = 10) {
 bool parse_scan_line(std::string_view line, CacheFile& file) {
   std::vector<std::string_view> f;
   std::string_view detail;
-  if (!split_fields(line, 6, f, detail) || detail.find('\t') != std::string_view::npos) return false;
-  // f: library, size, mtime, manifest sha256, verdict, code
+  if (!split_fields(line, 5, f, detail) || detail.find('\t') != std::string_view::npos) return false;
+  // f: library, its file stamp (device:inode:size:mtime:ctime), manifest sha256, verdict, code
   ScanOutcome outcome;
-  if (!parse_scan_verdict(f[4], &outcome.verdict) || f[5].size() > 10 || !parse_number(f[5], outcome.code)) {
+  if (!parse_scan_verdict(f[3], &outcome.verdict) || f[4].size() > 10 || !parse_number(f[4], outcome.code)) {
     return false;
   }
   outcome.detail = unescape(detail);
-  file.scans[unescape(f[0])] = {{std::string(f[1]), std::string(f[2]), std::string(f[3])}, std::move(outcome)};
+  file.scans[unescape(f[0])] = {{std::string(f[1]), std::string(f[2])}, std::move(outcome)};
   return true;
 }
 
@@ -281,9 +285,9 @@ std::optional<std::string> write_cache(const CacheFile& file) {
   fs::create_directories(path.parent_path(), ec);
   std::string text = header() + "\n";
   for (const auto& [library, e] : file.scans) {
-    text += fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\n", kScanKind, escape(library), e.stamp.library_size,
-                        e.stamp.library_mtime, e.stamp.manifest_sha256, scan_verdict_name(e.outcome.verdict),
-                        e.outcome.code, escape(e.outcome.detail));
+    text += fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\n", kScanKind, escape(library), e.stamp.library_file,
+                        e.stamp.manifest_sha256, scan_verdict_name(e.outcome.verdict), e.outcome.code,
+                        escape(e.outcome.detail));
   }
   for (const auto& [manifest, e] : file.manifests) {
     text += fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\t{:x}\t", kManifestKind, escape(manifest), e.stamp.device,

@@ -138,6 +138,18 @@ TEST_CASE("hostile scan: definite outcomes are cached until the plugin's file ch
   const ToolResult touched = run_tool({"doctor", "--plugin-path", f.plugins.string()}, info);
   CHECK(touched.err.find("plugin scanner: 'fx_ctor_segv': crashed") != std::string::npos);
   CHECK(touched.err.find("plugin scanner: 'fx_ctor_abort'") == std::string::npos);
+  // A library rewritten with the same size and its old mtime put back (what
+  // `cp -p`, `tar` or `rsync -t` of a rebuilt library of the same size
+  // does) has a new change time: scanned again too.
+  const fs::path abort_library = f.plugins / "libfx_ctor_abort.so";
+  const fs::file_time_type mtime = fs::last_write_time(abort_library);
+  const std::string bytes = read_file(abort_library);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::ofstream(abort_library, std::ios::binary | std::ios::trunc) << bytes;
+  fs::last_write_time(abort_library, mtime);
+  const ToolResult copied = run_tool({"doctor", "--plugin-path", f.plugins.string()}, info);
+  CHECK(copied.err.find("plugin scanner: 'fx_ctor_abort': crashed") != std::string::npos);
+  CHECK(copied.err.find("plugin scanner: 'fx_ctor_segv'") == std::string::npos);
   // KDISPATCH_SCAN=always scans all of them again.
   const ToolResult always =
       run_tool({"doctor", "--plugin-path", f.plugins.string()}, env_with(info, "KDISPATCH_SCAN", "always"));
