@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -203,6 +204,31 @@ bool parse_manifest_line(std::string_view line, CacheFile& file) {
   return true;
 }
 
+// Why the cache's folder cannot be trusted, or empty: it must be a folder
+// (not a link) owned by this user and open to no one else. It is created
+// 0700 when missing; one of ours that others can read or write (made by an
+// older build, or by hand) is made 0700. Anything else is not used: a
+// cache another user can write would let them forge scan verdicts.
+std::string cache_dir_problem(const fs::path& dir) {
+  std::error_code ec;
+  fs::create_directories(dir.parent_path(), ec);
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    return fmt::format("its folder {} cannot be made ({})", dir.string(), std::strerror(errno));
+  }
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0) return fmt::format("its folder {}: {}", dir.string(), std::strerror(errno));
+  if (!S_ISDIR(st.st_mode)) return fmt::format("its folder {} is not a folder", dir.string());
+  if (st.st_uid != ::geteuid()) {
+    return fmt::format("its folder {} belongs to uid {}, not to this user (uid {})", dir.string(), st.st_uid,
+                       ::geteuid());
+  }
+  if ((st.st_mode & 077) != 0 && ::chmod(dir.c_str(), 0700) != 0) {
+    return fmt::format("its folder {} is open to other users (mode {:o}) and cannot be made private ({})",
+                       dir.string(), st.st_mode & 07777, std::strerror(errno));
+  }
+  return {};
+}
+
 // Every well-formed entry of the cache file (manifest entries only when
 // `manifests`); lines that do not parse are dropped, a file of another
 // format or build is ignored whole.
@@ -210,6 +236,11 @@ CacheFile read_cache(bool manifests) {
   CacheFile file;
   std::string& text = *file.text;
   const fs::path path = registry_cache_path();
+  if (const std::string problem = cache_dir_problem(path.parent_path()); !problem.empty()) {
+    // Writing it fails too, and says so once (cache_store, ManifestCache).
+    log(LogLevel::debug, "registry cache {} is not read: {}", path.string(), problem);
+    return file;
+  }
   std::string why;
   UniqueFd fd{open_regular_file(path, O_RDONLY, why)};
   if (fd.fd < 0) {
@@ -224,7 +255,12 @@ CacheFile read_cache(bool manifests) {
     return CacheFile();
   };
   struct stat st {};
-  if (::fstat(fd.fd, &st) == 0 && st.st_size > 0) {
+  if (::fstat(fd.fd, &st) == 0 && st.st_uid != ::geteuid()) {
+    log(LogLevel::warn, "registry cache {} belongs to uid {}, not to this user; rebuilding it", path.string(),
+        st.st_uid);
+    return file;
+  }
+  if (st.st_size > 0) {
     if (static_cast<uint64_t>(st.st_size) > kMaxCacheBytes) return too_large(static_cast<uint64_t>(st.st_size));
     text.reserve(static_cast<size_t>(st.st_size));
   }
@@ -281,8 +317,9 @@ CacheFile read_cache(bool manifests) {
 // Writes the cache file; on failure returns why.
 std::optional<std::string> write_cache(const CacheFile& file) {
   const fs::path path = registry_cache_path();
-  std::error_code ec;
-  fs::create_directories(path.parent_path(), ec);
+  if (const std::string problem = cache_dir_problem(path.parent_path()); !problem.empty()) {
+    return fmt::format("registry cache {} cannot be written: {}", path.string(), problem);
+  }
   std::string text = header() + "\n";
   for (const auto& [library, e] : file.scans) {
     text += fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\n", kScanKind, escape(library), e.stamp.library_file,
@@ -338,7 +375,10 @@ fs::path registry_cache_path() {
   } else if (auto home = get_env("HOME"); home && !home->empty()) {
     dir = fs::path(*home) / ".cache";
   } else {
-    dir = fs::temp_directory_path();
+    // No home: a folder of this user's own in the temporary folder, which
+    // cache_dir_problem() checks like any other.
+    return fs::temp_directory_path() / fmt::format("kdispatch-{}", ::geteuid()) /
+           fmt::format("registry-{}-abi{}.{}.cache", KDISPATCH_VERSION_STRING, KDISPATCH_ABI_MAJOR, KDISPATCH_ABI_MINOR);
   }
   return dir / "kdispatch" /
          fmt::format("registry-{}-abi{}.{}.cache", KDISPATCH_VERSION_STRING, KDISPATCH_ABI_MAJOR, KDISPATCH_ABI_MINOR);

@@ -14,6 +14,8 @@
 #include <map>
 #include <thread>
 
+#include <unistd.h>
+
 #include "hostile_helpers.hpp"
 
 using namespace hostile;
@@ -213,6 +215,46 @@ TEST_CASE("hostile scan: a huge or sparse registry cache is not read: one warnin
   CHECK(r.err.find("bad_alloc") == std::string::npos);
   CHECK(fs::file_size(cache_file) < (uint64_t{1} << 20));
   CHECK(read_file(cache_file).starts_with("kdispatch-registry-cache "));
+}
+
+TEST_CASE("hostile scan: the registry cache lives only in a private folder of this user's") {
+  const fs::path dir = dir_with_cpu_plugin();
+  const fs::path base = dir.parent_path();
+  const auto doctor = [&](const std::map<std::string, std::string>& env) {
+    const ToolResult r = run_tool({"doctor", "--json", "--plugin-path", dir.string()}, env);
+    INFO("stderr: " << r.err);
+    CHECK(r.exit_code == 0);
+    CHECK((*plugin_named(json_of(r), "cpu"))["loaded"] == true);
+    return r;
+  };
+  const auto mode = [](const fs::path& p) { return fs::status(p).permissions() & fs::perms::all; };
+  // Missing: created 0700.
+  const fs::path fresh = base / "fresh";
+  doctor({{"XDG_CACHE_HOME", fresh.string()}});
+  CHECK(mode(fresh / "kdispatch") == fs::perms::owner_all);
+  // Ours but open to others (an older build's, or made by hand): made 0700.
+  const fs::path open_dir = base / "open";
+  fs::create_directories(open_dir / "kdispatch");
+  fs::permissions(open_dir / "kdispatch", fs::perms::all);
+  doctor({{"XDG_CACHE_HOME", open_dir.string()}});
+  CHECK(mode(open_dir / "kdispatch") == fs::perms::owner_all);
+  // Another user's (a forged cache could sit in it): not used, said once.
+  const fs::path foreign = base / "foreign";
+  fs::create_directories(foreign / "kdispatch");
+  REQUIRE(::chown((foreign / "kdispatch").c_str(), 65534, 65534) == 0);
+  const ToolResult r = doctor({{"XDG_CACHE_HOME", foreign.string()}, {"KDISPATCH_SCAN", "always"}});
+  CHECK(r.err.find("belongs to uid 65534, not to this user") != std::string::npos);
+  CHECK(r.err.find("belongs to uid 65534", r.err.find("belongs to uid 65534") + 1) == std::string::npos);
+  CHECK(fs::is_empty(foreign / "kdispatch"));
+  // No HOME and no XDG_CACHE_HOME: a folder of this user's own in the
+  // temporary folder, not a shared one.
+  const fs::path tmp = base / "tmp";
+  fs::create_directories(tmp);
+  doctor({{"HOME", ""}, {"XDG_CACHE_HOME", ""}, {"TMPDIR", tmp.string()}});
+  const fs::path own = tmp / fmt::format("kdispatch-{}", ::geteuid());
+  CHECK(fs::is_directory(own));
+  CHECK(mode(own) == fs::perms::owner_all);
+  CHECK_FALSE(fs::exists(tmp / "kdispatch"));
 }
 
 TEST_CASE("hostile scan: KDISPATCH_SCAN=off opens plugins in-process and writes no cache") {
