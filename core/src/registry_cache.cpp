@@ -347,6 +347,15 @@ std::optional<std::string> write_cache(const CacheFile& file) {
   return fmt::format("registry cache {} cannot be written ({})", path.string(), std::strerror(errno));
 }
 
+// One warning per process for a cache that cannot be written, whether a
+// scan outcome or parsed manifests were to be stored.
+void warn_unwritable(const std::string& failed) {
+  static std::once_flag warned;
+  std::call_once(warned, [&] {
+    log(LogLevel::warn, "{}; plugins are scanned and manifests parsed again next time", failed);
+  });
+}
+
 // The stamp of the file at `path` now, or nullopt when it is no regular file.
 std::optional<FileStamp> stamp_of_path(const std::string& path) {
   struct stat st {};
@@ -400,11 +409,7 @@ void cache_store(const Manifest& manifest, const ScanOutcome& outcome) {
   std::lock_guard lock(cache_mutex());
   CacheFile file = read_cache(/*manifests=*/true);
   file.scans[fs::absolute(manifest.library_path()).string()] = {*stamp, outcome};
-  if (const std::optional<std::string> failed = write_cache(file)) {
-    // Once: a process may scan many plugins.
-    static std::once_flag warned;
-    std::call_once(warned, [&] { log(LogLevel::warn, "{}; plugins are scanned again next time", *failed); });
-  }
+  if (const std::optional<std::string> failed = write_cache(file)) warn_unwritable(*failed);
 }
 
 ManifestCache::ManifestCache(ScanPolicy policy)
@@ -474,9 +479,7 @@ void ManifestCache::save() {
   for (const auto& [key, entry] : changes_) {
     if (entry) file.manifests[key] = {entry->stamp, entry->record};
   }
-  if (const std::optional<std::string> failed = write_cache(file)) {
-    log(LogLevel::warn, "{}; manifests are parsed again next time", *failed);
-  }
+  if (const std::optional<std::string> failed = write_cache(file)) warn_unwritable(*failed);
   changes_.clear();
 }
 
