@@ -292,8 +292,8 @@ def topk_case(dtype, rows, experts, k):
 
 
 def topk_bias_case(dtype, rows, experts, k):
-    """topk_softmax with a float32 correction_bias [E] (DeepSeek-V3's
-    routing), renormalised; no token_expert_indices."""
+    """topk_softmax with a float32 correction_bias [E], renormalised;
+    token_expert_indices left out."""
     t = DTYPES[dtype]
     nbytes = (torch.finfo(t).bits // 8) * rows * experts + 4 * experts + rows * k * 8
     op = "moe.topk_softmax"
