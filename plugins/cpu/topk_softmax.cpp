@@ -235,7 +235,7 @@ void transform_row(const T* src, int64_t e, double cap, const float* bias, float
 // Rows a parallel range takes in one step: bounds the scratch of the
 // transformed rows and of int64 ids.
 inline int64_t chunk_rows(int64_t e) {
-  const int64_t n = 16384 / (e > 0 ? e : 1);
+  const int64_t n = 4096 / (e > 0 ? e : 1);
   return n < 1 ? 1 : n > 64 ? 64 : n;
 }
 
