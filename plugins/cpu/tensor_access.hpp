@@ -45,6 +45,7 @@ kd_status check_arguments(const kd_call_args* args, const char* op, int num_attr
                              "%s: tensor %d has %d dimensions, expected at least %d", op, i,
                              t.ndim, min_ndim[i]);
     }
+    if (t.data == nullptr && t.ndim == 0) continue;  // an optional tensor left out
     for (int d = 0; d < t.ndim; ++d) {
       if (t.shape[d] < 0) {
         return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT,
