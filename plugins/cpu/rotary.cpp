@@ -162,7 +162,7 @@ kd_status run(const kd_call_args* args, const P* pos, const DLTensor& query, con
 // absent, cos_sin_cache [P, 2*R] float32 or T, 2*R <= D), attribute is_neox.
 kd_status rotary_embedding(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(args, [&]() -> kd_status {
-    constexpr int kMinNdim[] = {1, 3, 3, 2};
+    constexpr int kMinNdim[] = {1, 3, 0, 2};  // key: optional
     if (kd_status s = check_arguments(args, kOp, 1, kMinNdim); s != KD_STATUS_OK) return s;
     const DLTensor& positions = args->tensors[0];
     const DLTensor& query = args->tensors[1];
@@ -174,7 +174,7 @@ kd_status rotary_embedding(const kd_call_args* args) noexcept {
     const int64_t head_size = dim(query, -1);
     const int64_t cache_positions = dim(cache, 0);
     if (width % 2 != 0 || cache.ndim != 2 || width > head_size || leading_rows(query, 2) != tokens ||
-        (has_key && (dim(key, -1) != head_size || leading_rows(key, 2) != tokens))) {
+        (has_key && (key.ndim < 3 || dim(key, -1) != head_size || leading_rows(key, 2) != tokens))) {
       return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT,
                              "%s: expected positions [*], query [*, HQ, D], key [*, HK, D], "
                              "cos_sin_cache [P, 2*R] with 2*R <= D",
