@@ -74,16 +74,21 @@ template <bool kNeox>
 }
 
 // Rotates every head of token t: float data where it is, 16-bit data
-// widened into `scratch` (2 * half floats), rotated and narrowed back.
+// widened into `scratch`, rotated and narrowed back: all heads at once when
+// they lie back to back and are rotated whole, else head by head.
 template <bool kNeox, class T>
 [[gnu::always_inline]] inline void rotate_token(const Heads<T>& x, int64_t t, const float* cos,
                                                 const float* sin, int64_t half, float* scratch) {
   T* token = x.data + x.tokens.offset(t);
-  for (int64_t h = 0; h < x.count; ++h) {
-    T* head = token + h * x.head_stride;
-    if constexpr (std::is_same_v<T, float>) {
-      rotate_head<kNeox>(head, cos, sin, half);
-    } else {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t h = 0; h < x.count; ++h) rotate_head<kNeox>(token + h * x.head_stride, cos, sin, half);
+  } else if (x.head_stride == 2 * half || x.count == 1) {
+    widen(token, scratch, x.count * 2 * half);
+    for (int64_t h = 0; h < x.count; ++h) rotate_head<kNeox>(scratch + h * 2 * half, cos, sin, half);
+    narrow(scratch, token, x.count * 2 * half, Store::kCached);
+  } else {
+    for (int64_t h = 0; h < x.count; ++h) {
+      T* head = token + h * x.head_stride;
       widen(head, scratch, 2 * half);
       rotate_head<kNeox>(scratch, cos, sin, half);
       narrow(scratch, head, 2 * half, Store::kCached);
@@ -92,7 +97,8 @@ template <bool kNeox, class T>
 }
 
 // `scratch` holds 2 * half floats for the token's cos and sin (a 16-bit
-// cache only), then 2 * half for a head (16-bit data only).
+// cache only), then room for the heads of query or key of one token (16-bit
+// data only).
 template <bool kNeox, class T, class C, class P>
 KD_CPU_MULTIVERSION void rotary_tokens(const P* positions, Heads<T> query, Heads<T> key,
                                        const C* cache, int64_t half, float* scratch,
@@ -130,8 +136,9 @@ kd_status run(const kd_call_args* args, const P* pos, const DLTensor& query, con
   const Heads<T> k = heads_of<T>(key);
   const C* c = data_as<const C>(cache);
   const int64_t half = dim(cache, -1) / 2;
-  const int64_t scratch_floats =
-      (std::is_same_v<C, float> ? 0 : 2 * half) + (std::is_same_v<T, float> ? 0 : 2 * half);
+  const int64_t cache_floats = std::is_same_v<C, float> ? 0 : 2 * half;
+  const int64_t head_floats = std::is_same_v<T, float> ? 0 : std::max(q.count, k.count) * 2 * half;
+  const int64_t scratch_floats = cache_floats + head_floats;
   const int64_t work_per_token = (q.count + k.count) * 2 * half;
   std::atomic<bool> out_of_memory{false};
   kd_plugin::parallel_for(tokens, work_per_token, [&](int64_t begin, int64_t end) noexcept {
