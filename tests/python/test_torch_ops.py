@@ -112,6 +112,8 @@ def bad_calls(device):
          (e(3, dtype=i64), e(3, 2, 7), e(3, 1, 7), e(16, 7))),
         ("the leading dims of an integer input", "embeddings.rotary_embedding",
          (e(4, dtype=i64), e(3, 2, 8), e(3, 1, 8), e(16, 8))),
+        ("a relation between sizes (a cos_sin_cache wider than the head)", "embeddings.rotary_embedding",
+         (e(3, dtype=i64), e(3, 2, 8), e(3, 1, 8), e(16, 10))),
         ("a layout", "layernorm.rmsnorm", (e(3, 7), e(3, 14)[:, ::2], e(7))),
     ]
 
