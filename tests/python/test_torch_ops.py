@@ -249,6 +249,9 @@ def check_zero_size():
                 kdispatch.call(op, *tensors, **case.attrs)
                 getattr(torch.ops.kdispatch, kdispatch.torch.op_name(op))(*tensors)
             except Exception as e:  # noqa: BLE001 - any refusal is the failure
+                if "breaks the schema's requirement" in str(e):
+                    checked -= 1  # a 0 on one side of a requirement (2*R <= D) is refused, rightly
+                    continue
                 failed += 1
                 print(f"FAIL {op} with {zero} = 0, shapes {[list(t.shape) for t in tensors]}: "
                       f"{type(e).__name__}: {e}")
