@@ -33,6 +33,10 @@ def check_op(op):
     keyword_symbols = kdt._schema.Functional(schema).keyword_symbols
     inputs_of = [i for i, t in enumerate(schema["tensors"]) if not t["written"] or t["inplace"]]
     outputs_of = [i for i, t in enumerate(schema["tensors"]) if t["written"]]
+    # Optional outputs are not allocated by the functional variant: given by keyword.
+    optional_outputs = [i for i in outputs_of if schema["tensors"][i].get("optional")
+                        and not schema["tensors"][i]["inplace"]]
+    returned = [i for i in outputs_of if i not in optional_outputs]
     checked = failed = 0
     for dtype in kt.dtypes(op):
         for case in kt.cases(op):
@@ -48,13 +52,14 @@ def check_op(op):
                 else:
                     before = [got[i].clone() for i in inputs_of]
                     keywords = {s: case.sizes[s] for s in keyword_symbols}
+                    keywords.update({schema["tensors"][i]["name"]: got[i] for i in optional_outputs})
                     result = functional(*[got[i] for i in inputs_of], **keywords, **case.attrs)
                     result = result if isinstance(result, tuple) else (result,)
                     for i, b in zip(inputs_of, before):  # a functional variant leaves its inputs alone
                         if not (torch.equal(b, got[i]) or torch.allclose(b, got[i], rtol=0, atol=0, equal_nan=True)):
                             print(f"FAIL {case} {dtype}: the functional variant changed its input {i}")
                             failed += 1
-                    for i, r in zip(outputs_of, result):
+                    for i, r in zip(returned, result):
                         got[i] = r
                 verdict = kt.compare(op, got, want, case)
                 checked += 1

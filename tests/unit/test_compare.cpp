@@ -76,3 +76,83 @@ TEST_CASE("ulp: the spacing of each dtype, subnormal near zero") {
   CHECK(harness::ulp(Dtype::float16, 1e-7) == std::ldexp(1.0, -24));
   CHECK(harness::ulp(Dtype::int32, 5.0) == 1.0);
 }
+
+namespace {
+
+// out [*, H, D] and x [*, H, D] of layout "rows", an optional output
+// `extra` [*, H, D].
+OpSchema rows_schema() {
+  OpSchema s = unary_schema();
+  ShapeToken lead;
+  lead.kind = ShapeToken::Kind::leading;
+  ShapeToken h;
+  h.symbol = "H";
+  ShapeToken d;
+  d.symbol = "D";
+  s.tensors[0].shape = s.tensors[1].shape = {lead, h, d};
+  s.tensors[0].layout = s.tensors[1].layout = Layout::rows;
+  TensorArg extra = s.tensors[0];
+  extra.name = "extra";
+  extra.optional = true;
+  s.tensors.push_back(extra);
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("padded rows: odd pads above each dim, a size-1 dim a stride beyond 2^31, the padding poisoned") {
+  CHECK(harness::padded_strides({3, 5, 8}) == std::vector<int64_t>{62, 11, 1});
+  CHECK(harness::padded_strides({1, 8}) == std::vector<int64_t>{(int64_t{1} << 31) + 3, 1});
+  CHECK(harness::padded_strides({8}) == std::vector<int64_t>{1});
+
+  const OpSchema schema = rows_schema();
+  const harness::Shapes shapes{{3}, {{"H", 5}, {"D", 8}}};
+  const std::vector<harness::Variant> variants = harness::variants(schema, Dtype::bfloat16);
+  // dense and padded, each with `extra` present and absent
+  REQUIRE(variants.size() == 4);
+  CHECK(harness::describe(schema, variants.front()) == "dense");
+  CHECK(harness::describe(schema, variants.back()) == "padded rows, extra absent");
+
+  const harness::CallData dense = harness::make_call(schema, Dtype::bfloat16, shapes, 7);
+  const harness::CallData padded = harness::make_call(schema, Dtype::bfloat16, shapes, 7, harness::Variant{true, {}, {}});
+  const harness::Buffer& x = padded.tensors[1];
+  REQUIRE(x.padded());
+  CHECK(x.strides() == std::vector<int64_t>{62, 11, 1});
+  CHECK(x.dl().strides != nullptr);
+  CHECK(x.numel() == 3 * 5 * 8);
+  CHECK(x.bytes() == (2 * 62 + 4 * 11 + 7 + 1 + 3) * 2);
+  for (size_t i = 0; i < x.numel(); ++i) CHECK(x.at(i) == dense.tensors[1].at(i));
+  CHECK(std::isnan(harness::load(x.host(), Dtype::bfloat16, 8)));  // the first pad element
+  CHECK_NOTHROW(harness::check_guards(padded, "k"));
+
+  // The same logical values dense, and a comparison by logical index.
+  const harness::CallData flat = harness::clone_to(padded, DLDevice{kDLCPU, 0}, nullptr, /*dense=*/true);
+  CHECK(!flat.tensors[1].padded());
+  for (size_t i = 0; i < x.numel(); ++i) CHECK(flat.tensors[1].at(i) == x.at(i));
+  CHECK(harness::compare(schema, padded, flat).ok);
+
+  // A kernel writing a padding element fails, naming the tensor.
+  harness::CallData written = harness::clone_to(padded, DLDevice{kDLCPU, 0}, nullptr);
+  static_cast<uint16_t*>(written.tensors[0].host())[9] = 0;
+  CHECK_THROWS_WITH_AS(harness::check_guards(written, "k"), doctest::Contains("padding between the rows of tensor 'out'"),
+                       harness::GuardViolation);
+}
+
+TEST_CASE("an optional tensor left out: the ABI's absent tensor, skipped by the comparison") {
+  const OpSchema schema = rows_schema();
+  const harness::Shapes shapes{{2}, {{"H", 3}, {"D", 4}}};
+  harness::Variant v;
+  v.absent = {false, false, true};
+  const harness::CallData a = harness::make_call(schema, Dtype::float32, shapes, 3, v);
+  const std::vector<DLTensor> dl = a.dl();
+  CHECK(dl[2].data == nullptr);
+  CHECK(dl[2].ndim == 0);
+  CHECK(dl[2].shape == nullptr);
+  CHECK(dl[2].strides == nullptr);
+  CHECK(dl[2].dtype.bits == 0);
+  CHECK(dl[2].device.device_type == kDLCPU);
+  const harness::CallData b = harness::clone_to(a, DLDevice{kDLCPU, 0}, nullptr);
+  CHECK(!b.tensors[2].present());
+  CHECK_NOTHROW(harness::check_guards(b, "k"));
+  CHECK(harness::compare(schema, a, b).ok);
+}

@@ -1,5 +1,8 @@
 // The conformance suite: every op of every backend present, in every dtype
-// its kernel serves (the schema's, for a kernel that declares none), at
+// its kernel serves (the schema's, for a kernel that declares none), with
+// every dtype alternative of its tensors, each optional tensor present and
+// absent, dense and (for tensors of layout "rows" or "any") with padded
+// rows whose padding is poisoned and must stay untouched, at
 // the sizes and attribute values of the op schema's "tests", on random
 // inputs and again with each set of the schema's special values planted
 // (NaN, infinities, ties, far tails, every 16-bit value), against the op's
@@ -15,8 +18,10 @@
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "harness.hpp"
@@ -46,11 +51,14 @@ void synchronize(const Backend& b) {
   REQUIRE_MESSAGE(b.memory->synchronize(b.dl.device_id, error, sizeof error) == KD_STATUS_OK, error);
 }
 
-// The call `c` of the op on backend `b`, checked against the reference run
-// on the same inputs.
+// The call `c` of the op on backend `b`, in the layout and with the dtypes
+// and tensors of `variant`, checked against the reference run on the same
+// inputs in dense rows (and, for padded rows, the reference run on padded
+// rows against its own dense result).
 harness::Comparison run_case(const OpSchema& schema, const OpHandle& handle, const OpHandle& reference,
-                             const Backend& b, Dtype dtype, const harness::TestCase& c, uint64_t seed) {
-  const harness::CallData host = harness::make_case(schema, dtype, c, seed);
+                             const Backend& b, Dtype dtype, const harness::TestCase& c, uint64_t seed,
+                             const harness::Variant& variant) {
+  const harness::CallData host = harness::make_case(schema, dtype, c, seed, variant);
   harness::CallData data = harness::clone_to(host, b.dl, b.memory);
   std::vector<DLTensor> tensors = data.dl();
   const std::string kernel = fmt::format("the kernel of backend '{}'", b.name);
@@ -61,17 +69,34 @@ harness::Comparison run_case(const OpSchema& schema, const OpHandle& handle, con
     synchronize(b);
   }
   harness::download_all(data);
-  harness::CallData want = harness::clone_to(host, DLDevice{kDLCPU, 0}, nullptr);
+  harness::CallData want = harness::clone_to(host, DLDevice{kDLCPU, 0}, nullptr, /*dense=*/true);
   std::vector<DLTensor> want_tensors = want.dl();
   {
     harness::GuardWatch watch("the reference kernel");
     watch.watch(want);
     REQUIRE_NOTHROW(reference(want_tensors, want.attrs));
   }
-  // A kernel that wrote outside its tensors fails, whatever it computed.
+  std::optional<harness::CallData> want_padded;
+  if (variant.padded) {
+    want_padded.emplace(harness::clone_to(host, DLDevice{kDLCPU, 0}, nullptr));
+    std::vector<DLTensor> padded_tensors = want_padded->dl();
+    harness::GuardWatch watch("the reference kernel on padded rows");
+    watch.watch(*want_padded);
+    try {
+      reference(padded_tensors, want_padded->attrs);
+    } catch (const Error& e) {
+      harness::Comparison refused;
+      refused.ok = false;
+      refused.first_mismatch = std::string("the reference kernel refused padded rows: ") + e.what();
+      return refused;
+    }
+  }
+  // A kernel that wrote outside its tensors or into the padding between
+  // their rows fails, whatever it computed.
   try {
     harness::check_guards(data, kernel);
     harness::check_guards(want, "the reference kernel");
+    if (want_padded) harness::check_guards(*want_padded, "the reference kernel on padded rows");
   } catch (const harness::GuardViolation& e) {
     harness::Comparison outside;
     outside.ok = false;
@@ -79,7 +104,15 @@ harness::Comparison run_case(const OpSchema& schema, const OpHandle& handle, con
     return outside;
   }
   const std::vector<std::string> none;
-  return harness::compare(schema, data, want, c.special != nullptr ? c.special->unchecked : none);
+  const std::span<const std::string> unchecked = c.special != nullptr ? c.special->unchecked : none;
+  if (want_padded) {
+    harness::Comparison self = harness::compare(schema, *want_padded, want, unchecked);
+    if (!self.ok) {
+      self.first_mismatch = "the reference kernel on padded rows against itself on dense rows: " + self.first_mismatch;
+      return self;
+    }
+  }
+  return harness::compare(schema, data, want, unchecked);
 }
 
 // Runs `schema`'s op on every backend under test for every case and dtype.
@@ -111,22 +144,39 @@ void conform(const OpSchema& schema) {
     }
     const OpHandle handle = g_dispatch->op(op, b.name);
     int runs = 0;
+    int padded = 0;        // with padded rows
+    int alternatives = 0;  // with a tensor in a dtype other than its primary one
+    int absent = 0;        // with an optional tensor left out
     for (Dtype dtype : dtypes) {
-      for (const harness::TestCase& c : cases) {
-        INFO(op << " on " << b.name << " " << dtype_name(dtype) << " " << harness::describe(c));
-        const harness::Comparison cmp =
-            run_case(schema, handle, reference, b, dtype, c, 1234 + static_cast<uint64_t>(runs));
-        CHECK_MESSAGE(cmp.ok, cmp.first_mismatch << " (max " << cmp.max_ulps << " ulps, mean " << cmp.mean_ulps
-                                                 << " ulps)");
-        ++runs;
+      const std::vector<harness::Variant> variants = harness::variants(schema, dtype);
+      for (const harness::Variant& v : variants) {
+        bool alternative = false;
+        for (size_t i = 0; i < v.dtypes.size(); ++i) {
+          const std::vector<Dtype> choices = schema.tensor_dtypes(schema.tensors[i], dtype);
+          alternative = alternative || (!choices.empty() && v.dtypes[i] != choices.front());
+        }
+        const bool leaves_out = std::find(v.absent.begin(), v.absent.end(), true) != v.absent.end();
+        for (const harness::TestCase& c : cases) {
+          INFO(op << " on " << b.name << " " << dtype_name(dtype) << " " << harness::describe(c) << " ("
+                  << harness::describe(schema, v) << ")");
+          const harness::Comparison cmp =
+              run_case(schema, handle, reference, b, dtype, c, 1234 + static_cast<uint64_t>(runs), v);
+          CHECK_MESSAGE(cmp.ok, cmp.first_mismatch << " (max " << cmp.max_ulps << " ulps, mean " << cmp.mean_ulps
+                                                   << " ulps)");
+          ++runs;
+          padded += v.padded;
+          alternatives += alternative;
+          absent += leaves_out;
+        }
       }
     }
-    MESSAGE(op << " on " << b.name << ": " << runs << " calls checked");
+    MESSAGE(op << " on " << b.name << ": " << runs << " calls checked (" << padded << " with padded rows, "
+               << alternatives << " with a dtype alternative, " << absent << " with an optional tensor absent)");
   }
 }
 
-// Four threads call the op at once, each on its own data: every result is
-// still the reference's.
+// Four threads call the op at once, each on its own data (padded rows
+// where the schema allows them): every result is still the reference's.
 void conform_threads(const OpSchema& schema) {
   const KernelSpec* reference_spec = g_context->registry().reference(schema.op);
   REQUIRE(reference_spec != nullptr);
@@ -153,8 +203,10 @@ void conform_threads(const OpSchema& schema) {
       std::string error;
     };
     std::vector<std::unique_ptr<Job>> jobs;
+    // Padded rows where the schema allows them: the layout real callers pass.
+    const harness::Variant variant{harness::has_rows(schema), {}, {}};
     for (uint64_t t = 0; t < 4; ++t) {
-      harness::CallData host = harness::make_case(schema, dtypes.back(), *largest, 77 + t);
+      harness::CallData host = harness::make_case(schema, dtypes.back(), *largest, 77 + t, variant);
       harness::CallData data = harness::clone_to(host, b.dl, b.memory);
       jobs.push_back(std::make_unique<Job>(Job{std::move(host), std::move(data), false, {}}));
     }
@@ -185,7 +237,7 @@ void conform_threads(const OpSchema& schema) {
       REQUIRE_MESSAGE(job->ok, job->error);
       harness::download_all(job->data);
       CHECK_NOTHROW(harness::check_guards(job->data, kernel));
-      harness::CallData want = harness::clone_to(job->host, DLDevice{kDLCPU, 0}, nullptr);
+      harness::CallData want = harness::clone_to(job->host, DLDevice{kDLCPU, 0}, nullptr, /*dense=*/true);
       std::vector<DLTensor> want_tensors = want.dl();
       REQUIRE_NOTHROW(reference(want_tensors, want.attrs));
       const harness::Comparison cmp = harness::compare(schema, job->data, want);

@@ -59,14 +59,24 @@ size_t call_bytes(const OpSchema& schema, Dtype dtype, const Shapes& shapes);
 // the data and guards are a mapping of their own, with a PROT_NONE page
 // before and after them: an access further out faults there, and a
 // GuardWatch reports that fault.
+//
+// A buffer may have strides (padded rows): its storage then holds the
+// elements at their strided offsets and, between them, padding filled with
+// kPadByte (NaN in every float dtype, -1 in integers), which no kernel may
+// write (pad_damage()). An absent buffer stands for an optional tensor left
+// out of a call: no storage, and a DLTensor with data == NULL, ndim == 0.
 class Buffer {
  public:
   static constexpr size_t kGuardBytes = 4096;
   static constexpr unsigned char kGuardByte = 0xa5;
+  static constexpr unsigned char kPadByte = 0xff;
 
   // `name` (the schema's name of the tensor) is what guard reports call it.
+  // `strides` in elements, one per dim; empty: dense, row-major.
   Buffer(Dtype dtype, std::vector<int64_t> shape, DLDevice device, const kd_memory_api* memory,
-         std::string name = {});
+         std::string name = {}, std::vector<int64_t> strides = {});
+  // An optional tensor left out of a call on `device`.
+  static Buffer absent(Dtype dtype, DLDevice device, std::string name = {});
   ~Buffer();
   Buffer(Buffer&&) noexcept;
   Buffer& operator=(Buffer&&) = delete;
@@ -76,12 +86,18 @@ class Buffer {
   const DLTensor& dl() const { return tensor_; }
   void* host() { return data_; }
   const void* host() const { return data_; }
-  size_t bytes() const { return bytes_; }
-  size_t numel() const { return bytes() / dtype_size(dtype_); }
+  size_t bytes() const { return bytes_; }  // of the storage, padding included
+  size_t numel() const { return numel_; }  // logical elements
   Dtype dtype() const { return dtype_; }
   const std::vector<int64_t>& shape() const { return shape_; }
+  const std::vector<int64_t>& strides() const { return strides_; }  // empty: dense
+  bool present() const { return present_; }
+  bool padded() const { return !strides_.empty(); }
   const std::string& name() const { return name_; }
-  double at(size_t i) const { return load(host(), dtype_, i); }
+  // Element offset in the storage of the element at row-major index i.
+  size_t offset(size_t i) const;
+  double at(size_t i) const { return load(host(), dtype_, offset(i)); }
+  void set(size_t i, double value) { store(host(), dtype_, offset(i), value); }
   void upload();    // host -> device, guards included (no-op for host tensors)
   void download();  // device -> host, guards included
 
@@ -101,10 +117,17 @@ class Buffer {
   };
   std::vector<Span> guard_pages() const;
 
+  // Changed bytes of the padding between the elements of a padded buffer's
+  // host copy: offsets of the first and last from the data's start.
+  std::optional<Damage> pad_damage() const;
+
  private:
   Dtype dtype_;
   std::vector<int64_t> shape_;
+  std::vector<int64_t> strides_;
   std::string name_;
+  bool present_ = true;
+  size_t numel_ = 0;
   size_t bytes_ = 0;
   unsigned char* mapping_ = nullptr;  // the host mapping: page, front guard, data, back guard, page
   size_t mapping_bytes_ = 0;
@@ -114,6 +137,30 @@ class Buffer {
   const kd_memory_api* memory_ = nullptr;
   DLTensor tensor_{};
 };
+
+// How the tensors of a call are laid out and which of the schema's choices
+// it makes, beyond the call dtype.
+struct Variant {
+  // Tensors of layout "rows" or "any" have padded strides: each dim before
+  // the last has a stride larger than the elements it spans (by an odd
+  // number of elements), a dim of size 1 a stride beyond 2^31 elements;
+  // the padding is poisoned and checked untouched after the call.
+  bool padded = false;
+  std::vector<Dtype> dtypes;  // per tensor, schema order; empty: each one's primary dtype
+  std::vector<bool> absent;   // per tensor: an optional tensor left out; empty: all present
+};
+// The variants the conformance suite runs for calls in `dtype`: every
+// combination of each tensor's dtype alternatives and, for each optional
+// tensor, present and absent; each dense and, where a tensor may have
+// padded rows, padded. The first is the plain call (dense, primary dtypes,
+// everything present).
+std::vector<Variant> variants(const OpSchema& schema, Dtype dtype);
+// "padded rows, weight float32, key absent"; "dense" for the plain call.
+std::string describe(const OpSchema& schema, const Variant& v);
+// Whether a tensor of the schema may have padded rows (layout rows or any).
+bool has_rows(const OpSchema& schema);
+// The strides of a padded tensor of `shape`, in elements (see Variant).
+std::vector<int64_t> padded_strides(const std::vector<int64_t>& shape);
 
 // The tensors of one call, in schema order.
 struct CallData {
@@ -130,9 +177,13 @@ struct CallData {
 // [-2, 2), integers in their range, or the cos and sin of random angles);
 // outputs poisoned with NaN (or an out-of-range integer). Host only:
 // clone_to() copies them to a device.
-CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, uint64_t seed);
-// The same values on another device (for checking one backend against another).
-CallData clone_to(const CallData& data, DLDevice device, const kd_memory_api* memory);
+// `variant` picks the layout, the dtype of each tensor and the tensors left
+// out.
+CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, uint64_t seed,
+                   const Variant& variant = {});
+// The same values on another device (for checking one backend against
+// another), in the same layout, or dense where `dense`.
+CallData clone_to(const CallData& data, DLDevice device, const kd_memory_api* memory, bool dense = false);
 void download_all(CallData& data);
 
 // --- guards ---------------------------------------------------------------------
@@ -143,8 +194,8 @@ class GuardViolation : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 // Throws GuardViolation naming `kernel`, the first tensor of `data` whose
-// guards changed, and the offsets changed, from its data's start. The host
-// copies are checked: download_all() a device call first.
+// guards or padding changed, and the offsets changed, from its data's start.
+// The host copies are checked: download_all() a device call first.
 void check_guards(const CallData& data, const std::string& kernel);
 
 // While it lives, a fault in a guard page of the host tensors it watches
@@ -194,7 +245,8 @@ std::vector<TestCase> test_cases(const OpSchema& schema);
 std::string describe(const TestCase& c);
 // The inputs and poisoned outputs of `c` in `dtype` (make_call), its
 // attributes applied and its special values planted.
-CallData make_case(const OpSchema& schema, Dtype dtype, const TestCase& c, uint64_t seed);
+CallData make_case(const OpSchema& schema, Dtype dtype, const TestCase& c, uint64_t seed,
+                   const Variant& variant = {});
 // Replaces elements of the inputs `special.tensors` of `data` as the set says.
 void plant_special(CallData& data, const OpSchema& schema, const SpecialValues& special, uint64_t seed);
 
@@ -218,7 +270,9 @@ struct Comparison {
 // with the schema's tolerances: a float output within its dtype's
 // tolerance, NaN where the reference has NaN, infinities equal; integer,
 // bool and "exact" outputs bit for bit. The outputs named in `unchecked`
-// are skipped. This is every check's comparison: run, bench, the
+// are skipped, and so is an output absent (data == NULL) from both calls.
+// Elements are compared by logical index, whatever the layout of each
+// side. This is every check's comparison: run, bench, the
 // conformance suite and (through the Python module) the Python tests.
 Comparison compare(const OpSchema& schema, std::span<const DLTensor> got, std::span<const DLTensor> want,
                    std::span<const std::string> unchecked = {});

@@ -6,6 +6,23 @@ leading dims, shared by every tensor that has it), a symbol ("H"), an
 integer, or "k*NAME" (a multiple of a symbol).
 """
 
+
+def tensor_dtypes(schema, arg, call_dtype=None):
+    """The dtype names a tensor may take: its "dtype" then its
+    "dtype_alternatives", a dtype variable replaced by `call_dtype` where
+    given (else by each dtype it allows), without repeats; the first is the
+    primary one."""
+    out = []
+    for name in [arg["dtype"]] + list(arg.get("dtype_alternatives", ())):
+        if name in schema["dtypes"]:
+            names = [call_dtype] if call_dtype is not None else schema["dtypes"][name]
+        else:
+            names = [name]
+        for n in names:
+            if n not in out:
+                out.append(n)
+    return out
+
 def parse_token(token):
     """("lead",) | ("const", n) | ("sym", name, factor)."""
     if token == "*":
@@ -35,7 +52,10 @@ class Functional:
         # (input position, dim from the end, factor).
         sources = {}
         lead_source = None
-        for pos, i in enumerate(self.inputs):
+        # Sizes are read from the inputs always given first, then from
+        # optional ones (which a call may leave out).
+        order = sorted(enumerate(self.inputs), key=lambda p: bool(tensors[p[1]].get("optional")))
+        for pos, i in order:
             toks = tokens[i]
             has_lead = bool(toks) and toks[0] == ("lead",)
             dims = toks[1:] if has_lead else toks
@@ -51,7 +71,7 @@ class Functional:
         for i in self.outputs:
             arg = tensors[i]
             if arg["inplace"]:
-                self.recipes.append(("clone", self.inputs.index(i), arg["strided"]))
+                self.recipes.append(("clone", self.inputs.index(i), arg.get("layout", "contiguous") != "contiguous"))
                 continue
             toks = tokens[i]
             lead = bool(toks) and toks[0] == ("lead",)
@@ -68,7 +88,12 @@ class Functional:
                     dims.append(("kw", tok[1], tok[2]))
             dtype = arg["dtype"]
             if dtype in schema["dtypes"]:
-                like = next((pos for pos, j in enumerate(self.inputs) if tensors[j]["dtype"] == dtype), None)
+                # An input of exactly that dtype variable: one that may take
+                # another dtype (a "dtype" list) or be left out does not say.
+                candidates = [pos for pos, j in enumerate(self.inputs) if tensors[j]["dtype"] == dtype]
+                certain = [pos for pos in candidates if not tensors[self.inputs[pos]].get("dtype_alternatives")
+                           and not tensors[self.inputs[pos]].get("optional")]
+                like = (certain or candidates or [None])[0]
                 if like is None:
                     raise ValueError(f"{schema['op']}: dtype variable {dtype} of output '{arg['name']}' is not "
                                      "given by any input")

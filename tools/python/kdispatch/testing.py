@@ -29,7 +29,7 @@ import types as _types
 from . import _kdispatch
 from ._errors import Error
 
-__all__ = ["Case", "cases", "dtypes", "inputs", "reference", "compare", "check"]
+__all__ = ["Case", "cases", "dtypes", "variants", "inputs", "reference", "compare", "check"]
 
 
 class Case:
@@ -89,14 +89,37 @@ def _as_numpy(data, dtype, shape):
     return numpy.frombuffer(data, dtype=getattr(numpy, _NUMPY_NAMES[dtype])).reshape(shape).copy()
 
 
-def inputs(op, dtype, case, seed=0, kind="torch"):
+def variants(op, dtype):
+    """The choices a call in `dtype` can make beyond its dtype, as the
+    conformance suite runs them: dicts with "dtypes" ({tensor: dtype} for
+    each tensor whose schema lists several dtypes) and "absent" (the
+    optional tensors left out), every combination, the plain call first."""
+    schema = _kdispatch.schema(op)
+    from ._schema import tensor_dtypes
+    combos = [({}, ())]
+    for arg in schema["tensors"]:
+        choices = tensor_dtypes(schema, arg, dtype)
+        if len(choices) > 1:
+            combos = [({**d, arg["name"]: c}, a) for d, a in combos for c in choices]
+    for arg in schema["tensors"]:
+        if arg.get("optional"):
+            combos = combos + [(d, a + (arg["name"],)) for d, a in combos]
+    return [{"dtypes": d, "absent": a} for d, a in combos]
+
+
+def inputs(op, dtype, case, seed=0, kind="torch", dtypes=None, absent=()):
     """The tensors of `case` in `dtype`, in schema order, on the host:
-    torch tensors (kind="torch") or NumPy arrays (kind="numpy")."""
+    torch tensors (kind="torch") or NumPy arrays (kind="numpy"). `dtypes`
+    ({tensor name: dtype name}) picks another dtype of a tensor whose schema
+    lists several; the optional tensors named in `absent` are None."""
     convert = {"torch": _as_torch, "numpy": _as_numpy}[kind]
-    return [convert(data, name, shape) for data, name, shape in _kdispatch._make_inputs(op, dtype, case.index, seed)]
+    made = _kdispatch._make_inputs(op, dtype, case.index, seed, dict(dtypes or {}), list(absent))
+    return [None if entry is None else convert(*entry) for entry in made]
 
 
 def _host_copy(t):
+    if t is None:  # an optional tensor left out
+        return None
     if hasattr(t, "detach"):  # torch
         return t.detach().to("cpu", copy=True)
     return t.copy()

@@ -5,9 +5,12 @@ and those of the plugins found at import) as
 ``torch.ops.kdispatch.<group>_<name>`` through ``torch.library``:
 
 - the torch schema comes from the op schema: tensors in schema order, the
-  ones the op writes as mutated arguments (``Tensor(a!)``), then the
-  attributes typed with their defaults, then ``str? backend=None``; the op
-  returns nothing;
+  ones the op writes as mutated arguments (``Tensor(a!)``), optional ones as
+  ``Tensor?`` (None leaves them out of the call), then the attributes typed
+  with their defaults, then ``str? backend=None``; the op returns nothing;
+- tensors are passed as they are, strides included: a row-strided view (a
+  column slice, q and k sliced from a fused QKV output) reaches the kernel
+  without a copy where the op schema's layout for it is "rows" or "any";
 - the CPU and CUDA kernels are the dispatcher's checked call; CUDA tensors
   run on torch's current stream of their device, with no synchronisation and
   no allocation, so calls can be captured in a CUDA graph;
@@ -24,7 +27,12 @@ Functional variants allocate the outputs from the schema and return them,
 e.g. ``kdispatch.torch.layernorm.rmsnorm(x, weight, eps=1e-6) -> out``:
 they take the tensors the op reads (in schema order), clone the ones it
 updates in place, and take the sizes that only outputs have as keywords
-(``kdispatch.torch.moe.topk_softmax(gating_output, K=8)``).
+(``kdispatch.torch.moe.topk_softmax(gating_output, K=8)``). An optional
+input may be None, left off the end of the positional ones, or given by
+name as a keyword; an optional output is not allocated: pass a tensor for
+it by name (``token_expert_indices=t``) and the op fills it. An output
+whose schema lists several dtypes gets its first, or the one given in
+``out_dtypes={name: torch dtype}``.
 
 Every op and functional variant takes a last argument ``backend`` (None by
 default: the selection rules decide): a name runs that backend's kernel,
@@ -77,7 +85,11 @@ def torch_schema(schema):
     aliases = iter("abcdefghijklmnopqrstuvwxyz")
     args = []
     for t in schema["tensors"]:
-        args.append(f"Tensor({next(aliases)}!) {t['name']}" if t["written"] else f"Tensor {t['name']}")
+        optional = "?" if t.get("optional") else ""
+        if t["written"]:
+            args.append(f"Tensor({next(aliases)}!){optional} {t['name']}")
+        else:
+            args.append(f"Tensor{optional} {t['name']}")
     for a in schema["attrs"]:
         text = f"{_ATTR_TYPES[a['type']]} {a['name']}"
         if not a["required"]:
@@ -143,15 +155,32 @@ def _make_functional(schema, opfn):
     input_names = [tensors[i]["name"] for i in spec.inputs]
     attr_defaults = [(a["name"], a["default"], a["required"]) for a in spec.attrs]
     keyword_symbols = list(spec.keyword_symbols)
-    known_keywords = set(keyword_symbols) | {a["name"] for a in spec.attrs} | {"backend"}
+    optional_inputs = [name for pos, name in enumerate(input_names) if tensors[spec.inputs[pos]].get("optional")]
+    optional_outputs = {tensors[i]["name"] for i in spec.outputs if tensors[i].get("optional")
+                        and not tensors[i]["inplace"]}
+    required_inputs = len(spec.inputs)
+    while required_inputs > 0 and input_names[required_inputs - 1] in optional_inputs:
+        required_inputs -= 1
+    known_keywords = (set(keyword_symbols) | {a["name"] for a in spec.attrs} | {"backend", "out_dtypes"}
+                      | set(optional_inputs) | optional_outputs)
 
     def functional(*inputs, **kwargs):
-        if len(inputs) != len(spec.inputs):
-            raise TypeError(f"{op}({', '.join(input_names)}, ...): takes {len(spec.inputs)} tensors, "
-                            f"got {len(inputs)}")
+        if not required_inputs <= len(inputs) <= len(spec.inputs):
+            takes = (f"{len(spec.inputs)}" if required_inputs == len(spec.inputs)
+                     else f"{required_inputs} to {len(spec.inputs)}")
+            raise TypeError(f"{op}({', '.join(input_names)}, ...): takes {takes} tensors, got {len(inputs)}")
         for key in kwargs:
             if key not in known_keywords:
                 raise TypeError(f"{op}: unexpected keyword '{key}' (keywords: {sorted(known_keywords)})")
+        if len(inputs) < len(spec.inputs) or any(name in kwargs for name in optional_inputs):
+            given = list(inputs) + [None] * (len(spec.inputs) - len(inputs))
+            for pos, name in enumerate(input_names):
+                if name in kwargs:
+                    if pos < len(inputs):
+                        raise TypeError(f"{op}: '{name}' given by position and by keyword")
+                    given[pos] = kwargs[name]
+            inputs = given
+        out_dtypes = kwargs.get("out_dtypes") or {}
         sizes = {}
         for name in keyword_symbols:
             if name not in kwargs:
@@ -168,12 +197,21 @@ def _make_functional(schema, opfn):
         args = [None] * count
         for pos, i in enumerate(spec.inputs):
             args[i] = inputs[pos]
-        device = inputs[0].device
+        device = next(t for t in inputs if t is not None).device
         outputs = []
         for i, recipe in zip(spec.outputs, spec.recipes):
+            name = tensors[i]["name"]
+            if name in optional_outputs:
+                args[i] = kwargs.get(name)  # None: left out of the call
+                continue
             if recipe[0] == "clone":
                 source = inputs[recipe[1]]
-                t = source.clone() if recipe[2] else source.clone(memory_format=_torch.contiguous_format)
+                if source is None:  # an optional tensor updated in place, left out
+                    t = None
+                elif recipe[2]:
+                    t = source.clone()
+                else:
+                    t = source.clone(memory_format=_torch.contiguous_format)
             else:
                 _, lead, dims, dtype = recipe
                 shape = []
@@ -192,7 +230,10 @@ def _make_functional(schema, opfn):
                 except IndexError:
                     raise call_error(f"op '{op}': input '{input_names[pos]}' has too few dims "
                                      f"{list(inputs[pos].shape)} for its shape {tensors[spec.inputs[pos]]['shape']}")
-                torch_dtype = inputs[dtype[1]].dtype if dtype[0] == "like" else _TORCH_DTYPES[dtype[1]]
+                if name in out_dtypes:
+                    torch_dtype = out_dtypes[name]
+                else:
+                    torch_dtype = inputs[dtype[1]].dtype if dtype[0] == "like" else _TORCH_DTYPES[dtype[1]]
                 t = _torch.empty(shape, dtype=torch_dtype, device=device)
             args[i] = t
             outputs.append(t)
@@ -202,9 +243,10 @@ def _make_functional(schema, opfn):
     name = op.split(".", 1)[1]
     functional.__name__ = name
     functional.__qualname__ = name
-    outputs = ", ".join(tensors[i]["name"] for i in spec.outputs)
-    keywords = [f"{s}" for s in keyword_symbols] + [a["name"] + ("" if a["required"] else f"={a['default']!r}")
-                                                   for a in spec.attrs] + ["backend=None"]
+    outputs = ", ".join(tensors[i]["name"] for i in spec.outputs if tensors[i]["name"] not in optional_outputs)
+    keywords = ([f"{s}" for s in keyword_symbols] + [a["name"] + ("" if a["required"] else f"={a['default']!r}")
+                                                    for a in spec.attrs]
+                + [f"{name}=None" for name in sorted(optional_outputs)] + ["out_dtypes=None", "backend=None"])
     functional.__doc__ = (f"{name}({', '.join(input_names + keywords)}) -> {outputs}\n\n{schema['doc']}\n\n"
                           f"Functional form of torch.ops.{NAMESPACE}.{op_name(op)}: allocates or clones its "
                           "outputs and returns them.")

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include <kdispatch/doctor.hpp>
 #include <kdispatch/error_catalogue.hpp>
 #include <kdispatch/platform.hpp>
@@ -57,9 +59,17 @@ py::object attr_to_python(const AttrValue& v) {
 // use.
 py::dict tolerance_dict(const OpSchema& s) {
   py::dict out;
+  std::vector<Dtype> dtypes;
   for (const auto& t : s.tensors) {
     if (!t.written && !t.inplace) continue;
-    for (Dtype d : s.allowed_dtypes(t)) {
+    for (Dtype call : s.call_dtypes()) {
+      for (Dtype d : s.tensor_dtypes(t, call)) {
+        if (std::find(dtypes.begin(), dtypes.end(), d) == dtypes.end()) dtypes.push_back(d);
+      }
+    }
+  }
+  {
+    for (Dtype d : dtypes) {
       if (d != Dtype::float32 && d != Dtype::float16 && d != Dtype::bfloat16 && d != Dtype::float64) continue;
       const Tolerance tol = s.tolerance(d);
       py::dict td;
@@ -89,6 +99,9 @@ py::dict schema_dict(const OpSchema& s) {
     td["strided"] = t.layout == Layout::any;
     td["layout"] = std::string(layout_name(t.layout));
     td["optional"] = t.optional;
+    py::list alternatives;
+    for (const std::string& a : t.dtype_alternatives) alternatives.append(a);
+    td["dtype_alternatives"] = alternatives;
     if (t.range_max) {
       td["range"] = py::make_tuple(t.range_min.value_or(0), t.range_max->str());
     } else {
@@ -111,6 +124,9 @@ py::dict schema_dict(const OpSchema& s) {
   py::dict vars;
   for (const auto& [name, dtypes] : s.dtype_vars) vars[py::str(name)] = dtype_list(dtypes);
   d["dtypes"] = vars;
+  py::list requirements;
+  for (const std::string& r : s.requirements) requirements.append(r);
+  d["requires"] = requirements;
   d["tolerance"] = tolerance_dict(s);
   d["source"] = s.source;
   return d;

@@ -178,6 +178,24 @@ TensorArgs::~TensorArgs() {
   }
 }
 
+std::span<DLTensor> TensorArgs::tensors() {
+  if (absent_ != 0) {
+    if (const DLTensor* given = first_present()) {
+      for (size_t i = 0; i < count_; ++i) {
+        if ((absent_ >> i) & 1u) tensors_[i].device = given->device;
+      }
+    }
+  }
+  return {tensors_.data(), count_};
+}
+
+const DLTensor* TensorArgs::first_present() const {
+  for (size_t i = 0; i < count_; ++i) {
+    if (((absent_ >> i) & 1u) == 0) return &tensors_[i];
+  }
+  return nullptr;
+}
+
 std::string TensorArgs::where() const {
   const std::string name = count_ < schema_.tensors.size() ? schema_.tensors[count_].name : "?";
   return fmt::format("op '{}', argument {} '{}'", schema_.op, count_, name);
@@ -189,6 +207,18 @@ void TensorArgs::add(PyObject* object) {
                                  kMaxTensors));
   }
   DLTensor& out = tensors_[count_];
+  if (object == Py_None) {
+    if (count_ >= schema_.tensors.size() || !schema_.tensors[count_].optional) {
+      throw_call_error(fmt::format("{}: is None, but the op's schema does not mark it optional; pass a tensor",
+                                   where()));
+    }
+    // An optional tensor left out: data == NULL, ndim == 0, on the call's
+    // device, which tensors() fills in from the tensors given.
+    out = DLTensor{};
+    absent_ |= uint32_t{1} << count_;
+    ++count_;
+    return;
+  }
   if (g_torch.tensor_type != nullptr &&
       PyObject_TypeCheck(object, reinterpret_cast<PyTypeObject*>(g_torch.tensor_type))) {
     add_torch(object, out);

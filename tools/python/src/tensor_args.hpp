@@ -23,6 +23,7 @@
 namespace kdispatch::python {
 
 inline constexpr size_t kMaxTensors = kMaxSchemaTensors;
+static_assert(kMaxTensors <= 32, "TensorArgs keeps the absent tensors in a 32-bit mask");
 inline constexpr size_t kMaxDims = 16;
 
 // Tells the module about torch: its Tensor type, each torch dtype with its
@@ -55,21 +56,28 @@ class TensorArgs {
   TensorArgs(const TensorArgs&) = delete;
   TensorArgs& operator=(const TensorArgs&) = delete;
 
-  // Adds the next tensor of the call. Throws CallError KD-E030 naming the
-  // argument when `object` is not a tensor kdispatch can read, or when the
-  // call has more tensors than any op takes (kMaxTensors); how many the op
-  // takes is the dispatcher's check.
+  // Adds the next tensor of the call. None, for a tensor the schema marks
+  // optional, is an absent tensor (data == NULL, ndim == 0, shape == NULL,
+  // on the device of the call's first tensor given). Throws CallError
+  // KD-E030 naming the argument when `object` is not a tensor kdispatch can
+  // read (None for a tensor that is not optional), or when the call has
+  // more tensors than any op takes (kMaxTensors); how many the op takes is
+  // the dispatcher's check.
   void add(PyObject* object);
 
-  std::span<DLTensor> tensors() { return {tensors_.data(), count_}; }
+  std::span<DLTensor> tensors();
   size_t count() const { return count_; }
   // The stream to launch on: the requested one, else torch's current
   // stream for torch CUDA tensors, else the default stream (nullptr).
   void* stream() const { return reinterpret_cast<void*>(launch_stream_); }
-  // True when the first tensor lives in host memory.
-  bool on_cpu() const { return count_ > 0 && tensors_[0].device.device_type == kDLCPU; }
+  // True when the first tensor given lives in host memory.
+  bool on_cpu() const {
+    const DLTensor* t = first_present();
+    return t != nullptr && t->device.device_type == kDLCPU;
+  }
 
  private:
+  const DLTensor* first_present() const;
   void add_torch(PyObject* object, DLTensor& out);
   void add_dlpack(PyObject* object, DLTensor& out);
   void take_capsule(PyObject* capsule, DLTensor& out);
@@ -81,6 +89,7 @@ class TensorArgs {
   bool launch_stream_set_;  // the requested stream, or one chosen from a GPU tensor
   Purpose purpose_;
   size_t count_ = 0;
+  uint32_t absent_ = 0;  // bit i: tensor i is an optional one given as None
   // Left uninitialised (about 10 KiB a call): entries below count_ and
   // taken_count_ are written before they are read.
   std::array<DLTensor, kMaxTensors> tensors_;

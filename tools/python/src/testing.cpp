@@ -4,6 +4,7 @@
 
 #include <kdispatch/error.hpp>
 
+#include <algorithm>
 #include <vector>
 
 #include "errors.hpp"
@@ -68,7 +69,8 @@ py::list test_cases(const std::string& op) {
   return out;
 }
 
-py::list make_inputs(const std::string& op, const std::string& dtype, size_t index, uint64_t seed) {
+py::list make_inputs(const std::string& op, const std::string& dtype, size_t index, uint64_t seed,
+                     const py::dict& dtypes, const py::list& absent) {
   const OpSchema& schema = schema_of(op);
   const auto parsed = parse_dtype(dtype);
   if (!parsed) throw py::value_error(fmt::format("unknown dtype '{}'", dtype));
@@ -76,9 +78,44 @@ py::list make_inputs(const std::string& op, const std::string& dtype, size_t ind
   if (index >= cases.size()) {
     throw py::index_error(fmt::format("op '{}' has {} test cases, not {}", op, cases.size(), index + 1));
   }
-  const harness::CallData data = harness::make_case(schema, *parsed, cases[index], seed);
+  // The dtype alternative asked for each tensor named in `dtypes`, the
+  // optional tensors named in `absent` left out.
+  harness::Variant variant;
+  variant.absent.assign(schema.tensors.size(), false);
+  const auto position = [&](const std::string& name) {
+    for (size_t i = 0; i < schema.tensors.size(); ++i) {
+      if (schema.tensors[i].name == name) return i;
+    }
+    throw py::value_error(fmt::format("op '{}' has no tensor '{}'", op, name));
+  };
+  for (const TensorArg& arg : schema.tensors) variant.dtypes.push_back(schema.tensor_dtypes(arg, *parsed).front());
+  for (const auto& [key, value] : dtypes) {
+    const size_t i = position(key.cast<std::string>());
+    const std::string name = value.cast<std::string>();
+    const std::vector<Dtype> allowed = schema.tensor_dtypes(schema.tensors[i], *parsed);
+    const auto d = parse_dtype(name);
+    if (!d || std::find(allowed.begin(), allowed.end(), *d) == allowed.end()) {
+      std::vector<std::string_view> names;
+      for (Dtype a : allowed) names.push_back(dtype_name(a));
+      throw py::value_error(fmt::format("op '{}': tensor '{}' of a {} call takes {}, not '{}'", op,
+                                        schema.tensors[i].name, dtype, fmt::join(names, ", "), name));
+    }
+    variant.dtypes[i] = *d;
+  }
+  for (py::handle item : absent) {
+    const size_t i = position(item.cast<std::string>());
+    if (!schema.tensors[i].optional) {
+      throw py::value_error(fmt::format("op '{}': tensor '{}' is not optional", op, schema.tensors[i].name));
+    }
+    variant.absent[i] = true;
+  }
+  const harness::CallData data = harness::make_case(schema, *parsed, cases[index], seed, variant);
   py::list out;
   for (const harness::Buffer& b : data.tensors) {
+    if (!b.present()) {
+      out.append(py::none());
+      continue;
+    }
     py::list shape;
     for (int64_t d : b.shape()) shape.append(d);
     out.append(py::make_tuple(py::bytes(static_cast<const char*>(b.host()), b.bytes()),

@@ -19,8 +19,10 @@ namespace kdispatch::python {
 pybind11::list test_cases(const std::string& op);
 // The tensors of case `index` in `dtype`, in schema order, as
 // [(bytes, dtype name, shape)]: inputs random (special values planted),
-// outputs poisoned.
-pybind11::list make_inputs(const std::string& op, const std::string& dtype, size_t index, uint64_t seed);
+// outputs poisoned. `dtypes` ({tensor name: dtype name}) picks a dtype
+// alternative of a tensor; the optional tensors named in `absent` are None.
+pybind11::list make_inputs(const std::string& op, const std::string& dtype, size_t index, uint64_t seed,
+                           const pybind11::dict& dtypes, const pybind11::list& absent);
 // harness::call_dtypes of the op, or harness::kernel_dtypes of `backend`'s
 // kernel for it, as names.
 pybind11::list call_dtypes(const std::string& op, const std::optional<std::string>& backend);
