@@ -67,8 +67,9 @@ def rmsnorm(x, w):
 
 
 def fused_add_rmsnorm(x, residual, w):
-    residual = x + residual
-    return rmsnorm(residual, w), residual
+    # The float32 sum is normalised; residual keeps it rounded to x's dtype.
+    s = x.float() + residual.float()
+    return (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS) * w.float()).to(x.dtype), s.to(x.dtype)
 
 
 def layernorm(x, w, b):
