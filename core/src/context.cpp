@@ -169,6 +169,18 @@ kd_kernel_fn Context::kernel(const KernelSpec& spec) {
                       fmt::format("plugin '{}' ({}) has no kernel '{}' for op '{}'", spec.plugin, binary.library_path,
                                   spec.symbol, spec.op));
   }
+  // ABI 1.0 has no absent tensors (plugin_api.h, changelog of 1.1).
+  if (binary.abi_major == 1 && binary.abi_minor < 1) {
+    if (const OpSchema* schema = registry_->schema(spec.op)) {
+      for (const TensorArg& t : schema->tensors) {
+        if (!t.optional) continue;
+        throw PluginError(ErrorCode::plugin_abi_mismatch,
+                          fmt::format("plugin '{}' ({}) was built for ABI 1.{}, which has no absent tensors, and op "
+                                      "'{}' has the optional tensor '{}': rebuild it against ABI 1.1 or later",
+                                      spec.plugin, binary.library_path, binary.abi_minor, spec.op, t.name));
+      }
+    }
+  }
   return it->second;
 }
 

@@ -592,14 +592,45 @@ std::optional<TensorArg> read_tensor(Reader& r, const json& j, const std::string
     return std::nullopt;
   }
   const size_t before = r.error_count();
-  r.unknown_keys(j, pointer, {"name", "shape", "dtype", "written", "inplace", "strided", "exact", "range", "values"});
+  r.unknown_keys(j, pointer,
+                 {"name", "shape", "dtype", "written", "inplace", "layout", "strided", "optional", "exact", "range",
+                  "values"});
   TensorArg t;
   t.name = r.checked_string(j, pointer, "name", true, kIdentifierExpected, is_identifier).value_or("");
   if (const json* shape = r.array(j, pointer, "shape", true, "a list of shape tokens (e.g. [\"*\", \"H\"])")) {
     t.shape = read_shape(r, *shape, pointer_key(pointer, "shape")).value_or(std::vector<ShapeToken>{});
   }
   const auto dtype_expected = fmt::format("a dtype variable declared in \"dtypes\" or a dtype name ({})", kDtypeNames);
-  if (auto dtype = r.string(j, pointer, "dtype", true, dtype_expected)) {
+  // "dtype": one name, or a list whose first entry may be a variable and
+  // whose others are dtype names (["T", "float32"]).
+  const json* dtype_json = r.get(j, pointer, "dtype", true, dtype_expected);
+  if (dtype_json != nullptr && dtype_json->is_array()) {
+    const auto list_pointer = pointer_key(pointer, "dtype");
+    if (dtype_json->empty()) {
+      r.bad(list_pointer, "a non-empty list: a dtype variable or dtype name, then dtype names", *dtype_json);
+    }
+    for (size_t i = 0; i < dtype_json->size(); ++i) {
+      const json& item = (*dtype_json)[i];
+      const std::string name = item.is_string() ? item.get<std::string>() : std::string();
+      if (i == 0 && declared_vars.count(name) != 0) {
+        used_vars.insert(name);
+        t.dtype = name;
+      } else if (!item.is_string() || !parse_dtype(name)) {
+        r.bad(pointer_index(list_pointer, i),
+              i == 0 ? dtype_expected : fmt::format("a dtype name ({}): only the first entry may be a variable",
+                                                    kDtypeNames),
+              item);
+      } else if (i == 0) {
+        t.dtype = name;
+      } else if (name == t.dtype || std::find(t.dtype_alternatives.begin(), t.dtype_alternatives.end(), name) !=
+                                        t.dtype_alternatives.end()) {
+        r.warn(ErrorCode::manifest_bad_field, pointer_index(list_pointer, i),
+               fmt::format("dtype \"{}\" is listed twice", name));
+      } else {
+        t.dtype_alternatives.push_back(name);
+      }
+    }
+  } else if (auto dtype = r.string(j, pointer, "dtype", true, dtype_expected)) {
     if (declared_vars.count(*dtype) != 0) {
       used_vars.insert(*dtype);
     } else if (!parse_dtype(*dtype)) {
@@ -611,7 +642,18 @@ std::optional<TensorArg> read_tensor(Reader& r, const json& j, const std::string
   t.written = r.boolean(j, pointer, "written").value_or(false);
   t.inplace = r.boolean(j, pointer, "inplace").value_or(false);
   t.written = t.written || t.inplace;
-  t.strided = r.boolean(j, pointer, "strided").value_or(false);
+  constexpr std::string_view layout_expected = "\"contiguous\", \"rows\" or \"any\"";
+  if (r.boolean(j, pointer, "strided").value_or(false)) t.layout = Layout::any;
+  if (auto layout = r.string(j, pointer, "layout", false, layout_expected)) {
+    if (*layout == "rows") {
+      t.layout = Layout::rows;
+    } else if (*layout == "any") {
+      t.layout = Layout::any;
+    } else if (*layout != "contiguous") {
+      r.bad(pointer_key(pointer, "layout"), layout_expected, j.at("layout"));
+    }
+  }
+  t.optional = r.boolean(j, pointer, "optional").value_or(false);
   t.exact = r.boolean(j, pointer, "exact").value_or(false);
   // "range": [min, max) of an integer input, max a constant or a symbol.
   if (const json* range = r.get(j, pointer, "range", false, ""); range != nullptr) {
@@ -921,7 +963,8 @@ std::optional<OpSchema> read_op_schema(Reader& r, const json& j, const std::stri
     return std::nullopt;
   }
   const size_t before = r.error_count();
-  r.unknown_keys(j, pointer, {"op", "doc", "tensors", "attrs", "dtypes", "example", "bench", "tests", "tolerance"});
+  r.unknown_keys(j, pointer,
+                 {"op", "doc", "tensors", "attrs", "dtypes", "requires", "example", "bench", "tests", "tolerance"});
   OpSchema s;
   s.source = r.file();
   s.op = r.checked_string(j, pointer, "op", true, "an op id <group>.<name> of [a-z0-9_]+", is_valid_op_id)
@@ -978,6 +1021,18 @@ std::optional<OpSchema> read_op_schema(Reader& r, const json& j, const std::stri
       if (auto a = read_attr(r, (*attrs)[i], a_pointer)) {
         claim_name(a->name, pointer_key(a_pointer, "name"), "argument");
         s.attrs.push_back(std::move(*a));
+      }
+    }
+  }
+  // "requires": ["2*R <= D"], relations the call checker compiles (and
+  // refuses below when it cannot).
+  if (const json* reqs = r.array(j, pointer, "requires", false, "a list of relations such as \"2*R <= D\"")) {
+    for (size_t i = 0; i < reqs->size(); ++i) {
+      const json& item = (*reqs)[i];
+      if (!item.is_string()) {
+        r.bad(pointer_index(pointer_key(pointer, "requires"), i), "a relation such as \"2*R <= D\"", item);
+      } else {
+        s.requirements.push_back(item.get<std::string>());
       }
     }
   }

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <limits>
 
@@ -39,6 +40,44 @@ std::string device_str(DLDevice d) {
   return fmt::format("<dlpack device type {}>:{}", static_cast<int>(d.device_type), d.device_id);
 }
 
+// One side of a requirement: "64", "D" or "2*R" (a constant here may be 0).
+std::optional<ShapeToken> parse_shape_token_text(std::string_view text) {
+  const auto number = [](std::string_view digits) -> std::optional<int64_t> {
+    if (digits.empty() || digits.size() > 18) return std::nullopt;
+    int64_t n = 0;
+    for (char c : digits) {
+      if (c < '0' || c > '9') return std::nullopt;
+      n = n * 10 + (c - '0');
+    }
+    return n;
+  };
+  const auto identifier = [](std::string_view name) {
+    if (name.empty() || !(std::isalpha(static_cast<unsigned char>(name[0])) || name[0] == '_')) return false;
+    return std::all_of(name.begin(), name.end(),
+                       [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
+  };
+  ShapeToken token;
+  if (const auto n = number(text)) {
+    token.kind = ShapeToken::Kind::constant;
+    token.value = *n;
+    return token;
+  }
+  if (identifier(text)) {
+    token.kind = ShapeToken::Kind::symbol;
+    token.symbol = std::string(text);
+    return token;
+  }
+  const size_t star = text.find('*');
+  if (star == std::string_view::npos) return std::nullopt;
+  const auto factor = number(text.substr(0, star));
+  const std::string_view symbol = text.substr(star + 1);
+  if (!factor || *factor == 0 || !identifier(symbol)) return std::nullopt;
+  token.kind = ShapeToken::Kind::multiple;
+  token.value = *factor;
+  token.symbol = std::string(symbol);
+  return token;
+}
+
 }  // namespace
 
 std::optional<uint64_t> checked_bytes(const DLTensor& t) noexcept {
@@ -49,6 +88,23 @@ std::optional<uint64_t> checked_bytes(const DLTensor& t) noexcept {
   const int64_t item = (int64_t{t.dtype.bits} * t.dtype.lanes + 7) / 8;
   int64_t bytes = 0;
   if (__builtin_mul_overflow(n, item, &bytes)) return std::nullopt;
+  return static_cast<uint64_t>(bytes);
+}
+
+std::optional<uint64_t> checked_extent(const DLTensor& t) noexcept {
+  if (t.strides == nullptr || is_empty(t)) return checked_bytes(t);
+  int64_t last = 0;  // offset of the last element, in elements
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] < 0) return std::nullopt;
+    int64_t step = 0;
+    if (__builtin_mul_overflow(t.shape[i] - 1, t.strides[i] < 0 ? -t.strides[i] : t.strides[i], &step) ||
+        __builtin_add_overflow(last, step, &last)) {
+      return std::nullopt;
+    }
+  }
+  const int64_t item = (int64_t{t.dtype.bits} * t.dtype.lanes + 7) / 8;
+  int64_t bytes = 0;
+  if (__builtin_add_overflow(last, 1, &last) || __builtin_mul_overflow(last, item, &bytes)) return std::nullopt;
   return static_cast<uint64_t>(bytes);
 }
 
@@ -140,17 +196,33 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
     t.var = kZeroVar;
     t.bind_var = kScratchVar;
     t.first_dim = static_cast<uint8_t>(dims_.size());
-    if (arg.strided) t.flags |= kStrided;
+    if (arg.layout == Layout::any) t.flags |= kStrided;
+    if (arg.layout == Layout::rows) t.flags |= kRows;
+    if (arg.optional) t.flags |= kOptional;
+    const auto refuse_schema = [&](const std::string& why) {
+      throw ManifestError(ErrorCode::manifest_bad_field,
+                          fmt::format("{}: op '{}', tensor '{}': {}", schema.source, schema.op, arg.name, why));
+    };
+    if (arg.optional && plan_.empty()) refuse_schema("the first tensor cannot be optional: it gives the call's device");
     const size_t vars_before = var_names_.size();
     if (auto slot = var_slot(arg.dtype)) {
       t.var = *slot;
       if (var_names_.size() > vars_before) {  // the variable's first tensor
+        if (arg.optional || !arg.dtype_alternatives.empty()) {
+          refuse_schema(fmt::format("the first tensor of dtype variable {} binds it: it cannot be optional or "
+                                    "list other dtypes",
+                                    arg.dtype));
+        }
         t.bind_var = *slot;
         var_owner_[*slot] = static_cast<uint8_t>(plan_.size());
       }
     } else if (auto d = parse_dtype(arg.dtype)) {
       t.header = uint64_t{pack_dtype(to_dlpack(*d))} << 32;
       if (plan_.empty()) fixed_dtype_ = *d;
+    }
+    if (arg.dtype_alternatives.size() > t.alt_codes.size()) refuse_schema("lists more than 4 other dtypes");
+    for (const std::string& name : arg.dtype_alternatives) {
+      if (auto d = parse_dtype(name)) t.alt_codes[t.num_alts++] = pack_dtype(to_dlpack(*d));
     }
     const auto push = [&](Dim d) {
       limit(t.num_dims + 1u, kMaxSchemaDims, "dims in one shape pattern");
@@ -160,6 +232,10 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
     const auto symbol_dim = [&](const std::string& name, int64_t factor) {
       const uint8_t slot = symbol_slot(name);
       if (bound_symbols & (uint64_t{1} << slot)) {
+        if (schema.tensors[symbol_owner_[slot]].optional) {
+          refuse_schema(fmt::format("uses shape symbol {}, which only the optional tensor '{}' binds", name,
+                                    schema.tensors[symbol_owner_[slot]].name));
+        }
         push({0, factor, kScratchSymbol, slot, 1});
         return;
       }
@@ -172,6 +248,7 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
       switch (tok.kind) {
         case ShapeToken::Kind::leading:
           t.flags |= kLeading;
+          if (!seen_leading && arg.optional) refuse_schema("an optional tensor cannot be the first with \"*\"");
           if (!seen_leading) {
             t.flags |= kBindsLeading;
             leading_owner_ = static_cast<uint8_t>(plan_.size());
@@ -191,6 +268,70 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
     plan_.push_back(t);
   }
   num_tensors_ = plan_.size();
+  for (const std::string& text : schema.requirements) compile_requirement(text, bound_symbols);
+}
+
+// "2*R <= D": each side an integer, a shape symbol, or factor*symbol, the
+// relation one of <=, <, ==, !=, >=, >.
+void CompiledSchema::compile_requirement(const std::string& text, uint64_t bound_symbols) {
+  const auto refuse = [&](const std::string& why) {
+    throw ManifestError(ErrorCode::manifest_bad_field, fmt::format("{}: op '{}', requirement \"{}\": {}",
+                                                                   schema_.source, schema_.op, text, why));
+  };
+  static constexpr std::pair<std::string_view, Requirement::Op> kOps[] = {
+      {"<=", Requirement::Op::le}, {">=", Requirement::Op::ge}, {"==", Requirement::Op::eq},
+      {"!=", Requirement::Op::ne}, {"<", Requirement::Op::lt},  {">", Requirement::Op::gt}};
+  Requirement req{};
+  req.text = text;
+  size_t at = std::string::npos;
+  size_t width = 0;
+  for (const auto& [word, op] : kOps) {
+    if (const size_t found = text.find(word); found != std::string::npos) {
+      at = found;
+      width = word.size();
+      req.op = op;
+      break;
+    }
+  }
+  if (at == std::string::npos) refuse("expected two sides and one of <=, <, ==, !=, >=, >");
+  const auto side = [&](std::string_view part, int64_t* factor, int64_t* constant, uint8_t* slot) {
+    while (!part.empty() && part.front() == ' ') part.remove_prefix(1);
+    while (!part.empty() && part.back() == ' ') part.remove_suffix(1);
+    const auto parsed = parse_shape_token_text(part);
+    if (!parsed) refuse(fmt::format("\"{}\" is not an integer, a shape symbol or factor*symbol", part));
+    if (parsed->kind == ShapeToken::Kind::constant) {
+      *factor = 0;
+      *constant = parsed->value;
+      *slot = kZeroSymbol;
+      return;
+    }
+    const auto it = std::find(symbols_.begin(), symbols_.end(), parsed->symbol);
+    if (it == symbols_.end()) refuse(fmt::format("no tensor's shape has the symbol {}", parsed->symbol));
+    const auto s = static_cast<uint8_t>(it - symbols_.begin());
+    if (!(bound_symbols & (uint64_t{1} << s)) || schema_.tensors[symbol_owner_[s]].optional) {
+      refuse(fmt::format("symbol {} is bound only by an optional tensor", parsed->symbol));
+    }
+    *factor = parsed->kind == ShapeToken::Kind::multiple ? parsed->value : 1;
+    *constant = 0;
+    *slot = s;
+  };
+  side(std::string_view(text).substr(0, at), &req.lhs_factor, &req.lhs_constant, &req.lhs);
+  side(std::string_view(text).substr(at + width), &req.rhs_factor, &req.rhs_constant, &req.rhs);
+  requirements_.push_back(std::move(req));
+}
+
+bool CompiledSchema::Requirement::holds(const int64_t* value) const {
+  const int64_t a = lhs_factor * value[lhs] + lhs_constant;
+  const int64_t b = rhs_factor * value[rhs] + rhs_constant;
+  switch (op) {
+    case Op::le: return a <= b;
+    case Op::lt: return a < b;
+    case Op::eq: return a == b;
+    case Op::ne: return a != b;
+    case Op::ge: return a >= b;
+    case Op::gt: return a > b;
+  }
+  return false;
 }
 
 // Records an accepted call for matches_remembered(), over the oldest entry. A
@@ -247,6 +388,7 @@ bool CompiledSchema::walk(std::span<const DLTensor> tensors, CallInfo* info, Ref
   for (size_t i = 0; i < n; ++i) {
     const Tensor& spec = plan[i];
     const DLTensor& t = tensors[i];
+    if ((spec.flags & kOptional) && is_absent(t)) continue;
     if (read_word(t, offsetof(DLTensor, device)) != device) [[unlikely]] {
       return refuse(i, [&] {
         return fmt::format("is on {}, but '{}' is on {}: all tensors of a call must be on one device",
@@ -271,8 +413,13 @@ bool CompiledSchema::walk(std::span<const DLTensor> tensors, CallInfo* info, Ref
       if (spec.bind_var == 0) dtype = var.dtypes[j];  // the first variable selects the kernel
     }
     code[spec.bind_var] = got_code;
-    if (((header ^ (spec.header | uint64_t{code[spec.var]} << 32)) & spec.header_mask) != 0) [[unlikely]] {
-      return refuse(i, [&] { return header_problem(i, tensors); });
+    if (const uint64_t diff = (header ^ (spec.header | uint64_t{code[spec.var]} << 32)) & spec.header_mask;
+        diff != 0) [[unlikely]] {
+      // Only the dtype differs, and it is one the tensor may take instead.
+      const bool alternative = (diff & 0xffffffffu) == 0 &&
+                               std::find(spec.alt_codes.begin(), spec.alt_codes.begin() + spec.num_alts, got_code) !=
+                                   spec.alt_codes.begin() + spec.num_alts;
+      if (!alternative) return refuse(i, [&] { return header_problem(i, tensors); });
     }
     const int64_t* sizes = t.shape;
     if ((sizes == nullptr && t.ndim != 0) || t.ndim < 0) [[unlikely]] {
@@ -331,19 +478,53 @@ bool CompiledSchema::walk(std::span<const DLTensor> tensors, CallInfo* info, Ref
                            dtype_str(t.dtype));
       });
     }
+    const auto strides_str = [&] {
+      return fmt::format("[{}]", fmt::join(std::span<const int64_t>(t.strides, static_cast<size_t>(t.ndim)), ", "));
+    };
+    const bool dense = t.strides == nullptr || is_contiguous(t);
+    if (!dense && !(spec.flags & kStrided)) [[unlikely]] {
+      if (!(spec.flags & kRows)) {
+        return refuse(i, [&] {
+          return fmt::format("must be contiguous, got strides {} for shape {}", strides_str(), shape_str(t));
+        });
+      }
+      if (!fits_rows(t)) {
+        return refuse(i, [&] {
+          return fmt::format("must have a contiguous last dim and strides >= 1 before it (layout \"rows\", at most 8 "
+                             "leading dims), got strides {} for shape {}",
+                             strides_str(), shape_str(t));
+        });
+      }
+    }
+    // A strided tensor spans more than its elements: the check of its data
+    // covers every byte it addresses.
+    const std::optional<uint64_t> extent = dense ? bytes : checked_extent(t);
+    if (!extent) [[unlikely]] {
+      return refuse(i, [&] {
+        return fmt::format("shape {} with strides {} addresses more bytes than 64 bits count", shape_str(t),
+                           strides_str());
+      });
+    }
     if constexpr (scope == Scope::call) {
       if (t.data == nullptr && *bytes != 0) [[unlikely]] return refuse(i, [] { return std::string("has null data"); });
       if (t.byte_offset != 0) [[unlikely]] {
-        if (std::string why = byte_offset_problem(t, *bytes); !why.empty()) {
+        if (std::string why = byte_offset_problem(t, *extent); !why.empty()) {
           return refuse(i, [&] { return why; });
         }
       }
     }
-    if (t.strides != nullptr && !(spec.flags & kStrided) && !is_contiguous(t)) [[unlikely]] {
-      return refuse(i, [&] {
-        return fmt::format("must be contiguous, got strides [{}] for shape {}",
-                           fmt::join(std::span<const int64_t>(t.strides, static_cast<size_t>(t.ndim)), ", "),
-                           shape_str(t));
+  }
+  for (const Requirement& req : requirements_) {
+    if (!req.holds(value.data())) [[unlikely]] {
+      return refuse(kWholeCall, [&] {
+        std::vector<std::string> bound;
+        for (const uint8_t slot : {req.lhs, req.rhs}) {
+          if (slot == kZeroSymbol) continue;
+          bound.push_back(fmt::format("{} = {} (from '{}')", symbols_[slot], value[slot],
+                                      schema_.tensors[symbol_owner_[slot]].name));
+        }
+        return fmt::format("op '{}': the call breaks the schema's requirement {}: {}", schema_.op, req.text,
+                           fmt::join(bound, ", "));
       });
     }
   }
@@ -358,14 +539,20 @@ std::string CompiledSchema::header_problem(size_t i, std::span<const DLTensor> t
   const Tensor& spec = plan_[i];
   const TensorArg& arg = schema_.tensors[i];
   const DLTensor& t = tensors[i];
+  const bool alternative =
+      std::find(spec.alt_codes.begin(), spec.alt_codes.begin() + spec.num_alts, pack_dtype(t.dtype)) !=
+      spec.alt_codes.begin() + spec.num_alts;
+  const std::string alternatives =
+      arg.dtype_alternatives.empty() ? std::string() : fmt::format(" or {}", fmt::join(arg.dtype_alternatives, ", "));
   if (spec.var != kZeroVar) {
     const DLTensor& var_owner = tensors[var_owner_[spec.var]];
-    if (pack_dtype(t.dtype) != pack_dtype(var_owner.dtype)) {
-      return fmt::format("expected dtype {} = {} (as '{}'), got {}", var_names_[spec.var], dtype_str(var_owner.dtype),
-                         schema_.tensors[var_owner_[spec.var]].name, dtype_str(t.dtype));
+    if (pack_dtype(t.dtype) != pack_dtype(var_owner.dtype) && !alternative) {
+      return fmt::format("expected dtype {} = {} (as '{}'){}, got {}", var_names_[spec.var],
+                         dtype_str(var_owner.dtype), schema_.tensors[var_owner_[spec.var]].name, alternatives,
+                         dtype_str(t.dtype));
     }
-  } else if (pack_dtype(t.dtype) != static_cast<uint32_t>(spec.header >> 32)) {
-    return fmt::format("expected dtype {}, got {}", arg.dtype, dtype_str(t.dtype));
+  } else if (pack_dtype(t.dtype) != static_cast<uint32_t>(spec.header >> 32) && !alternative) {
+    return fmt::format("expected dtype {}{}, got {}", arg.dtype, alternatives, dtype_str(t.dtype));
   }
   if ((t.shape == nullptr && t.ndim != 0) || t.ndim < 0) {
     return fmt::format("has {}", t.ndim < 0 ? "a negative ndim" : "a null shape");

@@ -85,6 +85,8 @@ class CompiledSchema {
     kBindsLeading = 2,  // the first tensor with "*": later ones match it
     kStrided = 4,       // any layout allowed
     kDivides = 8,       // one of its dims binds a symbol through a factor
+    kRows = 16,         // "rows" layout: last dim contiguous, others any stride
+    kOptional = 32,     // may be absent (data NULL, ndim 0)
   };
   struct Tensor {
     // ndim and the packed DLDataType as they lie in a DLTensor, with ndim 0
@@ -96,7 +98,19 @@ class CompiledSchema {
     uint8_t flags;
     uint8_t num_dims;  // dims after "*"
     uint8_t first_dim; // index of the first in dims_
+    uint8_t num_alts;  // dtypes it may take instead ("dtype": ["T", "float32"])
+    std::array<uint32_t, 4> alt_codes;  // packed DLDataType
   };
+  // "requires": lhs_factor * value[lhs] + lhs_constant  <op>  rhs likewise.
+  struct Requirement {
+    enum class Op : uint8_t { le, lt, eq, ne, ge, gt };
+    int64_t lhs_factor, lhs_constant, rhs_factor, rhs_constant;
+    uint8_t lhs, rhs;  // symbol slots (kZeroSymbol: a constant)
+    Op op;
+    std::string text;
+    bool holds(const int64_t* value) const;  // value: the symbol slots of a walk
+  };
+  void compile_requirement(const std::string& text, uint64_t bound_symbols);
   // A dtype variable's allowed dtypes (each once, in schema order), flat for
   // the per-call check. Slot 0 is the first variable the tensors use: it
   // selects the kernel.
@@ -153,6 +167,7 @@ class CompiledSchema {
   std::vector<Tensor> plan_;
   size_t num_tensors_ = 0;  // plan_.size()
   std::vector<Dim> dims_;
+  std::vector<Requirement> requirements_;
   std::array<VarCodes, kMaxSchemaDtypeVars> var_codes_{};
   Dtype fixed_dtype_ = Dtype::float32;  // the call's dtype when no variable selects it
   std::vector<std::string> symbols_;
@@ -196,9 +211,28 @@ inline bool is_contiguous(const DLTensor& t) {
   }
   return true;
 }
+// True when an op schema's optional tensor is absent: no data, no dims.
+inline bool is_absent(const DLTensor& t) { return t.data == nullptr && t.ndim == 0; }
+
+// True when `t` fits the "rows" layout: its last dim contiguous (stride 1,
+// or size 1), every dim of size > 1 before it a stride >= 1, and at most 8
+// leading dims (kd_plugin::RowLayout's limit).
+inline bool fits_rows(const DLTensor& t) {
+  if (t.strides == nullptr || t.ndim == 0) return true;
+  if (t.ndim > 9) return false;
+  if (t.shape[t.ndim - 1] > 1 && t.strides[t.ndim - 1] != 1) return false;
+  for (int i = 0; i < t.ndim - 1; ++i) {
+    if (t.shape[i] > 1 && t.strides[i] < 1) return false;
+  }
+  return true;
+}
+
 // Bytes of the tensor's elements, or nullopt when a dim is negative or the
 // element or byte count overflows int64.
 std::optional<uint64_t> checked_bytes(const DLTensor& t) noexcept;
+// Bytes from the first element to one past the last, following the strides
+// (checked_bytes for a tensor without strides), or nullopt on overflow.
+std::optional<uint64_t> checked_extent(const DLTensor& t) noexcept;
 // Why the tensor's byte_offset is unusable, or empty: not a multiple of the
 // element size, overflowing with the data pointer and `bytes`, or (cpu)
 // putting the data outside mapped memory.
@@ -235,8 +269,12 @@ inline bool CompiledSchema::matches(const Accepted& accepted, std::span<const DL
     if (ndim >= 5) diff |= dim(4);
     if (ndim >= 6) diff |= dim(5);
     if (diff != 0) return false;
-    // What the words do not cover is checked as in the plan.
-    if (t.data == nullptr) return false;
+    // What the words do not cover is checked as in the plan. An absent
+    // optional tensor (ndim 0, as remembered) has nothing more to check.
+    if (t.data == nullptr) {
+      if ((plan_[i].flags & kOptional) && ndim == 0) continue;
+      return false;
+    }
     // A byte_offset is checked against the data pointer, so only the plan
     // can pass it.
     if (t.byte_offset != 0) return false;

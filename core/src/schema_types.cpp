@@ -35,12 +35,62 @@ std::string_view attr_type_name(AttrType type) {
   return "?";
 }
 
+namespace {
+
+void add_once(std::vector<Dtype>& dtypes, Dtype d) {
+  if (std::find(dtypes.begin(), dtypes.end(), d) == dtypes.end()) dtypes.push_back(d);
+}
+
+}  // namespace
+
 std::vector<Dtype> OpSchema::allowed_dtypes(const TensorArg& tensor) const {
-  if (const auto var = dtype_vars.find(tensor.dtype); var != dtype_vars.end()) return var->second;
-  // A validated schema names either a variable or a concrete dtype; an
-  // unvalidated one with neither allows nothing rather than everything.
-  if (const auto dtype = parse_dtype(tensor.dtype)) return {*dtype};
-  return {};
+  std::vector<Dtype> dtypes;
+  if (const auto var = dtype_vars.find(tensor.dtype); var != dtype_vars.end()) {
+    dtypes = var->second;
+  } else if (const auto dtype = parse_dtype(tensor.dtype)) {
+    dtypes = {*dtype};
+  } else {
+    // A validated schema names either a variable or a concrete dtype; an
+    // unvalidated one with neither allows nothing rather than everything.
+    return {};
+  }
+  for (const std::string& name : tensor.dtype_alternatives) {
+    if (const auto d = parse_dtype(name)) add_once(dtypes, *d);
+  }
+  return dtypes;
+}
+
+std::vector<Dtype> OpSchema::tensor_dtypes(const TensorArg& tensor, Dtype call_dtype) const {
+  std::vector<Dtype> dtypes;
+  const std::string* selecting = nullptr;
+  for (const TensorArg& t : tensors) {
+    if (dtype_vars.count(t.dtype) != 0) {
+      selecting = &t.dtype;
+      break;
+    }
+  }
+  if (const auto var = dtype_vars.find(tensor.dtype); var != dtype_vars.end()) {
+    if (selecting != nullptr && *selecting == tensor.dtype) {
+      dtypes.push_back(call_dtype);
+    } else if (!var->second.empty()) {
+      dtypes.push_back(var->second.front());
+    }
+  } else if (const auto dtype = parse_dtype(tensor.dtype)) {
+    dtypes.push_back(*dtype);
+  }
+  for (const std::string& name : tensor.dtype_alternatives) {
+    if (const auto d = parse_dtype(name)) add_once(dtypes, *d);
+  }
+  return dtypes;
+}
+
+std::string_view layout_name(Layout layout) {
+  switch (layout) {
+    case Layout::contiguous: return "contiguous";
+    case Layout::rows: return "rows";
+    case Layout::any: return "any";
+  }
+  return "contiguous";
 }
 
 std::vector<Dtype> OpSchema::call_dtypes() const {

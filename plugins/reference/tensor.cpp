@@ -28,10 +28,22 @@ Tensor::Tensor(const DLTensor& t)
   if (t.strides != nullptr) {
     int64_t expected = 1;
     for (int i = ndim_ - 1; i >= 0; --i) {
-      if (shape_[i] != 1 && t.strides[i] != expected) throw std::invalid_argument("tensor is not contiguous");
+      if (shape_[i] != 1 && t.strides[i] != expected) strides_ = t.strides;
       expected *= shape_[i];
     }
   }
+}
+
+// The element offset of row-major index i: i itself for a dense tensor,
+// else the sum of each dim's index times its stride.
+int64_t Tensor::offset(int64_t i) const {
+  if (strides_ == nullptr) return i;
+  int64_t off = 0;
+  for (int d = ndim_ - 1; d >= 0; --d) {
+    off += (i % shape_[d]) * strides_[d];
+    i /= shape_[d];
+  }
+  return off;
 }
 
 int64_t Tensor::dim(int i) const { return shape_[i < 0 ? ndim_ + i : i]; }
@@ -46,28 +58,28 @@ double Tensor::get(int64_t i) const {
   switch (kind_) {
     case Kind::float32: {
       float v;
-      std::memcpy(&v, data_ + i * 4, 4);
+      std::memcpy(&v, data_ + offset(i) * 4, 4);
       return v;
     }
     case Kind::float16:
     case Kind::bfloat16: {
       uint16_t bits;
-      std::memcpy(&bits, data_ + i * 2, 2);
+      std::memcpy(&bits, data_ + offset(i) * 2, 2);
       return decode(kind_ == Kind::float16 ? Dtype::kFloat16 : Dtype::kBFloat16, bits);
     }
     case Kind::float64: {
       double v;
-      std::memcpy(&v, data_ + i * 8, 8);
+      std::memcpy(&v, data_ + offset(i) * 8, 8);
       return v;
     }
     case Kind::int32: {
       int32_t v;
-      std::memcpy(&v, data_ + i * 4, 4);
+      std::memcpy(&v, data_ + offset(i) * 4, 4);
       return v;
     }
     case Kind::int64: {
       int64_t v;
-      std::memcpy(&v, data_ + i * 8, 8);
+      std::memcpy(&v, data_ + offset(i) * 8, 8);
       return static_cast<double>(v);
     }
   }
@@ -78,27 +90,27 @@ void Tensor::set(int64_t i, double value) const {
   switch (kind_) {
     case Kind::float32: {
       const auto v = static_cast<float>(value);
-      std::memcpy(data_ + i * 4, &v, 4);
+      std::memcpy(data_ + offset(i) * 4, &v, 4);
       return;
     }
     case Kind::float16:
     case Kind::bfloat16: {
       const auto bits =
           static_cast<uint16_t>(encode(kind_ == Kind::float16 ? Dtype::kFloat16 : Dtype::kBFloat16, value));
-      std::memcpy(data_ + i * 2, &bits, 2);
+      std::memcpy(data_ + offset(i) * 2, &bits, 2);
       return;
     }
     case Kind::float64:
-      std::memcpy(data_ + i * 8, &value, 8);
+      std::memcpy(data_ + offset(i) * 8, &value, 8);
       return;
     case Kind::int32: {
       const auto v = static_cast<int32_t>(value);
-      std::memcpy(data_ + i * 4, &v, 4);
+      std::memcpy(data_ + offset(i) * 4, &v, 4);
       return;
     }
     case Kind::int64: {
       const auto v = static_cast<int64_t>(value);
-      std::memcpy(data_ + i * 8, &v, 8);
+      std::memcpy(data_ + offset(i) * 8, &v, 8);
       return;
     }
   }

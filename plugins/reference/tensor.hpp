@@ -1,6 +1,7 @@
-// A kernel argument seen as a flat array of float64 values: reading an
-// element decodes it exactly, writing one rounds the float64 value once to
-// the tensor's dtype. Slow on purpose and short enough to check by eye.
+// A kernel argument seen as a flat array of float64 values in row-major
+// order, whatever its strides: reading an element decodes it exactly,
+// writing one rounds the float64 value once to the tensor's dtype. Slow on
+// purpose and short enough to check by eye.
 #pragma once
 
 #include <kdispatch/plugin_api.h>
@@ -28,9 +29,12 @@ class Tensor {
   void set(int64_t i, double value) const;  // rounds once to the dtype
 
  private:
+  int64_t offset(int64_t i) const;  // element offset of row-major index i
+
   enum class Kind { float32, float16, bfloat16, float64, int32, int64 };
   char* data_;
   const int64_t* shape_;
+  const int64_t* strides_ = nullptr;  // NULL when dense
   int ndim_;
   int64_t numel_;
   Kind kind_;

@@ -186,7 +186,8 @@ TEST_CASE("loader: each broken fixture fails with its own code and cause") {
                       "does not export the entry symbol 'kdispatch_plugin_api'");
   expect_load_failure("fx_null_entry", ErrorCode::plugin_no_entry, "returned NULL");
   expect_load_failure("fx_abi_major", ErrorCode::plugin_abi_mismatch,
-                      "was built for plugin ABI 2.0, this kdispatch uses ABI 1.0");
+                      "was built for plugin ABI 2.0, this kdispatch uses ABI " +
+                          std::to_string(KDISPATCH_ABI_MAJOR) + "." + std::to_string(KDISPATCH_ABI_MINOR));
   expect_load_failure("fx_small_struct", ErrorCode::plugin_abi_mismatch,
                       "struct_size " + std::to_string(KD_STRUCT_SIZE(kd_plugin_api, probe)) +
                           " is smaller than ABI 1.0's " + std::to_string(KD_PLUGIN_API_STRUCT_SIZE_1_0));

@@ -211,3 +211,111 @@ TEST_CASE("schema check: known verdicts of the mixed schema") {
   CHECK_FALSE(schema.matches_remembered(vd, &out));
   CHECK(schema.check(vd).dtype == Dtype::float32);
 }
+
+namespace {
+
+constexpr const char* kRowsSchemas = R"([
+  {"op": "test.rows",
+   "doc": "row-strided views, a dtype list, an optional tensor, a requirement",
+   "tensors": [
+     {"name": "pos", "shape": ["*"],              "dtype": ["int64", "int32"]},
+     {"name": "q",   "shape": ["*", "H", "D"],    "dtype": "T", "layout": "rows"},
+     {"name": "k",   "shape": ["*", "G", "D"],    "dtype": "T", "layout": "rows", "optional": true},
+     {"name": "cache", "shape": ["P", "2*R"],     "dtype": ["T", "float32"]}],
+   "requires": ["2*R <= D"],
+   "dtypes": {"T": ["float16", "bfloat16"]}}
+])";
+
+struct RowsCall {
+  std::vector<int64_t> pos_shape{3}, q_shape{3, 4, 8}, k_shape{3, 2, 8}, cache_shape{16, 6};
+  std::vector<int64_t> q_strides{100, 8, 1}, k_strides{100, 8, 1};
+  std::array<uint16_t, 512> storage{};
+  std::array<DLTensor, 4> tensors{};
+  RowsCall() {
+    const DLDataType i64{kDLInt, 64, 1}, bf16{kDLBfloat, 16, 1}, f32{kDLFloat, 32, 1};
+    tensors[0] = DLTensor{storage.data(), {kDLCPU, 0}, 1, i64, pos_shape.data(), nullptr, 0};
+    tensors[1] = DLTensor{storage.data(), {kDLCPU, 0}, 3, bf16, q_shape.data(), q_strides.data(), 0};
+    tensors[2] = DLTensor{storage.data(), {kDLCPU, 0}, 3, bf16, k_shape.data(), k_strides.data(), 0};
+    tensors[3] = DLTensor{storage.data(), {kDLCPU, 0}, 2, f32, cache_shape.data(), nullptr, 0};
+  }
+};
+
+std::string refusal(const CompiledSchema& compiled, std::span<const DLTensor> tensors) {
+  try {
+    compiled.check(tensors);
+  } catch (const CallError& e) {
+    return e.message();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("schema check: rows layout, dtype lists, optional tensors and requirements") {
+  SchemaFileResult parsed = parse_op_schemas(kRowsSchemas, "<test>");
+  REQUIRE(parsed.errors.empty());
+  const CompiledSchema compiled(parsed.schemas.at(0));
+  RowsCall call;
+  CHECK(refusal(compiled, call.tensors) == "");
+  CHECK(compiled.check(call.tensors).dtype == Dtype::bfloat16);
+  SUBCASE("the other entries of dtype lists") {
+    call.tensors[0].dtype = DLDataType{kDLInt, 32, 1};
+    call.tensors[3].dtype = DLDataType{kDLBfloat, 16, 1};
+    CHECK(refusal(compiled, call.tensors) == "");
+    call.tensors[3].dtype = DLDataType{kDLFloat, 16, 1};
+    CHECK(refusal(compiled, call.tensors).find("expected dtype T = bfloat16 (as 'q') or float32, got float16") !=
+          std::string::npos);
+  }
+  SUBCASE("an absent optional tensor, a present one again") {
+    call.tensors[2] = DLTensor{};
+    CHECK(refusal(compiled, call.tensors) == "");
+    CHECK(refusal(compiled, call.tensors) == "");  // remembered
+    RowsCall again;
+    CHECK(refusal(compiled, again.tensors) == "");
+  }
+  SUBCASE("strides beyond 2^31 elements and an odd stride on a size-1 dim") {
+    call.q_strides = {int64_t{3} << 31, 8, 1};
+    call.q_shape[0] = 1;
+    call.pos_shape[0] = 1;
+    call.k_shape[0] = 1;
+    call.q_strides[0] = 7;
+    CHECK(refusal(compiled, call.tensors) == "");
+  }
+  SUBCASE("a last dim that is not contiguous") {
+    call.q_strides = {100, 16, 2};
+    CHECK(refusal(compiled, call.tensors).find("'q': must have a contiguous last dim") != std::string::npos);
+  }
+  SUBCASE("strides whose extent overflows") {
+    call.q_strides = {int64_t{1} << 62, 8, 1};
+    CHECK(refusal(compiled, call.tensors).find("addresses more bytes than 64 bits count") != std::string::npos);
+  }
+  SUBCASE("a broken requirement names the symbols") {
+    call.cache_shape[1] = 10;
+    CHECK(refusal(compiled, call.tensors) ==
+          "op 'test.rows': the call breaks the schema's requirement 2*R <= D: R = 5 (from 'cache'), D = 8 (from 'q')");
+  }
+}
+
+TEST_CASE("schema check: bad uses of the new schema keys are KD-E011") {
+  const auto errors_of = [](const std::string& tensors, const std::string& extra) {
+    const std::string text = R"([{"op": "test.bad", "tensors": [)" + tensors + "]" + extra +
+                             R"(, "dtypes": {"T": ["float32"]}}])";
+    SchemaFileResult parsed = parse_op_schemas(text, "<test>");
+    std::string all;
+    for (const auto& e : parsed.errors) all += e.message + "\n";
+    return all;
+  };
+  const std::string x = R"({"name": "x", "shape": ["*", "D"], "dtype": "T"})";
+  CHECK(errors_of(R"({"name": "x", "shape": ["D"], "dtype": "T", "optional": true})", "")
+            .find("the first tensor cannot be optional") != std::string::npos);
+  CHECK(errors_of(x + R"(, {"name": "y", "shape": ["D"], "dtype": "T", "layout": "diagonal"})", "")
+            .find("\"contiguous\", \"rows\" or \"any\"") != std::string::npos);
+  CHECK(errors_of(x + R"(, {"name": "y", "shape": ["D"], "dtype": ["float32", "T"]})", "")
+            .find("only the first entry may be a variable") != std::string::npos);
+  CHECK(errors_of(x, R"(, "requires": ["D <= Q"])").find("no tensor's shape has the symbol Q") != std::string::npos);
+  CHECK(errors_of(x, R"(, "requires": ["D"])").find("one of <=, <, ==, !=, >=, >") != std::string::npos);
+  CHECK(errors_of(x + R"(, {"name": "y", "shape": ["E"], "dtype": "T", "optional": true}, )"
+                      R"({"name": "z", "shape": ["E"], "dtype": "T"})",
+                  "")
+            .find("which only the optional tensor 'y' binds") != std::string::npos);
+}

@@ -187,7 +187,7 @@ TEST_CASE("good manifest fixtures parse") {
     CHECK(s.op == "acme.scale");
     CHECK(s.source == (dir / "third_party_op.json").string());
     REQUIRE(s.tensors.size() == 4);
-    CHECK(s.tensors[1].strided);
+    CHECK(s.tensors[1].layout == Layout::any);
     CHECK(s.tensors[3].shape[0].str() == "16");
     CHECK(s.tensors[3].shape[1].str() == "4*N");
     CHECK(s.allowed_dtypes(s.tensors[3]) == std::vector<Dtype>{Dtype::int32});

@@ -89,3 +89,23 @@ TEST_CASE("broken plugins fail with their own code, beside good ones that still 
   const auto failures = ctx.registry().failures();
   CHECK(failures.size() == kBroken.size());
 }
+
+TEST_CASE("a plugin built for ABI 1.0 is refused for an op with an optional tensor, and kept for the others") {
+  ContextOptions options;
+  options.search.use_environment = false;
+  options.search.replace.push_back(std::string(KDISPATCH_BINARY_DIR) + "/tests/fixtures/plugins/fx_abi_1_0_exact");
+  Context ctx(options);
+  const KernelSpec* plain = ctx.registry().get_backend("fixture.scale", "fx_abi_1_0_exact");
+  const KernelSpec* optional = ctx.registry().get_backend("fixture.optional_scale", "fx_abi_1_0_exact");
+  REQUIRE(plain != nullptr);
+  REQUIRE(optional != nullptr);
+  CHECK(ctx.kernel(*plain) != nullptr);
+  try {
+    ctx.kernel(*optional);
+    FAIL("an ABI 1.0 kernel was given an op with an optional tensor");
+  } catch (const PluginError& e) {
+    CHECK(e.code() == ErrorCode::plugin_abi_mismatch);
+    CHECK(std::string(e.what()).find("was built for ABI 1.0, which has no absent tensors, and op "
+                                     "'fixture.optional_scale' has the optional tensor 'bias'") != std::string::npos);
+  }
+}

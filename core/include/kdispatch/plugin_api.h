@@ -34,6 +34,17 @@
  *        kd_memory_api.
  *        kd_copy_kind 3 (device to device) withdrawn, no bump (see above): no
  *        host passed it; 3 is reserved.
+ *   1.1  absent optional tensors: an op schema may mark a tensor "optional";
+ *        a call that omits it passes, in its position of
+ *        kd_call_args.tensors, a DLTensor with data NULL, ndim 0, shape and
+ *        strides NULL (KD_TENSOR_IS_ABSENT). No struct changes. A host never
+ *        registers a kernel of a 1.0 plugin for an op that has an optional
+ *        tensor (KD-E022), so 1.0 plugins never see one.
+ *        Tensors whose schema says "layout": "rows" may come with strides:
+ *        the last dim contiguous, every other dim any stride >= 1
+ *        (<kdispatch/plugin_rows.hpp> addresses them). A 1.0 schema could
+ *        only ask for contiguous tensors or any strides, so nothing a 1.0
+ *        plugin declared changes.
  */
 #ifndef KDISPATCH_PLUGIN_API_H_
 #define KDISPATCH_PLUGIN_API_H_
@@ -48,7 +59,7 @@ extern "C" {
 #endif
 
 #define KDISPATCH_ABI_MAJOR 1
-#define KDISPATCH_ABI_MINOR 0
+#define KDISPATCH_ABI_MINOR 1
 
 /* Name of the one symbol a plugin exports. */
 #define KDISPATCH_PLUGIN_ENTRY_SYMBOL "kdispatch_plugin_api"
@@ -140,6 +151,9 @@ typedef struct kd_call_args {
 #define KD_CALL_ARGS_STRUCT_SIZE KD_STRUCT_SIZE(kd_call_args, error_capacity)
 KD_STATIC_ASSERT(sizeof(kd_call_args) == KD_CALL_ARGS_STRUCT_SIZE,
                  "kd_call_args grew: update KD_CALL_ARGS_STRUCT_SIZE");
+
+/* True for an absent optional tensor (ABI 1.1; see the changelog). */
+#define KD_TENSOR_IS_ABSENT(t) ((t).data == NULL && (t).ndim == 0)
 
 /* A kernel. Must not throw, must not keep any pointer from `args` after it
  * returns, and must be callable concurrently from several threads. */

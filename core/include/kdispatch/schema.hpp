@@ -42,14 +42,26 @@ enum class TensorValues : uint8_t {
             // sin(phi) of the same random angles in its second
 };
 
+// The strides a tensor may have ("layout" in docs/op-schema.md).
+enum class Layout : uint8_t {
+  contiguous,  // dense, row-major (dims of size 1 any stride)
+  rows,        // the last dim contiguous; every other dim any stride >= 1
+  any,         // any strides
+};
+std::string_view layout_name(Layout layout);  // "contiguous", "rows", "any"
+
 struct TensorArg {
   std::string name;
   std::vector<ShapeToken> shape;
   std::string dtype;          // a key of OpSchema::dtype_vars, or a dtype name
   bool written = false;       // an output: the kernel writes it
   bool inplace = false;       // read and written (implies written)
-  bool strided = false;       // non-contiguous layouts allowed
+  Layout layout = Layout::contiguous;
   bool exact = false;         // "exact": written values equal the reference's bit for bit
+  bool optional = false;      // may be absent (ABI 1.1: data NULL, ndim 0)
+  // The further entries of a "dtype" list: dtype names the tensor may also
+  // take (["T", "float32"]: T's dtype or float32).
+  std::vector<std::string> dtype_alternatives;
   // Integer inputs that index something: values in [range_min, range_max),
   // range_max a constant or a shape symbol ("P"). Lets tools generate valid
   // inputs for any op.
@@ -138,6 +150,9 @@ struct OpSchema {
   std::vector<Sizes> test_sizes;
   std::vector<std::pair<std::string, std::vector<AttrValue>>> test_attrs;
   std::vector<SpecialValues> test_special;  // "tests": {"special": [...]}
+  // "requires": relations between shape symbols every call must satisfy,
+  // e.g. "2*R <= D", as written.
+  std::vector<std::string> requirements;
   // "bench": the sizes benchmarks time.
   std::optional<Sizes> bench_sizes;
   // "tolerance": {"bfloat16": {"ulps": 2, "atol": 1e-5, "mean_ulps": 0.8}},
@@ -148,10 +163,15 @@ struct OpSchema {
   // Same signature (doc and source are not compared).
   bool same_signature(const OpSchema& other) const {
     return op == other.op && tensors == other.tensors && attrs == other.attrs &&
-           dtype_vars == other.dtype_vars;
+           dtype_vars == other.dtype_vars && requirements == other.requirements;
   }
-  // The dtypes a tensor may take (its variable's list, or its one dtype).
+  // The dtypes a tensor may take (its variable's list, or its one dtype,
+  // then its alternatives).
   std::vector<Dtype> allowed_dtypes(const TensorArg& tensor) const;
+  // The dtypes a tensor may take in a call whose dtype variables take their
+  // first tensor's dtype `call_dtype` (the dtype that selects the kernel):
+  // its own first, then its alternatives, each once.
+  std::vector<Dtype> tensor_dtypes(const TensorArg& tensor, Dtype call_dtype) const;
   // The dtypes a call may have, the one that selects the kernel (a kernel's
   // "dtypes" in its manifest): those of the first dtype variable a tensor
   // uses, else the first tensor's dtype.

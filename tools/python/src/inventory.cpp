@@ -86,7 +86,9 @@ py::dict schema_dict(const OpSchema& s) {
     td["dtype"] = t.dtype;
     td["written"] = t.written || t.inplace;
     td["inplace"] = t.inplace;
-    td["strided"] = t.strided;
+    td["strided"] = t.layout == Layout::any;
+    td["layout"] = std::string(layout_name(t.layout));
+    td["optional"] = t.optional;
     if (t.range_max) {
       td["range"] = py::make_tuple(t.range_min.value_or(0), t.range_max->str());
     } else {
