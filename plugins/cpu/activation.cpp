@@ -1,7 +1,8 @@
 // activation.silu_and_mul, activation.gelu_and_mul and
 // activation.gelu_tanh_and_mul: out[..., j] = act(x[..., j]) * x[..., D + j],
 // computed in float and rounded to T once (SGLang semantics), a block of
-// widened elements at a time (see convert.hpp).
+// widened elements at a time (see convert.hpp). out and x have the schema's
+// "rows" layout: each row is contiguous, the rows may lie at any stride.
 //
 // A 16-bit gate has only 65536 values. Their activations are computed once,
 // by the same float code, into a table (256 KiB per op and type, built on the
@@ -15,6 +16,7 @@
 #include <type_traits>
 
 #include <kdispatch/plugin_helpers.hpp>
+#include <kdispatch/plugin_rows.hpp>
 
 #include "convert.hpp"
 #include "fast_math.hpp"
@@ -104,16 +106,19 @@ const float* activation_table() {
   return table.get();
 }
 
+// Rows [begin, end) of out and x, each row where its RowLayout puts it (one
+// multiply per row for a dense tensor or a slice of a matrix's columns).
 template <class Act, class T>
-KD_CPU_MULTIVERSION void gated_rows(T* out, const T* x, int64_t d, const float* table, Store store,
-                                   int64_t begin, int64_t end) {
+KD_CPU_MULTIVERSION void gated_rows(T* out, const kd_plugin::RowLayout& out_rows, const T* x,
+                                   const kd_plugin::RowLayout& x_rows, int64_t d,
+                                   const float* table, Store store, int64_t begin, int64_t end) {
   // Cache-line aligned: no 256-bit store of the widening splits a line.
   alignas(64) float up_block[kBlock];
   alignas(64) float result[kBlock];
   for (int64_t r = begin; r < end; ++r) {
-    const T* gate = x + r * 2 * d;
+    const T* gate = x + x_rows.offset(r);
     const T* up = gate + d;
-    T* o = out + r * d;
+    T* o = out + out_rows.offset(r);
     for (int64_t j0 = 0; j0 < d; j0 += kBlock) {
       const int64_t n = d - j0 < kBlock ? d - j0 : kBlock;
       const T* g = gate + j0;
@@ -160,11 +165,13 @@ kd_status gated_activation(const kd_call_args* args) noexcept {
       using T = typename decltype(tag)::type;
       T* o = data_as<T>(out);
       const T* xd = data_as<T>(x);
+      const kd_plugin::RowLayout out_rows = kd_plugin::row_layout(out, 1);
+      const kd_plugin::RowLayout x_rows = kd_plugin::row_layout(x, 1);
       const Store store = store_for(rows * d * static_cast<int64_t>(sizeof(T)));
       const float* table = nullptr;
       if constexpr (kTabulated<T>) table = activation_table<Act, T>();
       kd_plugin::parallel_for(rows, 3 * d, [&](int64_t begin, int64_t end) noexcept {
-        gated_rows<Act, T>(o, xd, d, table, store, begin, end);
+        gated_rows<Act, T>(o, out_rows, xd, x_rows, d, table, store, begin, end);
       });
       return KD_STATUS_OK;
     });

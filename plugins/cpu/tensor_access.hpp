@@ -24,8 +24,10 @@ using kd_plugin::same_dtype;
 using kd_plugin::TypeTag;
 
 // Checks the argument counts and that every tensor has at least
-// `min_ndim[i]` dimensions and data. Returns KD_STATUS_OK or a failure with
-// its message written.
+// `min_ndim[i]` dimensions and data. A kernel gives min_ndim 0 for an
+// optional tensor: there an absent one (no data, no dims: ABI 1.1) passes,
+// and the kernel tests for it. Returns KD_STATUS_OK or a failure with its
+// message written.
 template <int NumTensors>
 kd_status check_arguments(const kd_call_args* args, const char* op, int num_attrs,
                           const int (&min_ndim)[NumTensors]) {
@@ -40,11 +42,13 @@ kd_status check_arguments(const kd_call_args* args, const char* op, int num_attr
   }
   for (int i = 0; i < NumTensors; ++i) {
     const DLTensor& t = args->tensors[i];
+    if (min_ndim[i] == 0 && t.data == nullptr && t.ndim == 0) continue;
     if (t.ndim < min_ndim[i] || (t.ndim > 0 && t.shape == nullptr)) {
       return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT,
                              "%s: tensor %d has %d dimensions, expected at least %d", op, i,
                              t.ndim, min_ndim[i]);
     }
+    if (t.data == nullptr && t.ndim == 0) continue;  // an optional tensor left out
     for (int d = 0; d < t.ndim; ++d) {
       if (t.shape[d] < 0) {
         return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT,

@@ -1,14 +1,19 @@
-// moe.topk_softmax: p = softmax(gating_output row) in float32; topk_ids are
-// the indices of the K largest p, descending, ties to the lower index;
-// topk_weights their p, divided by their sum when renormalize (vLLM
-// semantics, including leaving the weights as they are when the sum is 0).
+// moe.topk_softmax: x = gating_output row, softcapped (tanh(x / c) c,
+// rounded to float32) when moe_softcapping c > 0, plus correction_bias in
+// float32 when given; p = softmax(x) in float32; topk_ids are the indices of
+// the K largest p, descending, ties to the lower index; topk_weights their
+// p, divided by their sum when renormalize (leaving the weights as they are
+// when the sum is 0); token_expert_indices[t, i] = i T + t over the T rows,
+// when given.
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <new>
 #include <type_traits>
 
 #include <kdispatch/plugin_helpers.hpp>
+#include <kdispatch/plugin_rows.hpp>
 
 #include "convert.hpp"
 #include "kd_plugin_kernels.hpp"
@@ -157,7 +162,7 @@ template <class T>
 void topk_rows_portable(const T* src, int64_t rows, const RowArgs& a, float* weights,
                         int32_t* ids) {
   for (int64_t r = 0; r < rows; ++r) {
-    topk_row_portable(src + r * a.e, a, weights + r * a.k, ids + r * a.k);
+    topk_row_portable(src + r * a.stride, a, weights + r * a.k, ids + r * a.k);
   }
 }
 
@@ -192,11 +197,59 @@ RowKernels pick_row_kernels() {
 // Chosen once, when the plugin is loaded.
 const RowKernels kRowKernels = pick_row_kernels();
 
-// Scratch of one parallel range (see RowArgs).
+// The rows [first, first + n) of the gating input, at any row strides:
+// rows a single stride apart go to the row kernel together, others one by
+// one.
+template <class T>
+void run_rows(const T* g, const kd_plugin::RowLayout& layout, int64_t first, int64_t n,
+              RowArgs a, float* weights, int32_t* ids) {
+  if (layout.ndim <= 1) {
+    a.stride = layout.ndim == 0 ? a.e : layout.stride[0];
+    kRowKernels.get<T>()(g + first * a.stride, n, a, weights, ids);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    kRowKernels.get<T>()(g + layout.offset(first + i), 1, a, weights + i * a.k, ids + i * a.k);
+  }
+}
+
+// The gating row before its softmax, in float32: tanh(x / cap) cap when
+// cap > 0 (in double, rounded once, so that every backend gets the same
+// float), plus the correction bias when there is one (always, without a
+// cap).
+template <class T>
+void transform_row(const T* src, int64_t e, double cap, const float* bias, float* out) {
+  if (cap > 0.0) {
+    for (int64_t j = 0; j < e; ++j) {
+      out[j] = static_cast<float>(std::tanh(to_float(src[j]) / cap) * cap);
+    }
+    if (bias != nullptr) {
+      for (int64_t j = 0; j < e; ++j) out[j] += bias[j];
+    }
+  } else {
+    // One pass, which vectorises.
+    for (int64_t j = 0; j < e; ++j) out[j] = to_float(src[j]) + bias[j];
+  }
+}
+
+// Rows a parallel range takes in one step: bounds the scratch of the
+// transformed rows and of int64 ids.
+inline int64_t chunk_rows(int64_t e) {
+  const int64_t n = 4096 / (e > 0 ? e : 1);
+  return n < 1 ? 1 : n > 64 ? 64 : n;
+}
+
+// Scratch of one parallel range (see RowArgs), plus the transformed rows of
+// a chunk and its int32 ids (for int64 topk_ids).
 struct Scratch {
   std::unique_ptr<float[]> floats;
   std::unique_ptr<int32_t[]> indices;
+  std::unique_ptr<float[]> transformed;
+  std::unique_ptr<int32_t[]> ids;
 };
+
+// An optional tensor the caller left out (ABI 1.1).
+inline bool absent(const DLTensor& t) { return t.data == nullptr && t.ndim == 0; }
 
 }  // namespace
 }  // namespace topk
@@ -204,20 +257,34 @@ struct Scratch {
 constexpr const char* kOp = "moe.topk_softmax";
 
 // kd_cpu_topk_softmax
+// Tensors topk_weights [*, K] float32, topk_ids [*, K] int32 or int64,
+// gating_output [*, E] (rows at any strides), correction_bias [E] float32
+// (optional), token_expert_indices [*, K] int32 (optional); attributes
+// renormalize, moe_softcapping. With a softcap or a bias, the rows are
+// transformed into float32 a chunk at a time and go through the float32 row
+// kernels.
 kd_status topk_softmax(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(args, [&]() -> kd_status {
-    constexpr int kMinNdim[] = {1, 1, 1};
-    if (kd_status s = check_arguments(args, kOp, 1, kMinNdim); s != KD_STATUS_OK) return s;
+    constexpr int kMinNdim[] = {1, 1, 1, 0, 0};
+    if (kd_status s = check_arguments(args, kOp, 2, kMinNdim); s != KD_STATUS_OK) return s;
     const DLTensor& weights = args->tensors[0];
     const DLTensor& ids = args->tensors[1];
     const DLTensor& gating = args->tensors[2];
+    const DLTensor& bias = args->tensors[3];
+    const DLTensor& token_expert = args->tensors[4];
+    const bool has_bias = !topk::absent(bias);
+    const bool has_token_expert = !topk::absent(token_expert);
     const int64_t rows = leading_rows(gating, 1);
     const int64_t e = dim(gating, -1);
     const int64_t k = dim(weights, -1);
-    if (dim(ids, -1) != k || leading_rows(weights, 1) != rows || leading_rows(ids, 1) != rows) {
+    if (dim(ids, -1) != k || leading_rows(weights, 1) != rows || leading_rows(ids, 1) != rows ||
+        (has_bias && (bias.ndim != 1 || dim(bias, 0) != e)) ||
+        (has_token_expert && (token_expert.ndim < 1 || dim(token_expert, -1) != k ||
+                              leading_rows(token_expert, 1) != rows))) {
       return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT,
                              "%s: expected topk_weights [*, K], topk_ids [*, K], "
-                             "gating_output [*, E]",
+                             "gating_output [*, E], correction_bias [E], "
+                             "token_expert_indices [*, K]",
                              kOp);
     }
     if (k > e) {
@@ -230,34 +297,78 @@ kd_status topk_softmax(const kd_call_args* args) noexcept {
                              "%s: E = %lld does not fit the int32 topk_ids", kOp,
                              static_cast<long long>(e));
     }
-    if (!is_dtype(weights, kDLFloat, 32) || !is_dtype(ids, kDLInt, 32)) {
+    if (has_token_expert && k > 0 && (k - 1) * rows + rows - 1 > INT32_MAX) {
       return kd_plugin::fail(args, KD_STATUS_UNSUPPORTED,
-                             "%s: topk_weights must be float32 and topk_ids int32", kOp);
+                             "%s: K x rows = %lld does not fit the int32 token_expert_indices",
+                             kOp, static_cast<long long>(k * rows));
+    }
+    const bool ids64 = is_dtype(ids, kDLInt, 64);
+    if (!is_dtype(weights, kDLFloat, 32) || !(ids64 || is_dtype(ids, kDLInt, 32)) ||
+        (has_bias && !is_dtype(bias, kDLFloat, 32)) ||
+        (has_token_expert && !is_dtype(token_expert, kDLInt, 32))) {
+      return kd_plugin::fail(args, KD_STATUS_UNSUPPORTED,
+                             "%s: topk_weights must be float32, topk_ids int32 or int64, "
+                             "correction_bias float32 and token_expert_indices int32",
+                             kOp);
     }
     const kd_attr* renormalize_attr = find_attr(args, "renormalize", KD_ATTR_TYPE_BOOL);
-    if (renormalize_attr == nullptr) {
+    const kd_attr* softcap_attr = find_attr(args, "moe_softcapping", KD_ATTR_TYPE_FLOAT);
+    if (renormalize_attr == nullptr || softcap_attr == nullptr) {
       return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT,
-                             "%s: attribute renormalize is missing or not a bool", kOp);
+                             "%s: attribute renormalize (bool) or moe_softcapping (float) is "
+                             "missing or of another type",
+                             kOp);
     }
     const bool renormalize = renormalize_attr->value.b != 0;
-    if (k == 0) return KD_STATUS_OK;
+    const double cap = softcap_attr->value.f;
+    if (k == 0 || rows == 0) return KD_STATUS_OK;
+    const kd_plugin::RowLayout layout = kd_plugin::row_layout(gating, 1);
+    const float* bias_data = has_bias ? data_as<float>(bias) : nullptr;
+    const bool transform = has_bias || cap > 0.0;
     float* w = data_as<float>(weights);
-    int32_t* id = data_as<int32_t>(ids);
+    int32_t* token_expert_data = has_token_expert ? data_as<int32_t>(token_expert) : nullptr;
     return dispatch_float_dtype(args, kOp, gating, [&](auto tag) {
       using T = typename decltype(tag)::type;
       const T* g = data_as<T>(gating);
       std::atomic<bool> out_of_memory{false};
-      const topk::RowsFn<T> rows_kernel = topk::kRowKernels.get<T>();
-      kd_plugin::parallel_for(rows, e, [&](int64_t begin, int64_t end) noexcept {
-        topk::Scratch s{std::unique_ptr<float[]>(new (std::nothrow) float[e + k + 2 * kReductionLanes]),
-                  std::unique_ptr<int32_t[]>(new (std::nothrow) int32_t[e + kReductionLanes])};
-        if (!s.floats || !s.indices) {
+      const int64_t chunk = topk::chunk_rows(e);
+      kd_plugin::parallel_for(rows, transform ? 4 * e : e, [&](int64_t begin, int64_t end) noexcept {
+        topk::Scratch s{
+            std::unique_ptr<float[]>(new (std::nothrow) float[e + k + 2 * kReductionLanes]),
+            std::unique_ptr<int32_t[]>(new (std::nothrow) int32_t[e + kReductionLanes]),
+            std::unique_ptr<float[]>(transform ? new (std::nothrow) float[chunk * e] : nullptr),
+            std::unique_ptr<int32_t[]>(ids64 ? new (std::nothrow) int32_t[chunk * k] : nullptr)};
+        if (!s.floats || !s.indices || (transform && !s.transformed) || (ids64 && !s.ids)) {
           out_of_memory.store(true, std::memory_order_relaxed);
           return;
         }
-        const topk::RowArgs row_args{e, k, renormalize, s.floats.get(), s.floats.get() + e,
-                               s.indices.get()};
-        rows_kernel(g + begin * e, end - begin, row_args, w + begin * k, id + begin * k);
+        const topk::RowArgs row_args{e, e, k, renormalize, s.floats.get(), s.floats.get() + e,
+                                     s.indices.get()};
+        for (int64_t first = begin; first < end; first += chunk) {
+          const int64_t n = end - first < chunk ? end - first : chunk;
+          float* const w_out = w + first * k;
+          int32_t* const id_out = ids64 ? s.ids.get() : data_as<int32_t>(ids) + first * k;
+          if (transform) {
+            float* const t = s.transformed.get();
+            for (int64_t i = 0; i < n; ++i) {
+              topk::transform_row(g + layout.offset(first + i), e, cap, bias_data, t + i * e);
+            }
+            topk::kRowKernels.get<float>()(t, n, row_args, w_out, id_out);
+          } else {
+            topk::run_rows(g, layout, first, n, row_args, w_out, id_out);
+          }
+          if (ids64) {
+            int64_t* const id64 = data_as<int64_t>(ids) + first * k;
+            for (int64_t i = 0; i < n * k; ++i) id64[i] = id_out[i];
+          }
+          if (token_expert_data != nullptr) {
+            for (int64_t r = first; r < first + n; ++r) {
+              for (int64_t i = 0; i < k; ++i) {
+                token_expert_data[r * k + i] = static_cast<int32_t>(i * rows + r);
+              }
+            }
+          }
+        }
       });
       if (out_of_memory.load()) {
         return kd_plugin::fail(args, KD_STATUS_INTERNAL, "%s: out of host memory", kOp);

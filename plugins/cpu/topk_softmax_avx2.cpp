@@ -182,11 +182,11 @@ KD_AVX2 inline LaneMaxima widen_and_max(const T* src, int64_t full, const float*
 // logits (the bits of the logits that reach the threshold), padded with
 // zeros to whole 64-bit words. Sets st.sum and st.full_sum; returns the
 // number of words written. Meanwhile it asks for the next row of `src` (the
-// row's input, `e` elements).
+// row's input; the next row starts `stride` elements on).
 template <bool kSum, class T>
 KD_AVX2 inline int64_t exp_sum_and_candidates(const float* logits, int64_t full,
                                               const float* tail, int64_t rest,
-                                              const T* src, int64_t e, RowStats& st,
+                                              const T* src, int64_t stride, RowStats& st,
                                               uint16_t* candidates) {
   const __m256 minus_scaled_max = _mm256_set1_ps(-(st.max * kLog2e));
   const __m256 threshold = _mm256_set1_ps(st.threshold);
@@ -203,7 +203,7 @@ KD_AVX2 inline int64_t exp_sum_and_candidates(const float* logits, int64_t full,
     // large batch does not wait for memory (the hardware prefetcher does
     // not run that far ahead). A prefetch past the end of the input is
     // harmless: it never faults.
-    _mm_prefetch(reinterpret_cast<const char*>(src + e + j), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(src + stride + j), _MM_HINT_T0);
     const __m256 lo = _mm256_loadu_ps(logits + j);
     const __m256 hi = _mm256_loadu_ps(logits + j + 8);
     if constexpr (kSum) {
@@ -300,8 +300,8 @@ KD_AVX2 void float_row_avx2(const T* src, const RowArgs& a, float* weights, int3
   uint16_t* const candidates = reinterpret_cast<uint16_t*>(a.order);
   const int64_t blocks =
       a.renormalize
-          ? exp_sum_and_candidates<false>(logits, full, tail, rest, src, e, st, candidates)
-          : exp_sum_and_candidates<true>(logits, full, tail, rest, src, e, st, candidates);
+          ? exp_sum_and_candidates<false>(logits, full, tail, rest, src, a.stride, st, candidates)
+          : exp_sum_and_candidates<true>(logits, full, tail, rest, src, a.stride, st, candidates);
 
   if (k <= kRegisterMaxK && st.threshold > -__builtin_inff()) {
     TopInRegisters top;
@@ -324,7 +324,7 @@ KD_AVX2 void topk_rows_avx2(const T* src, int64_t rows, const RowArgs& a, float*
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    float_row_avx2(src + r * a.e, a, weights + r * a.k, ids + r * a.k);
+    float_row_avx2(src + r * a.stride, a, weights + r * a.k, ids + r * a.k);
   }
 }
 

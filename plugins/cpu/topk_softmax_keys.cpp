@@ -254,9 +254,9 @@ template <class T>
   row.word_count = w;
 }
 
-// How far ahead the key rows ask for their input, in elements: whole groups
-// of kRows rows (the rows passed through together), as many as fit in
-// kPrefetchBytes, and at least the next group. Each group asks for one
+// How far ahead the key rows ask for their input, in elements (rows `stride`
+// apart): whole groups of kRows rows (the rows passed through together), as
+// many as fit in kPrefetchBytes, and at least the next group. Each group asks for one
 // group further on, so that on large batches the input arrives from memory
 // while the groups before it are computed (asking for only the next group
 // leaves the first pass waiting for memory). Past the end of the input the
@@ -264,10 +264,9 @@ template <class T>
 constexpr int64_t kPrefetchBytes = 3072;
 
 template <int kRows, class T>
-constexpr int64_t prefetch_ahead(int64_t e) {
-  const int64_t group = kRows * e;
-  const int64_t groups = kPrefetchBytes / (group * static_cast<int64_t>(sizeof(T)));
-  return (groups > 1 ? groups : 1) * group;
+constexpr int64_t prefetch_ahead(int64_t e, int64_t stride) {
+  const int64_t groups = kPrefetchBytes / (kRows * e * static_cast<int64_t>(sizeof(T)));
+  return (groups > 1 ? groups : 1) * kRows * stride;
 }
 
 // The sums of e^(logit - max) of kRows rows at once (independent chains for
@@ -276,9 +275,9 @@ constexpr int64_t prefetch_ahead(int64_t e) {
 // it holds logits, and the same pairwise tree at the end. Meanwhile the
 // input further on is asked for (prefetch_ahead).
 template <int kRows, class T>
-KD_AVX2 inline void sum_of_exps(KeyRow* const (&rows)[kRows], int64_t e) {
+KD_AVX2 inline void sum_of_exps(KeyRow* const (&rows)[kRows], int64_t e, int64_t stride) {
   const int64_t full = e - e % kReductionLanes;
-  const int64_t ahead = prefetch_ahead<kRows, T>(e);
+  const int64_t ahead = prefetch_ahead<kRows, T>(e, stride);
   __m256 minus_scaled_max[kRows];
   __m256 sum_first[kRows];
   __m256 sum_second[kRows];
@@ -328,10 +327,10 @@ template <int kRows, class T>
 [[gnu::always_inline]] KD_AVX2 inline void sums_or_prefetch(KeyRow* const (&rows)[kRows],
                                                             const RowArgs& a, int64_t e) {
   if (!a.renormalize) {
-    sum_of_exps<kRows, T>(rows, e);
+    sum_of_exps<kRows, T>(rows, e, a.stride);
     return;
   }
-  const int64_t ahead = prefetch_ahead<kRows, T>(e);
+  const int64_t ahead = prefetch_ahead<kRows, T>(e, a.stride);
   for (int r = 0; r < kRows; ++r) {
     for (int64_t j = 0; j < e; j += 64 / sizeof(T)) {
       _mm_prefetch(reinterpret_cast<const char*>(rows[r]->bits + ahead + j), _MM_HINT_T0);
@@ -413,8 +412,8 @@ KD_AVX2 int64_t key_row_pairs(const T* src, int64_t rows, const RowArgs& a, floa
   const int64_t k = a.k;
   int64_t r = 0;
   for (; r + 2 <= rows; r += 2) {
-    KeyRow first = key_row(a, e, src + r * e, 0);
-    KeyRow second = key_row(a, e, src + (r + 1) * e, 1);
+    KeyRow first = key_row(a, e, src + r * a.stride, 0);
+    KeyRow second = key_row(a, e, src + (r + 1) * a.stride, 1);
     const KeyScan first_scan = scan_keys<T>(e, first);
     const KeyScan second_scan = scan_keys<T>(e, second);
     __m256i first_below;
@@ -433,8 +432,8 @@ KD_AVX2 int64_t key_row_pairs(const T* src, int64_t rows, const RowArgs& a, floa
       write_keys<T>(a, second, second_best, weights + (r + 1) * k, ids + (r + 1) * k);
     } else {
       // A NaN: each row on its own (the float row uses the scratch too).
-      key_row_alone(src + r * e, a, weights + r * k, ids + r * k);
-      key_row_alone(src + (r + 1) * e, a, weights + (r + 1) * k, ids + (r + 1) * k);
+      key_row_alone(src + r * a.stride, a, weights + r * k, ids + r * k);
+      key_row_alone(src + (r + 1) * a.stride, a, weights + (r + 1) * k, ids + (r + 1) * k);
     }
   }
   return r;
@@ -453,7 +452,7 @@ KD_AVX2 void key_rows_avx2(const T* src, int64_t rows, const RowArgs& a, float* 
     case 256: r = key_row_pairs<T, 256>(src, rows, a, weights, ids); break;
     default: r = key_row_pairs<T, 0>(src, rows, a, weights, ids); break;
   }
-  if (r < rows) key_row_alone(src + r * a.e, a, weights + r * a.k, ids + r * a.k);
+  if (r < rows) key_row_alone(src + r * a.stride, a, weights + r * a.k, ids + r * a.k);
 }
 
 template void key_rows_avx2<Float16>(const Float16*, int64_t, const RowArgs&, float*, int32_t*);

@@ -164,6 +164,7 @@ class TopList {
 // Scratch and shape of the rows of one parallel range.
 struct RowArgs {
   int64_t e;
+  int64_t stride;  // elements from the start of one row of the input to the next
   int64_t k;
   bool renormalize;
   float* row;      // e floats, the widened row (16-bit types); or, with keys

@@ -8,7 +8,11 @@
 // the data keeps more loads in flight than blocks that loop over rows, and
 // the fewer bytes a thread moves at decode sizes, the more SMs share the
 // loads and the sooner the last one returns. Inputs and outputs, touched
-// once, take streaming cache hints.
+// once, take streaming cache hints. out and x have the schema's "rows"
+// layout: rows at any stride; vectors are used only where every row start is
+// 16-byte aligned, and dense tensors skip the row addressing.
+#include <kdispatch/plugin_rows.hpp>
+
 #include "device_utils.cuh"
 #include "launch_utils.hpp"
 #include "ops.hpp"
@@ -70,13 +74,19 @@ struct GeluTanh {
   }
 };
 
-template <class T, int N, class Act, int kBlock>
-__global__ void __launch_bounds__(kBlock) act_and_mul(T* out, const T* x, int64_t rows, int d) {
+// kDense: the rows of out and x lie back to back (row r at r * d and
+// r * 2 * d), and the layouts are not read.
+template <class T, int N, class Act, int kBlock, bool kDense>
+__global__ void __launch_bounds__(kBlock)
+    act_and_mul(T* out, const T* x, kd_plugin::RowLayout out_rows, kd_plugin::RowLayout x_rows,
+                int64_t rows, int d) {
   start_after_previous_kernel();
   const int i = blockIdx.x * kBlock + threadIdx.x;  // the vector of the row
   if (i >= d / N) return;
   for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
-    const T* gate = x + row * 2 * d + static_cast<int64_t>(i) * N;
+    const int64_t x_row = kDense ? row * 2 * d : x_rows.offset(row);
+    const int64_t out_row = kDense ? row * d : out_rows.offset(row);
+    const T* gate = x + x_row + static_cast<int64_t>(i) * N;
     const Vec<T, N> a = load_once<T, N>(gate);
     const Vec<T, N> b = load_once<T, N>(gate + d);
     Vec<T, N> r;
@@ -85,15 +95,41 @@ __global__ void __launch_bounds__(kBlock) act_and_mul(T* out, const T* x, int64_
       const float act = Act::template eval<sizeof(T) == 2>(to_float(a.v[e]));
       r.v[e] = from_float<T>(act * to_float(b.v[e]));
     }
-    store_once<T, N>(out + row * d + static_cast<int64_t>(i) * N, r);
+    store_once<T, N>(out + out_row + static_cast<int64_t>(i) * N, r);
   }
 }
 
+// The rows of out and x, where each lies.
+struct ActRows {
+  kd_plugin::RowLayout out;
+  kd_plugin::RowLayout x;
+  bool dense;  // both back to back
+};
+
 template <class T, int N, class Act, int kBlock = kThreads>
-void launch_act(const Launch& launch, T* out, const T* x, int64_t rows, int d) {
+void launch_act(const Launch& launch, T* out, const T* x, const ActRows& layout, int64_t rows,
+                int d) {
   const dim3 grid(static_cast<unsigned>(ceil_div(d / N, kBlock)),
                   static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
-  launch_kernel(launch, act_and_mul<T, N, Act, kBlock>, grid, kBlock, out, x, rows, d);
+  if (layout.dense) {
+    launch_kernel(launch, act_and_mul<T, N, Act, kBlock, true>, grid, kBlock, out, x, layout.out,
+                  layout.x, rows, d);
+  } else {
+    launch_kernel(launch, act_and_mul<T, N, Act, kBlock, false>, grid, kBlock, out, x,
+                  layout.out, layout.x, rows, d);
+  }
+}
+
+// True when every row of `rows` starts `bytes`-aligned, given that row 0
+// does: each stride is a multiple of `bytes`.
+inline bool row_strides_aligned(const kd_plugin::RowLayout& rows, size_t element_bytes,
+                                size_t bytes) {
+  for (int i = 0; i < rows.ndim; ++i) {
+    if ((rows.stride[i] * static_cast<int64_t>(element_bytes)) % static_cast<int64_t>(bytes) != 0) {
+      return false;
+    }
+  }
+  return true;
 }
 
 // Tensors: out [*, D], x [*, 2*D].
@@ -118,16 +154,21 @@ kd_status run_act(const kd_call_args* args, const char* op) {
     constexpr int kVec = 16 / sizeof(T);
     T* o = data_as<T>(out);
     const T* in = data_as<T>(x);
+    ActRows layout{kd_plugin::row_layout(out, 1), kd_plugin::row_layout(x, 1), false};
+    layout.dense = layout.out.dense(d) && layout.x.dense(2 * d);
+    const int di = static_cast<int>(d);
     if (rows * d <= kTinyElements) {
-      launch_act<T, 1, Act, kTinyThreads>(launch, o, in, rows, static_cast<int>(d));
-    } else if (d % kVec == 0 && all_aligned(16, {o, in})) {
+      launch_act<T, 1, Act, kTinyThreads>(launch, o, in, layout, rows, di);
+    } else if (d % kVec == 0 && all_aligned(16, {o, in}) &&
+               row_strides_aligned(layout.out, sizeof(T), 16) &&
+               row_strides_aligned(layout.x, sizeof(T), 16)) {
       if (rows * d <= kSmallElements) {
-        launch_act<T, kVec / 2, Act>(launch, o, in, rows, static_cast<int>(d));
+        launch_act<T, kVec / 2, Act>(launch, o, in, layout, rows, di);
       } else {
-        launch_act<T, kVec, Act>(launch, o, in, rows, static_cast<int>(d));
+        launch_act<T, kVec, Act>(launch, o, in, layout, rows, di);
       }
     } else {
-      launch_act<T, 1, Act>(launch, o, in, rows, static_cast<int>(d));
+      launch_act<T, 1, Act>(launch, o, in, layout, rows, di);
     }
   });
 }

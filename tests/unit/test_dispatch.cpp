@@ -1,15 +1,22 @@
 // The checked call path over the real cpu plugin: bad arguments are KD-E030
 // naming the argument and never reach a kernel (the poisoned output stays
-// poisoned); plugins open lazily, on the first call; tracing.
+// poisoned); plugins open lazily, on the first call; tracing; rotary on
+// views into a fused QKV buffer.
 #include <doctest/doctest.h>
 
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <string>
 #include <thread>
+#include <vector>
+
+#include <kdispatch/plugin_helpers.hpp>
 
 #include "harness.hpp"
 #include "kdispatch/context.hpp"
@@ -84,6 +91,115 @@ void expect_bad_call(const OpHandle& op, RmsnormCall& call, std::vector<std::str
     for (const auto& p : parts) CHECK_MESSAGE(std::string(e.what()).find(p) != std::string::npos, e.what());
   }
   CHECK_MESSAGE(call.output_untouched(), "the kernel ran");
+}
+
+// embeddings.rotary_embedding as real models call it, on the cpu and
+// reference backends: q and k as views into a fused QKV buffer (token rows
+// strided, heads strided, in any order), partial rotary (2R < D, the tail of
+// each head untouched), a float32 cache beside 16-bit q/k, int32 and int64
+// positions, and key absent. Every value outside the rotated part of q and k
+// keeps its bits.
+constexpr DLDevice kCpu{kDLCPU, 0};
+
+// One rotary call on a buffer holding [T, HQ + 2 * HK, D] values (q, k, v of
+// each token), tokens `token_pad` values apart beyond that; or, with
+// heads_outer, [HQ + 2 * HK, T, D] (heads stride past the tokens').
+struct RotaryCase {
+  int64_t tokens, hq, hk, d, r, p;
+  bool bf16 = false;  // q/k bfloat16 (cache float32), else all float32
+  bool positions32 = false;
+  bool with_key = true;
+  bool heads_outer = false;
+  int64_t token_pad = 3;
+  bool neox = true;
+};
+
+double read(const std::vector<uint16_t>& b16, const std::vector<float>& f32, bool bf16, int64_t i) {
+  return bf16 ? static_cast<double>(kd_plugin::to_float(kd_plugin::BFloat16{b16[static_cast<size_t>(i)]}))
+              : static_cast<double>(f32[static_cast<size_t>(i)]);
+}
+
+void run_case(const OpHandle& op, const RotaryCase& c) {
+  const int64_t heads = c.hq + 2 * c.hk;
+  const int64_t token_stride = c.heads_outer ? c.d : heads * c.d + c.token_pad;
+  const int64_t head_stride = c.heads_outer ? c.tokens * c.d + c.token_pad : c.d;
+  const int64_t size = c.heads_outer ? heads * head_stride : c.tokens * token_stride;
+  std::vector<float> f32(static_cast<size_t>(size));
+  std::vector<uint16_t> b16(static_cast<size_t>(size));
+  for (int64_t i = 0; i < size; ++i) {
+    const float v = std::sin(0.37f * static_cast<float>(i)) * 2.0f;
+    f32[static_cast<size_t>(i)] = v;
+    b16[static_cast<size_t>(i)] = kd_plugin::from_float<kd_plugin::BFloat16>(v).bits;
+  }
+  const std::vector<float> f32_before = f32;
+  const std::vector<uint16_t> b16_before = b16;
+  std::vector<float> cache(static_cast<size_t>(c.p * 2 * c.r));
+  for (int64_t pos = 0; pos < c.p; ++pos) {
+    for (int64_t j = 0; j < c.r; ++j) {
+      const double freq = std::pow(10000.0, -static_cast<double>(j) / static_cast<double>(c.r));
+      const double angle = static_cast<double>(pos) * freq;
+      cache[static_cast<size_t>(pos * 2 * c.r + j)] = static_cast<float>(std::cos(angle));
+      cache[static_cast<size_t>(pos * 2 * c.r + c.r + j)] = static_cast<float>(std::sin(angle));
+    }
+  }
+  std::vector<int64_t> pos64(static_cast<size_t>(c.tokens));
+  std::vector<int32_t> pos32(static_cast<size_t>(c.tokens));
+  for (int64_t t = 0; t < c.tokens; ++t) {
+    pos64[static_cast<size_t>(t)] = (t * 7 + 3) % c.p;
+    pos32[static_cast<size_t>(t)] = static_cast<int32_t>((t * 7 + 3) % c.p);
+  }
+  void* base = c.bf16 ? static_cast<void*>(b16.data()) : static_cast<void*>(f32.data());
+  const DLDataType dtype = c.bf16 ? DLDataType{kDLBfloat, 16, 1} : DLDataType{kDLFloat, 32, 1};
+  const uint64_t elem = c.bf16 ? 2 : 4;
+  std::vector<int64_t> pshape{c.tokens}, qshape{c.tokens, c.hq, c.d}, kshape{c.tokens, c.hk, c.d}, cshape{c.p, 2 * c.r},
+      qkstrides{token_stride, head_stride, 1};
+  std::vector<DLTensor> tensors{
+      DLTensor{c.positions32 ? static_cast<void*>(pos32.data()) : static_cast<void*>(pos64.data()), kCpu, 1,
+               DLDataType{kDLInt, static_cast<uint8_t>(c.positions32 ? 32 : 64), 1}, pshape.data(), nullptr, 0},
+      DLTensor{base, kCpu, 3, dtype, qshape.data(), qkstrides.data(), 0},
+      DLTensor{base, kCpu, 3, dtype, kshape.data(), qkstrides.data(), static_cast<uint64_t>(c.hq * head_stride) * elem},
+      DLTensor{cache.data(), kCpu, 2, DLDataType{kDLFloat, 32, 1}, cshape.data(), nullptr, 0}};
+  if (!c.with_key) tensors[2] = DLTensor{nullptr, kCpu, 0, DLDataType{0, 0, 0}, nullptr, nullptr, 0};
+  op(tensors, std::vector<NamedAttr>{{"is_neox", c.neox}});
+
+  const std::string what = std::string(op.backend()) + (c.bf16 ? " bf16" : " f32") + (c.neox ? " neox" : " gptj") +
+                           " T=" + std::to_string(c.tokens) + " HQ=" + std::to_string(c.hq) +
+                           " HK=" + std::to_string(c.hk) + " D=" + std::to_string(c.d) + " R=" + std::to_string(c.r) +
+                           (c.with_key ? "" : " no key") + (c.heads_outer ? " heads outer" : "") +
+                           (c.positions32 ? " int32" : " int64");
+  INFO(what);
+  std::vector<bool> rotated(static_cast<size_t>(size), false);
+  const double tol = c.bf16 ? 1.0 / 128 : 1e-5;
+  int bad = 0;
+  for (int64_t t = 0; t < c.tokens; ++t) {
+    const int64_t pos = pos64[static_cast<size_t>(t)];
+    for (int64_t h = 0; h < c.hq + (c.with_key ? c.hk : 0); ++h) {
+      const int64_t head = t * token_stride + h * head_stride;
+      for (int64_t j = 0; j < c.r; ++j) {
+        const int64_t ia = head + (c.neox ? j : 2 * j);
+        const int64_t ib = head + (c.neox ? j + c.r : 2 * j + 1);
+        const double cs = cache[static_cast<size_t>(pos * 2 * c.r + j)];
+        const double sn = cache[static_cast<size_t>(pos * 2 * c.r + c.r + j)];
+        const double a = read(b16_before, f32_before, c.bf16, ia);
+        const double b = read(b16_before, f32_before, c.bf16, ib);
+        const double wa = a * cs - b * sn;
+        const double wb = b * cs + a * sn;
+        const double ga = read(b16, f32, c.bf16, ia);
+        const double gb = read(b16, f32, c.bf16, ib);
+        if (std::fabs(ga - wa) > tol * (1 + std::fabs(wa)) || std::fabs(gb - wb) > tol * (1 + std::fabs(wb))) ++bad;
+        rotated[static_cast<size_t>(ia)] = rotated[static_cast<size_t>(ib)] = true;
+      }
+    }
+  }
+  CHECK(bad == 0);
+  int64_t changed = 0;
+  for (int64_t i = 0; i < size; ++i) {
+    if (rotated[static_cast<size_t>(i)]) continue;
+    const bool same = c.bf16 ? b16[static_cast<size_t>(i)] == b16_before[static_cast<size_t>(i)]
+                             : std::memcmp(&f32[static_cast<size_t>(i)], &f32_before[static_cast<size_t>(i)], 4) == 0;
+    if (!same) ++changed;
+  }
+  CHECK(changed == 0);  // head tails, v, an absent key's heads, the padding
 }
 
 }  // namespace
@@ -425,6 +541,58 @@ TEST_CASE("dispatch: a kernel failure is KD-E040 with the plugin's message") {
     CHECK(e.code() == ErrorCode::kernel_failed);
     CHECK(std::string(e.what()).find("kernel 'kd_cpu_rotary_embedding' of backend 'cpu' failed") == 0);
     CHECK(std::string(e.what()).find("99") != std::string::npos);
+  }
+}
+
+TEST_CASE(
+    "dispatch: rotary with q and k as views into a fused QKV buffer, partial rotary, float32 cache, optional key") {
+  auto ctx = cpu_context();
+  Dispatcher dispatch(*ctx);
+  for (const char* backend : {"cpu", "reference"}) {
+    const OpHandle op = dispatch.op("embeddings.rotary_embedding", backend);
+    for (const bool neox : {true, false}) {
+      for (const bool bf16 : {false, true}) {
+        run_case(op, {.tokens = 5, .hq = 4, .hk = 2, .d = 128, .r = 32, .p = 40, .bf16 = bf16, .neox = neox});
+        run_case(
+            op,
+            {.tokens = 3, .hq = 3, .hk = 1, .d = 19, .r = 7, .p = 11, .bf16 = bf16, .positions32 = true, .neox = neox});
+        run_case(
+            op,
+            {.tokens = 4, .hq = 2, .hk = 2, .d = 64, .r = 32, .p = 9, .bf16 = bf16, .with_key = false, .neox = neox});
+        run_case(op, {.tokens = 6,
+                      .hq = 3,
+                      .hk = 2,
+                      .d = 24,
+                      .r = 8,
+                      .p = 13,
+                      .bf16 = bf16,
+                      .positions32 = true,
+                      .heads_outer = true,
+                      .neox = neox});
+        run_case(op,
+                 {.tokens = 1, .hq = 1, .hk = 1, .d = 2, .r = 1, .p = 2, .bf16 = bf16, .token_pad = 0, .neox = neox});
+      }
+    }
+  }
+}
+
+TEST_CASE("dispatch: a rotary cache wider than the head is KD-E030 naming it") {
+  auto ctx = cpu_context();
+  Dispatcher dispatch(*ctx);
+  std::vector<int64_t> positions{0, 1};
+  std::vector<float> q(2 * 1 * 4, 1.0f), cache(5 * 6, 0.5f);
+  std::vector<int64_t> ps{2}, qs{2, 1, 4}, cs{5, 6};
+  const DLDataType f32{kDLFloat, 32, 1};
+  std::vector<DLTensor> tensors{DLTensor{positions.data(), kCpu, 1, {kDLInt, 64, 1}, ps.data(), nullptr, 0},
+                                DLTensor{q.data(), kCpu, 3, f32, qs.data(), nullptr, 0},
+                                DLTensor{nullptr, kCpu, 0, DLDataType{0, 0, 0}, nullptr, nullptr, 0},
+                                DLTensor{cache.data(), kCpu, 2, f32, cs.data(), nullptr, 0}};
+  try {
+    dispatch.op("embeddings.rotary_embedding")(tensors);
+    FAIL("accepted");
+  } catch (const CallError& e) {
+    CHECK(e.code() == ErrorCode::bad_arguments);
+    CHECK(std::string(e.what()).find("cos_sin_cache") != std::string::npos);
   }
 }
 

@@ -267,7 +267,7 @@ TEST_CASE("shipped op schemas: tokens, dtypes and attributes") {
   REQUIRE(rotary.schemas.size() == 1);
   CHECK(rotary.schemas[0].tensors[0].shape.size() == 1);
   CHECK(rotary.schemas[0].tensors[0].shape[0].str() == "*");
-  CHECK(rotary.schemas[0].allowed_dtypes(rotary.schemas[0].tensors[0]) == std::vector<Dtype>{Dtype::int64});
+  CHECK(rotary.schemas[0].allowed_dtypes(rotary.schemas[0].tensors[0]) == (std::vector<Dtype>{Dtype::int64, Dtype::int32}));
   CHECK(rotary.schemas[0].attrs[0].default_value == AttrValue(true));
 
   const auto moe = parse_op_schemas(read_text(path / "moe.json"), "moe.json");

@@ -99,7 +99,7 @@ TEST_CASE("a plugin built for ABI 1.0 is refused for an op with an optional tens
   const KernelSpec* optional = ctx.registry().get_backend("fixture.optional_scale", "fx_abi_1_0_exact");
   REQUIRE(plain != nullptr);
   REQUIRE(optional != nullptr);
-  CHECK(ctx.kernel(*plain) != nullptr);
+  CHECK(reinterpret_cast<void*>(ctx.kernel(*plain)) != nullptr);
   try {
     ctx.kernel(*optional);
     FAIL("an ABI 1.0 kernel was given an op with an optional tensor");

@@ -67,9 +67,14 @@ def rmsnorm(x, w):
 
 
 def fused_add_rmsnorm(x, residual, w):
-    # The float32 sum is normalised; residual keeps it rounded to x's dtype.
-    s = x.float() + residual.float()
-    return (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS) * w.float()).to(x.dtype), s.to(x.dtype)
+    # The float32 sum is normalised; the updated residual is its rounding.
+    r = x.float() + residual.float()
+    return (r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + EPS) * w.float()).to(x.dtype), r.to(x.dtype)
+
+
+def gemma_rmsnorm(x, w):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * (1.0 + w.float())).to(x.dtype)
 
 
 def layernorm(x, w, b):
@@ -84,16 +89,22 @@ def act_and_mul(act):
 
 
 def rotary(neox):
+    # The first rotary_dim (the cache's width) elements of each head rotate,
+    # the rest pass through: the peers' native form (vLLM's and SGLang's
+    # forward_native), which returns new tensors.
     def fn(positions, q, k, cache):
+        rot = cache.shape[-1]
         cos, sin = cache[positions].float().unsqueeze(-2).chunk(2, dim=-1)
 
         def rotate(x):
-            xf = x.float()
+            xf = x[..., :rot].float()
             if neox:
                 x1, x2 = xf.chunk(2, dim=-1)
-                return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-            x1, x2 = xf[..., ::2], xf[..., 1::2]
-            return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
+                y = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+            else:
+                x1, x2 = xf[..., ::2], xf[..., 1::2]
+                y = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
+            return y if rot == x.shape[-1] else torch.cat((y, x[..., rot:]), dim=-1)
 
         return rotate(q), rotate(k)
     return fn
@@ -107,6 +118,17 @@ def topk_softmax(k):
     return fn
 
 
+def topk_softmax_biased(k):
+    # SGLang's order: the experts are chosen by softmax + correction_bias,
+    # their weights are the softmax's alone, then renormalised.
+    def fn(gating, bias):
+        p = torch.softmax(gating.float(), dim=-1)
+        ids = torch.topk(p + bias, k, dim=-1).indices
+        weights = p.gather(-1, ids)
+        return weights / weights.sum(dim=-1, keepdim=True), ids.to(torch.int32)
+    return fn
+
+
 # --- cases --------------------------------------------------------------------------
 
 class Case:
@@ -115,11 +137,13 @@ class Case:
     (sharing storage; in-place kdispatch ops update their inputs, which
     changes values but not the work)."""
 
-    def __init__(self, op, dtype, shape, nbytes, make, torch_fn, attrs, compare, outputs=(0,), rows=None):
+    def __init__(self, op, dtype, shape, nbytes, make, torch_fn, attrs, compare, outputs=(0,), rows=None,
+                 baseline=None):
         self.op, self.dtype, self.shape, self.nbytes = op, dtype, shape, nbytes
         self.make, self.torch_fn, self.attrs, self.compare = make, torch_fn, attrs, compare
         self.outputs = outputs  # kd_args written only: one buffer for every input set
         self.rows = rows  # rows (tokens) of the call
+        self.baseline = baseline  # the shape of the same op's contiguous case, timed beside a strided one
 
     @property
     def decode(self):
@@ -130,27 +154,57 @@ def randn(*shape, dtype):
     return torch.randn(*shape, device=DEVICE, dtype=torch.float32).to(dtype)
 
 
-def norm_case(fused, dtype, rows, hidden):
+def column_slice(rows, cols, dtype, pad=512):
+    """A [rows, cols] view of the first columns of a random [rows, cols + pad]
+    matrix: rows `cols + pad` elements apart, as a norm's input sliced from a
+    wider activation."""
+    return randn(rows, cols + pad, dtype=dtype)[:, :cols]
+
+
+def tensor_index(op):
+    """Name -> position of each tensor of `op`'s schema."""
+    schema = next(s for s in kdispatch.schemas() if s["op"] == op)
+    return {t["name"]: i for i, t in enumerate(schema["tensors"])}
+
+
+def in_schema_order(op, **tensors):
+    """The tensors of `op` by name, in its schema's order; None for an
+    optional tensor left out."""
+    at = tensor_index(op)
+    unknown = set(tensors) - set(at)
+    if unknown:
+        raise KeyError(f"{op} has no tensor {sorted(unknown)} (its tensors: {list(at)})")
+    return [tensors.get(name) for name in sorted(at, key=at.get)]
+
+
+def norm_case(fused, dtype, rows, hidden, strided=False, gemma=False):
+    """rmsnorm, fused_add_rmsnorm or gemma_rmsnorm; strided: x (and the
+    residual) are column slices of wider matrices."""
     t = DTYPES[dtype]
     size = torch.finfo(t).bits // 8
     nbytes = size * (rows * hidden * (4 if fused else 2) + hidden)
+    inputs = (lambda: column_slice(rows, hidden, t)) if strided else (lambda: randn(rows, hidden, dtype=t))
 
     def make():
-        x = randn(rows, hidden, dtype=t)
-        w = (1 + 0.25 * torch.randn(hidden, device=DEVICE)).to(t)
+        x = inputs()
+        w = (0.25 * torch.randn(hidden, device=DEVICE) + (0 if gemma else 1)).to(t)
         if fused:
-            r = randn(rows, hidden, dtype=t)
+            r = inputs()
             return (x, r, w), (x, r, w)
-        return (x, w), (torch.empty_like(x), x, w)
+        return (x, w), (torch.empty(rows, hidden, device=DEVICE, dtype=t), x, w)
 
     def compare(kd, got_torch):  # kd: tensors after the call; got_torch: the formula's outputs
         if fused:
             return [(kd[0], got_torch[0]), (kd[1], got_torch[1])]
         return [(kd[0], got_torch)]
 
-    op = "layernorm.fused_add_rmsnorm" if fused else "layernorm.rmsnorm"
-    return Case(op, dtype, f"{rows}x{hidden}", nbytes, make, fused_add_rmsnorm if fused else rmsnorm,
-                {"eps": EPS}, compare, () if fused else (0,), rows=rows)
+    if gemma:
+        op, fn = "layernorm.gemma_rmsnorm", gemma_rmsnorm
+    else:
+        op, fn = ("layernorm.fused_add_rmsnorm", fused_add_rmsnorm) if fused else ("layernorm.rmsnorm", rmsnorm)
+    shape = f"{rows}x{hidden}"
+    return Case(op, dtype, shape + (" strided" if strided else ""), nbytes, make, fn, {"eps": EPS}, compare,
+                () if fused else (0,), rows=rows, baseline=shape if strided else None)
 
 
 def layernorm_case(dtype, rows, hidden):
@@ -179,38 +233,87 @@ def act_case(name, act, dtype, rows, d):
                 lambda kd, want: [(kd[0], want)], rows=rows)
 
 
-def rotary_case(dtype, neox, tokens, hq, hk, dim):
+def rotary_case(dtype, neox, tokens, hq, hk, dim, rotary_dim=None, cache_dtype=None, fused_qkv=False):
+    """Rotary of q [tokens, hq, dim] and k [tokens, hk, dim] in place, the
+    first rotary_dim (default: dim) elements of each head, with a cache of
+    cache_dtype (default: dtype). fused_qkv: q and k are views of the
+    columns of a [tokens, (hq + 2 hk) dim] fused QKV projection's output."""
     t = DTYPES[dtype]
     size = torch.finfo(t).bits // 8
+    rot = rotary_dim or dim
+    ct = DTYPES[cache_dtype] if cache_dtype else t
     max_pos = 8192
-    nbytes = size * (tokens * (hq + hk) * dim * 2 + tokens * dim) + 8 * tokens
+    # The rotated elements of q and k read and written, a cache row and a position per token.
+    nbytes = size * tokens * (hq + hk) * rot * 2 + (torch.finfo(ct).bits // 8) * tokens * rot + 8 * tokens
 
     def make():
         positions = torch.randint(0, max_pos, (tokens,), device=DEVICE)
-        q, k = randn(tokens, hq, dim, dtype=t), randn(tokens, hk, dim, dtype=t)
-        cache = (0.7 * torch.randn(max_pos, dim, device=DEVICE)).to(t)
-        return (positions, q, k, cache), (positions, q, k, cache)
+        if fused_qkv:
+            qkv = randn(tokens, (hq + 2 * hk) * dim, dtype=t)
+            q = qkv[:, :hq * dim].view(tokens, hq, dim)
+            k = qkv[:, hq * dim:(hq + hk) * dim].view(tokens, hk, dim)
+        else:
+            q, k = randn(tokens, hq, dim, dtype=t), randn(tokens, hk, dim, dtype=t)
+        cache = (0.7 * torch.randn(max_pos, rot, device=DEVICE)).to(ct)
+        kd = in_schema_order("embeddings.rotary_embedding", positions=positions, query=q, key=k, cos_sin_cache=cache)
+        return (positions, q, k, cache), kd
 
-    return Case("embeddings.rotary_embedding", dtype,
-                f"{'neox' if neox else 'gptj'} {tokens}x{hq}x{hk}x{dim}", nbytes, make, rotary(neox),
-                {"is_neox": neox}, lambda kd, want: [(kd[1], want[0]), (kd[2], want[1])], (), rows=tokens)
+    at = tensor_index("embeddings.rotary_embedding")
+
+    def compare(kd, want):
+        return [(kd[at["query"]], want[0]), (kd[at["key"]], want[1])]
+
+    shape = f"{'neox' if neox else 'gptj'} {tokens}x{hq}x{hk}x{dim}" + (f" rot{rot}" if rot != dim else "")
+    if cache_dtype:
+        shape += f" cache {cache_dtype[:1]}{torch.finfo(ct).bits}"
+    return Case("embeddings.rotary_embedding", dtype, shape + (" qkv-view" if fused_qkv else ""), nbytes, make,
+                rotary(neox), {"is_neox": neox}, compare, (), rows=tokens, baseline=shape if fused_qkv else None)
 
 
 def topk_case(dtype, rows, experts, k):
     t = DTYPES[dtype]
     nbytes = (torch.finfo(t).bits // 8) * rows * experts + rows * k * 8
 
+    op = "moe.topk_softmax"
+    at = tensor_index(op)
+
     def make():
         g = 2 * randn(rows, experts, dtype=t)
-        return (g,), (torch.empty(rows, k, device=DEVICE),
-                      torch.empty(rows, k, device=DEVICE, dtype=torch.int32), g)
+        return (g,), in_schema_order(op, topk_weights=torch.empty(rows, k, device=DEVICE),
+                                     topk_ids=torch.empty(rows, k, device=DEVICE, dtype=torch.int32), gating_output=g)
 
     def compare(kd, want):  # ids by the logits they select: ties may pick either expert
-        g = kd[2].float()
-        return [(kd[0], want[0]), (g.gather(-1, kd[1].long()), g.gather(-1, want[1].long()))]
+        g = kd[at["gating_output"]].float()
+        ids = kd[at["topk_ids"]].long()
+        return [(kd[at["topk_weights"]], want[0]), (g.gather(-1, ids), g.gather(-1, want[1].long()))]
 
-    return Case("moe.topk_softmax", dtype, f"{rows}x{experts} k{k}", nbytes, make, topk_softmax(k),
-                {"renormalize": True}, compare, (0, 1), rows=rows)
+    return Case(op, dtype, f"{rows}x{experts} k{k}", nbytes, make, topk_softmax(k),
+                {"renormalize": True}, compare, (at["topk_weights"], at["topk_ids"]), rows=rows)
+
+
+def topk_bias_case(dtype, rows, experts, k):
+    """topk_softmax with a float32 correction_bias [E], renormalised;
+    token_expert_indices left out."""
+    t = DTYPES[dtype]
+    nbytes = (torch.finfo(t).bits // 8) * rows * experts + 4 * experts + rows * k * 8
+    op = "moe.topk_softmax"
+    at = tensor_index(op)
+
+    def make():
+        g = 2 * randn(rows, experts, dtype=t)
+        bias = 0.05 * torch.randn(experts, device=DEVICE)
+        weights = torch.empty(rows, k, device=DEVICE)
+        ids = torch.empty(rows, k, device=DEVICE, dtype=torch.int32)
+        return (g, bias), in_schema_order(op, topk_weights=weights, topk_ids=ids, gating_output=g,
+                                          correction_bias=bias)
+
+    def compare(kd, want):  # ids by the biased scores they select: ties may pick either expert
+        scores = torch.softmax(kd[at["gating_output"]].float(), dim=-1) + kd[at["correction_bias"]]
+        return [(kd[at["topk_weights"]], want[0]),
+                (scores.gather(-1, kd[at["topk_ids"]].long()), scores.gather(-1, want[1].long()))]
+
+    return Case(op, dtype, f"{rows}x{experts} k{k} bias", nbytes, make, topk_softmax_biased(k),
+                {"renormalize": True}, compare, (at["topk_weights"], at["topk_ids"]), rows=rows)
 
 
 def cases():
@@ -230,6 +333,18 @@ def cases():
     out += [rotary_case("bfloat16", True, tokens, 32, 8, 128) for tokens in DECODE_ROWS]
     out += [topk_case(dt, 32768, 256, 8) for dt in ("bfloat16", "float32")]
     out += [topk_case("bfloat16", rows, 256, 8) for rows in DECODE_ROWS]
+    # As models call them: row-strided norm inputs, q and k as views of a
+    # fused QKV output with a float32 cache and partial rotary (each beside
+    # the same call on contiguous tensors), a correction bias, gemma's norm.
+    for rows in (32768, 64):
+        hidden = 8192 if rows > 64 else 4096
+        out += [norm_case(False, "bfloat16", rows, hidden, strided=True),
+                norm_case(True, "bfloat16", rows, hidden, strided=True)]
+    for tokens in (32768, 64):
+        out += [rotary_case("bfloat16", True, tokens, 32, 8, 128, rotary_dim=64, cache_dtype="float32",
+                            fused_qkv=fused) for fused in (False, True)]
+    out += [topk_bias_case("bfloat16", rows, 256, 8) for rows in (32768, 64)]
+    out += [norm_case(False, "bfloat16", rows, hidden, gemma=True) for rows, hidden in ((32768, 8192), (64, 4096))]
     return out
 
 
@@ -481,7 +596,7 @@ def main():
             compiled = torch.compile(case.torch_fn, dynamic=False)
             fns["compile"] = lambda s, fn=compiled: fn(*s[0])
         result = {"op": case.op, "dtype": case.dtype, "shape": case.shape, "rows": case.rows, "bytes": case.nbytes,
-                  "agrees": ok, "agreement": detail}
+                  "agrees": ok, "agreement": detail, "baseline": case.baseline or ""}
         for name in impls:
             try:
                 g, b, s = measure(fns[name], sets, args.calls, args.repeats)
@@ -543,6 +658,15 @@ def main():
               f"{us(kd_mm, 8)} {r[f'{peer}_graph_us']:9.2f} {us(r[f'{peer}_gemm_graph_us'], 11)} "
               f"{ratio:6.3f} {ratio_mm_text:>6} {r['kd_tbs']:5.2f} {r['eager_graph_us']:9.2f} "
               f"{r['kdispatch_b2b_us']:8.2f} {r['kdispatch_sync_us']:8.2f} {'ok' if r['agrees'] else 'FAIL':>6}")
+    # Strided calls against the same call on contiguous tensors, when both ran.
+    by_shape = {(r["op"], r["dtype"], r["shape"]): r for r in rows}
+    for r in rows:
+        base = by_shape.get((r["op"], r["dtype"], r["baseline"])) if r["baseline"] else None
+        if base is not None:
+            ratio = r["kdispatch_graph_us"] / base["kdispatch_graph_us"]
+            print(f"strided vs contiguous: {r['op'].split('.')[1]} {r['dtype']} {r['shape']}: "
+                  f"{r['kdispatch_graph_us']:.2f} us against {base['kdispatch_graph_us']:.2f} us ({base['shape']}), "
+                  f"x{ratio:.3f}, {'within' if ratio <= 1.05 else 'NOT within'} 5%")
     failed = sum(not r["agrees"] for r in rows)
     print(f"bench: {len(rows)} cases, kdispatch slower than {peer} under graph replay in {slower} "
           f"(with a matmul between decode-size calls: {slower_mm}), disagreeing with eager in {failed}")

@@ -4,13 +4,14 @@
 # pybind11 as `python3`): builds the Python module against that interpreter
 # (preset cuda), runs the Python tests there (the CPU ones under that
 # torch, then tests/python/test_gpu.py: every op on CUDA, torch.compile,
-# CUDA graphs), then the graph-replay comparison with the dispatcher's own
+# CUDA graphs) and the decoder-layer example (tools/gpu/decoder_layer.py),
+# then the graph-replay comparison with the dispatcher's own
 # call and the host-overhead table, and prints a short summary last.
 #
 #   tools/gpu/python_check.sh [build|test|bench|all]     (default: all)
 #
 # tools/gpu/check.sh runs it as its `python` stage. Logs go to $OUT (default
-# build/gpu-check): eight files, python_*.txt. Exit status: 0 when the build
+# build/gpu-check): nine files, python_*.txt. Exit status: 0 when the build
 # and every check passed (the benchmarks' targets are reported, not enforced).
 set -uo pipefail
 stage=${1:-all}
@@ -59,6 +60,12 @@ if [[ "$stage" == test || "$stage" == all ]]; then
   rc=$?
   [[ $rc == 0 || $rc == 77 ]] || status=1  # 77: skipped (no CUDA device), said in the log
   grep -E "^(ok|FAIL|SKIPPED|gpu:)|Error|error" "$OUT/python_gpu.txt" | head -40 | tee -a "$summary"
+  # A Llama-style layer on views and float32 parameters: eager, compiled, CUDA graph.
+  timeout 300 "$python" tools/gpu/decoder_layer.py > "$OUT/python_decoder_layer.txt" 2>&1
+  rc=$?
+  [[ $rc == 0 || $rc == 77 ]] || status=1  # 77: skipped (no CUDA device), said in the log
+  note "decoder layer (tools/gpu/decoder_layer.py): exit $rc"
+  grep -E "^decoder_layer:|Error|error" "$OUT/python_decoder_layer.txt" | head -20 | tee -a "$summary"
 fi
 
 if [[ "$stage" == bench || "$stage" == all ]]; then
