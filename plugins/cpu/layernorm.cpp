@@ -1,13 +1,18 @@
-// layernorm.rmsnorm, layernorm.fused_add_rmsnorm and layernorm.layernorm.
+// layernorm.rmsnorm, layernorm.gemma_rmsnorm, layernorm.fused_add_rmsnorm,
+// layernorm.gemma_fused_add_rmsnorm and layernorm.layernorm.
 //
 // out = T(float(x) * inv_rms * float(weight)), inv_rms = 1 / sqrt(mean(x^2) +
 // eps) with the mean accumulated in float32 (FlashInfer/SGLang rounding: one
-// rounding to T, at the end). fused_add_rmsnorm first stores residual =
-// T(x + residual) and normalises that rounded residual, as the GPU kernels do,
-// so that both outputs agree with a later unfused rmsnorm(residual).
-// layernorm takes the row's mean and then its (biased) variance about that
-// mean in two float32 passes over the widened row, and rounds
+// rounding to T, at the end). fused_add_rmsnorm stores residual =
+// T(x + residual) and normalises the float32 sum before that rounding, as
+// FlashInfer and SGLang do. The Gemma variants use 1 + weight, added in
+// float32. layernorm takes the row's mean and then its (biased) variance
+// about that mean in two float32 passes over the widened row, and rounds
 // (x - mean) * inv_std * weight + bias once.
+//
+// Rows are addressed through kd_plugin::RowLayout (any stride before the
+// last dim, 64-bit offsets). The weight and bias, float32 or T, are
+// converted to float once per call, 1 added for the Gemma variants.
 
 #include <atomic>
 #include <cmath>
@@ -18,6 +23,7 @@
 #include <vector>
 
 #include <kdispatch/plugin_helpers.hpp>
+#include <kdispatch/plugin_rows.hpp>
 
 #include "convert.hpp"
 #include "kd_plugin_kernels.hpp"
@@ -26,6 +32,8 @@
 
 namespace kdispatch::cpu {
 namespace {
+
+using kd_plugin::RowLayout;
 
 // The sum of term(row[j]) over row[0, h), in kReductionLanes partial sums
 // (element j in sum j % kReductionLanes) added pairwise at the end, so that
@@ -58,12 +66,13 @@ constexpr int64_t kBlock = 512;
 // `weight` is already float: converted once per call rather than once per
 // row. `row` is scratch for h floats: the widened input row, read twice.
 template <class T>
-KD_CPU_MULTIVERSION void rmsnorm_rows(T* out, const T* x, const float* weight, int64_t h, float eps,
-                                      float* row, Store store, int64_t begin, int64_t end) {
+KD_CPU_MULTIVERSION void rmsnorm_rows(T* out, const RowLayout& out_rows, const T* x, const RowLayout& x_rows,
+                                      const float* weight, int64_t h, float eps, float* row, Store store,
+                                      int64_t begin, int64_t end) {
   float result[kBlock];
   for (int64_t r = begin; r < end; ++r) {
-    const float* xr = as_float(x + r * h, row, h);
-    T* outr = out + r * h;
+    const float* xr = as_float(x + x_rows.offset(r), row, h);
+    T* outr = out + out_rows.offset(r);
     const float inv = inverse_rms(sum_of_squares(xr, h), h, eps);
     for (int64_t j0 = 0; j0 < h; j0 += kBlock) {
       const int64_t n = h - j0 < kBlock ? h - j0 : kBlock;
@@ -74,17 +83,19 @@ KD_CPU_MULTIVERSION void rmsnorm_rows(T* out, const T* x, const float* weight, i
   if (store == Store::kStreaming) store_fence();
 }
 
-// `row` is scratch for h floats: the rounded residual row, widened once and
-// read back from cache by the second pass. Both outputs overwrite inputs
-// that were just read, so they are in cache and stored the ordinary way.
+// `row` is scratch for h floats: the float32 sum x + residual, read back
+// from cache by the second pass. Both outputs overwrite inputs that were
+// just read, so they are in cache and stored the ordinary way.
 template <class T>
-KD_CPU_MULTIVERSION void fused_add_rmsnorm_rows(T* x, T* residual, const float* weight, int64_t h,
-                                                float eps, float* row, int64_t begin, int64_t end) {
+KD_CPU_MULTIVERSION void fused_add_rmsnorm_rows(T* x, const RowLayout& x_rows, T* residual,
+                                                const RowLayout& residual_rows, const float* weight,
+                                                int64_t h, float eps, float* row, int64_t begin,
+                                                int64_t end) {
   float x_block[kBlock];
   float r_block[kBlock];
   for (int64_t r = begin; r < end; ++r) {
-    T* xr = x + r * h;
-    T* rr = residual + r * h;
+    T* xr = x + x_rows.offset(r);
+    T* rr = residual + residual_rows.offset(r);
     for (int64_t j0 = 0; j0 < h; j0 += kBlock) {
       const int64_t n = h - j0 < kBlock ? h - j0 : kBlock;
       const float* xf = as_float(xr + j0, x_block, n);
@@ -92,8 +103,6 @@ KD_CPU_MULTIVERSION void fused_add_rmsnorm_rows(T* x, T* residual, const float* 
       float* sum = row + j0;
       for (int64_t j = 0; j < n; ++j) sum[j] = xf[j] + rf[j];
       narrow(sum, rr + j0, n, Store::kCached);
-      // Normalise the residual as stored, rounded to T.
-      if constexpr (!std::is_same_v<T, float>) widen(rr + j0, sum, n);
     }
     const float inv = inverse_rms(sum_of_squares(row, h), h, eps);
     for (int64_t j0 = 0; j0 < h; j0 += kBlock) {
@@ -106,18 +115,19 @@ KD_CPU_MULTIVERSION void fused_add_rmsnorm_rows(T* x, T* residual, const float* 
 
 // `row` is scratch for h floats, the widened input row, read three times.
 template <class T>
-KD_CPU_MULTIVERSION void layernorm_rows(T* out, const T* x, const float* weight, const float* bias, int64_t h,
-                                        float eps, float* row, Store store, int64_t begin, int64_t end) {
+KD_CPU_MULTIVERSION void layernorm_rows(T* out, const RowLayout& out_rows, const T* x, const RowLayout& x_rows,
+                                        const float* weight, const float* bias, int64_t h, float eps,
+                                        float* row, Store store, int64_t begin, int64_t end) {
   float result[kBlock];
   for (int64_t r = begin; r < end; ++r) {
-    const float* xr = as_float(x + r * h, row, h);
+    const float* xr = as_float(x + x_rows.offset(r), row, h);
     const float mean = lane_sum(xr, h, [](float v) { return v; }) / static_cast<float>(h);
     const float var = lane_sum(xr, h, [mean](float v) {
       const float d = v - mean;
       return d * d;
     });
     const float inv_std = 1.0f / std::sqrt(var / static_cast<float>(h) + eps);
-    T* outr = out + r * h;
+    T* outr = out + out_rows.offset(r);
     for (int64_t j0 = 0; j0 < h; j0 += kBlock) {
       const int64_t n = h - j0 < kBlock ? h - j0 : kBlock;
       for (int64_t j = 0; j < n; ++j) result[j] = (xr[j0 + j] - mean) * inv_std * weight[j0 + j] + bias[j0 + j];
@@ -127,20 +137,34 @@ KD_CPU_MULTIVERSION void layernorm_rows(T* out, const T* x, const float* weight,
   if (store == Store::kStreaming) store_fence();
 }
 
-// The weight as float: the tensor itself for float32, else a converted copy.
-template <class T>
-const float* weight_as_float(const T* weight, int64_t h, std::vector<float>& storage) {
-  if constexpr (std::is_same_v<T, float>) {
-    return weight;
+// A weight or bias of h elements (float32, float16 or bfloat16) as float,
+// plus `offset`: the tensor itself for float32 and offset 0, else a
+// converted copy in `storage`.
+const float* weight_as_float(const DLTensor& weight, int64_t h, float offset, std::vector<float>& storage) {
+  if (is_dtype<float>(weight) && offset == 0.0f) return data_as<float>(weight);
+  storage.resize(static_cast<size_t>(h));
+  float* w = storage.data();
+  if (is_dtype<Float16>(weight)) {
+    widen(data_as<Float16>(weight), w, h);
+  } else if (is_dtype<BFloat16>(weight)) {
+    widen(data_as<BFloat16>(weight), w, h);
   } else {
-    storage.resize(static_cast<size_t>(h));
-    widen(weight, storage.data(), h);
-    return storage.data();
+    const float* src = data_as<float>(weight);
+    for (int64_t j = 0; j < h; ++j) w[j] = src[j];
   }
+  if (offset != 0.0f) {
+    for (int64_t j = 0; j < h; ++j) w[j] += offset;
+  }
+  return w;
 }
 
-// Checks shared by both ops: tensors (a, b, weight) with a, b [*, H] and
-// weight [H]; eps a float attribute.
+// A weight or bias is float32 or of the activations' dtype.
+bool weight_dtype_allowed(const DLTensor& weight, const DLTensor& x) {
+  return same_dtype(weight, x) || is_dtype<float>(weight);
+}
+
+// Checks shared by the rmsnorm ops: tensors (a, b, weight) with a, b [*, H]
+// and weight [H]; eps a float attribute.
 kd_status check_norm_arguments(const kd_call_args* args, const char* op, float* eps) {
   constexpr int kMinNdim[] = {1, 1, 1};
   if (kd_status s = check_arguments(args, op, 1, kMinNdim); s != KD_STATUS_OK) return s;
@@ -150,7 +174,7 @@ kd_status check_norm_arguments(const kd_call_args* args, const char* op, float* 
       leading_rows(t[0], 1) != leading_rows(t[1], 1)) {
     return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensor shapes disagree", op);
   }
-  if (!same_dtype(t[0], t[1]) || !same_dtype(t[0], t[2])) {
+  if (!same_dtype(t[0], t[1]) || !weight_dtype_allowed(t[2], t[0])) {
     return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensor dtypes differ", op);
   }
   const kd_attr* a = find_attr(args, "eps", KD_ATTR_TYPE_FLOAT);
@@ -164,19 +188,22 @@ kd_status check_norm_arguments(const kd_call_args* args, const char* op, float* 
 
 // What the row loops of one call get from run_norm().
 struct NormCall {
-  const float* weight;  // as float
+  const float* weight;  // as float, the weight offset added
+  RowLayout a_rows;     // of tensor 0 (out | x)
+  RowLayout b_rows;     // of tensor 1 (x | residual)
   int64_t rows;
   int64_t h;
   float eps;
 };
 
-// The frame both ops share: argument checks, eps, the weight as float, and
+// The frame the rmsnorm ops share: argument checks, eps, the weight as float
+// plus `weight_offset`, and
 // the rows split across threads, each range with `row`, scratch for h floats
 // (for float32 inputs only when kFloatNeedsRow; else nullptr), reported as
 // KD_STATUS_INTERNAL when it cannot be allocated. Calls
 // do_rows(tag, call, row, begin, end), tag.type being the element type.
 template <bool kFloatNeedsRow, class DoRows>
-kd_status run_norm(const kd_call_args* args, const char* op, DoRows&& do_rows) noexcept {
+kd_status run_norm(const kd_call_args* args, const char* op, float weight_offset, DoRows&& do_rows) noexcept {
   return kd_plugin::guarded(args, [&]() -> kd_status {
     float eps = 0.0f;
     if (kd_status s = check_norm_arguments(args, op, &eps); s != KD_STATUS_OK) return s;
@@ -187,7 +214,8 @@ kd_status run_norm(const kd_call_args* args, const char* op, DoRows&& do_rows) n
       using T = typename decltype(tag)::type;
       constexpr bool kNeedsRow = kFloatNeedsRow || !std::is_same_v<T, float>;
       std::vector<float> weight_storage;
-      const NormCall call{weight_as_float(data_as<T>(args->tensors[2]), h, weight_storage),
+      const NormCall call{weight_as_float(args->tensors[2], h, weight_offset, weight_storage),
+                          kd_plugin::row_layout(args->tensors[0], 1), kd_plugin::row_layout(x, 1),
                           leading_rows(x, 1), h, eps};
       std::atomic<bool> out_of_memory{false};
       kd_plugin::parallel_for(call.rows, h, [&](int64_t begin, int64_t end) noexcept {
@@ -209,19 +237,50 @@ kd_status run_norm(const kd_call_args* args, const char* op, DoRows&& do_rows) n
   });
 }
 
+// rmsnorm: tensors (out, x, weight).
+kd_status rms_normalise(const kd_call_args* args, const char* op, float weight_offset) noexcept {
+  return run_norm<false>(
+      args, op, weight_offset, [&](auto tag, const NormCall& c, float* row, int64_t begin, int64_t end) noexcept {
+        using T = typename decltype(tag)::type;
+        const Store store = store_for(c.rows * c.h * int64_t{sizeof(T)});
+        const DLTensor* t = args->tensors;  // out, x, weight
+        rmsnorm_rows<T>(data_as<T>(t[0]), c.a_rows, data_as<T>(t[1]), c.b_rows, c.weight, c.h, c.eps, row,
+                        store, begin, end);
+      });
+}
+
+// fused_add_rmsnorm: tensors (x, residual, weight), both of the first
+// updated in place.
+kd_status add_and_rms_normalise(const kd_call_args* args, const char* op, float weight_offset) noexcept {
+  return run_norm<true>(
+      args, op, weight_offset, [&](auto tag, const NormCall& c, float* row, int64_t begin, int64_t end) noexcept {
+        using T = typename decltype(tag)::type;
+        const DLTensor* t = args->tensors;  // x, residual, weight
+        fused_add_rmsnorm_rows<T>(data_as<T>(t[0]), c.a_rows, data_as<T>(t[1]), c.b_rows, c.weight, c.h,
+                                  c.eps, row, begin, end);
+      });
+}
+
 }  // namespace
 
 // kd_cpu_rmsnorm
 kd_status rmsnorm(const kd_call_args* args) noexcept {
-  return run_norm<false>(
-      args, "layernorm.rmsnorm",
-      [&](auto tag, const NormCall& c, float* row, int64_t begin, int64_t end) noexcept {
-        using T = typename decltype(tag)::type;
-        const Store store = store_for(c.rows * c.h * int64_t{sizeof(T)});
-        const DLTensor* t = args->tensors;  // out, x, weight
-        rmsnorm_rows<T>(data_as<T>(t[0]), data_as<T>(t[1]), c.weight, c.h, c.eps, row, store, begin,
-                        end);
-      });
+  return rms_normalise(args, "layernorm.rmsnorm", 0.0f);
+}
+
+// kd_cpu_gemma_rmsnorm
+kd_status gemma_rmsnorm(const kd_call_args* args) noexcept {
+  return rms_normalise(args, "layernorm.gemma_rmsnorm", 1.0f);
+}
+
+// kd_cpu_fused_add_rmsnorm
+kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
+  return add_and_rms_normalise(args, "layernorm.fused_add_rmsnorm", 0.0f);
+}
+
+// kd_cpu_gemma_fused_add_rmsnorm
+kd_status gemma_fused_add_rmsnorm(const kd_call_args* args) noexcept {
+  return add_and_rms_normalise(args, "layernorm.gemma_fused_add_rmsnorm", 1.0f);
 }
 
 // kd_cpu_layernorm
@@ -237,7 +296,7 @@ kd_status layernorm(const kd_call_args* args) noexcept {
         leading_rows(t[0], 1) != leading_rows(t[1], 1)) {
       return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensor shapes disagree", kOp);
     }
-    if (!same_dtype(t[0], t[1]) || !same_dtype(t[0], t[2]) || !same_dtype(t[0], t[3])) {
+    if (!same_dtype(t[0], t[1]) || !weight_dtype_allowed(t[2], t[0]) || !weight_dtype_allowed(t[3], t[0])) {
       return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensor dtypes differ", kOp);
     }
     const kd_attr* eps = find_attr(args, "eps", KD_ATTR_TYPE_FLOAT);
@@ -245,8 +304,10 @@ kd_status layernorm(const kd_call_args* args) noexcept {
     return dispatch_float_dtype(args, kOp, t[1], [&](auto tag) {
       using T = typename decltype(tag)::type;
       std::vector<float> weight_storage, bias_storage;
-      const float* weight = weight_as_float(data_as<T>(t[2]), h, weight_storage);
-      const float* bias = weight_as_float(data_as<T>(t[3]), h, bias_storage);
+      const float* weight = weight_as_float(t[2], h, 0.0f, weight_storage);
+      const float* bias = weight_as_float(t[3], h, 0.0f, bias_storage);
+      const RowLayout out_rows = kd_plugin::row_layout(t[0], 1);
+      const RowLayout x_rows = kd_plugin::row_layout(t[1], 1);
       const int64_t rows = leading_rows(t[1], 1);
       const Store store = store_for(rows * h * int64_t{sizeof(T)});
       std::atomic<bool> out_of_memory{false};
@@ -259,25 +320,13 @@ kd_status layernorm(const kd_call_args* args) noexcept {
             return;
           }
         }
-        layernorm_rows<T>(data_as<T>(t[0]), data_as<T>(t[1]), weight, bias, h, static_cast<float>(eps->value.f),
-                          row.get(), store, begin, end);
+        layernorm_rows<T>(data_as<T>(t[0]), out_rows, data_as<T>(t[1]), x_rows, weight, bias, h,
+                          static_cast<float>(eps->value.f), row.get(), store, begin, end);
       });
       if (out_of_memory.load()) return kd_plugin::fail(args, KD_STATUS_INTERNAL, "%s: out of host memory", kOp);
       return KD_STATUS_OK;
     });
   });
-}
-
-// kd_cpu_fused_add_rmsnorm
-kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
-  return run_norm<true>(
-      args, "layernorm.fused_add_rmsnorm",
-      [&](auto tag, const NormCall& c, float* row, int64_t begin, int64_t end) noexcept {
-        using T = typename decltype(tag)::type;
-        const DLTensor* t = args->tensors;  // x, residual, weight
-        fused_add_rmsnorm_rows<T>(data_as<T>(t[0]), data_as<T>(t[1]), c.weight, c.h, c.eps, row,
-                                  begin, end);
-      });
 }
 
 }  // namespace kdispatch::cpu

@@ -42,10 +42,20 @@ enum class Access { kCached, kStreaming };
 
 // Loads N elements at p: one instruction when kAligned (p aligned to the
 // vector size), else element by element.
+// Vectors wider than 16 bytes (N float32 weights beside N 16-bit
+// activations) take one load per 16 bytes.
 template <class T, int N, bool kAligned = true, Access kAccess = Access::kCached>
 __device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
   Vec<T, N> out;
-  if constexpr (kAligned) {
+  if constexpr (kAligned && sizeof(T) * N > 16) {
+    constexpr int kChunk = 16 / sizeof(T);
+#pragma unroll
+    for (int c = 0; c < N; c += kChunk) {
+      const Vec<T, kChunk> part = load_vec<T, kChunk, true, kAccess>(p + c);
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) out.v[c + e] = part.v[e];
+    }
+  } else if constexpr (kAligned) {
     using Raw = typename RawBits<sizeof(T) * N>::type;
     const Raw* at = reinterpret_cast<const Raw*>(p);
     Raw raw;
@@ -85,12 +95,23 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& in) {
 // Loads of a row that a kernel reads twice, with the priorities of
 // `policies` (row_policies()): RowRead::kFirst for the first read (and for
 // a weight that every block reads), RowRead::kLast for the second. 16-byte
-// vectors only; other widths load as Access::kCached.
+// vectors (wider ones in 16-byte parts); narrower ones load as
+// Access::kCached.
 enum class RowRead { kFirst, kLast };
 
 template <RowRead kRead, class T, int N, bool kAligned = true>
 __device__ __forceinline__ Vec<T, N> load_row_vec(const T* p, const RowPolicies& policies) {
-  if constexpr (kAligned && sizeof(T) * N == 16) {
+  if constexpr (kAligned && sizeof(T) * N > 16) {
+    constexpr int kChunk = 16 / sizeof(T);
+    Vec<T, N> out;
+#pragma unroll
+    for (int c = 0; c < N; c += kChunk) {
+      const Vec<T, kChunk> part = load_row_vec<kRead, T, kChunk>(p + c, policies);
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) out.v[c + e] = part.v[e];
+    }
+    return out;
+  } else if constexpr (kAligned && sizeof(T) * N == 16) {
     const uint4* at = reinterpret_cast<const uint4*>(p);
     const uint4 raw = kRead == RowRead::kFirst ? load_keep(at, policies) : load_last_read(at, policies);
     Vec<T, N> out;

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include <kdispatch/plugin_helpers.hpp>
+#include <kdispatch/plugin_rows.hpp>
 
 #include "gpu_compat.hpp"
 
@@ -27,6 +28,16 @@ using kd_plugin::same_dtype;
 inline bool all_aligned(size_t bytes, std::initializer_list<const void*> pointers) {
   for (const void* p : pointers) {
     if (reinterpret_cast<uintptr_t>(p) % bytes != 0) return false;
+  }
+  return true;
+}
+
+// True when every row of `rows` (kd_plugin::row_layout()), of elements of
+// `element_size` bytes from `base`, starts at a multiple of `bytes`.
+inline bool rows_aligned(size_t bytes, const void* base, const kd_plugin::RowLayout& rows, size_t element_size) {
+  if (reinterpret_cast<uintptr_t>(base) % bytes != 0) return false;
+  for (int d = 0; d < rows.ndim; ++d) {
+    if (static_cast<uint64_t>(rows.stride[d]) * element_size % bytes != 0) return false;
   }
   return true;
 }

@@ -1,10 +1,15 @@
-// layernorm.rmsnorm and layernorm.fused_add_rmsnorm.
+// layernorm.rmsnorm, layernorm.gemma_rmsnorm, layernorm.fused_add_rmsnorm
+// and layernorm.gemma_fused_add_rmsnorm.
 //
-//   rmsnorm:            out = T(x * inv_rms(x) * weight)
-//   fused_add_rmsnorm:  residual = T(x + residual)
-//                       x = T(residual * inv_rms(residual) * weight)
-// with inv_rms(v) = rsqrt(mean(v^2) + eps), all arithmetic in float32, and
-// inv_rms of the fused op taken from the residual as stored (rounded to T).
+//   rmsnorm:            out = T(x * inv_rms(x) * (offset + weight))
+//   fused_add_rmsnorm:  s = x + residual (float32); residual = T(s)
+//                       x = T(s * inv_rms(s) * (offset + weight))
+// with inv_rms(v) = rsqrt(mean(v^2) + eps), all arithmetic in float32, the
+// fused op normalising the unrounded sum (as FlashInfer and SGLang do), and
+// offset 1 for the Gemma variants, 0 otherwise (FlashInfer's weight_bias).
+// The weight is float32 or T (template W). Rows are addressed through
+// kd_plugin::RowLayout, so every leading dim may have any stride; the
+// 16-byte paths need every row start and the weight 16-byte aligned.
 //
 // Both ops are memory bound, so the row is read from memory once. Many
 // rmsnorm rows too long for a warp, of up to 2048 16-byte vectors and a
@@ -13,8 +18,9 @@
 // and L2 across the reduction and reads it again from there
 // (norm_whole_row_two_pass). Of the other rows, those of 16-bit values,
 // when many, take two passes in blocks of 256 threads: the first sums the
-// squares (and writes the residual) and keeps the row in L1 and L2, the second
-// reads it back from there, lets it go, and streams the output; few
+// squares and keeps the row (x and residual) in L1 and L2, the second reads
+// it back from there, lets it go, and streams the output (and the residual);
+// few
 // registers, so many rows are in flight. float32 rows, and 16-bit rows when
 // few (as in decode), are held in registers instead: each thread keeps its
 // share of the row, as stored (16-byte vectors, up to 8 per thread), across
@@ -27,7 +33,7 @@
 // loops over rows. With many rows a block takes its row and exits, its loads
 // issued back to back; the few-rows kernel and the others loop over rows
 // past 2^31-1 blocks, which suits decode sizes better. Rows longer than
-// the registers hold, or whose length or pointers do not allow 16-byte
+// the registers hold, or whose length or row starts do not allow 16-byte
 // accesses, take the two-pass kernel too.
 #include "device_utils.cuh"
 #include "launch_utils.hpp"
@@ -35,6 +41,8 @@
 
 namespace kd_gpu {
 namespace {
+
+using kd_plugin::RowLayout;
 
 constexpr int kThreads = 256;      // threads per block of the warp-per-row and two-pass kernels
 constexpr int kMaxVecPerLane = 4;  // register budget of a warp-per-row lane
@@ -46,27 +54,59 @@ struct BlockSum {
   __device__ float operator()(float v) const { return block_sum(v); }
 };
 
+// The arguments of one call, passed to every kernel by value. For
+// fused_add_rmsnorm out is x (updated in place); for rmsnorm residual is
+// null.
+template <class T, class W>
+struct NormArgs {
+  T* out;
+  T* residual;
+  const T* x;
+  const W* weight;
+  RowLayout out_rows;
+  RowLayout residual_rows;
+  RowLayout x_rows;
+  int64_t rows;
+  int hidden;
+  float eps;
+  float weight_offset;  // 1 for the Gemma variants, else 0
+};
+
+// The value normalised, element e of vectors x and r: x, or x + r for the
+// fused op.
+template <bool kFused, class T, int N>
+__device__ __forceinline__ float normed_value(const Vec<T, N>& x, const Vec<T, N>& r, int e) {
+  if constexpr (kFused) {
+    return to_float(x.v[e]) + to_float(r.v[e]);
+  } else {
+    return to_float(x.v[e]);
+  }
+}
+
 // One row held in registers: element vectors first, first + stride, ...
-// `residual` is null for rmsnorm. `out` may alias `x`. kManyRows: the
-// weight is read after the reduction (fewer registers, more blocks per SM)
-// rather than with the row (one round trip to memory less, for few rows),
-// and the row and outputs are streamed.
-template <class T, int N, int VPT, bool kFused, bool kManyRows, class Reduce>
-__device__ __forceinline__ void norm_row_in_registers(T* out, T* residual, const T* x,
-                                                      const T* weight, int hidden, float eps,
-                                                      int first, int stride, Reduce reduce) {
+// kManyRows: the weight is read after the reduction (fewer registers, more
+// blocks per SM) rather than with the row (one round trip to memory less,
+// for few rows), and the row and outputs are streamed. The fused op keeps x
+// and the residual as loaded and adds them again for the output, so the sum
+// is normalised unrounded at no register cost.
+template <class T, class W, int N, int VPT, bool kFused, bool kManyRows, class Reduce>
+__device__ __forceinline__ void norm_row_in_registers(const NormArgs<T, W>& a, int64_t row, int first,
+                                                      int stride, Reduce reduce) {
   constexpr Access kRow = kManyRows ? Access::kStreaming : Access::kCached;
-  const int nvec = hidden / N;
+  const T* x = a.x + a.x_rows.offset(row);
+  T* out = a.out + a.out_rows.offset(row);
+  T* residual = kFused ? a.residual + a.residual_rows.offset(row) : nullptr;
+  const int nvec = a.hidden / N;
   Vec<T, N> xv[VPT];
   Vec<T, N> rv[kFused ? VPT : 1];
-  Vec<T, N> wv[kManyRows ? 1 : VPT];
+  Vec<W, N> wv[kManyRows ? 1 : VPT];
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
     const int i = first + k * stride;
     if (i < nvec) {
       xv[k] = load_vec<T, N, true, kRow>(x + static_cast<size_t>(i) * N);
       if constexpr (kFused) rv[k] = load_vec<T, N, true, kRow>(residual + static_cast<size_t>(i) * N);
-      if constexpr (!kManyRows) wv[k] = load_vec<T, N>(weight + static_cast<size_t>(i) * N);
+      if constexpr (!kManyRows) wv[k] = load_vec<W, N>(a.weight + static_cast<size_t>(i) * N);
     }
   }
   float sum_sq = 0.f;
@@ -74,71 +114,61 @@ __device__ __forceinline__ void norm_row_in_registers(T* out, T* residual, const
   for (int k = 0; k < VPT; ++k) {
     const int i = first + k * stride;
     if (i < nvec) {
+      [[maybe_unused]] Vec<T, N> stored;
 #pragma unroll
       for (int e = 0; e < N; ++e) {
-        float v = to_float(xv[k].v[e]);
-        if constexpr (kFused) {
-          xv[k].v[e] = from_float<T>(v + to_float(rv[k].v[e]));
-          v = to_float(xv[k].v[e]);
-        }
+        const float v = normed_value<kFused>(xv[k], rv[kFused ? k : 0], e);
+        if constexpr (kFused) stored.v[e] = from_float<T>(v);
         sum_sq += v * v;
       }
-      if constexpr (kFused) store_vec<T, N, true, kRow>(residual + static_cast<size_t>(i) * N, xv[k]);
+      if constexpr (kFused) store_vec<T, N, true, kRow>(residual + static_cast<size_t>(i) * N, stored);
     }
   }
-  const float inv_rms = rsqrtf(reduce(sum_sq) / static_cast<float>(hidden) + eps);
+  const float inv_rms = rsqrtf(reduce(sum_sq) / static_cast<float>(a.hidden) + a.eps);
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
     const int i = first + k * stride;
     if (i < nvec) {
-      Vec<T, N> w;
+      Vec<W, N> w;
       if constexpr (kManyRows) {
-        w = load_vec<T, N>(weight + static_cast<size_t>(i) * N);
+        w = load_vec<W, N>(a.weight + static_cast<size_t>(i) * N);
       } else {
         w = wv[k];
       }
       Vec<T, N> o;
 #pragma unroll
       for (int e = 0; e < N; ++e) {
-        o.v[e] = from_float<T>(to_float(xv[k].v[e]) * inv_rms * to_float(w.v[e]));
+        o.v[e] = from_float<T>(normed_value<kFused>(xv[k], rv[kFused ? k : 0], e) * inv_rms *
+                               (a.weight_offset + to_float(w.v[e])));
       }
       store_vec<T, N, true, kRow>(out + static_cast<size_t>(i) * N, o);
     }
   }
 }
 
-template <class T, int N, int VPT, bool kFused>
-__global__ void __launch_bounds__(kThreads)
-    norm_warp_per_row(T* out, T* residual, const T* x, const T* weight, int64_t rows,
-                      int hidden, float eps) {
+template <class T, class W, int N, int VPT, bool kFused>
+__global__ void __launch_bounds__(kThreads) norm_warp_per_row(const NormArgs<T, W> a) {
   start_after_previous_kernel();
   const int warps = blockDim.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
-  for (int64_t row = int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize; row < rows;
+  for (int64_t row = int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize; row < a.rows;
        row += int64_t{gridDim.x} * warps) {
-    const int64_t offset = row * hidden;
-    norm_row_in_registers<T, N, VPT, kFused, false>(
-        out + offset, kFused ? residual + offset : nullptr, x + offset, weight, hidden, eps, lane,
-        kWarpSize, WarpSum{});
+    norm_row_in_registers<T, W, N, VPT, kFused, false>(a, row, lane, kWarpSize, WarpSum{});
   }
 }
 
-template <class T, int N, int VPT, bool kFused, bool kManyRows>
-__global__ void __launch_bounds__(kRowMaxThreads)
-    norm_block_per_row(T* out, T* residual, const T* x, const T* weight, int64_t rows,
-                       int hidden, float eps) {
+template <class T, class W, int N, int VPT, bool kFused, bool kManyRows>
+__global__ void __launch_bounds__(kRowMaxThreads) norm_block_per_row(const NormArgs<T, W> a) {
   start_after_previous_kernel();
   const auto one_row = [&](int64_t row) {
-    const int64_t offset = row * hidden;
-    norm_row_in_registers<T, N, VPT, kFused, kManyRows>(
-        out + offset, kFused ? residual + offset : nullptr, x + offset, weight, hidden, eps,
-        static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x), BlockSum{});
+    norm_row_in_registers<T, W, N, VPT, kFused, kManyRows>(a, row, static_cast<int>(threadIdx.x),
+                                                           static_cast<int>(blockDim.x), BlockSum{});
   };
   if constexpr (kManyRows) {  // a one_block_per_row() grid
     const int64_t row = block_row();
-    if (row < rows) one_row(row);
+    if (row < a.rows) one_row(row);
   } else {
-    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) one_row(row);
+    for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) one_row(row);
   }
 }
 
@@ -149,16 +179,15 @@ __global__ void __launch_bounds__(kRowMaxThreads)
 // output. Nothing of the row is held across the reduction and nothing is
 // bounds checked, so the blocks have few registers and fill the SMs with
 // loads.
-template <class T, int N, int VPT>
-__global__ void __launch_bounds__(kRowMaxThreads)
-    norm_whole_row_two_pass(T* out, const T* x, const T* weight, int hidden, float eps) {
+template <class T, class W, int N, int VPT>
+__global__ void __launch_bounds__(kRowMaxThreads) norm_whole_row_two_pass(const NormArgs<T, W> a) {
   start_after_previous_kernel();
   const RowPolicies policies = row_policies();
   using V = Vec<T, N>;
-  const size_t offset = size_t{blockIdx.x} * static_cast<unsigned>(hidden);
-  const V* xr = reinterpret_cast<const V*>(x + offset);
-  const V* wr = reinterpret_cast<const V*>(weight);
-  V* outr = reinterpret_cast<V*>(out + offset);
+  using WV = Vec<W, N>;
+  const V* xr = reinterpret_cast<const V*>(a.x + a.x_rows.offset(blockIdx.x));
+  const WV* wr = reinterpret_cast<const WV*>(a.weight);
+  V* outr = reinterpret_cast<V*>(a.out + a.out_rows.offset(blockIdx.x));
   const int first = static_cast<int>(threadIdx.x);
   const int stride = static_cast<int>(blockDim.x);
   V v[VPT];
@@ -172,96 +201,101 @@ __global__ void __launch_bounds__(kRowMaxThreads)
 #pragma unroll
     for (int e = 0; e < N; ++e) sum_sq += to_float(v[k].v[e]) * to_float(v[k].v[e]);
   }
-  const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(hidden) + eps);
+  const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(a.hidden) + a.eps);
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
     const int i = first + k * stride;
     const V xv = load_row_vec<RowRead::kLast, T, N>(xr[i].v, policies);
-    const V w = load_row_vec<RowRead::kFirst, T, N>(wr[i].v, policies);
+    const WV w = load_row_vec<RowRead::kFirst, W, N>(wr[i].v, policies);
     V o;
 #pragma unroll
-    for (int e = 0; e < N; ++e) o.v[e] = from_float<T>(to_float(xv.v[e]) * inv_rms * to_float(w.v[e]));
+    for (int e = 0; e < N; ++e) {
+      o.v[e] = from_float<T>(to_float(xv.v[e]) * inv_rms * (a.weight_offset + to_float(w.v[e])));
+    }
     store_vec<T, N>(outr[i].v, o);
   }
 }
 
-// Any row length, blocks of kThreads: pass 1 sums the squares (and writes
-// the residual) and keeps the row in L1 and L2, pass 2 reads it again from there
-// and streams the output.
-// Each thread reads back only what it wrote itself.
-template <class T, int N, bool kFused>
-__global__ void __launch_bounds__(kThreads, 1)
-    norm_two_pass(T* out, T* residual, const T* x, const T* weight, int64_t rows, int hidden,
-                  float eps) {
+// Any row length, blocks of kThreads: pass 1 sums the squares and keeps the
+// row in L1 and L2, pass 2 reads it again from there (x and residual for
+// the fused op, which adds them again, so that the unrounded sum is
+// normalised), writes the residual and streams the output. Each thread
+// reads back only what it wrote itself.
+template <class T, class W, int N, bool kFused>
+__global__ void __launch_bounds__(kThreads, 1) norm_two_pass(const NormArgs<T, W> a) {
   start_after_previous_kernel();
   const RowPolicies policies = row_policies();
-  const int nvec = hidden / N;
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const int64_t offset = row * hidden;
+  const int nvec = a.hidden / N;
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const T* x = a.x + a.x_rows.offset(row);
+    T* out = a.out + a.out_rows.offset(row);
+    T* residual = kFused ? a.residual + a.residual_rows.offset(row) : nullptr;
+    Vec<T, N> r{};
     float sum_sq = 0.f;
     for (int i = threadIdx.x; i < nvec; i += kThreads) {
-      const size_t at = offset + static_cast<size_t>(i) * N;
-      Vec<T, N> v = load_row_vec<RowRead::kFirst, T, N, N != 1>(x + at, policies);
-      if constexpr (kFused) {
-        const Vec<T, N> r = load_row_vec<RowRead::kFirst, T, N, N != 1>(residual + at, policies);
+      const size_t at = static_cast<size_t>(i) * N;
+      const Vec<T, N> v = load_row_vec<RowRead::kFirst, T, N, N != 1>(x + at, policies);
+      if constexpr (kFused) r = load_row_vec<RowRead::kFirst, T, N, N != 1>(residual + at, policies);
 #pragma unroll
-        for (int e = 0; e < N; ++e) v.v[e] = from_float<T>(to_float(v.v[e]) + to_float(r.v[e]));
-        store_vec<T, N>(residual + at, v);
+      for (int e = 0; e < N; ++e) {
+        const float s = normed_value<kFused>(v, r, e);
+        sum_sq += s * s;
       }
-#pragma unroll
-      for (int e = 0; e < N; ++e) sum_sq += to_float(v.v[e]) * to_float(v.v[e]);
     }
-    const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(hidden) + eps);
-    const T* normed = kFused ? residual : x;
+    const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(a.hidden) + a.eps);
     for (int i = threadIdx.x; i < nvec; i += kThreads) {
-      const size_t at = offset + static_cast<size_t>(i) * N;
-      const Vec<T, N> v = load_row_vec<RowRead::kLast, T, N, N != 1>(normed + at, policies);
-      const Vec<T, N> w = load_vec<T, N>(weight + static_cast<size_t>(i) * N);
+      const size_t at = static_cast<size_t>(i) * N;
+      const Vec<T, N> v = load_row_vec<RowRead::kLast, T, N, N != 1>(x + at, policies);
+      if constexpr (kFused) r = load_row_vec<RowRead::kLast, T, N, N != 1>(residual + at, policies);
+      const Vec<W, N> w = load_vec<W, N, N != 1>(a.weight + at);
+      [[maybe_unused]] Vec<T, N> stored;
       Vec<T, N> o;
 #pragma unroll
       for (int e = 0; e < N; ++e) {
-        o.v[e] = from_float<T>(to_float(v.v[e]) * inv_rms * to_float(w.v[e]));
+        const float s = normed_value<kFused>(v, r, e);
+        if constexpr (kFused) stored.v[e] = from_float<T>(s);
+        o.v[e] = from_float<T>(s * inv_rms * (a.weight_offset + to_float(w.v[e])));
       }
-      store_vec<T, N, true, Access::kStreaming>(out + at, o);
+      if constexpr (kFused) store_vec<T, N, N != 1>(residual + at, stored);
+      store_vec<T, N, N != 1, Access::kStreaming>(out + at, o);
     }
   }
 }
 
-template <class T, int N, bool kFused>
+template <class T, class W, int N, bool kFused>
 struct NormKernels {
   template <int VPT>
-  static void block_per_row(const Launch& launch, bool few_rows, int threads, T* out,
-                            T* residual, const T* x, const T* weight, int64_t rows, int hidden,
-                            float eps) {
+  static void block_per_row(const Launch& launch, bool few_rows, int threads, const NormArgs<T, W>& a) {
     if constexpr (sizeof(T) == 4) {  // many 16-bit rows take the two-pass kernel
       if (!few_rows) {
-        launch_kernel(launch, norm_block_per_row<T, N, VPT, kFused, true>, one_block_per_row(rows), threads,
-                      out, residual, x, weight, rows, hidden, eps);
+        launch_kernel(launch, norm_block_per_row<T, W, N, VPT, kFused, true>, one_block_per_row(a.rows), threads,
+                      a);
         return;
       }
     }
-    launch_kernel(launch, norm_block_per_row<T, N, VPT, kFused, false>, row_grid(rows), threads, out,
-                  residual, x, weight, rows, hidden, eps);
+    launch_kernel(launch, norm_block_per_row<T, W, N, VPT, kFused, false>, row_grid(a.rows), threads, a);
   }
   template <int VPL>
-  static void warp_per_row(const Launch& launch, T* out, T* residual, const T* x, const T* weight,
-                           int64_t rows, int hidden, float eps) {
-    const int64_t blocks = ceil_div(rows, kThreads / launch.warp_size);
-    launch_kernel(launch, norm_warp_per_row<T, N, VPL, kFused>, row_grid(blocks), kThreads, out,
-                  residual, x, weight, rows, hidden, eps);
+  static void warp_per_row(const Launch& launch, const NormArgs<T, W>& a) {
+    const int64_t blocks = ceil_div(a.rows, kThreads / launch.warp_size);
+    launch_kernel(launch, norm_warp_per_row<T, W, N, VPL, kFused>, row_grid(blocks), kThreads, a);
   }
 };
 
-template <class T, bool kFused>
-void launch_norm(const Launch& launch, T* out, T* residual, const T* x, const T* weight,
-                 int64_t rows, int hidden, float eps) {
+template <class T, class W, bool kFused>
+void launch_norm(const Launch& launch, const NormArgs<T, W>& a) {
   constexpr int kVec = 16 / sizeof(T);
-  using K = NormKernels<T, kVec, kFused>;
-  const bool vectorized = hidden % kVec == 0 && all_aligned(16, {out, residual, x, weight});
+  using K = NormKernels<T, W, kVec, kFused>;
+  const int hidden = a.hidden;
+  const int64_t rows = a.rows;
+  const bool vectorized = hidden % kVec == 0 && all_aligned(16, {a.weight}) &&
+                          rows_aligned(16, a.out, a.out_rows, sizeof(T)) &&
+                          rows_aligned(16, a.x, a.x_rows, sizeof(T)) &&
+                          (!kFused || rows_aligned(16, a.residual, a.residual_rows, sizeof(T)));
   const int nvec = vectorized ? hidden / kVec : hidden;
   if (vectorized && nvec <= launch.warp_size * kMaxVecPerLane) {
     with_vectors_per_thread<kMaxVecPerLane>(ceil_div(nvec, launch.warp_size), [&](auto vpl) {
-      K::template warp_per_row<decltype(vpl)::value>(launch, out, residual, x, weight, rows, hidden, eps);
+      K::template warp_per_row<decltype(vpl)::value>(launch, a);
     });
     return;
   }
@@ -273,31 +307,29 @@ void launch_norm(const Launch& launch, T* out, T* residual, const T* x, const T*
     const int whole_row_threads = nvec / kWholeRowVecPerThread;
     if (vectorized && !few_rows && rows <= INT32_MAX && whole_row_threads <= kRowMaxThreads &&
         nvec % (kWholeRowVecPerThread * launch.warp_size) == 0) {
-      launch_kernel(launch, norm_whole_row_two_pass<T, kVec, kWholeRowVecPerThread>,
-                    static_cast<unsigned>(rows), whole_row_threads, out, x, weight, hidden, eps);
+      launch_kernel(launch, norm_whole_row_two_pass<T, W, kVec, kWholeRowVecPerThread>,
+                    static_cast<unsigned>(rows), whole_row_threads, a);
       return;
     }
   }
   if (vectorized && nvec <= kRowMaxThreads * kRowMaxVecPerThread && (sizeof(T) == 4 || few_rows)) {
     const int threads = row_block_threads(nvec, launch.warp_size);
     with_vectors_per_thread<kRowMaxVecPerThread>(ceil_div(nvec, threads), [&](auto vpt) {
-      K::template block_per_row<decltype(vpt)::value>(launch, few_rows, threads, out, residual, x, weight, rows,
-                                                      hidden, eps);
+      K::template block_per_row<decltype(vpt)::value>(launch, few_rows, threads, a);
     });
     return;
   }
   if (vectorized) {
-    launch_kernel(launch, norm_two_pass<T, kVec, kFused>, row_grid(rows), kThreads, out, residual, x,
-                  weight, rows, hidden, eps);
+    launch_kernel(launch, norm_two_pass<T, W, kVec, kFused>, row_grid(rows), kThreads, a);
   } else {
-    launch_kernel(launch, norm_two_pass<T, 1, kFused>, row_grid(rows), kThreads, out, residual, x,
-                  weight, rows, hidden, eps);
+    launch_kernel(launch, norm_two_pass<T, W, 1, kFused>, row_grid(rows), kThreads, a);
   }
 }
 
-// Tensors: rmsnorm (out, x, weight); fused_add_rmsnorm (x, residual, weight).
+// Tensors: rmsnorm (out, x, weight); fused_add_rmsnorm (x, residual,
+// weight); the weight float32 or of x's dtype.
 template <bool kFused>
-kd_status run_norm(const kd_call_args* args, const char* op) {
+kd_status run_norm(const kd_call_args* args, const char* op, float weight_offset) {
   if (kd_status s = check_call(args, op, 3, 1); s != KD_STATUS_OK) return s;
   const DLTensor& a = args->tensors[0];  // out | x
   const DLTensor& b = args->tensors[1];  // x | residual
@@ -308,7 +340,8 @@ kd_status run_norm(const kd_call_args* args, const char* op) {
   if (dim(b, -1) != hidden || weight.shape[0] != hidden || leading_rows(b, 1) != rows) {
     return invalid_shapes(args, op);
   }
-  if (!same_dtype(a, b) || !same_dtype(a, weight)) {
+  const bool float_weight = is_dtype<float>(weight);
+  if (!same_dtype(a, b) || !(same_dtype(a, weight) || float_weight)) {
     return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensors differ in dtype", op);
   }
   if (hidden > INT32_MAX) {
@@ -317,15 +350,37 @@ kd_status run_norm(const kd_call_args* args, const char* op) {
   float eps = 0.f;
   if (kd_status s = attr_float(args, op, 0, &eps); s != KD_STATUS_OK) return s;
   if (rows == 0 || hidden == 0) return KD_STATUS_OK;
+  const RowLayout a_rows = kd_plugin::row_layout(a, 1);
+  const RowLayout b_rows = kd_plugin::row_layout(b, 1);
   return launch_for_dtype(args, op, a, [&](auto tag, const Launch& launch) {
     using T = typename decltype(tag)::type;
-    if constexpr (kFused) {
-      T* x = data_as<T>(a);
-      launch_norm<T, true>(launch, x, data_as<T>(b), x, data_as<T>(weight), rows,
-                           static_cast<int>(hidden), eps);
+    const auto launch_with = [&](auto weight_tag) {
+      using W = typename decltype(weight_tag)::type;
+      NormArgs<T, W> call{};
+      if constexpr (kFused) {
+        call.out = data_as<T>(a);
+        call.out_rows = a_rows;
+        call.x = call.out;
+        call.x_rows = a_rows;
+        call.residual = data_as<T>(b);
+        call.residual_rows = b_rows;
+      } else {
+        call.out = data_as<T>(a);
+        call.out_rows = a_rows;
+        call.x = data_as<T>(b);
+        call.x_rows = b_rows;
+      }
+      call.weight = data_as<W>(weight);
+      call.rows = rows;
+      call.hidden = static_cast<int>(hidden);
+      call.eps = eps;
+      call.weight_offset = weight_offset;
+      launch_norm<T, W, kFused>(launch, call);
+    };
+    if (float_weight) {
+      launch_with(kd_plugin::TypeTag<float>{});
     } else {
-      launch_norm<T, false>(launch, data_as<T>(a), nullptr, data_as<T>(b), data_as<T>(weight),
-                            rows, static_cast<int>(hidden), eps);
+      launch_with(kd_plugin::TypeTag<T>{});
     }
   });
 }
@@ -334,12 +389,22 @@ kd_status run_norm(const kd_call_args* args, const char* op) {
 
 // kd_cuda_rmsnorm, kd_hip_rmsnorm
 kd_status rmsnorm(const kd_call_args* args) noexcept {
-  return kd_plugin::guarded(args, [&] { return run_norm<false>(args, "rmsnorm"); });
+  return kd_plugin::guarded(args, [&] { return run_norm<false>(args, "rmsnorm", 0.0f); });
+}
+
+// kd_cuda_gemma_rmsnorm, kd_hip_gemma_rmsnorm
+kd_status gemma_rmsnorm(const kd_call_args* args) noexcept {
+  return kd_plugin::guarded(args, [&] { return run_norm<false>(args, "gemma_rmsnorm", 1.0f); });
 }
 
 // kd_cuda_fused_add_rmsnorm, kd_hip_fused_add_rmsnorm
 kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
-  return kd_plugin::guarded(args, [&] { return run_norm<true>(args, "fused_add_rmsnorm"); });
+  return kd_plugin::guarded(args, [&] { return run_norm<true>(args, "fused_add_rmsnorm", 0.0f); });
+}
+
+// kd_cuda_gemma_fused_add_rmsnorm, kd_hip_gemma_fused_add_rmsnorm
+kd_status gemma_fused_add_rmsnorm(const kd_call_args* args) noexcept {
+  return kd_plugin::guarded(args, [&] { return run_norm<true>(args, "gemma_fused_add_rmsnorm", 1.0f); });
 }
 
 }  // namespace kd_gpu

@@ -7,4 +7,5 @@ set(KDISPATCH_GPU_DIR "${CMAKE_CURRENT_LIST_DIR}")
 file(GLOB KDISPATCH_GPU_SOURCES CONFIGURE_DEPENDS "${CMAKE_CURRENT_LIST_DIR}/*.cu")
 file(GLOB KDISPATCH_GPU_HEADERS CONFIGURE_DEPENDS
   "${CMAKE_CURRENT_LIST_DIR}/*.cuh" "${CMAKE_CURRENT_LIST_DIR}/*.hpp"
-  "${CMAKE_CURRENT_LIST_DIR}/../../core/include/kdispatch/plugin_helpers.hpp")
+  "${CMAKE_CURRENT_LIST_DIR}/../../core/include/kdispatch/plugin_helpers.hpp"
+  "${CMAKE_CURRENT_LIST_DIR}/../../core/include/kdispatch/plugin_rows.hpp")

@@ -1,5 +1,6 @@
-// layernorm.rmsnorm, layernorm.fused_add_rmsnorm and layernorm.layernorm in
-// float64.
+// layernorm.rmsnorm, layernorm.gemma_rmsnorm, layernorm.fused_add_rmsnorm,
+// layernorm.gemma_fused_add_rmsnorm and layernorm.layernorm in float64. The
+// weights (and bias) may be float32 or x's dtype: Tensor decodes either.
 #include <cmath>
 #include <vector>
 
@@ -11,47 +12,65 @@
 namespace kdispatch::reference {
 namespace {
 
-// out[r, j] = x[r, j] / sqrt(mean(x[r, :]^2) + eps) * weight[j], for rows of
-// width h given as float64 values.
-void normalise(const std::vector<double>& x, const Tensor& weight, int64_t rows, int64_t h, double eps,
-               const Tensor& out) {
+// out[r, j] = x[r, j] / sqrt(mean(x[r, :]^2) + eps) * (weight_offset +
+// weight[j]), for rows of width h given as float64 values; weight_offset is
+// 1 for the Gemma variants, else 0.
+void normalise(const std::vector<double>& x, const Tensor& weight, double weight_offset, int64_t rows,
+               int64_t h, double eps, const Tensor& out) {
   for (int64_t r = 0; r < rows; ++r) {
     double sum = 0;
     for (int64_t j = 0; j < h; ++j) sum += x[r * h + j] * x[r * h + j];
     const double inv_rms = 1.0 / std::sqrt(sum / static_cast<double>(h) + eps);
-    for (int64_t j = 0; j < h; ++j) out.set(r * h + j, x[r * h + j] * inv_rms * weight.get(j));
+    for (int64_t j = 0; j < h; ++j) {
+      out.set(r * h + j, x[r * h + j] * inv_rms * (weight_offset + weight.get(j)));
+    }
   }
+}
+
+// Tensors (out, x, weight), attribute eps.
+void rms_normalise(const kd_call_args* args, double weight_offset, const char* op) {
+  expect_arity(args, 3, 1, op);
+  const Tensor out(args->tensors[0]), x(args->tensors[1]), weight(args->tensors[2]);
+  std::vector<double> values(static_cast<size_t>(x.numel()));
+  for (int64_t i = 0; i < x.numel(); ++i) values[i] = x.get(i);
+  normalise(values, weight, weight_offset, x.rows(1), x.dim(-1), kd_plugin::float_attr(args, "eps"), out);
+}
+
+// Tensors (x, residual, weight), both of the first updated in place:
+// residual = x + residual, stored rounded to its dtype; x = the rmsnorm of
+// the unrounded sum.
+void add_and_rms_normalise(const kd_call_args* args, double weight_offset, const char* op) {
+  expect_arity(args, 3, 1, op);
+  const Tensor x(args->tensors[0]), residual(args->tensors[1]), weight(args->tensors[2]);
+  std::vector<double> sum(static_cast<size_t>(x.numel()));
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    sum[i] = x.get(i) + residual.get(i);
+    residual.set(i, sum[i]);
+  }
+  normalise(sum, weight, weight_offset, x.rows(1), x.dim(-1), kd_plugin::float_attr(args, "eps"), x);
 }
 
 }  // namespace
 
 // kd_ref_rmsnorm
-// Tensors (out, x, weight), attribute eps.
 kd_status rmsnorm(const kd_call_args* args) noexcept {
-  return kd_plugin::guarded(args, [&] {
-    expect_arity(args, 3, 1, "layernorm.rmsnorm");
-    const Tensor out(args->tensors[0]), x(args->tensors[1]), weight(args->tensors[2]);
-    const int64_t h = x.dim(-1);
-    std::vector<double> values(static_cast<size_t>(x.numel()));
-    for (int64_t i = 0; i < x.numel(); ++i) values[i] = x.get(i);
-    normalise(values, weight, x.rows(1), h, kd_plugin::float_attr(args, "eps"), out);
-  });
+  return kd_plugin::guarded(args, [&] { rms_normalise(args, 0.0, "layernorm.rmsnorm"); });
+}
+
+// kd_ref_gemma_rmsnorm: weight + 1.
+kd_status gemma_rmsnorm(const kd_call_args* args) noexcept {
+  return kd_plugin::guarded(args, [&] { rms_normalise(args, 1.0, "layernorm.gemma_rmsnorm"); });
 }
 
 // kd_ref_fused_add_rmsnorm
-// Tensors (x, residual, weight), both of the first updated in place:
-// residual = x + residual, stored in its dtype; x = rmsnorm(stored residual).
 kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
-  return kd_plugin::guarded(args, [&] {
-    expect_arity(args, 3, 1, "layernorm.fused_add_rmsnorm");
-    const Tensor x(args->tensors[0]), residual(args->tensors[1]), weight(args->tensors[2]);
-    std::vector<double> sum(static_cast<size_t>(x.numel()));
-    for (int64_t i = 0; i < x.numel(); ++i) {
-      residual.set(i, x.get(i) + residual.get(i));
-      sum[i] = residual.get(i);
-    }
-    normalise(sum, weight, x.rows(1), x.dim(-1), kd_plugin::float_attr(args, "eps"), x);
-  });
+  return kd_plugin::guarded(args, [&] { add_and_rms_normalise(args, 0.0, "layernorm.fused_add_rmsnorm"); });
+}
+
+// kd_ref_gemma_fused_add_rmsnorm: weight + 1.
+kd_status gemma_fused_add_rmsnorm(const kd_call_args* args) noexcept {
+  return kd_plugin::guarded(
+      args, [&] { add_and_rms_normalise(args, 1.0, "layernorm.gemma_fused_add_rmsnorm"); });
 }
 
 // kd_ref_layernorm
