@@ -84,12 +84,18 @@ def torch_schema(schema):
     selection rules decide, as for kdispatch.call)."""
     aliases = iter("abcdefghijklmnopqrstuvwxyz")
     args = []
-    for t in schema["tensors"]:
+    tensors = schema["tensors"]
+    # An optional tensor defaults to None where every argument after it can
+    # be left off too (later tensors optional, attributes with defaults).
+    attrs_defaulted = all(not a["required"] for a in schema["attrs"])
+    for i, t in enumerate(tensors):
         optional = "?" if t.get("optional") else ""
+        default = ("=None" if optional and attrs_defaulted and all(u.get("optional") for u in tensors[i + 1:])
+                   else "")
         if t["written"]:
-            args.append(f"Tensor({next(aliases)}!){optional} {t['name']}")
+            args.append(f"Tensor({next(aliases)}!){optional} {t['name']}{default}")
         else:
-            args.append(f"Tensor{optional} {t['name']}")
+            args.append(f"Tensor{optional} {t['name']}{default}")
     for a in schema["attrs"]:
         text = f"{_ATTR_TYPES[a['type']]} {a['name']}"
         if not a["required"]:

@@ -93,6 +93,8 @@ void call_with_kwargs(const OpHandle& handle, const py::args& args, size_t first
   }
   TensorArgs tensors(schema, StreamRequest::from(stream));
   for (size_t i = 0; i < count; ++i) tensors.add(args[first + i].ptr());
+  // Optional tensors at the end may be left off, as None.
+  for (size_t i = count; i < schema.tensors.size() && schema.tensors[i].optional; ++i) tensors.add(Py_None);
   run(handle, tensors, std::span<const NamedAttr>(attrs.data(), num_attrs));
 }
 
@@ -115,24 +117,31 @@ void Op::call_positional(const py::args& args) const {
       handle = runtime().dispatcher.op(handle_.op(), utf8(backend));
     }
   }
-  if (given < num_tensors || given > num_tensors + schema.attrs.size()) {
+  // torch leaves off trailing arguments equal to their defaults: optional
+  // tensors at the end (None) as well as attributes.
+  size_t required = num_tensors;
+  while (required > 0 && schema.tensors[required - 1].optional) --required;
+  if (given < required || given > num_tensors + schema.attrs.size()) {
     throw_call_error(fmt::format("op '{}' takes {} tensors and up to {} attributes, got {} arguments", schema.op,
                                  num_tensors, schema.attrs.size(), given));
   }
   std::array<NamedAttr, kMaxAttrs> attrs;
-  const size_t num_attrs = given - num_tensors;
+  const size_t num_attrs = given > num_tensors ? given - num_tensors : 0;
   for (size_t i = 0; i < num_attrs; ++i) {
     const std::string& name = schema.attrs[i].name;
     attrs[i] = {name, attr_value(schema.op, name, args[num_tensors + i].ptr())};
   }
   TensorArgs tensors(schema, StreamRequest{});
-  for (size_t i = 0; i < num_tensors; ++i) tensors.add(args[i].ptr());
+  for (size_t i = 0; i < num_tensors; ++i) tensors.add(i < given ? args[i].ptr() : Py_None);
   run(handle, tensors, std::span<const NamedAttr>(attrs.data(), num_attrs));
 }
 
 void Op::check_layout(const py::args& args) const {
-  TensorArgs tensors(handle_.schema(), StreamRequest{}, TensorArgs::Purpose::layout);
+  const OpSchema& schema = handle_.schema();
+  TensorArgs tensors(schema, StreamRequest{}, TensorArgs::Purpose::layout);
   for (py::handle arg : args) tensors.add(arg.ptr());
+  // Optional tensors at the end that torch left off (None by default).
+  for (size_t i = args.size(); i < schema.tensors.size() && schema.tensors[i].optional; ++i) tensors.add(Py_None);
   handle_.check(tensors.tensors(), OpHandle::CheckScope::layout);
 }
 
