@@ -79,7 +79,7 @@ class Inplace:
             self.fused_add_rmsnorm = ops.layernorm_fused_add_rmsnorm
             self.rotary = ops.embeddings_rotary_embedding
             self.silu_and_mul = ops.activation_silu_and_mul
-            self.topk = lambda w_, i_, g_: ops.moe_topk_softmax(w_, i_, g_, True)
+            self.topk = lambda w_, i_, g_: ops.moe_topk_softmax(w_, i_, g_, renormalize=True)
         else:
             self.rmsnorm = kdispatch.op("layernorm.rmsnorm")
             self.fused_add_rmsnorm = kdispatch.op("layernorm.fused_add_rmsnorm")

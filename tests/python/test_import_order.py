@@ -37,6 +37,6 @@ for device in devices:
     x = torch.randn(5, 257, generator=g).to(device=device, dtype=torch.bfloat16)
     w = torch.randn(257, generator=g).to(device=device, dtype=torch.bfloat16)
     got = kt.layernorm.rmsnorm(x, w, eps=1e-6)
-    want = kt.layernorm.rmsnorm(x, w, eps=1e-6, backend="reference")
-    assert torch.equal(got, want) or (got.float() - want.float()).abs().max().item() < 0.05, device
+    want = kt.layernorm.rmsnorm(x.cpu(), w.cpu(), eps=1e-6, backend="reference")  # the reference runs on the host
+    assert (got.cpu().float() - want.float()).abs().max().item() < 0.05, device
     print(f"ok: layernorm.rmsnorm on {device} after importing kdispatch before torch {torch.__version__}")

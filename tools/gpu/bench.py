@@ -119,11 +119,12 @@ def topk_softmax(k):
 
 
 def topk_softmax_biased(k):
-    # SGLang's order: the experts are chosen by softmax + correction_bias,
-    # their weights are the softmax's alone, then renormalised.
+    # SGLang's order (the schema's doc): correction_bias is added to the
+    # float32 logits before the softmax, so the experts and their weights
+    # come from the biased probabilities, then renormalised.
     def fn(gating, bias):
-        p = torch.softmax(gating.float(), dim=-1)
-        ids = torch.topk(p + bias, k, dim=-1).indices
+        p = torch.softmax(gating.float() + bias, dim=-1)
+        ids = torch.topk(p, k, dim=-1).indices
         weights = p.gather(-1, ids)
         return weights / weights.sum(dim=-1, keepdim=True), ids.to(torch.int32)
     return fn
