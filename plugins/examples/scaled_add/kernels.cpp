@@ -6,6 +6,7 @@
 // (tensor count, dtypes, shapes, contiguity), so a kernel reads its tensors
 // in schema order and its attributes by name without checking them again.
 #include <kdispatch/plugin_helpers.hpp>
+#include <kdispatch/plugin_rows.hpp>
 
 #include <cmath>
 #include <cstdint>
@@ -36,7 +37,8 @@ kd_status scaled_add(const kd_call_args* args) noexcept {
 }
 
 // activation.silu_and_mul: out = silu(x[..., :D]) * x[..., D:], computed in
-// float and rounded to T once.
+// float and rounded to T once. Its schema gives out and x the "rows" layout
+// (a row may start anywhere), so rows are found through RowLayout.
 kd_status silu_and_mul(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(args, [&] {
     const kd_plugin::Tensor out(args, 0), x(args, 1);
@@ -45,13 +47,16 @@ kd_status silu_and_mul(const kd_call_args* args) noexcept {
       T* o = out.data<T>();
       const T* in = x.data<const T>();
       const int64_t d = out.cols();
-      kd_plugin::parallel_for(out.rows(), 3 * d, [&](int64_t begin, int64_t end) noexcept {
+      const kd_plugin::RowLayout out_rows = kd_plugin::row_layout(out.dl(), 1);
+      const kd_plugin::RowLayout x_rows = kd_plugin::row_layout(x.dl(), 1);
+      kd_plugin::parallel_for(out_rows.count, 3 * d, [&](int64_t begin, int64_t end) noexcept {
         for (int64_t r = begin; r < end; ++r) {
-          const T* gate = in + r * 2 * d;
+          const T* gate = in + x_rows.offset(r);
           const T* up = gate + d;
+          T* row = o + out_rows.offset(r);
           for (int64_t j = 0; j < d; ++j) {
             const float g = kd_plugin::to_float(gate[j]);
-            o[r * d + j] = kd_plugin::from_float<T>(g / (1.0f + std::exp(-g)) * kd_plugin::to_float(up[j]));
+            row[j] = kd_plugin::from_float<T>(g / (1.0f + std::exp(-g)) * kd_plugin::to_float(up[j]));
           }
         }
       });
