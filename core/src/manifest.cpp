@@ -964,12 +964,16 @@ std::optional<OpSchema> read_op_schema(Reader& r, const json& j, const std::stri
   }
   const size_t before = r.error_count();
   r.unknown_keys(j, pointer,
-                 {"op", "doc", "tensors", "attrs", "dtypes", "requires", "example", "bench", "tests", "tolerance"});
+                 {"op", "doc", "tensors", "attrs", "dtypes", "requires", "out_of_place", "example", "bench", "tests",
+                  "tolerance"});
   OpSchema s;
   s.source = r.file();
   s.op = r.checked_string(j, pointer, "op", true, "an op id <group>.<name> of [a-z0-9_]+", is_valid_op_id)
              .value_or("");
   s.doc = r.string(j, pointer, "doc", false, "a string").value_or("");
+  s.out_of_place = r.checked_string(j, pointer, "out_of_place", false, "an op id <group>.<name> of [a-z0-9_]+",
+                                    is_valid_op_id)
+                       .value_or("");
 
   // dtypes first: tensors refer to its variables. A variable whose list is
   // bad still counts as declared, so its users are not reported as well.

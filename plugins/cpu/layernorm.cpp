@@ -1,5 +1,6 @@
 // layernorm.rmsnorm, layernorm.gemma_rmsnorm, layernorm.fused_add_rmsnorm,
-// layernorm.gemma_fused_add_rmsnorm and layernorm.layernorm.
+// layernorm.gemma_fused_add_rmsnorm (each also _out: the same into separate
+// outputs) and layernorm.layernorm.
 //
 // out = T(float(x) * inv_rms * float(weight)), inv_rms = 1 / sqrt(mean(x^2) +
 // eps) with the mean accumulated in float32 (FlashInfer/SGLang rounding: one
@@ -83,32 +84,47 @@ KD_CPU_MULTIVERSION void rmsnorm_rows(T* out, const RowLayout& out_rows, const T
   if (store == Store::kStreaming) store_fence();
 }
 
-// `row` is scratch for h floats: the float32 sum x + residual, read back
-// from cache by the second pass. Both outputs overwrite inputs that were
-// just read, so they are in cache and stored the ordinary way.
+// The rows of a fused add + rmsnorm: residual_out = T(x + residual), out =
+// T(rmsnorm of the float32 sum). out and residual_out may be x and residual
+// (the in-place op): each block of a row is read before it is written.
 template <class T>
-KD_CPU_MULTIVERSION void fused_add_rmsnorm_rows(T* x, const RowLayout& x_rows, T* residual,
-                                                const RowLayout& residual_rows, const float* weight,
-                                                int64_t h, float eps, float* row, int64_t begin,
-                                                int64_t end) {
+struct FusedRows {
+  T* out;
+  RowLayout out_rows;
+  T* residual_out;
+  RowLayout residual_out_rows;
+  const T* x;
+  RowLayout x_rows;
+  const T* residual;
+  RowLayout residual_rows;
+};
+
+// `row` is scratch for h floats: the float32 sum x + residual, read back
+// from cache by the second pass. In place, both outputs overwrite inputs
+// that were just read, so they are in cache and stored the ordinary way.
+template <class T>
+KD_CPU_MULTIVERSION void fused_add_rmsnorm_rows(const FusedRows<T>& t, const float* weight, int64_t h, float eps,
+                                                float* row, int64_t begin, int64_t end) {
   float x_block[kBlock];
   float r_block[kBlock];
   for (int64_t r = begin; r < end; ++r) {
-    T* xr = x + x_rows.offset(r);
-    T* rr = residual + residual_rows.offset(r);
+    const T* xr = t.x + t.x_rows.offset(r);
+    const T* rr = t.residual + t.residual_rows.offset(r);
+    T* rout = t.residual_out + t.residual_out_rows.offset(r);
+    T* out = t.out + t.out_rows.offset(r);
     for (int64_t j0 = 0; j0 < h; j0 += kBlock) {
       const int64_t n = h - j0 < kBlock ? h - j0 : kBlock;
       const float* xf = as_float(xr + j0, x_block, n);
       const float* rf = as_float(rr + j0, r_block, n);
       float* sum = row + j0;
       for (int64_t j = 0; j < n; ++j) sum[j] = xf[j] + rf[j];
-      narrow(sum, rr + j0, n, Store::kCached);
+      narrow(sum, rout + j0, n, Store::kCached);
     }
     const float inv = inverse_rms(sum_of_squares(row, h), h, eps);
     for (int64_t j0 = 0; j0 < h; j0 += kBlock) {
       const int64_t n = h - j0 < kBlock ? h - j0 : kBlock;
       for (int64_t j = 0; j < n; ++j) x_block[j] = row[j0 + j] * inv * weight[j0 + j];
-      narrow(x_block, xr + j0, n, Store::kCached);
+      narrow(x_block, out + j0, n, Store::kCached);
     }
   }
 }
@@ -163,18 +179,29 @@ bool weight_dtype_allowed(const DLTensor& weight, const DLTensor& x) {
   return same_dtype(weight, x) || is_dtype<float>(weight);
 }
 
-// Checks shared by the rmsnorm ops: tensors (a, b, weight) with a, b [*, H]
-// and weight [H]; eps a float attribute.
+// Checks shared by the rmsnorm ops: kTensors tensors, every one but the
+// last [*, H] with the same rows and dtype, the last the weight [H]; eps a
+// float attribute.
+template <int kTensors>
 kd_status check_norm_arguments(const kd_call_args* args, const char* op, float* eps) {
-  constexpr int kMinNdim[] = {1, 1, 1};
-  if (kd_status s = check_arguments(args, op, 1, kMinNdim); s != KD_STATUS_OK) return s;
+  int min_ndim[kTensors];
+  for (int& n : min_ndim) n = 1;
+  if (kd_status s = check_arguments(args, op, 1, min_ndim); s != KD_STATUS_OK) return s;
   const DLTensor* t = args->tensors;
+  const DLTensor& weight = t[kTensors - 1];
   const int64_t h = dim(t[0], -1);
-  if (dim(t[1], -1) != h || dim(t[2], -1) != h || t[2].ndim != 1 ||
-      leading_rows(t[0], 1) != leading_rows(t[1], 1)) {
+  if (dim(weight, -1) != h || weight.ndim != 1) {
     return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensor shapes disagree", op);
   }
-  if (!same_dtype(t[0], t[1]) || !weight_dtype_allowed(t[2], t[0])) {
+  for (int i = 1; i < kTensors - 1; ++i) {
+    if (dim(t[i], -1) != h || leading_rows(t[i], 1) != leading_rows(t[0], 1)) {
+      return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensor shapes disagree", op);
+    }
+    if (!same_dtype(t[i], t[0])) {
+      return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensor dtypes differ", op);
+    }
+  }
+  if (!weight_dtype_allowed(weight, t[0])) {
     return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensor dtypes differ", op);
   }
   const kd_attr* a = find_attr(args, "eps", KD_ATTR_TYPE_FLOAT);
@@ -188,35 +215,36 @@ kd_status check_norm_arguments(const kd_call_args* args, const char* op, float* 
 
 // What the row loops of one call get from run_norm().
 struct NormCall {
-  const float* weight;  // as float, the weight offset added
-  RowLayout a_rows;     // of tensor 0 (out | x)
-  RowLayout b_rows;     // of tensor 1 (x | residual)
+  static constexpr int kMaxRowTensors = 4;
+  const float* weight;                // as float, the weight offset added
+  RowLayout rows_of[kMaxRowTensors];  // of each tensor before the weight
   int64_t rows;
   int64_t h;
   float eps;
 };
 
-// The frame the rmsnorm ops share: argument checks, eps, the weight as float
-// plus `weight_offset`, and
+// The frame the rmsnorm ops share, for kTensors tensors (the weight last):
+// argument checks, eps, the weight as float plus `weight_offset`, and
 // the rows split across threads, each range with `row`, scratch for h floats
 // (for float32 inputs only when kFloatNeedsRow; else nullptr), reported as
 // KD_STATUS_INTERNAL when it cannot be allocated. Calls
 // do_rows(tag, call, row, begin, end), tag.type being the element type.
-template <bool kFloatNeedsRow, class DoRows>
+template <int kTensors, bool kFloatNeedsRow, class DoRows>
 kd_status run_norm(const kd_call_args* args, const char* op, float weight_offset, DoRows&& do_rows) noexcept {
+  static_assert(kTensors - 1 <= NormCall::kMaxRowTensors);
   return kd_plugin::guarded(args, [&]() -> kd_status {
     float eps = 0.0f;
-    if (kd_status s = check_norm_arguments(args, op, &eps); s != KD_STATUS_OK) return s;
-    // The tensors agree in shape and dtype (checked above): tensor 1 speaks for all.
-    const DLTensor& x = args->tensors[1];
+    if (kd_status s = check_norm_arguments<kTensors>(args, op, &eps); s != KD_STATUS_OK) return s;
+    // The tensors agree in shape and dtype (checked above): tensor 0 speaks for all.
+    const DLTensor& x = args->tensors[0];
     const int64_t h = dim(x, -1);
     return dispatch_float_dtype(args, op, x, [&](auto tag) {
       using T = typename decltype(tag)::type;
       constexpr bool kNeedsRow = kFloatNeedsRow || !std::is_same_v<T, float>;
       std::vector<float> weight_storage;
-      const NormCall call{weight_as_float(args->tensors[2], h, weight_offset, weight_storage),
-                          kd_plugin::row_layout(args->tensors[0], 1), kd_plugin::row_layout(x, 1),
-                          leading_rows(x, 1), h, eps};
+      NormCall call{weight_as_float(args->tensors[kTensors - 1], h, weight_offset, weight_storage), {},
+                    leading_rows(x, 1), h, eps};
+      for (int i = 0; i < kTensors - 1; ++i) call.rows_of[i] = kd_plugin::row_layout(args->tensors[i], 1);
       std::atomic<bool> out_of_memory{false};
       kd_plugin::parallel_for(call.rows, h, [&](int64_t begin, int64_t end) noexcept {
         std::unique_ptr<float[]> row;
@@ -239,25 +267,28 @@ kd_status run_norm(const kd_call_args* args, const char* op, float weight_offset
 
 // rmsnorm: tensors (out, x, weight).
 kd_status rms_normalise(const kd_call_args* args, const char* op, float weight_offset) noexcept {
-  return run_norm<false>(
+  return run_norm<3, false>(
       args, op, weight_offset, [&](auto tag, const NormCall& c, float* row, int64_t begin, int64_t end) noexcept {
         using T = typename decltype(tag)::type;
         const Store store = store_for(c.rows * c.h * int64_t{sizeof(T)});
         const DLTensor* t = args->tensors;  // out, x, weight
-        rmsnorm_rows<T>(data_as<T>(t[0]), c.a_rows, data_as<T>(t[1]), c.b_rows, c.weight, c.h, c.eps, row,
-                        store, begin, end);
+        rmsnorm_rows<T>(data_as<T>(t[0]), c.rows_of[0], data_as<T>(t[1]), c.rows_of[1], c.weight, c.h, c.eps,
+                        row, store, begin, end);
       });
 }
 
 // fused_add_rmsnorm: tensors (x, residual, weight), both of the first
-// updated in place.
+// updated in place; kOut: tensors (out, residual_out, x, residual, weight).
+template <bool kOut>
 kd_status add_and_rms_normalise(const kd_call_args* args, const char* op, float weight_offset) noexcept {
-  return run_norm<true>(
+  return run_norm<kOut ? 5 : 3, true>(
       args, op, weight_offset, [&](auto tag, const NormCall& c, float* row, int64_t begin, int64_t end) noexcept {
         using T = typename decltype(tag)::type;
-        const DLTensor* t = args->tensors;  // x, residual, weight
-        fused_add_rmsnorm_rows<T>(data_as<T>(t[0]), c.a_rows, data_as<T>(t[1]), c.b_rows, c.weight, c.h,
-                                  c.eps, row, begin, end);
+        const DLTensor* t = args->tensors;
+        const int x = kOut ? 2 : 0;  // x and residual, the outputs before them when separate
+        const FusedRows<T> rows{data_as<T>(t[0]), c.rows_of[0], data_as<T>(t[1]), c.rows_of[1],
+                                data_as<T>(t[x]), c.rows_of[x], data_as<T>(t[x + 1]), c.rows_of[x + 1]};
+        fused_add_rmsnorm_rows<T>(rows, c.weight, c.h, c.eps, row, begin, end);
       });
 }
 
@@ -275,12 +306,22 @@ kd_status gemma_rmsnorm(const kd_call_args* args) noexcept {
 
 // kd_cpu_fused_add_rmsnorm
 kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
-  return add_and_rms_normalise(args, "layernorm.fused_add_rmsnorm", 0.0f);
+  return add_and_rms_normalise<false>(args, "layernorm.fused_add_rmsnorm", 0.0f);
+}
+
+// kd_cpu_fused_add_rmsnorm_out
+kd_status fused_add_rmsnorm_out(const kd_call_args* args) noexcept {
+  return add_and_rms_normalise<true>(args, "layernorm.fused_add_rmsnorm_out", 0.0f);
 }
 
 // kd_cpu_gemma_fused_add_rmsnorm
 kd_status gemma_fused_add_rmsnorm(const kd_call_args* args) noexcept {
-  return add_and_rms_normalise(args, "layernorm.gemma_fused_add_rmsnorm", 1.0f);
+  return add_and_rms_normalise<false>(args, "layernorm.gemma_fused_add_rmsnorm", 1.0f);
+}
+
+// kd_cpu_gemma_fused_add_rmsnorm_out
+kd_status gemma_fused_add_rmsnorm_out(const kd_call_args* args) noexcept {
+  return add_and_rms_normalise<true>(args, "layernorm.gemma_fused_add_rmsnorm_out", 1.0f);
 }
 
 // kd_cpu_layernorm

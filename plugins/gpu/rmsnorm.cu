@@ -1,9 +1,11 @@
 // layernorm.rmsnorm, layernorm.gemma_rmsnorm, layernorm.fused_add_rmsnorm
-// and layernorm.gemma_fused_add_rmsnorm.
+// and layernorm.gemma_fused_add_rmsnorm, the last two also as _out.
 //
 //   rmsnorm:            out = T(x * inv_rms(x) * (offset + weight))
 //   fused_add_rmsnorm:  s = x + residual (float32); residual = T(s)
 //                       x = T(s * inv_rms(s) * (offset + weight))
+//   ..._out:            the same into residual_out and out, x and residual
+//                       only read
 // with inv_rms(v) = rsqrt(mean(v^2) + eps), all arithmetic in float32, the
 // fused op normalising the unrounded sum (as FlashInfer and SGLang do), and
 // offset 1 for the Gemma variants, 0 otherwise (FlashInfer's weight_bias).
@@ -55,17 +57,21 @@ struct BlockSum {
 };
 
 // The arguments of one call, passed to every kernel by value. For
-// fused_add_rmsnorm out is x (updated in place); for rmsnorm residual is
-// null.
+// fused_add_rmsnorm out is x and residual_out is residual (updated in
+// place); for rmsnorm both residuals are null. Every element is read before
+// the thread that read it writes the same position, so outputs may be
+// their inputs.
 template <class T, class W>
 struct NormArgs {
   T* out;
-  T* residual;
+  T* residual_out;
   const T* x;
+  const T* residual;
   const W* weight;
   RowLayout out_rows;
-  RowLayout residual_rows;
+  RowLayout residual_out_rows;
   RowLayout x_rows;
+  RowLayout residual_rows;
   int64_t rows;
   int hidden;
   float eps;
@@ -95,7 +101,8 @@ __device__ __forceinline__ void norm_row_in_registers(const NormArgs<T, W>& a, i
   constexpr Access kRow = kManyRows ? Access::kStreaming : Access::kCached;
   const T* x = a.x + a.x_rows.offset(row);
   T* out = a.out + a.out_rows.offset(row);
-  T* residual = kFused ? a.residual + a.residual_rows.offset(row) : nullptr;
+  const T* residual = kFused ? a.residual + a.residual_rows.offset(row) : nullptr;
+  T* residual_out = kFused ? a.residual_out + a.residual_out_rows.offset(row) : nullptr;
   const int nvec = a.hidden / N;
   Vec<T, N> xv[VPT];
   Vec<T, N> rv[kFused ? VPT : 1];
@@ -121,7 +128,7 @@ __device__ __forceinline__ void norm_row_in_registers(const NormArgs<T, W>& a, i
         if constexpr (kFused) stored.v[e] = from_float<T>(v);
         sum_sq += v * v;
       }
-      if constexpr (kFused) store_vec<T, N, true, kRow>(residual + static_cast<size_t>(i) * N, stored);
+      if constexpr (kFused) store_vec<T, N, true, kRow>(residual_out + static_cast<size_t>(i) * N, stored);
     }
   }
   const float inv_rms = rsqrtf(reduce(sum_sq) / static_cast<float>(a.hidden) + a.eps);
@@ -172,46 +179,65 @@ __global__ void __launch_bounds__(kRowMaxThreads) norm_block_per_row(const NormA
   }
 }
 
-// rmsnorm over many rows of exactly blockDim.x * VPT vectors, in the layout
-// of torch.compile's kernel for them: each block takes its row and exits;
-// pass 1 loads the thread's vectors, asking L1 and L2 to keep them, pass 2
-// reloads them from there (letting them go) with the weight and stores the
-// output. Nothing of the row is held across the reduction and nothing is
-// bounds checked, so the blocks have few registers and fill the SMs with
-// loads.
-template <class T, class W, int N, int VPT>
+// Many rows of exactly blockDim.x * VPT vectors, in the layout of
+// torch.compile's kernel for them: each block takes its row and exits; pass
+// 1 loads the thread's vectors (x, and the residual for the fused op),
+// asking L1 and L2 to keep them, pass 2 reloads them from there (letting
+// them go) with the weight and stores the outputs (the residual's too, so
+// that in place it is read before it is overwritten). Nothing of the row is
+// held across the reduction and nothing is bounds checked, so the blocks
+// have few registers and fill the SMs with loads. The row layouts are
+// linear() (checked by the launcher).
+template <class T, class W, int N, int VPT, bool kFused>
 __global__ void __launch_bounds__(kRowMaxThreads) norm_whole_row_two_pass(const NormArgs<T, W> a) {
   start_after_previous_kernel();
   const RowPolicies policies = row_policies();
   using V = Vec<T, N>;
   using WV = Vec<W, N>;
-  const V* xr = reinterpret_cast<const V*>(a.x + a.x_rows.offset(blockIdx.x));
+  const V* xr = reinterpret_cast<const V*>(a.x + a.x_rows.linear_offset(blockIdx.x));
+  const V* rr = kFused ? reinterpret_cast<const V*>(a.residual + a.residual_rows.linear_offset(blockIdx.x)) : nullptr;
   const WV* wr = reinterpret_cast<const WV*>(a.weight);
-  V* outr = reinterpret_cast<V*>(a.out + a.out_rows.offset(blockIdx.x));
+  V* outr = reinterpret_cast<V*>(a.out + a.out_rows.linear_offset(blockIdx.x));
   const int first = static_cast<int>(threadIdx.x);
   const int stride = static_cast<int>(blockDim.x);
-  V v[VPT];
-#pragma unroll
-  for (int k = 0; k < VPT; ++k) {
-    v[k] = load_row_vec<RowRead::kFirst, T, N>(xr[first + k * stride].v, policies);
-  }
   float sum_sq = 0.f;
+  {
+    V v[VPT];
+    V r[kFused ? VPT : 1];
 #pragma unroll
-  for (int k = 0; k < VPT; ++k) {
+    for (int k = 0; k < VPT; ++k) {
+      v[k] = load_row_vec<RowRead::kFirst, T, N>(xr[first + k * stride].v, policies);
+      if constexpr (kFused) r[k] = load_row_vec<RowRead::kFirst, T, N>(rr[first + k * stride].v, policies);
+    }
 #pragma unroll
-    for (int e = 0; e < N; ++e) sum_sq += to_float(v[k].v[e]) * to_float(v[k].v[e]);
+    for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        const float s = normed_value<kFused>(v[k], r[kFused ? k : 0], e);
+        sum_sq += s * s;
+      }
+    }
   }
   const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(a.hidden) + a.eps);
+  // Addressed after the reduction: nothing more is live across it.
+  V* residual_out =
+      kFused ? reinterpret_cast<V*>(a.residual_out + a.residual_out_rows.linear_offset(blockIdx.x)) : nullptr;
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
     const int i = first + k * stride;
     const V xv = load_row_vec<RowRead::kLast, T, N>(xr[i].v, policies);
+    V rv;
+    if constexpr (kFused) rv = load_row_vec<RowRead::kLast, T, N>(rr[i].v, policies);
     const WV w = load_row_vec<RowRead::kFirst, W, N>(wr[i].v, policies);
+    [[maybe_unused]] V stored;
     V o;
 #pragma unroll
     for (int e = 0; e < N; ++e) {
-      o.v[e] = from_float<T>(to_float(xv.v[e]) * inv_rms * (a.weight_offset + to_float(w.v[e])));
+      const float s = normed_value<kFused>(xv, rv, e);
+      if constexpr (kFused) stored.v[e] = from_float<T>(s);
+      o.v[e] = from_float<T>(s * inv_rms * (a.weight_offset + to_float(w.v[e])));
     }
+    if constexpr (kFused) store_vec<T, N>(residual_out[i].v, stored);
     store_vec<T, N>(outr[i].v, o);
   }
 }
@@ -229,7 +255,8 @@ __global__ void __launch_bounds__(kThreads, 1) norm_two_pass(const NormArgs<T, W
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const T* x = a.x + a.x_rows.offset(row);
     T* out = a.out + a.out_rows.offset(row);
-    T* residual = kFused ? a.residual + a.residual_rows.offset(row) : nullptr;
+    const T* residual = kFused ? a.residual + a.residual_rows.offset(row) : nullptr;
+    T* residual_out = kFused ? a.residual_out + a.residual_out_rows.offset(row) : nullptr;
     Vec<T, N> r{};
     float sum_sq = 0.f;
     for (int i = threadIdx.x; i < nvec; i += kThreads) {
@@ -256,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1) norm_two_pass(const NormArgs<T, W
         if constexpr (kFused) stored.v[e] = from_float<T>(s);
         o.v[e] = from_float<T>(s * inv_rms * (a.weight_offset + to_float(w.v[e])));
       }
-      if constexpr (kFused) store_vec<T, N, N != 1>(residual + at, stored);
+      if constexpr (kFused) store_vec<T, N, N != 1>(residual_out + at, stored);
       store_vec<T, N, N != 1, Access::kStreaming>(out + at, o);
     }
   }
@@ -291,7 +318,8 @@ void launch_norm(const Launch& launch, const NormArgs<T, W>& a) {
   const bool vectorized = hidden % kVec == 0 && all_aligned(16, {a.weight}) &&
                           rows_aligned(16, a.out, a.out_rows, sizeof(T)) &&
                           rows_aligned(16, a.x, a.x_rows, sizeof(T)) &&
-                          (!kFused || rows_aligned(16, a.residual, a.residual_rows, sizeof(T)));
+                          (!kFused || (rows_aligned(16, a.residual, a.residual_rows, sizeof(T)) &&
+                                       rows_aligned(16, a.residual_out, a.residual_out_rows, sizeof(T))));
   const int nvec = vectorized ? hidden / kVec : hidden;
   if (vectorized && nvec <= launch.warp_size * kMaxVecPerLane) {
     with_vectors_per_thread<kMaxVecPerLane>(ceil_div(nvec, launch.warp_size), [&](auto vpl) {
@@ -302,15 +330,15 @@ void launch_norm(const Launch& launch, const NormArgs<T, W>& a) {
   // Fewer rows than the SMs hold blocks: each block had better wait on
   // memory once.
   const bool few_rows = rows < int64_t{launch.sm_count} * 4;
-  if constexpr (!kFused) {
-    constexpr int kWholeRowVecPerThread = 2;
-    const int whole_row_threads = nvec / kWholeRowVecPerThread;
-    if (vectorized && !few_rows && rows <= INT32_MAX && whole_row_threads <= kRowMaxThreads &&
-        nvec % (kWholeRowVecPerThread * launch.warp_size) == 0) {
-      launch_kernel(launch, norm_whole_row_two_pass<T, W, kVec, kWholeRowVecPerThread>,
-                    static_cast<unsigned>(rows), whole_row_threads, a);
-      return;
-    }
+  constexpr int kWholeRowVecPerThread = 2;
+  const int whole_row_threads = nvec / kWholeRowVecPerThread;
+  const bool linear = a.x_rows.linear() && a.out_rows.linear() &&
+                      (!kFused || (a.residual_rows.linear() && a.residual_out_rows.linear()));
+  if (vectorized && linear && !few_rows && rows <= INT32_MAX && whole_row_threads <= kRowMaxThreads &&
+      nvec % (kWholeRowVecPerThread * launch.warp_size) == 0) {
+    launch_kernel(launch, norm_whole_row_two_pass<T, W, kVec, kWholeRowVecPerThread, kFused>,
+                  static_cast<unsigned>(rows), whole_row_threads, a);
+    return;
   }
   if (vectorized && nvec <= kRowMaxThreads * kRowMaxVecPerThread && (sizeof(T) == 4 || few_rows)) {
     const int threads = row_block_threads(nvec, launch.warp_size);
@@ -327,21 +355,29 @@ void launch_norm(const Launch& launch, const NormArgs<T, W>& a) {
 }
 
 // Tensors: rmsnorm (out, x, weight); fused_add_rmsnorm (x, residual,
-// weight); the weight float32 or of x's dtype.
-template <bool kFused>
+// weight); fused_add_rmsnorm_out (out, residual_out, x, residual, weight);
+// the weight float32 or of x's dtype.
+template <bool kFused, bool kOut = false>
 kd_status run_norm(const kd_call_args* args, const char* op, float weight_offset) {
-  if (kd_status s = check_call(args, op, 3, 1); s != KD_STATUS_OK) return s;
-  const DLTensor& a = args->tensors[0];  // out | x
-  const DLTensor& b = args->tensors[1];  // x | residual
-  const DLTensor& weight = args->tensors[2];
-  if (a.ndim < 1 || b.ndim != a.ndim || weight.ndim != 1) return invalid_shapes(args, op);
-  const int64_t hidden = dim(a, -1);
-  const int64_t rows = leading_rows(a, 1);
-  if (dim(b, -1) != hidden || weight.shape[0] != hidden || leading_rows(b, 1) != rows) {
-    return invalid_shapes(args, op);
+  constexpr int kTensors = kOut ? 5 : 3;
+  if (kd_status s = check_call(args, op, kTensors, 1); s != KD_STATUS_OK) return s;
+  const DLTensor* t = args->tensors;
+  const DLTensor& first = t[0];
+  const DLTensor& weight = t[kTensors - 1];
+  if (first.ndim < 1 || weight.ndim != 1) return invalid_shapes(args, op);
+  const int64_t hidden = dim(first, -1);
+  const int64_t rows = leading_rows(first, 1);
+  if (weight.shape[0] != hidden) return invalid_shapes(args, op);
+  for (int i = 1; i < kTensors - 1; ++i) {
+    if (t[i].ndim != first.ndim || dim(t[i], -1) != hidden || leading_rows(t[i], 1) != rows) {
+      return invalid_shapes(args, op);
+    }
+    if (!same_dtype(t[i], first)) {
+      return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensors differ in dtype", op);
+    }
   }
   const bool float_weight = is_dtype<float>(weight);
-  if (!same_dtype(a, b) || !(same_dtype(a, weight) || float_weight)) {
+  if (!(same_dtype(first, weight) || float_weight)) {
     return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensors differ in dtype", op);
   }
   if (hidden > INT32_MAX) {
@@ -350,25 +386,25 @@ kd_status run_norm(const kd_call_args* args, const char* op, float weight_offset
   float eps = 0.f;
   if (kd_status s = attr_float(args, op, 0, &eps); s != KD_STATUS_OK) return s;
   if (rows == 0 || hidden == 0) return KD_STATUS_OK;
-  const RowLayout a_rows = kd_plugin::row_layout(a, 1);
-  const RowLayout b_rows = kd_plugin::row_layout(b, 1);
-  return launch_for_dtype(args, op, a, [&](auto tag, const Launch& launch) {
+  // The positions of out, residual_out, x and residual (-1: none).
+  constexpr int kOutAt = 0;
+  constexpr int kResidualOutAt = kOut ? 1 : (kFused ? 1 : -1);
+  constexpr int kXAt = kOut ? 2 : (kFused ? 0 : 1);
+  constexpr int kResidualAt = kOut ? 3 : (kFused ? 1 : -1);
+  return launch_for_dtype(args, op, first, [&](auto tag, const Launch& launch) {
     using T = typename decltype(tag)::type;
     const auto launch_with = [&](auto weight_tag) {
       using W = typename decltype(weight_tag)::type;
       NormArgs<T, W> call{};
+      call.out = data_as<T>(t[kOutAt]);
+      call.out_rows = kd_plugin::row_layout(t[kOutAt], 1);
+      call.x = data_as<T>(t[kXAt]);
+      call.x_rows = kd_plugin::row_layout(t[kXAt], 1);
       if constexpr (kFused) {
-        call.out = data_as<T>(a);
-        call.out_rows = a_rows;
-        call.x = call.out;
-        call.x_rows = a_rows;
-        call.residual = data_as<T>(b);
-        call.residual_rows = b_rows;
-      } else {
-        call.out = data_as<T>(a);
-        call.out_rows = a_rows;
-        call.x = data_as<T>(b);
-        call.x_rows = b_rows;
+        call.residual_out = data_as<T>(t[kResidualOutAt]);
+        call.residual_out_rows = kd_plugin::row_layout(t[kResidualOutAt], 1);
+        call.residual = data_as<T>(t[kResidualAt]);
+        call.residual_rows = kd_plugin::row_layout(t[kResidualAt], 1);
       }
       call.weight = data_as<W>(weight);
       call.rows = rows;
@@ -405,6 +441,17 @@ kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
 // kd_cuda_gemma_fused_add_rmsnorm, kd_hip_gemma_fused_add_rmsnorm
 kd_status gemma_fused_add_rmsnorm(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(args, [&] { return run_norm<true>(args, "gemma_fused_add_rmsnorm", 1.0f); });
+}
+
+// kd_cuda_fused_add_rmsnorm_out, kd_hip_fused_add_rmsnorm_out
+kd_status fused_add_rmsnorm_out(const kd_call_args* args) noexcept {
+  return kd_plugin::guarded(args, [&] { return run_norm<true, true>(args, "fused_add_rmsnorm_out", 0.0f); });
+}
+
+// kd_cuda_gemma_fused_add_rmsnorm_out, kd_hip_gemma_fused_add_rmsnorm_out
+kd_status gemma_fused_add_rmsnorm_out(const kd_call_args* args) noexcept {
+  return kd_plugin::guarded(args,
+                            [&] { return run_norm<true, true>(args, "gemma_fused_add_rmsnorm_out", 1.0f); });
 }
 
 }  // namespace kd_gpu

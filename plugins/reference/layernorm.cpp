@@ -1,5 +1,6 @@
 // layernorm.rmsnorm, layernorm.gemma_rmsnorm, layernorm.fused_add_rmsnorm,
-// layernorm.gemma_fused_add_rmsnorm and layernorm.layernorm in float64. The
+// layernorm.gemma_fused_add_rmsnorm (each also _out, into separate outputs)
+// and layernorm.layernorm in float64. The
 // weights (and bias) may be float32 or x's dtype: Tensor decodes either.
 #include <cmath>
 #include <vector>
@@ -36,18 +37,30 @@ void rms_normalise(const kd_call_args* args, double weight_offset, const char* o
   normalise(values, weight, weight_offset, x.rows(1), x.dim(-1), kd_plugin::float_attr(args, "eps"), out);
 }
 
-// Tensors (x, residual, weight), both of the first updated in place:
-// residual = x + residual, stored rounded to its dtype; x = the rmsnorm of
-// the unrounded sum.
-void add_and_rms_normalise(const kd_call_args* args, double weight_offset, const char* op) {
+// residual_out = x + residual, stored rounded to its dtype; out = the
+// rmsnorm of the unrounded sum. Every input is read before any output is
+// written, so the outputs may be the inputs.
+void add_and_rms_normalise(const kd_call_args* args, const Tensor& out, const Tensor& residual_out,
+                           const Tensor& x, const Tensor& residual, const Tensor& weight, double weight_offset) {
+  std::vector<double> sum(static_cast<size_t>(x.numel()));
+  for (int64_t i = 0; i < x.numel(); ++i) sum[i] = x.get(i) + residual.get(i);
+  for (int64_t i = 0; i < x.numel(); ++i) residual_out.set(i, sum[i]);
+  normalise(sum, weight, weight_offset, x.rows(1), x.dim(-1), kd_plugin::float_attr(args, "eps"), out);
+}
+
+// Tensors (x, residual, weight), both of the first updated in place.
+void add_and_rms_normalise_in_place(const kd_call_args* args, double weight_offset, const char* op) {
   expect_arity(args, 3, 1, op);
   const Tensor x(args->tensors[0]), residual(args->tensors[1]), weight(args->tensors[2]);
-  std::vector<double> sum(static_cast<size_t>(x.numel()));
-  for (int64_t i = 0; i < x.numel(); ++i) {
-    sum[i] = x.get(i) + residual.get(i);
-    residual.set(i, sum[i]);
-  }
-  normalise(sum, weight, weight_offset, x.rows(1), x.dim(-1), kd_plugin::float_attr(args, "eps"), x);
+  add_and_rms_normalise(args, x, residual, x, residual, weight, weight_offset);
+}
+
+// Tensors (out, residual_out, x, residual, weight).
+void add_and_rms_normalise_out(const kd_call_args* args, double weight_offset, const char* op) {
+  expect_arity(args, 5, 1, op);
+  const Tensor out(args->tensors[0]), residual_out(args->tensors[1]), x(args->tensors[2]),
+      residual(args->tensors[3]), weight(args->tensors[4]);
+  add_and_rms_normalise(args, out, residual_out, x, residual, weight, weight_offset);
 }
 
 }  // namespace
@@ -64,13 +77,26 @@ kd_status gemma_rmsnorm(const kd_call_args* args) noexcept {
 
 // kd_ref_fused_add_rmsnorm
 kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
-  return kd_plugin::guarded(args, [&] { add_and_rms_normalise(args, 0.0, "layernorm.fused_add_rmsnorm"); });
+  return kd_plugin::guarded(args,
+                            [&] { add_and_rms_normalise_in_place(args, 0.0, "layernorm.fused_add_rmsnorm"); });
+}
+
+// kd_ref_fused_add_rmsnorm_out
+kd_status fused_add_rmsnorm_out(const kd_call_args* args) noexcept {
+  return kd_plugin::guarded(args,
+                            [&] { add_and_rms_normalise_out(args, 0.0, "layernorm.fused_add_rmsnorm_out"); });
 }
 
 // kd_ref_gemma_fused_add_rmsnorm: weight + 1.
 kd_status gemma_fused_add_rmsnorm(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(
-      args, [&] { add_and_rms_normalise(args, 1.0, "layernorm.gemma_fused_add_rmsnorm"); });
+      args, [&] { add_and_rms_normalise_in_place(args, 1.0, "layernorm.gemma_fused_add_rmsnorm"); });
+}
+
+// kd_ref_gemma_fused_add_rmsnorm_out: weight + 1.
+kd_status gemma_fused_add_rmsnorm_out(const kd_call_args* args) noexcept {
+  return kd_plugin::guarded(
+      args, [&] { add_and_rms_normalise_out(args, 1.0, "layernorm.gemma_fused_add_rmsnorm_out"); });
 }
 
 // kd_ref_layernorm

@@ -264,6 +264,54 @@ def check_zero_size():
     return checked, failed
 
 
+def check_out_of_place():
+    """The functional variant of an op whose schema names an out-of-place
+    form calls that op on the inputs as given: no clone, no copy, no other
+    op (torch's dispatcher sees every call)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else func))
+            return func(*args, **(kwargs or {}))
+
+    checked = failed = 0
+    for schema in kdispatch.schemas():
+        target = schema.get("out_of_place")
+        if target is None:
+            continue
+        op = schema["op"]
+        group, short = op.split(".", 1)
+        functional = getattr(getattr(kdt, group), short)
+        x = torch.randn(5, 3, 64)[:, 1]  # a row-strided view, as a model passes it
+        residual = torch.randn(5, 64, dtype=torch.float32)
+        weight = torch.rand(64) + 0.5
+        x_before, residual_before = x.clone(), residual.clone()
+        with Calls() as calls:
+            out, residual_out = functional(x, residual, weight, eps=1e-6)
+        want_x, want_residual = x.clone(), residual.clone()
+        getattr(torch.ops.kdispatch, kdt.registered[op])(want_x, want_residual, weight, 1e-6, "reference")
+        checked += 1
+        problems = []
+        wanted_call = kdt.registered[target]
+        if [n for n in calls.names if "empty" not in n] != [wanted_call]:
+            problems.append(f"torch saw {calls.names}, expected allocations and one {wanted_call}")
+        if not (torch.equal(x, x_before) and torch.equal(residual, residual_before)):
+            problems.append("it changed its inputs")
+        if not (torch.allclose(out, want_x, rtol=1e-5, atol=1e-6) and torch.equal(residual_out, want_residual)):
+            problems.append("its results differ from the in-place op's on the reference backend")
+        if problems:
+            failed += 1
+            print(f"FAIL the functional form of {op}: {'; '.join(problems)}")
+    print(f"{'ok  ' if failed == 0 and checked else 'FAIL'} out-of-place functional forms: "
+          f"{checked - failed} of {checked} call their out-of-place op without copying")
+    return checked, failed + (checked == 0)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--op", help="only this op (default: every op kdispatch.ops() lists, then --fake-words)")
@@ -277,7 +325,7 @@ def main():
         total, bad = total + c, bad + f
     if not args.op:
         for check in (check_fake_words_as_cpp, check_capsules_of_torch, check_backend_argument, check_unknown_names,
-                      check_zero_size):
+                      check_zero_size, check_out_of_place):
             c, f = check()
             total, bad = total + c, bad + f
     print(f"torch {torch.__version__}: {total - bad} passed, {bad} failed ({len(ops)} ops)")

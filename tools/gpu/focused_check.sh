@@ -3,9 +3,10 @@
 # tools/gpu/check.sh does not: builds only the targets it needs (preset
 # cuda), then runs the conformance suite on the cuda backend, `kdispatch run
 # --all --device cuda`, the Python GPU tests (test_gpu.py, the
-# import-before-torch test), the decoder-layer example, and tools/gpu/bench.py
-# on the cases whose label contains one of the given words, and prints a
-# short summary and the benchmark table last.
+# import-before-torch test), the decoder-layer example, the cost of a
+# functional form (tools/gpu/functional_cost.py), and tools/gpu/bench.py on
+# the cases whose label contains one of the given words, and prints a short
+# summary and the tables last.
 #
 #   tools/gpu/focused_check.sh [BENCH_WORD...]      (no words: no benchmark)
 #
@@ -65,6 +66,11 @@ rc=$?
 note "tools/gpu/decoder_layer.py: exit $rc"
 grep -E "^decoder_layer:|Error|error" "$OUT/decoder_layer.txt" | head -12 | tee -a "$summary"
 
+timeout 120 "$python" tools/gpu/functional_cost.py > "$OUT/functional_cost.txt" 2>&1 || {
+  note "tools/gpu/functional_cost.py: failed (functional_cost.txt)"
+  status=1
+}
+
 if [[ $# -gt 0 ]]; then
   only=()
   for word in "$@"; do only+=(--only "$word"); done
@@ -73,5 +79,7 @@ if [[ $# -gt 0 ]]; then
 fi
 echo
 cat "$summary"
+echo
+cat "$OUT/functional_cost.txt"
 [[ $# -gt 0 ]] && { echo; sed -n '/^GPU us per call/,$p' "$OUT/bench.txt"; tail -5 "$OUT/bench.err"; }
 exit $status

@@ -43,6 +43,13 @@ struct RowLayout {
     }
     return ndim == 0 ? 0 : off + row * stride[0];
   }
+  // True when the rows are one stride apart (at most one leading dim left
+  // after merging: a contiguous tensor, a column slice of a matrix), so
+  // that linear_offset() addresses them.
+  KD_PLUGIN_HOST_DEVICE bool linear() const { return ndim <= 1; }
+  // offset(row) of a linear() layout: one multiply, no branch, for kernels
+  // that have checked linear() on the host.
+  KD_PLUGIN_HOST_DEVICE int64_t linear_offset(int64_t row) const { return row * stride[0]; }
   // True when row r starts at r * row_elems: the rows lie back to back.
   KD_PLUGIN_HOST_DEVICE bool dense(int64_t row_elems) const {
     return ndim == 0 || (ndim == 1 && stride[0] == row_elems);

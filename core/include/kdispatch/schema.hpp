@@ -153,6 +153,11 @@ struct OpSchema {
   // "requires": relations between shape symbols every call must satisfy,
   // e.g. "2*R <= D", as written.
   std::vector<std::string> requirements;
+  // "out_of_place": for an op that updates tensors in place, the op that
+  // computes the same results into separate outputs, taking the same inputs
+  // and attributes (functional variants call it instead of cloning); empty
+  // when none.
+  std::string out_of_place;
   // "bench": the sizes benchmarks time.
   std::optional<Sizes> bench_sizes;
   // "tolerance": {"bfloat16": {"ulps": 2, "atol": 1e-5, "mean_ulps": 0.8}},

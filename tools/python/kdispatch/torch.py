@@ -26,7 +26,11 @@ add_plugin_path=...)`` before ``import kdispatch.torch``.
 Functional variants allocate the outputs from the schema and return them,
 e.g. ``kdispatch.torch.layernorm.rmsnorm(x, weight, eps=1e-6) -> out``:
 they take the tensors the op reads (in schema order), clone the ones it
-updates in place, and take the sizes that only outputs have as keywords
+updates in place (or, for an op whose schema names an ``out_of_place`` op,
+call that op into fresh outputs instead: ``kdispatch.torch.layernorm.
+fused_add_rmsnorm(x, residual, weight)`` reads x and residual once and
+writes the two results, with no copy first), and take the sizes that only
+outputs have as keywords
 (``kdispatch.torch.moe.topk_softmax(gating_output, K=8)``). An optional
 input may be None, left off the end of the positional ones, or given by
 name as a keyword; an optional output is not allocated: pass a tensor for
@@ -278,9 +282,42 @@ class _Group(_types.ModuleType):
         raise _unknown(self.__name__, f"op '{group}.{name}'", name, [k for k in vars(self) if not k.startswith("_")])
 
 
+def _out_of_place_target(schema, by_op):
+    """The schema of the op that `schema`'s functional variant calls instead
+    of cloning (its "out_of_place" op), or None: when it names none, or one
+    that is not registered or takes other inputs, attributes or outputs
+    (warned)."""
+    target = schema.get("out_of_place")
+    if target is None:
+        return None
+    other = by_op.get(target)
+    problem = None
+    if other is None:
+        problem = "is not registered"
+    else:
+        mine, theirs = _schema.Functional(schema), _schema.Functional(other)
+
+        def names(s, f, which):
+            return [s["tensors"][i]["name"] for i in getattr(f, which)]
+
+        if names(schema, mine, "inputs") != names(other, theirs, "inputs"):
+            problem = "takes other inputs"
+        elif [a["name"] for a in mine.attrs] != [a["name"] for a in theirs.attrs]:
+            problem = "takes other attributes"
+        elif len(mine.outputs) != len(theirs.outputs):
+            problem = "writes another number of outputs"
+    if problem is not None:
+        _warnings.warn(f"kdispatch.torch: '{schema['op']}' names '{target}' as its out-of-place form, which "
+                       f"{problem}; its functional variant clones the tensors it updates instead")
+        return None
+    return other
+
+
 def _register_all():
     groups = {}
     names = {}
+    functionals = {}  # op -> (group module, short name, functional variant)
+    by_op = {}  # op -> schema, of the registered ops
     for schema in _kdispatch.schemas():
         op = schema["op"]
         name = op_name(op)
@@ -304,6 +341,7 @@ def _register_all():
         _impl(name, kernel, "CUDA")
         _register_fake(name, fake)
         registered[op] = name
+        by_op[op] = schema
         opfn = getattr(getattr(_torch.ops, NAMESPACE), name)
         group, short = op.split(".", 1)
         try:
@@ -319,7 +357,30 @@ def _register_all():
             module = groups[group] = _Group(f"{__name__}.{group}", f"Functional variants of {group}.*")
             globals().setdefault(group, module)
         setattr(module, short, functional)
+        functionals[op] = (module, short, functional)
+    # An in-place op's functional variant becomes that of its out-of-place
+    # form, under its own name and docstring.
+    for op, (module, short, own) in functionals.items():
+        target = _out_of_place_target(by_op[op], by_op)
+        if target is None or target["op"] not in functionals:
+            continue
+        setattr(module, short, _renamed(functionals[target["op"]][2], own, op, target["op"]))
     return groups
+
+
+def _renamed(functional, like, op, target):
+    """`functional` (the variant of `target`) under the name and docstring of
+    `like` (the variant of `op`)."""
+    def variant(*inputs, **kwargs):
+        return functional(*inputs, **kwargs)
+
+    variant.__name__ = like.__name__
+    variant.__qualname__ = like.__qualname__
+    parts = like.__doc__.split("\n\n")
+    parts[-1] = (f"Functional form of torch.ops.{NAMESPACE}.{op_name(op)}: returns new tensors, computed by "
+                 f"torch.ops.{NAMESPACE}.{op_name(target)} from the inputs, which are not copied first.")
+    variant.__doc__ = "\n\n".join(parts)
+    return variant
 
 
 groups = _register_all()

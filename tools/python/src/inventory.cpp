@@ -127,6 +127,7 @@ py::dict schema_dict(const OpSchema& s) {
   py::list requirements;
   for (const std::string& r : s.requirements) requirements.append(r);
   d["requires"] = requirements;
+  if (!s.out_of_place.empty()) d["out_of_place"] = s.out_of_place;
   d["tolerance"] = tolerance_dict(s);
   d["source"] = s.source;
   return d;
