@@ -424,10 +424,32 @@ void ManifestCache::load() {
 }
 
 ManifestResult ManifestCache::read(const fs::path& path) {
-  if (!write_) return read_manifest(path);
-  if (use_ && !loaded_) load();
+  std::string why;
+  const UniqueFd file{open_regular_file(path, O_RDONLY, why)};
   struct stat st {};
-  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return read_manifest(path);
+  if (file.fd < 0 || ::fstat(file.fd, &st) != 0) {
+    ManifestResult result;
+    result.errors.push_back({ErrorCode::manifest_bad_json, path.string(),
+                             fmt::format("{}: cannot read: {}", path.string(), why.empty() ? std::strerror(errno) : why)});
+    return result;
+  }
+  return read(path, file.fd, st);
+}
+
+ManifestResult ManifestCache::read(const fs::path& path, int fd, const struct stat& st) {
+  const auto parse = [&] {
+    ManifestResult result;
+    Problem unreadable{};
+    const std::optional<std::string> text = read_manifest_text_from(fd, path.string(), unreadable);
+    if (!text) {
+      result.errors.push_back(std::move(unreadable));
+      return result;
+    }
+    return parse_manifest(*text, path.string());
+  };
+  if (!write_) return parse();
+  if (use_ && !loaded_) load();
+  if (!S_ISREG(st.st_mode)) return parse();
   const FileStamp stamp = FileStamp::of(st);
   const std::string key = fs::absolute(path).string();
   if (const auto it = stored_.find(key); it != stored_.end()) {
@@ -447,7 +469,7 @@ ManifestResult ManifestCache::read(const fs::path& path) {
 
   ManifestResult result;
   Problem unreadable{};
-  const std::optional<std::string> text = read_manifest_text(path, unreadable);
+  const std::optional<std::string> text = read_manifest_text_from(fd, path.string(), unreadable);
   if (!text) {
     result.errors.push_back(std::move(unreadable));
     return result;

@@ -63,6 +63,9 @@ class ManifestCache {
 
   // The manifest at `path`, as read_manifest would give it.
   ManifestResult read(const std::filesystem::path& path);
+  // The same for the manifest already open as `fd` (`st` its fstat): what
+  // is parsed, or looked up by its stamp, is that file, read from its start.
+  ManifestResult read(const std::filesystem::path& path, int fd, const struct stat& st);
 
   // Writes the cache when this discovery added, replaced or dropped an
   // entry. Entries of other manifests stay while their files are unchanged.
