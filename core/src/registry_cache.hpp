@@ -4,7 +4,9 @@
 // model). It holds two kinds of entries:
 //
 //  - scan outcomes (scanner.hpp), keyed by the library path and stamped
-//    with the library's size and mtime and the manifest's sha256;
+//    with the library's device, inode, size, mtime and ctime, the sha256 of
+//    its content and the manifest's sha256. Only definite outcomes are
+//    stored (ScanOutcome::definite);
 //  - parsed manifests (manifest_record.hpp), keyed by the manifest's
 //    absolute path and stamped with its device, inode, size, mtime and
 //    ctime, so that discovery over unchanged manifests reads no JSON.
