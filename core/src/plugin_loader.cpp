@@ -20,6 +20,7 @@
 #include "elf_check.hpp"
 #include "kdispatch/elf_reader.hpp"
 #include "kdispatch/error.hpp"
+#include "kdispatch/log.hpp"
 #include "kdispatch/manifest_agreement.hpp"
 #include "kdispatch/plugin_security.hpp"
 #include "unique_fd.hpp"
@@ -149,6 +150,7 @@ dll::shared_library* open_library(CheckedFile& checked, const std::string& libra
          fmt::format("cannot open plugin library {}: {} ({})", library,
                      classify_dlopen_error(library, text), text));
   }
+  log(LogLevel::debug, "opened plugin library {} through {}", library, descriptor);
   return &opened.emplace(key, OpenedLibrary{std::move(checked.file), std::move(lib)}).first->second.library;
 }
 
