@@ -187,7 +187,9 @@ DiscoveryResult discover_plugins(const SearchPathOptions& options) {
     for (const fs::path& file : listing.manifests) {
       PluginRecord rec;
       rec.manifest_path = file.string();
-      if (auto problem = checks.manifest(file)) {
+      // The manifest is read from the descriptor that was checked.
+      CheckedFile opened;
+      if (auto problem = checks.manifest(file, &opened)) {
         log(LogLevel::warn, "skipping manifest {}: {}: {}", rec.manifest_path, code_string(problem->code),
             problem->message);
         rec.state = PluginState::error;
@@ -195,7 +197,8 @@ DiscoveryResult discover_plugins(const SearchPathOptions& options) {
         result.plugins.push_back(std::move(rec));
         continue;
       }
-      ManifestResult parsed = cache.read(file);
+      ManifestResult parsed = cache.read(file, opened.file.fd, opened.st);
+      opened.file.reset();
       rec.name = std::move(parsed.plugin);
       rec.backend = std::move(parsed.backend);
       rec.ops = std::move(parsed.ops);

@@ -259,12 +259,16 @@ constexpr CatalogueEntry kCatalogue[] = {
 
     {ErrorCode::plugin_insecure,
      "Plugin in an insecure location"sv,
-     "Loading a library runs its code, so the loader refuses a plugin file or "
-     "directory that is world-writable or owned by another non-root user."sv,
-     "- The plugin directory or .so is world-writable (e.g. copied into /tmp or chmod 777)\n"
+     "Loading a library runs its code, so the loader refuses a plugin library, "
+     "manifest or KDISPATCH_SCANNER program that is group- or world-writable or "
+     "owned by another non-root user, and one under a directory (any from its own "
+     "up to /) that is group- or world-writable (unless sticky and owned by root, "
+     "as /tmp) or owned by another non-root user."sv,
+     "- The plugin directory or .so is world- or group-writable (e.g. chmod 777 or 775, a umask of 002)\n"
+     "- A directory above the plugin is writable by others (a shared folder)\n"
      "- The files belong to another (non-root) user\n"
      "- A plugin directory on a shared or permissive mount"sv,
-     "- Remove write permission for others: `chmod o-w DIR DIR/FILE.so`\n"
+     "- Remove write permission for group and others: `chmod go-w DIR DIR/FILE.so`\n"
      "- Fix ownership: `chown $USER DIR DIR/FILE.so` (or root)\n"
      "- Or move the plugin into a directory you own and point at it with --plugin-path DIR / KDISPATCH_ADD_PLUGIN_PATH\n"
      "- Check with `ls -ld DIR DIR/FILE.so`"sv},

@@ -1425,18 +1425,25 @@ ManifestResult parse_manifest_for_cache(std::string_view text, const std::string
 }
 
 std::optional<std::string> read_manifest_text(const std::filesystem::path& path, Problem& problem) {
-  const std::string name = path.string();
+  std::string why;
+  const UniqueFd file{open_regular_file(path, O_RDONLY, why)};
+  if (file.fd < 0) {
+    const std::string name = path.string();
+    problem = {ErrorCode::manifest_bad_json, name, fmt::format("{}: cannot read: {}", name, why)};
+    return std::nullopt;
+  }
+  return read_manifest_text_from(file.fd, path.string(), problem);
+}
+
+std::optional<std::string> read_manifest_text_from(int fd, const std::string& name, Problem& problem) {
   const auto unreadable = [&](std::string_view why) {
     problem = {ErrorCode::manifest_bad_json, name, fmt::format("{}: cannot read: {}", name, why)};
     return std::nullopt;
   };
-  std::string why;
-  const UniqueFd file{open_regular_file(path, O_RDONLY, why)};
-  if (file.fd < 0) return unreadable(why);
   std::string text;
   char buffer[16384];
   while (true) {
-    const ssize_t n = ::read(file.fd, buffer, sizeof buffer);
+    const ssize_t n = ::pread(fd, buffer, sizeof buffer, static_cast<off_t>(text.size()));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return unreadable(std::strerror(errno));
     if (n == 0) break;

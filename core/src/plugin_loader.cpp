@@ -9,16 +9,21 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <system_error>
 #include <utility>
 
 #include "elf_check.hpp"
 #include "kdispatch/elf_reader.hpp"
 #include "kdispatch/error.hpp"
+#include "kdispatch/log.hpp"
 #include "kdispatch/manifest_agreement.hpp"
 #include "kdispatch/plugin_security.hpp"
+#include "unique_fd.hpp"
 
 namespace kdispatch {
 namespace {
@@ -71,32 +76,41 @@ std::string classify_dlopen_error(const std::string& library, const std::string&
 // registered atexit handlers or thread-locals (GPU runtimes do) can crash the
 // process later. So every opened library is kept in a registry that is never
 // destroyed, also when a later check refuses the plugin: its code has
-// already run. (Reachable from a static, so leak checkers stay quiet.)
-std::map<std::string, dll::shared_library>& opened_libraries() {
-  static auto* libraries = new std::map<std::string, dll::shared_library>();
+// already run. It is keyed by the file's device and inode, the identity of
+// what was checked. (Reachable from a static, so leak checkers stay quiet.)
+struct OpenedLibrary {
+  // The descriptor the library was loaded through stays open: the dynamic
+  // loader knows the library by the name /proc/self/fd/N and would answer a
+  // later dlopen of that name with it, so N must never name another file.
+  UniqueFd file;
+  dll::shared_library library;
+};
+std::map<std::pair<dev_t, ino_t>, OpenedLibrary>& opened_libraries() {
+  static auto* libraries = new std::map<std::pair<dev_t, ino_t>, OpenedLibrary>();
   return *libraries;
 }
 
-dll::shared_library* open_library(const std::string& library) {
+// Opens `checked`, the library of `library` (its path, for messages),
+// through its descriptor: /proc/self/fd/N names the checked file whatever
+// happens to the path meanwhile.
+dll::shared_library* open_library(CheckedFile& checked, const std::string& library) {
   auto& opened = opened_libraries();
-  if (const auto it = opened.find(library); it != opened.end()) return &it->second;
+  const std::pair<dev_t, ino_t> key{checked.st.st_dev, checked.st.st_ino};
+  if (const auto it = opened.find(key); it != opened.end()) return &it->second.library;
+  const std::string descriptor = checked.descriptor_path();
 
   // A dlopen of a file cut short can die of SIGBUS inside the dynamic loader
   // (it maps segments without checking the file size), so the file is read
   // with bounds-checked libelf first. This also names a foreign machine,
   // which glibc reports only as "cannot open shared object file".
-  std::error_code exists_ec;
-  if (!std::filesystem::exists(library, exists_ec)) {
-    fail(ErrorCode::plugin_open_failed, fmt::format("cannot open plugin library {}: not found", library));
-  }
   ElfInfo elf;
   try {
-    elf = read_elf(library);
+    elf = read_elf(descriptor);
   } catch (const PluginError& e) {
     // read_elf names the file itself; keep only its cause.
     std::string cause = e.message();
-    if (const auto at = cause.find(library + ": "); at != std::string::npos) {
-      cause.erase(0, at + library.size() + 2);
+    if (const auto at = cause.find(descriptor + ": "); at != std::string::npos) {
+      cause.erase(0, at + descriptor.size() + 2);
     }
     const bool damaged = cause.find("truncated") != std::string::npos ||
                          cause.find("corrupt") != std::string::npos;
@@ -114,24 +128,30 @@ dll::shared_library* open_library(const std::string& library) {
   // The dynamic loader trusts every header, table and offset of the file:
   // one corrupted byte there is a SIGSEGV inside dlopen. The strict check
   // reads what the loader reads first.
-  if (const std::string problem = elf_file_load_problem(library); !problem.empty()) {
+  if (const std::string problem = elf_file_load_problem(descriptor); !problem.empty()) {
     fail(ErrorCode::plugin_open_failed,
          fmt::format("cannot open plugin library {}: corrupt ELF file: {}", library, problem));
   }
 
   std::error_code ec;
-  dll::shared_library lib(library, dll::load_mode::rtld_now | dll::load_mode::rtld_local, ec);
+  dll::shared_library lib(std::filesystem::path(descriptor), dll::load_mode::rtld_now | dll::load_mode::rtld_local,
+                          ec);
   if (ec || !lib.is_loaded()) {
     // Boost reports only a generic error code; the loader's own text is
     // still pending in dlerror(): Boost makes no dl* call after the failed
-    // dlopen on this path (checked with Boost 1.74 and 1.83).
+    // dlopen on this path (checked with Boost 1.74 and 1.83). It names the
+    // descriptor path, shown as the library's.
     const char* raw = ::dlerror();
-    const std::string text = raw != nullptr ? raw : ec.message();
+    std::string text = raw != nullptr ? raw : ec.message();
+    for (size_t at = text.find(descriptor); at != std::string::npos; at = text.find(descriptor, at + library.size())) {
+      text.replace(at, descriptor.size(), library);
+    }
     fail(ErrorCode::plugin_open_failed,
          fmt::format("cannot open plugin library {}: {} ({})", library,
                      classify_dlopen_error(library, text), text));
   }
-  return &opened.emplace(library, std::move(lib)).first->second;
+  log(LogLevel::debug, "opened plugin library {} through {}", library, descriptor);
+  return &opened.emplace(key, OpenedLibrary{std::move(checked.file), std::move(lib)}).first->second.library;
 }
 
 const kd_plugin_api* call_entry(dll::shared_library& lib, const std::string& library) {
@@ -310,11 +330,14 @@ std::map<std::string, kd_kernel_fn> find_kernels(const kd_plugin_api& api, const
 }  // namespace
 
 std::unique_ptr<PluginBinary> load_plugin_binary(const Manifest& manifest) {
-  if (auto problem = check_library_location(manifest)) fail(problem->code, problem->message);
-  if (auto problem = verify_library_checksum(manifest)) fail(problem->code, problem->message);
+  // The library is opened once: the checks, the checksum and the load all
+  // go through that one descriptor.
+  CheckedFile checked;
+  if (auto problem = LocationChecks().library(manifest, &checked)) fail(problem->code, problem->message);
+  if (auto problem = verify_library_checksum(manifest, checked)) fail(problem->code, problem->message);
 
   const std::string library = std::filesystem::absolute(manifest.library_path()).string();
-  dll::shared_library* lib = open_library(library);
+  dll::shared_library* lib = open_library(checked, library);
   const kd_plugin_api* api = call_entry(*lib, library);
   check_abi(*api, library);
   check_manifest_agreement(*api, manifest, library);

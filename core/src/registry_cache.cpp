@@ -30,7 +30,7 @@ namespace fs = std::filesystem;
 namespace {
 
 // The layout of the lines below; bump it when they change.
-constexpr int kFileFormat = 3;
+constexpr int kFileFormat = 4;
 constexpr std::string_view kHeaderWord = "kdispatch-registry-cache";
 constexpr std::string_view kScanKind = "scan";
 constexpr std::string_view kManifestKind = "manifest";
@@ -48,8 +48,9 @@ constexpr int64_t kSettleNsWholeSeconds = 2'000'000'000;
 
 // The library file as the manifests' entries key theirs: device, inode,
 // size, and modification and change times (a copy that keeps the size and
-// mtime, `cp -p` or `rsync -t`, is a new inode or a new ctime), and the
-// manifest's sha256.
+// mtime, `cp -p` or `rsync -t`, is a new inode or a new ctime), plus the
+// sha256 of its content (a file rewritten in place within one clock tick
+// keeps every time stamp), and the manifest's sha256.
 struct ScanStamp {
   std::string library_file, manifest_sha256;
   bool operator==(const ScanStamp&) const = default;
@@ -111,11 +112,15 @@ uint64_t checksum(std::string_view text) {
 std::optional<ScanStamp> scan_stamp_of(const Manifest& manifest) {
   struct stat st {};
   const fs::path library = fs::absolute(manifest.library_path());
-  if (::stat(library.c_str(), &st) != 0) return std::nullopt;
+  std::string why;
+  // One descriptor for the stamp and the digest: both describe one file.
+  const UniqueFd file{open_regular_file(library, O_RDONLY, why)};
+  if (file.fd < 0 || ::fstat(file.fd, &st) != 0) return std::nullopt;
   ScanStamp s;
-  s.library_file = fmt::format("{}:{}:{}:{}:{}", static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
-                               static_cast<int64_t>(st.st_size), nanoseconds(st.st_mtim), nanoseconds(st.st_ctim));
   try {
+    s.library_file = fmt::format("{}:{}:{}:{}:{}:{}", static_cast<uint64_t>(st.st_dev),
+                                 static_cast<uint64_t>(st.st_ino), static_cast<int64_t>(st.st_size),
+                                 nanoseconds(st.st_mtim), nanoseconds(st.st_ctim), sha256_fd(file.fd, library.string()));
     s.manifest_sha256 = sha256_file(manifest.path);
   } catch (const std::exception&) {
     return std::nullopt;
@@ -177,7 +182,7 @@ bool parse_scan_line(std::string_view line, CacheFile& file) {
   std::vector<std::string_view> f;
   std::string_view detail;
   if (!split_fields(line, 5, f, detail) || detail.find('\t') != std::string_view::npos) return false;
-  // f: library, its file stamp (device:inode:size:mtime:ctime), manifest sha256, verdict, code
+  // f: library, its file stamp (device:inode:size:mtime:ctime:sha256), manifest sha256, verdict, code
   ScanOutcome outcome;
   if (!parse_scan_verdict(f[3], &outcome.verdict) || f[4].size() > 10 || !parse_number(f[4], outcome.code)) {
     return false;
@@ -424,10 +429,32 @@ void ManifestCache::load() {
 }
 
 ManifestResult ManifestCache::read(const fs::path& path) {
-  if (!write_) return read_manifest(path);
-  if (use_ && !loaded_) load();
+  std::string why;
+  const UniqueFd file{open_regular_file(path, O_RDONLY, why)};
   struct stat st {};
-  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return read_manifest(path);
+  if (file.fd < 0 || ::fstat(file.fd, &st) != 0) {
+    ManifestResult result;
+    result.errors.push_back({ErrorCode::manifest_bad_json, path.string(),
+                             fmt::format("{}: cannot read: {}", path.string(), why.empty() ? std::strerror(errno) : why)});
+    return result;
+  }
+  return read(path, file.fd, st);
+}
+
+ManifestResult ManifestCache::read(const fs::path& path, int fd, const struct stat& st) {
+  const auto parse = [&] {
+    ManifestResult result;
+    Problem unreadable{};
+    const std::optional<std::string> text = read_manifest_text_from(fd, path.string(), unreadable);
+    if (!text) {
+      result.errors.push_back(std::move(unreadable));
+      return result;
+    }
+    return parse_manifest(*text, path.string());
+  };
+  if (!write_) return parse();
+  if (use_ && !loaded_) load();
+  if (!S_ISREG(st.st_mode)) return parse();
   const FileStamp stamp = FileStamp::of(st);
   const std::string key = fs::absolute(path).string();
   if (const auto it = stored_.find(key); it != stored_.end()) {
@@ -447,7 +474,7 @@ ManifestResult ManifestCache::read(const fs::path& path) {
 
   ManifestResult result;
   Problem unreadable{};
-  const std::optional<std::string> text = read_manifest_text(path, unreadable);
+  const std::optional<std::string> text = read_manifest_text_from(fd, path.string(), unreadable);
   if (!text) {
     result.errors.push_back(std::move(unreadable));
     return result;

@@ -4,7 +4,9 @@
 // model). It holds two kinds of entries:
 //
 //  - scan outcomes (scanner.hpp), keyed by the library path and stamped
-//    with the library's size and mtime and the manifest's sha256;
+//    with the library's device, inode, size, mtime and ctime, the sha256 of
+//    its content and the manifest's sha256. Only definite outcomes are
+//    stored (ScanOutcome::definite);
 //  - parsed manifests (manifest_record.hpp), keyed by the manifest's
 //    absolute path and stamped with its device, inode, size, mtime and
 //    ctime, so that discovery over unchanged manifests reads no JSON.
@@ -63,6 +65,9 @@ class ManifestCache {
 
   // The manifest at `path`, as read_manifest would give it.
   ManifestResult read(const std::filesystem::path& path);
+  // The same for the manifest already open as `fd` (`st` its fstat): what
+  // is parsed, or looked up by its stamp, is that file, read from its start.
+  ManifestResult read(const std::filesystem::path& path, int fd, const struct stat& st);
 
   // Writes the cache when this discovery added, replaced or dropped an
   // entry. Entries of other manifests stay while their files are unchanged.

@@ -16,6 +16,7 @@
 
 #include "kdispatch/environment.hpp"
 #include "kdispatch/log.hpp"
+#include "kdispatch/plugin_security.hpp"
 #include "registry_cache.hpp"
 #include "unique_fd.hpp"
 
@@ -93,15 +94,17 @@ ScanPolicy scan_policy() {
   return ScanPolicy::cache;
 }
 
-std::optional<fs::path> scanner_program() {
-  if (auto env = get_env("KDISPATCH_SCANNER"); env && !env->empty()) return fs::path(*env);
+std::optional<ScannerProgram> scanner_program() {
+  if (auto env = get_env("KDISPATCH_SCANNER"); env && !env->empty()) return ScannerProgram{fs::path(*env), true};
   std::error_code ec;
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  if (!ec && fs::is_regular_file(exe.parent_path() / kScannerName, ec)) return exe.parent_path() / kScannerName;
+  if (!ec && fs::is_regular_file(exe.parent_path() / kScannerName, ec)) {
+    return ScannerProgram{exe.parent_path() / kScannerName, false};
+  }
   Dl_info info{};
   if (dladdr(reinterpret_cast<void*>(&scanner_program), &info) != 0 && info.dli_fname != nullptr) {
     const fs::path beside = fs::weakly_canonical(info.dli_fname, ec).parent_path() / "kdispatch" / kScannerName;
-    if (!ec && fs::is_regular_file(beside, ec)) return beside;
+    if (!ec && fs::is_regular_file(beside, ec)) return ScannerProgram{beside, false};
   }
   return std::nullopt;
 }
@@ -211,31 +214,51 @@ std::optional<Problem> scan_problem(const Manifest& manifest, const ScanOutcome&
   return std::nullopt;
 }
 
-std::optional<ScanOutcome> scan_now(const Manifest& manifest) {
-  const std::optional<fs::path> program = scanner_program();
+namespace {
+
+std::optional<ScanOutcome> scan_with(const std::optional<ScannerProgram>& program, const Manifest& manifest) {
   if (!program) return std::nullopt;
+  if (program->from_environment) {
+    // Its "ok" lets a library into this process: a program that someone
+    // else could replace would decide that for them.
+    if (std::optional<Problem> problem = check_program_security(program->path, "plugin scanner")) {
+      log(LogLevel::warn, "KDISPATCH_SCANNER: {}: {}", code_string(problem->code), problem->message);
+      return ScanOutcome{ScanVerdict::incompatible, static_cast<int>(problem->code), problem->message, false};
+    }
+  }
   log(LogLevel::debug, "scanning plugin '{}' ({}) with {}", manifest.plugin, manifest.library_path().string(),
-      program->string());
-  ScanOutcome outcome = run_scanner(*program, fs::absolute(manifest.path), scan_timeout());
+      program->path.string());
+  ScanOutcome outcome = run_scanner(program->path, fs::absolute(manifest.path), scan_timeout());
   log(LogLevel::info, "plugin scanner: '{}': {}{}{}", manifest.plugin, scan_verdict_name(outcome.verdict),
       outcome.detail.empty() ? "" : ": ", outcome.detail);
+  // What a program named by the user found is this process's business: the
+  // registry cache keeps only the outcomes of the scanner installed with
+  // kdispatch, which every later process trusts.
+  if (program->from_environment) outcome.definite = false;
   if (outcome.definite) cache_store(manifest, outcome);
   return outcome;
 }
+
+}  // namespace
+
+std::optional<ScanOutcome> scan_now(const Manifest& manifest) { return scan_with(scanner_program(), manifest); }
 
 std::optional<Problem> scan_before_load(const Manifest& manifest) {
   const ScanPolicy policy = scan_policy();
   if (policy == ScanPolicy::off) return std::nullopt;
   std::error_code ec;
   if (manifest.path.empty() || !fs::is_regular_file(manifest.path, ec)) return std::nullopt;
-  if (policy == ScanPolicy::cache) {
+  const std::optional<ScannerProgram> program = scanner_program();
+  // A scanner named by KDISPATCH_SCANNER always runs: the cache holds what
+  // the installed one found.
+  if (policy == ScanPolicy::cache && !(program && program->from_environment)) {
     if (const std::optional<ScanOutcome> cached = cache_lookup(manifest)) {
       log(LogLevel::debug, "plugin '{}': scan outcome from the registry cache: {}", manifest.plugin,
           scan_verdict_name(cached->verdict));
       return scan_problem(manifest, *cached);
     }
   }
-  const std::optional<ScanOutcome> outcome = scan_now(manifest);
+  const std::optional<ScanOutcome> outcome = scan_with(program, manifest);
   if (!outcome) {
     log(LogLevel::debug, "no {} found: plugin '{}' is opened without a scan", kScannerName, manifest.plugin);
     return std::nullopt;

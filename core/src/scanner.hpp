@@ -47,8 +47,14 @@ ScanPolicy scan_policy();
 
 // The helper program: KDISPATCH_SCANNER, else kdispatch-plugin-scanner
 // beside the running program, else <libdir>/kdispatch/ beside the core
-// library. nullopt when there is none (then nothing is scanned).
-std::optional<std::filesystem::path> scanner_program();
+// library. nullopt when there is none (then nothing is scanned). A program
+// named by KDISPATCH_SCANNER runs only when it and its directories pass the
+// plugin location rules (KD-E025), and its outcomes are never cached.
+struct ScannerProgram {
+  std::filesystem::path path;
+  bool from_environment = false;  // named by KDISPATCH_SCANNER
+};
+std::optional<ScannerProgram> scanner_program();
 
 // Runs the helper on `manifest_path`, waiting at most `timeout`.
 ScanOutcome run_scanner(const std::filesystem::path& program, const std::filesystem::path& manifest_path,

@@ -3,6 +3,8 @@
 
 #include <unistd.h>
 
+#include <utility>
+
 namespace kdispatch {
 
 struct UniqueFd {
@@ -11,6 +13,14 @@ struct UniqueFd {
   explicit UniqueFd(int descriptor) : fd(descriptor) {}
   UniqueFd(const UniqueFd&) = delete;
   UniqueFd& operator=(const UniqueFd&) = delete;
+  UniqueFd(UniqueFd&& other) noexcept : fd(std::exchange(other.fd, -1)) {}
+  UniqueFd& operator=(UniqueFd&& other) noexcept {
+    if (this != &other) {
+      reset();
+      fd = std::exchange(other.fd, -1);
+    }
+    return *this;
+  }
   ~UniqueFd() { reset(); }
   // Closes the descriptor now.
   void reset() {

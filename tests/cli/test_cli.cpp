@@ -10,6 +10,7 @@
 #include <iterator>
 #include <map>
 #include <set>
+#include <sstream>
 
 #include "run_tool.hpp"
 
@@ -91,6 +92,8 @@ TEST_CASE("list and select open no plugin library") {
     const ToolResult r = run_tool(args, {{"LD_DEBUG", "files"}});
     CHECK(r.exit_code == 0);
     CHECK(r.err.find("file=") != std::string::npos);  // LD_DEBUG is on
+    // Plugin libraries are opened through their checked descriptor.
+    CHECK(r.err.find("file=/proc/self/fd/") == std::string::npos);
     CHECK(r.err.find("libkdispatch-cpu.so") == std::string::npos);
     CHECK(r.err.find("libkdispatch-cuda.so") == std::string::npos);
     CHECK(r.err.find("libkdispatch-hip.so") == std::string::npos);
@@ -582,13 +585,29 @@ TEST_CASE("KDISPATCH_CPU_THREADS that is not a thread count is ignored with a wa
 }
 
 TEST_CASE("the first call of a kernel opens exactly its plugin, and the check its reference") {
+  // Plugin libraries are loaded through their checked descriptor: the
+  // dynamic loader (LD_DEBUG) names each /proc/self/fd/N, and the core's log
+  // says which library that is. No scan: the helper's loads are its own.
   const ToolResult r = run_tool({"run", "layernorm.rmsnorm", "--backend", "cpu", "--iters", "1", "--json"},
-                                {{"LD_DEBUG", "files"}});
+                                {{"LD_DEBUG", "files"}, {"KDISPATCH_LOG", "debug"}, {"KDISPATCH_SCAN", "off"}});
   CHECK(r.exit_code == 0);
-  CHECK(r.err.find("libkdispatch-cpu.so") != std::string::npos);
-  CHECK(r.err.find("libkdispatch-reference.so") != std::string::npos);
-  CHECK(r.err.find("libkdispatch-cuda.so") == std::string::npos);
-  CHECK(r.err.find("libkdispatch-hip.so") == std::string::npos);
+  std::set<std::string> opened;  // library file names
+  size_t loads = 0;
+  std::istringstream lines(r.err);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find("file=/proc/self/fd/") != std::string::npos &&
+        line.find("dynamically loaded by") != std::string::npos) {
+      ++loads;
+    }
+    const std::string said = "opened plugin library ";
+    if (const size_t at = line.find(said); at != std::string::npos) {
+      const std::string rest = line.substr(at + said.size());
+      opened.insert(std::filesystem::path(rest.substr(0, rest.find(' '))).filename().string());
+    }
+  }
+  INFO("stderr: " << r.err);
+  CHECK(opened == std::set<std::string>{"libkdispatch-cpu.so", "libkdispatch-reference.so"});
+  CHECK(loads == opened.size());
 }
 
 TEST_CASE("run --all: every op and dtype on cpu checked against the reference, none unchecked") {

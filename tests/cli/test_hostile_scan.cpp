@@ -12,7 +12,9 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include <unistd.h>
 
@@ -321,4 +323,49 @@ TEST_CASE("registry cache: list and select over a warm cache print what a cold p
   CHECK(edited.exit_code == 0);
   CHECK(edited.out.find("backend 'gen07'") != std::string::npos);
   fs::remove_all(dir.parent_path());
+}
+
+TEST_CASE("hostile scan: a KDISPATCH_SCANNER program others could replace is refused (KD-E025), and never cached") {
+  Folder f;
+  f.plugins = dir_with_cpu_plugin();
+  f.cache = f.plugins.parent_path() / "cache";
+  const fs::path bin = f.plugins.parent_path() / "bin";
+  fs::create_directories(bin);
+  const fs::path scanner = bin / "my-scanner";
+  fs::copy_file(fs::path(KDISPATCH_BINARY_DIR) / "lib" / "kdispatch" / "kdispatch-plugin-scanner", scanner);
+  fs::permissions(scanner, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+                               fs::perms::others_read | fs::perms::others_exec);
+  auto env = env_with(env_with(f.env(), "KDISPATCH_SCANNER", scanner.string()), "KDISPATCH_LOG", "info");
+
+  // Writable by its group: whoever is in it could choose what "ok" means.
+  fs::permissions(scanner, fs::perms::group_write, fs::perm_options::add);
+  const ToolResult refused = run_tool({"scan", "--plugin-path", f.plugins.string()}, env);
+  CHECK(refused.exit_code == 2);
+  CHECK(refused.out.find("KD-E025: refusing to run plugin scanner " + scanner.string() + ": plugin scanner " +
+                         scanner.string() + " is group-writable") != std::string::npos);
+  CHECK(refused.err.find("plugin scanner: 'cpu'") == std::string::npos);  // it never ran
+  // Its directory writable by others: the same.
+  fs::permissions(scanner, fs::perms::group_write, fs::perm_options::remove);
+  fs::permissions(bin, fs::perms::others_write, fs::perm_options::add);
+  const ToolResult directory = run_tool({"scan", "--plugin-path", f.plugins.string()}, env);
+  CHECK(directory.exit_code == 2);
+  CHECK(directory.out.find("plugin directory " + fs::canonical(bin).string() + " is world-writable") !=
+        std::string::npos);
+  fs::permissions(bin, fs::perms::others_write, fs::perm_options::remove);
+
+  // A safe one runs on every load: what it found is never cached, so the
+  // installed scanner still scans the plugin afterwards.
+  const std::vector<std::string> run = {"run", "layernorm.rmsnorm", "--backend", "cpu", "--no-check",
+                                        "--plugin-path", f.plugins.string()};
+  for (int i = 0; i < 2; ++i) {
+    const ToolResult ok = run_tool(run, env);
+    CHECK(ok.exit_code == 0);
+    CHECK(ok.err.find("plugin scanner: 'cpu': ok") != std::string::npos);
+  }
+  env.erase("KDISPATCH_SCANNER");
+  const ToolResult installed = run_tool(run, env);
+  CHECK(installed.exit_code == 0);
+  CHECK(installed.err.find("plugin scanner: 'cpu': ok") != std::string::npos);
+  const ToolResult warm = run_tool(run, env);
+  CHECK(warm.err.find("plugin scanner: 'cpu'") == std::string::npos);
 }

@@ -2,10 +2,13 @@
 // (tests/fixtures/plugins), plus the location/ownership/checksum checks and
 // the ELF reader.
 #include <doctest/doctest.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +16,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kdispatch/elf_reader.hpp"
@@ -254,6 +258,141 @@ TEST_CASE("security: world-writable plugin directory or file is refused") {
     CHECK(problem->message.find("plugin library " + fs::canonical(manifest.library_path()).string() +
                                 " is world-writable") != std::string::npos);
   }
+}
+
+TEST_CASE("security: a group-writable plugin file or directory is refused like a world-writable one") {
+  TempDir dir;
+  const Manifest manifest = copy_fixture("fx_good", dir.path() / "plugins");
+  SUBCASE("library") {
+    add_permissions(manifest.library_path(), fs::perms::group_write);
+    const std::optional<Problem> problem = check_library_location(manifest);
+    REQUIRE(problem.has_value());
+    CHECK(problem->code == ErrorCode::plugin_insecure);
+    CHECK(problem->message.find("plugin library " + fs::canonical(manifest.library_path()).string() +
+                                " is group-writable (mode 0775") != std::string::npos);
+    CHECK(problem->message.find("chmod g-w") != std::string::npos);
+    const std::optional<PluginError> error = load_error(manifest);
+    REQUIRE(error.has_value());
+    CHECK(error->code() == ErrorCode::plugin_insecure);
+  }
+  SUBCASE("manifest") {
+    add_permissions(manifest.path, fs::perms::group_write);
+    const std::optional<Problem> problem = check_manifest_security(manifest.path);
+    REQUIRE(problem.has_value());
+    CHECK(problem->code == ErrorCode::plugin_insecure);
+    CHECK(problem->message.find("plugin manifest " + manifest.path + " is group-writable") != std::string::npos);
+  }
+  SUBCASE("directory") {
+    add_permissions(dir.path() / "plugins", fs::perms::group_write);
+    const std::optional<Problem> problem = check_library_location(manifest);
+    REQUIRE(problem.has_value());
+    CHECK(problem->code == ErrorCode::plugin_insecure);
+    CHECK(problem->message.find("plugin directory " + fs::canonical(dir.path() / "plugins").string() +
+                                " is group-writable") != std::string::npos);
+  }
+}
+
+TEST_CASE("security: every directory above the plugin up to / is checked") {
+  TempDir dir;
+  const Manifest manifest = copy_fixture("fx_good", dir.path() / "a" / "b" / "plugins");
+  CHECK_FALSE(check_library_location(manifest).has_value());
+  SUBCASE("a writable directory two levels up") {
+    add_permissions(dir.path() / "a", fs::perms::others_write);
+    const std::optional<Problem> problem = check_library_location(manifest);
+    REQUIRE(problem.has_value());
+    CHECK(problem->code == ErrorCode::plugin_insecure);
+    CHECK(problem->message.find("directory above the plugin, " + fs::canonical(dir.path() / "a").string() +
+                                " is world-writable") != std::string::npos);
+    CHECK(check_manifest_security(manifest.path).has_value());
+    const std::optional<PluginError> error = load_error(manifest);
+    REQUIRE(error.has_value());
+    CHECK(error->code() == ErrorCode::plugin_insecure);
+  }
+  SUBCASE("a sticky world-writable directory owned by root is fine, as /tmp is") {
+    if (::geteuid() != 0) {
+      WARN_MESSAGE(false, "not root: a root-owned sticky directory cannot be made here");
+      return;
+    }
+    add_permissions(dir.path() / "a", fs::perms::others_write | fs::perms::sticky_bit);
+    CHECK_FALSE(check_library_location(manifest).has_value());
+  }
+  SUBCASE("a directory above owned by another user") {
+    if (::geteuid() != 0) {
+      WARN_MESSAGE(false, "not root: cannot chown, foreign-owner check not exercised");
+      return;
+    }
+    REQUIRE(::chown((dir.path() / "a").c_str(), 65534, 65534) == 0);
+    const std::optional<Problem> problem = check_library_location(manifest);
+    REQUIRE(problem.has_value());
+    CHECK(problem->code == ErrorCode::plugin_insecure);
+    CHECK(problem->message.find(fs::canonical(dir.path() / "a").string() + " is owned by uid 65534") !=
+          std::string::npos);
+  }
+}
+
+// The library is checked and then loaded; a second thread exchanges it with
+// a foreign one the checks refuse (world-writable), over and over. Each
+// iteration uses a folder of its own, so every load opens its file afresh.
+// Whatever file the load opened is the one that was checked: the foreign
+// library is refused each time it is met, and its constructor (which would
+// leave a marker file) never runs.
+TEST_CASE("security: a library swapped between the check and the load is never run") {
+  TempDir dir;
+  const Manifest original = copy_fixture("fx_good", dir.path() / "source");
+  const fs::path good = original.library_path();
+  const fs::path foreign = dir.path() / "source" / "foreign.so";
+  fs::copy_file(kBuiltFixtures / "fx_foreign" / "libfx_foreign.so", foreign);
+  add_permissions(foreign, fs::perms::others_write);
+  const fs::path marker = dir.path() / "foreign-ran";
+  REQUIRE(::setenv("KD_FX_FOREIGN_MARKER", marker.c_str(), 1) == 0);
+
+  constexpr int kIterations = 10000;
+  std::vector<std::string> libraries(kIterations), others(kIterations);
+  for (int i = 0; i < kIterations; ++i) {
+    const fs::path folder = dir.path() / "plugins" / std::to_string(i);
+    fs::create_directories(folder);
+    libraries[i] = (folder / original.library).string();
+    others[i] = (folder / "foreign.so").string();
+    fs::create_hard_link(good, libraries[i]);
+    fs::create_hard_link(foreign, others[i]);
+  }
+
+  std::atomic<int> current{0};
+  std::atomic<bool> stop{false};
+  std::atomic<long> swaps{0};
+  std::thread swapper([&] {
+    while (!stop.load()) {
+      const int i = current.load();
+      if (::renameat2(AT_FDCWD, libraries[i].c_str(), AT_FDCWD, others[i].c_str(), RENAME_EXCHANGE) == 0) ++swaps;
+    }
+  });
+  int loaded = 0, refused = 0;
+  std::vector<std::string> unexpected;
+  for (int i = 0; i < kIterations; ++i) {
+    current.store(i);
+    Manifest manifest = original;
+    manifest.path = (dir.path() / "plugins" / std::to_string(i) / "fx_good.json").string();
+    try {
+      load_plugin_binary(manifest);
+      ++loaded;
+    } catch (const PluginError& e) {
+      if (e.code() == ErrorCode::plugin_insecure && e.message().find("is world-writable") != std::string::npos) {
+        ++refused;
+      } else if (unexpected.size() < 5) {
+        unexpected.push_back(code_string(e.code()) + " " + e.message());
+      }
+    }
+  }
+  stop.store(true);
+  swapper.join();
+  ::unsetenv("KD_FX_FOREIGN_MARKER");
+
+  INFO("loaded " << loaded << ", refused " << refused << ", swaps " << swaps.load());
+  for (const std::string& u : unexpected) INFO(u);
+  CHECK_MESSAGE(!fs::exists(marker), "the foreign library's constructor ran");
+  CHECK(unexpected.empty());
+  CHECK(loaded > 0);
+  CHECK(refused > 0);
 }
 
 TEST_CASE("security: a library owned by another non-root user is refused") {

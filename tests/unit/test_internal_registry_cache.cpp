@@ -28,6 +28,7 @@
 #include "kdispatch/registry.hpp"
 #include "manifest_for_cache.hpp"
 #include "manifest_record.hpp"
+#include "kdispatch/plugin_security.hpp"
 #include "registry_cache.hpp"
 #include "scanner.hpp"
 
@@ -448,4 +449,30 @@ TEST_CASE("registry cache: KDISPATCH_SCAN=off neither reads nor writes it, alway
   ManifestCache cache(ScanPolicy::cache);
   read_all(scope, cache);
   CHECK(cache.hits() == 1);
+}
+
+TEST_CASE("registry cache: a scan outcome is keyed by the sha256 of the library's content too") {
+  const CacheScope scope;
+  scope.add("p.json", small_manifest("p"), "libp.so");
+  const ManifestResult parsed = parse_manifest(small_manifest("p"), (scope.plugins / "p.json").string());
+  REQUIRE(parsed.ok());
+  const Manifest& manifest = *parsed.manifest;
+  REQUIRE(manifest.library_path() == scope.plugins / "libp.so");
+
+  cache_store(manifest, ScanOutcome{ScanVerdict::crashed, 11, "signal 11", true});
+  const std::optional<ScanOutcome> stored = cache_lookup(manifest);
+  REQUIRE(stored.has_value());
+  CHECK(stored->verdict == ScanVerdict::crashed);
+
+  // The entry carries the digest of the library it was made for; one whose
+  // digest is not the file's (a rewrite that kept size and every time stamp
+  // leaves that) is stale.
+  const std::string digest = sha256_file(scope.plugins / "libp.so");
+  const std::string text = read_text(registry_cache_path());
+  const size_t at = text.find(":" + digest + "\t");
+  REQUIRE_MESSAGE(at != std::string::npos, text);
+  std::string edited = text;
+  edited.replace(at + 1, digest.size(), std::string(64, '0'));
+  write_text(registry_cache_path(), edited);
+  CHECK_FALSE(cache_lookup(manifest).has_value());
 }

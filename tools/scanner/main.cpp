@@ -9,10 +9,13 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "kdispatch/manifest.hpp"
 #include "kdispatch/plugin_loader.hpp"
+#include "kdispatch/plugin_security.hpp"
+#include "manifest_for_cache.hpp"
 
 namespace {
 
@@ -39,7 +42,20 @@ int main(int argc, char** argv) {
     return 1;
   }
   try {
-    const ManifestResult parsed = read_manifest(argv[1]);
+    // The manifest is checked as discovery checks it and read from the
+    // checked descriptor; the library is checked by the loader.
+    CheckedFile opened;
+    if (std::optional<Problem> problem = LocationChecks().manifest(argv[1], &opened)) {
+      report(fmt::format("error\t{}\t{}", static_cast<int>(problem->code), one_line(problem->message)));
+      return 0;
+    }
+    Problem unreadable{};
+    const std::optional<std::string> text = read_manifest_text_from(opened.file.fd, argv[1], unreadable);
+    if (!text) {
+      report(fmt::format("error\t{}\t{}", static_cast<int>(unreadable.code), one_line(unreadable.message)));
+      return 0;
+    }
+    const ManifestResult parsed = parse_manifest(*text, argv[1]);
     if (!parsed.ok()) {
       const Problem& p = parsed.errors.front();
       report(fmt::format("error\t{}\t{}", static_cast<int>(p.code), one_line(p.message)));
