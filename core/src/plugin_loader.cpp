@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <system_error>
 #include <utility>
 
@@ -77,9 +79,21 @@ std::map<std::string, dll::shared_library>& opened_libraries() {
   return *libraries;
 }
 
+// Guards opened_libraries(), held only to look up and insert: never across
+// a dlopen, whose library constructors may take long, so that a fork()
+// meanwhile leaves it free in the child. Two threads opening one library at
+// once both dlopen it; the second handle is dropped, the library stays.
+std::mutex& opened_libraries_mutex() {
+  static auto* mutex = new std::mutex();
+  return *mutex;
+}
+
 dll::shared_library* open_library(const std::string& library) {
   auto& opened = opened_libraries();
-  if (const auto it = opened.find(library); it != opened.end()) return &it->second;
+  {
+    std::lock_guard lock(opened_libraries_mutex());
+    if (const auto it = opened.find(library); it != opened.end()) return &it->second;
+  }
 
   // A dlopen of a file cut short can die of SIGBUS inside the dynamic loader
   // (it maps segments without checking the file size), so the file is read
@@ -131,6 +145,7 @@ dll::shared_library* open_library(const std::string& library) {
          fmt::format("cannot open plugin library {}: {} ({})", library,
                      classify_dlopen_error(library, text), text));
   }
+  std::lock_guard lock(opened_libraries_mutex());
   return &opened.emplace(library, std::move(lib)).first->second;
 }
 
