@@ -109,12 +109,14 @@ void Op::call_positional(const py::args& args) const {
   // torch.ops.kdispatch.* pass a last argument, the backend (None: the
   // selection rules decide), after every attribute.
   OpHandle handle = handle_;
+  std::shared_ptr<Runtime> named;  // the runtime of a handle by backend name, held until the call is done
   if (given == num_tensors + schema.attrs.size() + 1) {
     PyObject* backend = args[given - 1].ptr();
     --given;
     if (backend != Py_None) {
       if (!PyUnicode_Check(backend)) throw py::type_error("backend must be a str or None");
-      handle = runtime().dispatcher.op(handle_.op(), utf8(backend));
+      named = runtime();
+      handle = named->dispatcher.op(handle_.op(), utf8(backend));
     }
   }
   // torch leaves off trailing arguments equal to their defaults: optional
@@ -157,7 +159,8 @@ void call(const py::args& args, const py::kwargs& kwargs) {
       backend = utf8(b);
     }
   }
-  const OpHandle handle = runtime().dispatcher.op(op, backend);
+  const std::shared_ptr<Runtime> held = runtime();  // held until the call is done
+  const OpHandle handle = held->dispatcher.op(op, backend);
   call_with_kwargs(handle, args, 1, kwargs, "backend");
 }
 
