@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """The module's state over a process's life: configure() keeps no runtime
-that nothing uses any more."""
+that nothing uses any more, and a process whose daemon threads are inside
+calls when the interpreter exits ends with exit code 0."""
+import subprocess
 import sys
 import unittest
 
@@ -22,6 +24,30 @@ def rmsnorm_args(rows=3, h=37):
     return np.full_like(x, np.nan), x, w
 
 
+# Daemon threads call a host kernel in a loop (the GIL let go while it
+# runs) while the main thread leaves the interpreter.
+DAEMONS_AT_EXIT = """
+import threading, time
+import numpy as np
+import kdispatch
+x = np.random.default_rng(1).uniform(0.5, 2.0, (1024, 4096)).astype(np.float32)
+w = np.ones(4096, dtype=np.float32)
+op = kdispatch.op("layernorm.rmsnorm")
+started = threading.Barrier(5)
+def loop():
+    out = np.empty_like(x)
+    started.wait()
+    while True:
+        op(out, x, w, eps=1e-6)
+        kdispatch.call("layernorm.rmsnorm", out, x, w)
+for _ in range(4):
+    threading.Thread(target=loop, daemon=True).start()
+started.wait()
+time.sleep(0.2)
+print("leaving")
+"""
+
+
 class ProcessState(unittest.TestCase):
     def test_configure_keeps_no_runtime_nothing_uses(self):
         out, x, w = rmsnorm_args()
@@ -37,6 +63,13 @@ class ProcessState(unittest.TestCase):
         kdispatch.configure()
         kdispatch.call(OP, out, x, w)
         self.assertEqual(kdispatch._kdispatch._live_runtimes(), 1)
+
+    def test_daemon_threads_inside_calls_at_exit(self):
+        for attempt in range(5):
+            run = subprocess.run([sys.executable, "-c", DAEMONS_AT_EXIT], capture_output=True, text=True,
+                                 timeout=120)
+            self.assertEqual(run.returncode, 0, f"attempt {attempt}: exit code {run.returncode}: {run.stderr[-2000:]}")
+            self.assertIn("leaving", run.stdout)
 
 
 if __name__ == "__main__":
