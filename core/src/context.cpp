@@ -125,8 +125,9 @@ const PluginBinary& Context::load_plugin(const std::string& plugin) {
     }
     const auto loading = loading_.find(plugin);
     if (loading == loading_.end()) break;
-    // Another thread is loading it. One of the process this one was forked
-    // from never finishes here: this process loads it itself.
+    // Another thread is loading it. A load that the parent of a fork()ed
+    // child had under way never finishes in the child: the child loads the
+    // plugin itself.
     if (loading->second != ::getpid()) {
       loading_.erase(loading);
       break;
