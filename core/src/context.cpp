@@ -4,7 +4,11 @@
 
 #include <fmt/format.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
+#include <thread>
 
 #include "builtin_schemas.hpp"
 #include "kdispatch/platform.hpp"
@@ -113,31 +117,65 @@ const Manifest* Context::manifest_of(const std::string& plugin) const {
 }
 
 const PluginBinary& Context::load_plugin(const std::string& plugin) {
-  std::lock_guard lock(load_mutex_);
-  if (auto it = loaded_.find(plugin); it != loaded_.end()) return *it->second;
-  if (auto it = failed_.find(plugin); it != failed_.end()) {
-    throw PluginError(it->second.code, it->second.message);
+  std::unique_lock lock(load_mutex_);
+  while (true) {
+    if (auto it = loaded_.find(plugin); it != loaded_.end()) return *it->second;
+    if (auto it = failed_.find(plugin); it != failed_.end()) {
+      throw PluginError(it->second.code, it->second.message);
+    }
+    const auto loading = loading_.find(plugin);
+    if (loading == loading_.end()) break;
+    // Another thread is loading it. A load that the parent of a fork()ed
+    // child had under way never finishes in the child: the child loads the
+    // plugin itself.
+    if (loading->second != ::getpid()) {
+      loading_.erase(loading);
+      break;
+    }
+    // Polled rather than waited for on a condition variable, whose waiters
+    // a fork() would leave behind in the child.
+    lock.unlock();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    lock.lock();
   }
-  const Manifest* manifest = manifest_of(plugin);
-  if (manifest == nullptr) {
+  const Manifest* found = manifest_of(plugin);
+  if (found == nullptr) {
     throw PluginError(ErrorCode::plugin_open_failed, fmt::format("no usable manifest for plugin '{}'", plugin));
   }
+  const Manifest manifest = *found;  // api_manifests_ may grow once the lock is let go
+  // The scan and the dlopen run without the lock: they take long (a helper
+  // process, library constructors), and a fork() by another thread
+  // meanwhile must leave the lock free in the child, which can then load
+  // plugins itself.
+  loading_[plugin] = ::getpid();
+  lock.unlock();
+  std::unique_ptr<PluginBinary> binary;
+  std::optional<PluginError> error;
   try {
-    log(LogLevel::info, "loading plugin '{}' from {}", plugin, manifest->library_path().string());
+    log(LogLevel::info, "loading plugin '{}' from {}", plugin, manifest.library_path().string());
     // A helper process opens it first (or the registry cache says how that
     // went): a plugin that crashes or hangs there is never opened here.
-    if (auto problem = scan_before_load(*manifest)) throw PluginError(problem->code, problem->message);
-    auto binary = load_plugin_binary(*manifest);
+    if (auto problem = scan_before_load(manifest)) throw PluginError(problem->code, problem->message);
+    binary = load_plugin_binary(manifest);
+  } catch (const PluginError& e) {
+    error = e;
+  } catch (...) {
+    lock.lock();
+    loading_.erase(plugin);
+    throw;
+  }
+  lock.lock();
+  loading_.erase(plugin);
+  if (binary) {
     const PluginBinary& ref = *binary;
     loaded_.emplace(plugin, std::move(binary));
     return ref;
-  } catch (const PluginError& e) {
-    Problem problem{e.code(), manifest->library_path().string(), e.message()};
-    log(LogLevel::warn, "plugin '{}' failed to load: {}: {}", plugin, code_string(e.code()), e.message());
-    failed_.emplace(plugin, problem);
-    registry_->withdraw_plugin(plugin, problem);
-    throw;
   }
+  Problem problem{error->code(), manifest.library_path().string(), error->message()};
+  log(LogLevel::warn, "plugin '{}' failed to load: {}: {}", plugin, code_string(error->code()), error->message());
+  failed_.emplace(plugin, problem);
+  registry_->withdraw_plugin(plugin, problem);
+  throw *error;
 }
 
 std::vector<PluginScanResult> Context::scan_plugins() {

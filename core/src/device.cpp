@@ -86,8 +86,9 @@ std::vector<std::string> detect_cpu_features() {
 }  // namespace
 
 Device Device::host_cpu() {
-  static const std::vector<std::string> features = detect_cpu_features();
-  return Device{DeviceType::cpu, "", features};
+  // Never destroyed: calls may still run on other threads while the process exits.
+  static const auto* const features = new std::vector<std::string>(detect_cpu_features());
+  return Device{DeviceType::cpu, "", *features};
 }
 
 Device Device::parse(std::string_view text) {

@@ -398,13 +398,26 @@ OpState* Dispatcher::intern(std::string_view op, std::string_view backend) {
     }
     if (s->hash == hash && s->op == op && s->backend == backend) return s;
   }
-  for (const auto& s : states_) {  // ops that did not fit in the table
-    if (s->op == op && s->backend == backend) return s.get();
+  std::string key = overflow_key(op, backend);
+  if (free_slot == kInternSlots) {  // ops that did not fit in the table
+    if (const auto it = overflow_.find(key); it != overflow_.end()) return it->second;
   }
   const KernelRegistry& registry = context_.registry();
   if (!registry.has(op)) {
     // The selector words KD-E001 (with did-you-mean and failed plugins).
     context_.selector().select({op, backend, Device::host_cpu(), std::nullopt});
+  }
+  if (!backend.empty() && !registry.has(op, backend)) {
+    // A backend name the op does not have is not interned (each name would
+    // stay for the process's life): the selector words KD-E002, with the
+    // failures of plugins that declared it. A name that answers otherwise
+    // ("reference" for the op's reference kernel) passes; any other
+    // selection error is the call's to report, for its device.
+    try {
+      context_.selector().select({op, backend, Device::host_cpu(), std::nullopt});
+    } catch (const SelectionError& e) {
+      if (e.code() == ErrorCode::backend_not_registered) throw;
+    }
   }
   const OpSchema* schema = registry.schema(op);
   if (schema == nullptr) {
@@ -439,9 +452,26 @@ OpState* Dispatcher::intern(std::string_view op, std::string_view backend) {
   state->plain_attrs = state->defaults;
   OpState* raw = state.get();
   states_.push_back(std::move(state));
-  // A full table still works, through the mutex-guarded list.
-  if (free_slot < kInternSlots) intern_slots_[free_slot].store(raw, std::memory_order_release);
+  // A full table still works, through the mutex-guarded map.
+  if (free_slot < kInternSlots) {
+    intern_slots_[free_slot].store(raw, std::memory_order_release);
+  } else {
+    overflow_.emplace(std::move(key), raw);
+  }
   return raw;
+}
+
+std::string Dispatcher::overflow_key(std::string_view op, std::string_view backend) {
+  std::string key;
+  key.reserve(op.size() + backend.size() + 1);
+  key.append(op).push_back('\0');
+  key.append(backend);
+  return key;
+}
+
+size_t Dispatcher::interned() const {
+  std::lock_guard lock(mutex_);
+  return states_.size();
 }
 
 OpHandle Dispatcher::op(std::string_view op, std::string_view backend) { return OpHandle(intern(op, backend)); }

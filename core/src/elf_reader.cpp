@@ -146,7 +146,10 @@ ElfInfo read_elf(const std::filesystem::path& path) {
   if (::fstat(file.fd, &st) != 0) fail(path, std::strerror(errno));
   const auto file_size = static_cast<uint64_t>(st.st_size);
 
-  if (elf_version(EV_CURRENT) == EV_NONE) fail(path, "libelf is unusable: " + libelf_error());
+  // Once per process: elf_version() writes libelf's globals, and plugins
+  // may load on several threads at once.
+  static const bool libelf_usable = elf_version(EV_CURRENT) != EV_NONE;
+  if (!libelf_usable) fail(path, "libelf is unusable: " + libelf_error());
   ElfPtr elf(elf_begin(file.fd, ELF_C_READ, nullptr));
   if (!elf) fail(path, "libelf cannot open it: " + libelf_error());
   if (elf_kind(elf.get()) != ELF_K_ELF) {

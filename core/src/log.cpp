@@ -11,7 +11,12 @@ namespace {
 
 std::atomic<int> g_level{-1};  // -1: not read from the environment yet
 std::mutex g_sink_mutex;
-LogSink g_sink;
+
+// Never destroyed: other threads may still log while the process exits.
+LogSink& current_sink() {
+  static auto* const s = new LogSink();
+  return *s;
+}
 
 std::string_view level_name(LogLevel level) {
   switch (level) {
@@ -58,13 +63,13 @@ void set_log_level(LogLevel level) { g_level.store(static_cast<int>(level)); }
 
 void set_log_sink(LogSink sink) {
   std::lock_guard lock(g_sink_mutex);
-  g_sink = std::move(sink);
+  current_sink() = std::move(sink);
 }
 
 void log_message(LogLevel level, std::string_view message) {
   std::lock_guard lock(g_sink_mutex);
-  if (g_sink) {
-    g_sink(level, message);
+  if (const LogSink& s = current_sink()) {
+    s(level, message);
     return;
   }
   std::fprintf(stderr, "kdispatch: %.*s: %.*s\n", static_cast<int>(level_name(level).size()),

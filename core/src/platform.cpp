@@ -80,9 +80,12 @@ DetectedPlatform detect_platform() {
 }
 
 Device device_of(DeviceType type, int32_t id) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, int32_t>, Device> cache;
-  std::lock_guard lock(mutex);
+  // Never destroyed: calls may still resolve on other threads while the
+  // process exits and runs its static destructors.
+  static auto* const mutex = new std::mutex();
+  static auto* const devices = new std::map<std::pair<int, int32_t>, Device>();
+  std::map<std::pair<int, int32_t>, Device>& cache = *devices;
+  std::lock_guard lock(*mutex);
   const auto key = std::make_pair(static_cast<int>(type), id);
   if (auto it = cache.find(key); it != cache.end()) return it->second;
   std::optional<Device> found;

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <system_error>
 #include <utility>
 
@@ -90,13 +91,25 @@ std::map<std::pair<dev_t, ino_t>, OpenedLibrary>& opened_libraries() {
   return *libraries;
 }
 
+// Guards opened_libraries(), held only to look up and insert: never across
+// a dlopen, whose library constructors may take long, so that a fork()
+// meanwhile leaves it free in the child. Two threads opening one library at
+// once both dlopen it; the second handle is dropped, the library stays.
+std::mutex& opened_libraries_mutex() {
+  static auto* mutex = new std::mutex();
+  return *mutex;
+}
+
 // Opens `checked`, the library of `library` (its path, for messages),
 // through its descriptor: /proc/self/fd/N names the checked file whatever
 // happens to the path meanwhile.
 dll::shared_library* open_library(CheckedFile& checked, const std::string& library) {
   auto& opened = opened_libraries();
   const std::pair<dev_t, ino_t> key{checked.st.st_dev, checked.st.st_ino};
-  if (const auto it = opened.find(key); it != opened.end()) return &it->second.library;
+  {
+    std::lock_guard lock(opened_libraries_mutex());
+    if (const auto it = opened.find(key); it != opened.end()) return &it->second.library;
+  }
   const std::string descriptor = checked.descriptor_path();
 
   // A dlopen of a file cut short can die of SIGBUS inside the dynamic loader
@@ -151,6 +164,7 @@ dll::shared_library* open_library(CheckedFile& checked, const std::string& libra
                      classify_dlopen_error(library, text), text));
   }
   log(LogLevel::debug, "opened plugin library {} through {}", library, descriptor);
+  std::lock_guard lock(opened_libraries_mutex());
   return &opened.emplace(key, OpenedLibrary{std::move(checked.file), std::move(lib)}).first->second.library;
 }
 

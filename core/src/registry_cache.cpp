@@ -78,7 +78,8 @@ int64_t nanoseconds(const struct timespec& t) { return static_cast<int64_t>(t.tv
 // a program linked with the core statically): a rebuilt core may parse
 // manifests differently, so its cache starts afresh.
 const std::string& core_build() {
-  static const std::string stamp = [] {
+  // Never destroyed: plugins may still load on other threads while the process exits.
+  static const auto* const stamp = new std::string([] {
     Dl_info info{};
     struct stat st {};
     if (dladdr(reinterpret_cast<void*>(&registry_cache_path), &info) == 0 || info.dli_fname == nullptr ||
@@ -86,8 +87,8 @@ const std::string& core_build() {
       return std::string("unknown");
     }
     return fmt::format("{}:{}", st.st_size, nanoseconds(st.st_mtim));
-  }();
-  return stamp;
+  }());
+  return *stamp;
 }
 
 std::string header() {
@@ -234,6 +235,20 @@ std::string cache_dir_problem(const fs::path& dir) {
   return {};
 }
 
+// A broken cache is reported once: read_cache() runs several times in one
+// process (manifests read and then saved, scan outcomes looked up and
+// stored), and each read of the same broken file would otherwise warn
+// again. The file is known by `key`: its path and, once opened, its stamp,
+// so that a cache broken again after its rebuild is reported again. Later
+// reports of the same file go to the debug level. Guarded by cache_mutex().
+template <class... Args>
+void warn_broken(const std::string& key, fmt::format_string<Args...> format, Args&&... args) {
+  static auto* last = new std::string();  // never destroyed: used until exit
+  const bool repeat = *last == key;
+  if (!repeat) *last = key;
+  log(repeat ? LogLevel::debug : LogLevel::warn, format, std::forward<Args>(args)...);
+}
+
 // Every well-formed entry of the cache file (manifest entries only when
 // `manifests`); lines that do not parse are dropped, a file of another
 // format or build is ignored whole.
@@ -249,20 +264,26 @@ CacheFile read_cache(bool manifests) {
   std::string why;
   UniqueFd fd{open_regular_file(path, O_RDONLY, why)};
   if (fd.fd < 0) {
-    if (why != std::strerror(ENOENT)) log(LogLevel::warn, "registry cache {}: {}; rebuilding it", path.string(), why);
+    if (why != std::strerror(ENOENT)) {
+      warn_broken(path.string() + '\t' + why, "registry cache {}: {}; rebuilding it", path.string(), why);
+    }
     return file;
   }
   // No cache of real plugin folders comes near this; a larger (or sparse)
   // file is not read, so that it costs neither the memory nor the time.
-  const auto too_large = [&path](uint64_t bytes) {
-    log(LogLevel::warn, "registry cache {} is {} bytes, more than a cache holds ({} MiB); rebuilding it",
-        path.string(), bytes, kMaxCacheBytes >> 20);
+  struct stat st {};
+  const bool stamped = ::fstat(fd.fd, &st) == 0;
+  const FileStamp stamp = stamped ? FileStamp::of(st) : FileStamp{};
+  const std::string key = fmt::format("{}\t{}:{}:{}:{}:{}", path.string(), stamp.device, stamp.inode, stamp.size,
+                                      stamp.mtime_ns, stamp.ctime_ns);
+  const auto too_large = [&path, &key](uint64_t bytes) {
+    warn_broken(key, "registry cache {} is {} bytes, more than a cache holds ({} MiB); rebuilding it",
+                path.string(), bytes, kMaxCacheBytes >> 20);
     return CacheFile();
   };
-  struct stat st {};
-  if (::fstat(fd.fd, &st) == 0 && st.st_uid != ::geteuid()) {
-    log(LogLevel::warn, "registry cache {} belongs to uid {}, not to this user; rebuilding it", path.string(),
-        st.st_uid);
+  if (stamped && st.st_uid != ::geteuid()) {
+    warn_broken(key, "registry cache {} belongs to uid {}, not to this user; rebuilding it", path.string(),
+                st.st_uid);
     return file;
   }
   if (st.st_size > 0) {
@@ -274,7 +295,7 @@ CacheFile read_cache(bool manifests) {
     const ssize_t n = ::read(fd.fd, buffer, sizeof buffer);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
-      log(LogLevel::warn, "registry cache {}: {}; rebuilding it", path.string(), std::strerror(errno));
+      warn_broken(key, "registry cache {}: {}; rebuilding it", path.string(), std::strerror(errno));
       return file;
     }
     if (n == 0) break;
@@ -298,7 +319,7 @@ CacheFile read_cache(bool manifests) {
     if (line.starts_with(kHeaderWord)) {
       log(LogLevel::info, "registry cache {} was written by another build of kdispatch; rebuilding it", path.string());
     } else {
-      log(LogLevel::warn, "registry cache {} is not a cache of this format; rebuilding it", path.string());
+      warn_broken(key, "registry cache {} is not a cache of this format; rebuilding it", path.string());
     }
     return CacheFile();
   }
@@ -315,7 +336,7 @@ CacheFile read_cache(bool manifests) {
     }
     if (!ok) ++dropped;
   }
-  if (dropped > 0) log(LogLevel::warn, "registry cache {}: {} corrupt entries dropped", path.string(), dropped);
+  if (dropped > 0) warn_broken(key, "registry cache {}: {} corrupt entries dropped", path.string(), dropped);
   return file;
 }
 

@@ -95,15 +95,16 @@ KD_CPU_MULTIVERSION void fill_table(float* table) {
 
 // Built on first use; a static local, so concurrent first calls build it once.
 // Throws std::bad_alloc (reported by the caller's guard) and is then tried
-// again on the next call.
+// again on the next call. Never freed: kernels may still run on other
+// threads while the process exits and runs its static destructors.
 template <class Act, class T>
 const float* activation_table() {
-  static const std::unique_ptr<float[]> table = [] {
+  static const float* const table = [] {
     auto t = std::make_unique_for_overwrite<float[]>(kTableSize);
     fill_table<Act, T>(t.get());
-    return t;
+    return t.release();
   }();
-  return table.get();
+  return table;
 }
 
 // Rows [begin, end) of out and x, each row where its RowLayout puts it (one

@@ -619,3 +619,31 @@ TEST_CASE("dispatch: KDISPATCH_TRACE appends one JSON line per call") {
   CHECK(lines == 2);
   std::filesystem::remove(path);
 }
+
+TEST_CASE("dispatch: backend names an op does not have are refused at lookup and never interned") {
+  auto ctx = cpu_context();
+  Dispatcher dispatch(*ctx);
+  RmsnormCall call;
+  const std::vector<NamedAttr> eps{{"eps", 1e-5}};
+  dispatch.call("layernorm.rmsnorm", call.tensors, eps, "cpu");
+  const size_t known = dispatch.interned();
+  CHECK(known == 1);
+  int refused = 0;
+  for (int i = 0; i < 5000; ++i) {
+    try {
+      dispatch.call("layernorm.rmsnorm", call.tensors, eps, "no_such_backend_" + std::to_string(i));
+    } catch (const SelectionError& e) {
+      if (e.code() == ErrorCode::backend_not_registered) ++refused;
+    }
+  }
+  CHECK(refused == 5000);
+  CHECK(dispatch.interned() == known);
+  CHECK_THROWS_WITH_AS(dispatch.op("layernorm.rmsnorm", "no_such_backend"),
+                       doctest::Contains("No 'no_such_backend' backend registered for op 'layernorm.rmsnorm'"),
+                       SelectionError);
+  // The names the op has are interned once each, "reference" too.
+  dispatch.call("layernorm.rmsnorm", call.tensors, eps, "cpu");
+  dispatch.call("layernorm.rmsnorm", call.tensors, eps, "reference");
+  dispatch.call("layernorm.rmsnorm", call.tensors, eps, "reference");
+  CHECK(dispatch.interned() == known + 1);
+}

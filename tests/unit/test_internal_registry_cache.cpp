@@ -476,3 +476,38 @@ TEST_CASE("registry cache: a scan outcome is keyed by the sha256 of the library'
   write_text(registry_cache_path(), edited);
   CHECK_FALSE(cache_lookup(manifest).has_value());
 }
+
+TEST_CASE("registry cache: a broken cache is warned about once per process") {
+  CacheScope scope;
+  for (int i = 0; i < 3; ++i) scope.add("m" + std::to_string(i) + ".json", small_manifest("m" + std::to_string(i)));
+  settle();
+  const auto count = [](const std::vector<std::string>& lines, const std::string& text) {
+    return std::count_if(lines.begin(), lines.end(),
+                         [&text](const std::string& line) { return line.find(text) != std::string::npos; });
+  };
+  std::vector<std::string> warnings;
+  const auto warned = [&warnings](LogLevel level, std::string_view message) {
+    if (level == LogLevel::warn) warnings.emplace_back(message);
+  };
+
+  SUBCASE("a file of another format") {
+    fs::create_directories(cache_file().parent_path());
+    write_text(cache_file(), "not a cache\n");
+    set_log_sink(warned);
+    ManifestCache cache(ScanPolicy::cache);
+    read_all(scope, cache);
+    set_log_sink({});
+    CHECK(count(warnings, "not a cache of this format") == 1);
+  }
+  SUBCASE("a folder where the file goes, read by two discoveries") {
+    fs::create_directories(cache_file());
+    set_log_sink(warned);
+    for (int run = 0; run < 2; ++run) {
+      ManifestCache cache(ScanPolicy::cache);
+      read_all(scope, cache);
+    }
+    set_log_sink({});
+    CHECK(count(warnings, "rebuilding it") == 1);
+    CHECK(count(warnings, "cannot be written") == 1);
+  }
+}

@@ -100,6 +100,8 @@ class Context {
   mutable std::mutex load_mutex_;
   std::map<std::string, std::unique_ptr<PluginBinary>> loaded_;
   std::map<std::string, Problem> failed_;
+  // Plugins being loaded, each by the process (pid) whose thread loads it.
+  std::map<std::string, int> loading_;
 };
 
 }  // namespace kdispatch

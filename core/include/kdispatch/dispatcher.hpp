@@ -24,6 +24,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "kdispatch/context.hpp"
@@ -112,14 +113,18 @@ class Dispatcher {
   Dispatcher(const Dispatcher&) = delete;
   Dispatcher& operator=(const Dispatcher&) = delete;
 
-  // Throws SelectionError KD-E001 for an op with no kernel, CallError KD-E030
-  // for an op without a schema (it can be listed and selected, not called).
+  // Throws SelectionError KD-E001 for an op with no kernel, KD-E002 for a
+  // backend the op has no kernel of, CallError KD-E030 for an op without a
+  // schema (it can be listed and selected, not called).
   OpHandle op(std::string_view op, std::string_view backend = {});
   // Lookup by name on every call (the handle is the faster way).
   void call(std::string_view op, std::span<DLTensor> tensors, std::span<const NamedAttr> attrs = {},
             std::string_view backend = {}, void* stream = nullptr);
 
   Context& context() { return context_; }
+  // How many (op, backend) pairs are interned: each op asked for by name,
+  // with each backend it has that was named, kept until the dispatcher goes.
+  size_t interned() const;
 
  private:
   friend class OpHandle;
@@ -131,8 +136,12 @@ class Dispatcher {
   Context& context_;
   static constexpr size_t kInternSlots = 512;  // power of two
   std::unique_ptr<std::atomic<OpState*>[]> intern_slots_;
-  std::mutex mutex_;  // writers: intern table, resolution caches, trace file
+  static std::string overflow_key(std::string_view op, std::string_view backend);
+
+  mutable std::mutex mutex_;  // writers: intern table, resolution caches, trace file
   std::vector<std::unique_ptr<OpState>> states_;
+  // The states that did not fit in the table, by op and backend (guarded by mutex_).
+  std::unordered_map<std::string, OpState*> overflow_;
   std::FILE* trace_file_ = nullptr;  // KDISPATCH_TRACE
 };
 

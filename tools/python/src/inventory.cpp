@@ -146,12 +146,12 @@ py::dict problem_dict(const Problem& p) {
 
 py::list ops() {
   py::list out;
-  for (const auto& op : runtime().context.registry().ops()) out.append(op);
+  for (const auto& op : runtime()->context.registry().ops()) out.append(op);
   return out;
 }
 
 py::list backends(const std::string& op, const std::optional<std::string>& device) {
-  Context& ctx = runtime().context;
+  Context& ctx = runtime()->context;
   if (!ctx.registry().has(op)) {
     // Worded by the selector: KD-E001 with did-you-mean.
     ctx.selector().select({op, {}, Device::host_cpu(), std::nullopt});
@@ -182,7 +182,7 @@ py::dict select(const std::string& op, const std::optional<std::string>& backend
   }
   const Device dev = device_or_platform(device);
   const std::string backend_name = backend.value_or("");
-  const KernelSpec& spec = runtime().context.select({op, backend_name, dev, parsed});
+  const KernelSpec& spec = runtime()->context.select({op, backend_name, dev, parsed});
   py::dict d = spec_dict(spec);
   d["device"] = dev.str();
   return d;
@@ -190,12 +190,12 @@ py::dict select(const std::string& op, const std::optional<std::string>& backend
 
 py::list schemas() {
   py::list out;
-  for (const OpSchema* s : runtime().context.registry().schemas()) out.append(schema_dict(*s));
+  for (const OpSchema* s : runtime()->context.registry().schemas()) out.append(schema_dict(*s));
   return out;
 }
 
 py::dict schema(const std::string& op) {
-  Context& ctx = runtime().context;
+  Context& ctx = runtime()->context;
   const OpSchema* s = ctx.registry().schema(op);
   if (s == nullptr) {
     if (!ctx.registry().has(op)) ctx.selector().select({op, {}, Device::host_cpu(), std::nullopt});
@@ -205,7 +205,7 @@ py::dict schema(const std::string& op) {
 }
 
 py::dict doctor() {
-  const DoctorReport report = doctor_report(runtime().context);
+  const DoctorReport report = doctor_report(runtime()->context);
   py::list search;
   for (const auto& d : report.search_path) search.append(d.path.string());
   py::list plugins;

@@ -67,7 +67,9 @@ PYBIND11_MODULE(_kdispatch, m) {
   m.def(
       "op",
       [](const std::string& name, const std::optional<std::string>& backend) {
-        return Op(runtime().dispatcher.op(name, backend.value_or("")));
+        std::shared_ptr<Runtime> current = runtime();
+        const kdispatch::OpHandle handle = current->dispatcher.op(name, backend.value_or(""));
+        return Op(handle, std::move(current));
       },
       py::arg("op"), py::arg("backend") = py::none(), "Resolves an op once, for calls in a loop.");
   m.def("call", &call, "call(op, *tensors, backend=None, stream=None, **attrs)");
@@ -80,6 +82,8 @@ PYBIND11_MODULE(_kdispatch, m) {
   m.def("_call_dtypes", &call_dtypes, py::arg("op"), py::arg("backend") = py::none());
   m.def("_compare", &kdispatch::python::compare, py::arg("op"), py::arg("got"), py::arg("want"),
         py::arg("unchecked") = py::list());
+
+  m.def("_live_runtimes", &live_runtimes, "How many runtimes are alive (one per configure() still in use).");
 
   m.def("_set_torch", [](py::object tensor_type, py::list dtypes, py::object raw_stream, bool rocm) {
     set_torch_support(tensor_type.ptr(), dtypes.ptr(), raw_stream.ptr(), rocm);

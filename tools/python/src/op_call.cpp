@@ -1,6 +1,7 @@
 #include "op_call.hpp"
 
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <array>
 #include <string_view>
@@ -56,15 +57,42 @@ AttrValue attr_value(std::string_view op, std::string_view name, PyObject* value
                                Py_TYPE(value)->tp_name));
 }
 
+bool interpreter_exiting() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+void take_back_gil(PyThreadState* thread) {
+  if (interpreter_exiting()) {
+    for (;;) ::pause();
+  }
+  PyEval_RestoreThread(thread);
+}
+
 // The call itself: the GIL is released while a host kernel runs (a GPU
 // kernel is only launched, which takes less time than releasing it).
+// A daemon thread whose call ends while the interpreter exits cannot have
+// the GIL back: PyEval_RestoreThread() would end the thread by unwinding its
+// stack, through destructors that need the GIL themselves (the DLPack
+// deleters) and are noexcept, which aborts the process. Such a thread waits
+// instead, for the exit that is under way to end it. For the same reason
+// the GIL is never taken back in a destructor (py::gil_scoped_release).
 void run(const OpHandle& handle, TensorArgs& tensors, std::span<const NamedAttr> attrs) {
-  if (tensors.on_cpu()) {
-    py::gil_scoped_release release;
+  if (!tensors.on_cpu()) {
     handle(tensors.tensors(), attrs, tensors.stream());
-  } else {
-    handle(tensors.tensors(), attrs, tensors.stream());
+    return;
   }
+  PyThreadState* const thread = PyEval_SaveThread();
+  try {
+    handle(tensors.tensors(), attrs, tensors.stream());
+  } catch (...) {
+    take_back_gil(thread);
+    throw;
+  }
+  take_back_gil(thread);
 }
 
 // Tensors args[first:], attributes and `stream` from kwargs (`skip` names a
@@ -109,12 +137,14 @@ void Op::call_positional(const py::args& args) const {
   // torch.ops.kdispatch.* pass a last argument, the backend (None: the
   // selection rules decide), after every attribute.
   OpHandle handle = handle_;
+  std::shared_ptr<Runtime> named;  // the runtime of a handle by backend name, held until the call is done
   if (given == num_tensors + schema.attrs.size() + 1) {
     PyObject* backend = args[given - 1].ptr();
     --given;
     if (backend != Py_None) {
       if (!PyUnicode_Check(backend)) throw py::type_error("backend must be a str or None");
-      handle = runtime().dispatcher.op(handle_.op(), utf8(backend));
+      named = runtime();
+      handle = named->dispatcher.op(handle_.op(), utf8(backend));
     }
   }
   // torch leaves off trailing arguments equal to their defaults: optional
@@ -157,7 +187,8 @@ void call(const py::args& args, const py::kwargs& kwargs) {
       backend = utf8(b);
     }
   }
-  const OpHandle handle = runtime().dispatcher.op(op, backend);
+  const std::shared_ptr<Runtime> held = runtime();  // held until the call is done
+  const OpHandle handle = held->dispatcher.op(op, backend);
   call_with_kwargs(handle, args, 1, kwargs, "backend");
 }
 

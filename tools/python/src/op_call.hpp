@@ -7,14 +7,18 @@
 
 #include <kdispatch/dispatcher.hpp>
 
+#include <memory>
 #include <string>
+
+#include "runtime.hpp"
 
 namespace kdispatch::python {
 
-// kdispatch.op(...): an op resolved by name once.
+// kdispatch.op(...): an op resolved by name once, with the runtime its
+// handle points into.
 class Op {
  public:
-  explicit Op(OpHandle handle) : handle_(handle) {}
+  Op(OpHandle handle, std::shared_ptr<Runtime> runtime) : handle_(handle), runtime_(std::move(runtime)) {}
   // op(*tensors, stream=None, **attrs)
   void call(const pybind11::args& args, const pybind11::kwargs& kwargs) const;
   // The torch kernel: tensors then every attribute in schema order
@@ -28,6 +32,7 @@ class Op {
 
  private:
   OpHandle handle_;
+  std::shared_ptr<Runtime> runtime_;
 };
 
 // kdispatch.call(op, *tensors, backend=None, stream=None, **attrs)

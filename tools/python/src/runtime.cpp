@@ -1,45 +1,50 @@
 #include "runtime.hpp"
 
 #include <atomic>
-#include <memory>
 #include <mutex>
 
 namespace kdispatch::python {
 
 namespace {
 
+std::atomic<size_t> g_live_runtimes{0};
+
 struct State {
   std::mutex mutex;
   ContextOptions options;
-  std::atomic<Runtime*> current{nullptr};  // owned by `all`; read without the lock
-  std::vector<std::unique_ptr<Runtime>> all;
+  std::shared_ptr<Runtime> current;  // guarded by `mutex`
 };
 
 State& state() {
-  static State* s = new State();  // never destroyed, nor its runtimes: they outlive interpreter shutdown
+  // Never destroyed, nor so the current runtime: calls may still run on
+  // other threads while the process exits.
+  static State* s = new State();
   return *s;
 }
 
 }  // namespace
 
-Runtime& runtime() {
+Runtime::Runtime(ContextOptions options) : context(std::move(options)), dispatcher(context) { ++g_live_runtimes; }
+
+Runtime::~Runtime() { --g_live_runtimes; }
+
+size_t live_runtimes() { return g_live_runtimes.load(); }
+
+std::shared_ptr<Runtime> runtime() {
   State& s = state();
-  if (Runtime* r = s.current.load(std::memory_order_acquire)) [[likely]]
-    return *r;
   std::lock_guard lock(s.mutex);
-  if (Runtime* r = s.current.load(std::memory_order_acquire)) return *r;
-  s.all.push_back(std::make_unique<Runtime>(s.options));
-  s.current.store(s.all.back().get(), std::memory_order_release);
-  return *s.all.back();
+  if (!s.current) s.current = std::make_shared<Runtime>(s.options);
+  return s.current;
 }
 
 void configure(std::vector<std::filesystem::path> replace, std::vector<std::filesystem::path> add) {
   State& s = state();
+  std::shared_ptr<Runtime> retired;  // may be the last hold: destroyed after the lock is let go
   std::lock_guard lock(s.mutex);
   s.options = ContextOptions{};
   s.options.search.replace = std::move(replace);
   s.options.search.add = std::move(add);
-  s.current.store(nullptr, std::memory_order_release);
+  retired = std::move(s.current);
 }
 
 }  // namespace kdispatch::python

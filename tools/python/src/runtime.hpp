@@ -1,13 +1,16 @@
 // The dispatcher the Python module calls through: one Context and one
-// Dispatcher per configuration, made on first use. Runtimes are never
-// destroyed: op handles point into them, and plugins stay loaded until the
-// process exits.
+// Dispatcher per configuration, made on first use. A runtime lives while
+// anything holds it: the module until the next configure() (and for good
+// after the last), each kdispatch.op handle made from it (op handles point
+// into it), and each call in flight. Plugins stay loaded until the process
+// exits, whichever runtimes go.
 #pragma once
 
 #include <kdispatch/context.hpp>
 #include <kdispatch/dispatcher.hpp>
 
 #include <filesystem>
+#include <memory>
 #include <vector>
 
 namespace kdispatch::python {
@@ -15,16 +18,26 @@ namespace kdispatch::python {
 struct Runtime {
   Context context;
   Dispatcher dispatcher;
-  explicit Runtime(ContextOptions options) : context(std::move(options)), dispatcher(context) {}
+  explicit Runtime(ContextOptions options);
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
 };
 
 // The current runtime, made with the configured search path on first use.
-Runtime& runtime();
+// Whoever uses it after letting the GIL go (a call running its kernel)
+// keeps the pointer until done: a configure() meanwhile may drop the
+// module's hold on it.
+std::shared_ptr<Runtime> runtime();
+
+// How many runtimes are alive (kdispatch._live_runtimes, for the tests).
+size_t live_runtimes();
 
 // Replaces the search path of the runtime made next (the tool's
 // --plugin-path and --add-plugin-path; empty `replace` keeps the default
 // path). The current runtime, if any, stays valid for the handles made from
-// it; later calls use the new one.
+// it and the calls in flight, and goes with the last of them; later calls
+// use the new one.
 void configure(std::vector<std::filesystem::path> replace, std::vector<std::filesystem::path> add);
 
 }  // namespace kdispatch::python

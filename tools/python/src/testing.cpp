@@ -19,7 +19,7 @@ namespace kdispatch::python {
 namespace {
 
 const OpSchema& schema_of(const std::string& op) {
-  Context& ctx = runtime().context;
+  Context& ctx = runtime()->context;
   const OpSchema* s = ctx.registry().schema(op);
   if (s == nullptr) {
     if (!ctx.registry().has(op)) ctx.selector().select({op, {}, Device::host_cpu(), std::nullopt});
@@ -128,8 +128,8 @@ py::list call_dtypes(const std::string& op, const std::optional<std::string>& ba
   const OpSchema& schema = schema_of(op);
   std::vector<Dtype> dtypes = harness::call_dtypes(schema);
   if (backend) {
-    const KernelSpec* spec = runtime().context.registry().get_backend(op, *backend);
-    if (spec == nullptr) runtime().context.select({op, *backend, Device::host_cpu(), std::nullopt});  // KD-E002
+    const KernelSpec* spec = runtime()->context.registry().get_backend(op, *backend);
+    if (spec == nullptr) runtime()->context.select({op, *backend, Device::host_cpu(), std::nullopt});  // KD-E002
     if (spec != nullptr) dtypes = harness::kernel_dtypes(schema, *spec);
   }
   py::list out;
@@ -138,7 +138,7 @@ py::list call_dtypes(const std::string& op, const std::optional<std::string>& ba
 }
 
 std::string reference_backend(const std::string& op) {
-  const KernelSpec* spec = runtime().context.registry().reference(op);
+  const KernelSpec* spec = runtime()->context.registry().reference(op);
   if (spec == nullptr) {
     schema_of(op);  // KD-E001 for an unknown op
     throw SelectionError(ErrorCode::backend_not_registered,
