@@ -34,6 +34,8 @@ struct Names {
   PyObject* max_version = PyUnicode_InternFromString("max_version");
   PyObject* cuda_stream = PyUnicode_InternFromString("cuda_stream");
   PyObject* ptr = PyUnicode_InternFromString("ptr");
+  PyObject* is_neg = PyUnicode_InternFromString("is_neg");
+  PyObject* resolve_neg = PyUnicode_InternFromString("resolve_neg");
 };
 const Names& names() {
   static const Names* n = new Names();
@@ -114,6 +116,18 @@ Py_ssize_t read_ints(PyObject* seq, std::array<int64_t, kMaxDims>& out) {
   return n;
 }
 
+// torch.Tensor and its subclasses, told by the name of torch's C base type:
+// for torch tensors met before kdispatch was told about torch (kdispatch
+// imported before torch), whose DLPack export would drop their negative bit.
+bool torch_tensor_type(PyTypeObject* type) {
+  for (PyTypeObject* t = type; t != nullptr; t = t->tp_base) {
+    if (std::strcmp(t->tp_name, "torch._C._TensorBase") == 0 || std::strcmp(t->tp_name, "torch._C.TensorBase") == 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
 bool is_gpu(int32_t dl_type) { return dl_type == kDLCUDA || dl_type == kDLROCM || dl_type == kDLCUDAManaged; }
 
 }  // namespace
@@ -167,6 +181,7 @@ StreamRequest StreamRequest::from(PyObject* stream) {
 }
 
 TensorArgs::~TensorArgs() {
+  for (size_t i = 0; i < kept_count_; ++i) Py_DECREF(kept_[i]);
   for (size_t i = 0; i < taken_count_; ++i) {
     if (taken_[i].versioned) {
       auto* m = static_cast<ManagedTensorVersioned*>(taken_[i].managed);
@@ -219,6 +234,12 @@ void TensorArgs::add(PyObject* object) {
     ++count_;
     return;
   }
+  if (g_torch.tensor_type == nullptr && torch_tensor_type(Py_TYPE(object))) {
+    // kdispatch._torch_tensors tells this module about torch.
+    py::object module = steal(PyImport_ImportModule("kdispatch._torch_tensors"));
+    py::object done = module ? steal(PyObject_CallMethod(module.ptr(), "enable", nullptr)) : py::object();
+    if (!done) throw_call_error(fmt::format("{}: cannot read torch tensors: {}", where(), take_python_error()));
+  }
   if (g_torch.tensor_type != nullptr &&
       PyObject_TypeCheck(object, reinterpret_cast<PyTypeObject*>(g_torch.tensor_type))) {
     add_torch(object, out);
@@ -232,6 +253,34 @@ void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
   const Names& n = names();
   void* data = nullptr;  // a layout check reads no data (fake tensors have none to give)
   if (purpose_ == Purpose::call) {
+    // A lazily negated view (torch's negative bit: torch._neg_view, the
+    // imaginary part of a conjugated tensor) holds in memory the negation of
+    // its values. An input is read from a resolved copy, kept until the call
+    // is done; a written tensor is refused, since the kernel would write
+    // values that read back negated. (The conjugate bit only exists on
+    // complex dtypes, which no op takes.)
+    py::object neg = steal(PyObject_CallMethodNoArgs(object, n.is_neg));
+    if (!neg) {
+      throw_call_error(fmt::format("{}: cannot read the torch tensor's negative bit: {}", where(),
+                                   take_python_error()));
+    }
+    if (neg.ptr() == Py_True) {
+      const bool written = count_ < schema_.tensors.size() &&
+                           (schema_.tensors[count_].written || schema_.tensors[count_].inplace);
+      if (written) {
+        throw_call_error(
+            fmt::format("{}: is a torch tensor with its negative bit set (a lazily negated view, "
+                        "t.is_neg()), which the op would write as if it were not; pass a tensor "
+                        "without it (t.resolve_neg() is a copy: copy the result back)",
+                        where()));
+      }
+      PyObject* resolved = PyObject_CallMethodNoArgs(object, n.resolve_neg);
+      if (resolved == nullptr) {
+        throw_call_error(fmt::format("{}: t.resolve_neg() failed: {}", where(), take_python_error()));
+      }
+      kept_[kept_count_++] = resolved;
+      object = resolved;
+    }
     py::object ptr = steal(PyObject_CallMethodNoArgs(object, n.data_ptr));
     if (!ptr) {
       throw_call_error(

@@ -1,9 +1,11 @@
 // The tensors of one call, from Python objects, as DLTensors in schema
 // order, without copying data:
-//   - torch tensors (once kdispatch.torch or a torch-aware import told the
-//     module torch's Tensor type): read from the tensor's own attributes
+//   - torch tensors (once the module knows torch's Tensor type: from
+//     kdispatch.torch, an import of kdispatch after torch, or the first
+//     torch tensor a call meets): read from the tensor's own attributes
 //     (data_ptr, shape, stride, dtype, device), which costs a fraction of
-//     exporting a DLPack capsule;
+//     exporting a DLPack capsule; an input with torch's negative bit is
+//     read through a resolved copy, an output with it is refused;
 //   - any other object with __dlpack__ / __dlpack_device__ (NumPy, CuPy, ...)
 //     and bare DLPack capsules: the capsule protocol, versioned capsules
 //     ("dltensor_versioned") asked for first, unversioned ("dltensor")
@@ -102,6 +104,10 @@ class TensorArgs {
   };
   std::array<Taken, kMaxTensors> taken_;
   size_t taken_count_ = 0;
+  // Tensors made for the call (torch inputs with their negative bit
+  // resolved), referenced until it is done.
+  std::array<PyObject*, kMaxTensors> kept_;
+  size_t kept_count_ = 0;
 };
 
 }  // namespace kdispatch::python
