@@ -321,7 +321,7 @@ constexpr CatalogueEntry kCatalogue[] = {
      "- Tensors on different devices, or a null data pointer\n"
      "- A non-contiguous tensor where the schema does not allow strides\n"
      "- A written tensor sharing memory with another argument (an output over an input, query passed as key)\n"
-     "- From Python: a torch output with its negative bit set\n"
+     "- From Python: a torch output with its negative bit set, or a tensor that requires grad (no op has a backward)\n"
      "- A missing or mistyped attribute, or the op has no schema yet"sv,
      "- Compare the call with the op's schema (manifests/ops/<group>.json; `kdispatch list` shows ops)\n"
      "- Cast to one dtype, make tensors contiguous, and put all tensors on one device\n"

@@ -35,6 +35,7 @@ struct Names {
   PyObject* cuda_stream = PyUnicode_InternFromString("cuda_stream");
   PyObject* ptr = PyUnicode_InternFromString("ptr");
   PyObject* is_neg = PyUnicode_InternFromString("is_neg");
+  PyObject* requires_grad = PyUnicode_InternFromString("requires_grad");
   PyObject* resolve_neg = PyUnicode_InternFromString("resolve_neg");
 };
 const Names& names() {
@@ -51,6 +52,7 @@ struct TorchSupport {
   std::array<TorchDtype, 16> dtypes{};
   size_t dtype_count = 0;
   PyObject* raw_stream = nullptr;  // torch._C._cuda_getCurrentRawStream, or nullptr
+  PyObject* grad_enabled = nullptr;  // torch.is_grad_enabled
   bool rocm = false;
 };
 TorchSupport g_torch;
@@ -132,7 +134,8 @@ bool is_gpu(int32_t dl_type) { return dl_type == kDLCUDA || dl_type == kDLROCM |
 
 }  // namespace
 
-void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* raw_stream_fn, bool rocm) {
+void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* raw_stream_fn, PyObject* grad_enabled_fn,
+                       bool rocm) {
   if (!PyType_Check(tensor_type)) throw py::type_error("torch support: tensor_type must be a type");
   TorchSupport support;
   Py_INCREF(tensor_type);
@@ -152,6 +155,8 @@ void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* r
     Py_INCREF(raw_stream_fn);
     support.raw_stream = raw_stream_fn;
   }
+  Py_INCREF(grad_enabled_fn);
+  support.grad_enabled = grad_enabled_fn;
   support.rocm = rocm;
   g_torch = support;  // the previous references are kept: handles made before may still use them
 }
@@ -280,6 +285,20 @@ void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
       }
       kept_[kept_count_++] = resolved;
       object = resolved;
+    }
+    // No op has a backward: a call that autograd would have to follow is
+    // refused rather than leaving results without a grad_fn.
+    py::object grad = steal(PyObject_GetAttr(object, n.requires_grad));
+    if (!grad) PyErr_Clear();
+    if (grad.ptr() == Py_True) {
+      py::object enabled = steal(PyObject_CallNoArgs(g_torch.grad_enabled));
+      if (!enabled) throw_call_error(fmt::format("{}: torch.is_grad_enabled() failed: {}", where(), take_python_error()));
+      if (enabled.ptr() == Py_True) {
+        throw_call_error(
+            fmt::format("{}: requires grad, and kdispatch ops have no backward (their results would have no "
+                        "grad_fn); call under torch.no_grad() or torch.inference_mode(), or pass t.detach()",
+                        where()));
+      }
     }
     py::object ptr = steal(PyObject_CallMethodNoArgs(object, n.data_ptr));
     if (!ptr) {
