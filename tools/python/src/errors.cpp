@@ -19,6 +19,17 @@ const char* class_name(const Error& error) {
   return "Error";
 }
 
+// The module of the exception classes: kdispatch._errors, or, for this
+// extension loaded on its own from the package's folder (the folder on
+// sys.path, no kdispatch package), the same file as the top-level _errors.
+py::module_ errors_module() {
+  try {
+    return py::module_::import("kdispatch._errors");
+  } catch (const py::error_already_set&) {
+    return py::module_::import("_errors");
+  }
+}
+
 }  // namespace
 
 py::str text(std::string_view s) {
@@ -29,7 +40,7 @@ py::str text(std::string_view s) {
 
 void set_python_error(const Error& error) {
   try {
-    py::object cls = py::module_::import("kdispatch._errors").attr(class_name(error));
+    py::object cls = errors_module().attr(class_name(error));
     py::list hints;
     for (const auto& h : error.hints()) hints.append(text(h));
     py::object instance = cls(text(error.code_string()), text(error.message()), hints);
