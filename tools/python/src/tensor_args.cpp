@@ -52,6 +52,11 @@ struct TorchSupport {
   std::array<TorchDtype, 16> dtypes{};
   size_t dtype_count = 0;
   PyObject* raw_stream = nullptr;  // torch._C._cuda_getCurrentRawStream, or nullptr
+  // The C-level is_neg method and requires_grad getter of torch's tensor
+  // base type, called directly: no lookup per call, and a subclass cannot
+  // override them.
+  PyObject* is_neg = nullptr;
+  PyObject* requires_grad = nullptr;
   PyObject* grad_enabled = nullptr;  // torch.is_grad_enabled
   bool rocm = false;
 };
@@ -140,6 +145,19 @@ void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* r
   TorchSupport support;
   Py_INCREF(tensor_type);
   support.tensor_type = tensor_type;
+  for (PyTypeObject* t = reinterpret_cast<PyTypeObject*>(tensor_type); t != nullptr; t = t->tp_base) {
+    if (std::strcmp(t->tp_name, "torch._C._TensorBase") == 0 || std::strcmp(t->tp_name, "torch._C.TensorBase") == 0) {
+      support.is_neg = PyObject_GetAttr(reinterpret_cast<PyObject*>(t), names().is_neg);
+      support.requires_grad = PyDict_GetItem(t->tp_dict, names().requires_grad);  // borrowed
+      Py_XINCREF(support.requires_grad);
+      break;
+    }
+  }
+  PyErr_Clear();
+  if (support.is_neg == nullptr || support.requires_grad == nullptr ||
+      Py_TYPE(support.requires_grad)->tp_descr_get == nullptr) {
+    throw py::type_error("torch support: no is_neg method or requires_grad getter on torch's tensor base type");
+  }
   py::list table = py::reinterpret_borrow<py::list>(dtype_table);
   for (py::handle entry : table) {
     auto pair = entry.cast<py::tuple>();
@@ -264,7 +282,7 @@ void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
     // is done; a written tensor is refused, since the kernel would write
     // values that read back negated. (The conjugate bit only exists on
     // complex dtypes, which no op takes.)
-    py::object neg = steal(PyObject_CallMethodNoArgs(object, n.is_neg));
+    py::object neg = steal(PyObject_CallOneArg(g_torch.is_neg, object));
     if (!neg) {
       throw_call_error(fmt::format("{}: cannot read the torch tensor's negative bit: {}", where(),
                                    take_python_error()));
@@ -288,7 +306,9 @@ void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
     }
     // No op has a backward: a call that autograd would have to follow is
     // refused rather than leaving results without a grad_fn.
-    py::object grad = steal(PyObject_GetAttr(object, n.requires_grad));
+    py::object grad = steal(Py_TYPE(g_torch.requires_grad)
+                                ->tp_descr_get(g_torch.requires_grad, object,
+                                               reinterpret_cast<PyObject*>(Py_TYPE(object))));
     if (!grad) PyErr_Clear();
     if (grad.ptr() == Py_True) {
       py::object enabled = steal(PyObject_CallNoArgs(g_torch.grad_enabled));
