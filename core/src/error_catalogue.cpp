@@ -324,9 +324,12 @@ constexpr CatalogueEntry kCatalogue[] = {
      "- A shape that breaks the pattern (e.g. weight [H] must match the last dim of x; out of [*, 2*D] input must be [*, D])\n"
      "- Tensors on different devices, or a null data pointer\n"
      "- A non-contiguous tensor where the schema does not allow strides\n"
+     "- A written tensor sharing memory with another argument (an output over an input, query passed as key)\n"
+     "- From Python: a torch output with its negative bit set, or a tensor that requires grad (no op has a backward)\n"
      "- A missing or mistyped attribute, or the op has no schema yet"sv,
      "- Compare the call with the op's schema (manifests/ops/<group>.json; `kdispatch list` shows ops)\n"
      "- Cast to one dtype, make tensors contiguous, and put all tensors on one device\n"
+     "- Give each written tensor memory of its own\n"
      "- Try the op with generated inputs: `kdispatch run OP --device D`\n"
      "- For a third-party op, ship its schema in the manifest's \"ops\" and check it with `kdispatch validate FILE`"sv},
 

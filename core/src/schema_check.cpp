@@ -110,6 +110,162 @@ std::optional<uint64_t> checked_extent(const DLTensor& t) noexcept {
 
 namespace {
 
+// Where a tensor's bytes lie: from `base` (its lowest byte) over `extent`
+// bytes, through the dims of size > 1 and stride != 0, strides in bytes made
+// positive and sorted from the largest down. Dims of stride 0 add no memory.
+struct Footprint {
+  uint64_t base = 0;
+  uint64_t extent = 0;
+  int num_dims = 0;
+  std::array<int64_t, 2 * 16> dims;  // size, stride in bytes; per dim
+};
+
+// False on overflow: the caller then takes the tensors as overlapping.
+bool footprint(const DLTensor& t, Footprint* f) noexcept {
+  const int64_t item = (int64_t{t.dtype.bits} * t.dtype.lanes + 7) / 8;
+  uint64_t base = 0;
+  if (__builtin_add_overflow(reinterpret_cast<uintptr_t>(t.data), t.byte_offset, &base)) return false;
+  if (t.ndim > 16) return false;
+  int64_t extent = item;
+  int64_t dense = item;  // the stride of a dense dim, for tensors without strides
+  int n = 0;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    const int64_t size = t.shape[i];
+    int64_t stride = 0;
+    if (t.strides == nullptr) {
+      stride = dense;
+      if (__builtin_mul_overflow(dense, size, &dense)) return false;
+    } else if (__builtin_mul_overflow(t.strides[i], item, &stride)) {
+      return false;
+    }
+    if (size <= 1 || stride == 0) continue;
+    int64_t span = 0;
+    if (stride == std::numeric_limits<int64_t>::min() || __builtin_mul_overflow(size - 1, stride < 0 ? -stride : stride, &span) ||
+        __builtin_add_overflow(extent, span, &extent)) {
+      return false;
+    }
+    if (stride < 0) {
+      if (base < static_cast<uint64_t>(span)) return false;
+      base -= static_cast<uint64_t>(span);
+      stride = -stride;
+    }
+    // Insertion by stride, largest first.
+    int at = n;
+    while (at > 0 && f->dims[2 * (at - 1) + 1] < stride) {
+      f->dims[2 * at] = f->dims[2 * (at - 1)];
+      f->dims[2 * at + 1] = f->dims[2 * (at - 1) + 1];
+      --at;
+    }
+    f->dims[2 * at] = size;
+    f->dims[2 * at + 1] = stride;
+    ++n;
+  }
+  f->base = base;
+  f->extent = static_cast<uint64_t>(extent);
+  f->num_dims = n;
+  return base + f->extent >= base;
+}
+
+int64_t floor_div(int64_t a, int64_t b) { return a / b - (a % b != 0 && (a < 0) != (b < 0)); }
+
+// Whether two footprints may share a byte. Both are walked from their
+// largest stride down: at each level, where the rows (the tensor below the
+// dim of the largest stride S) of each fit in S bytes and one tensor's
+// rows start at a fixed offset from the other's, a row of one can only meet
+// the row of the other that starts less than S before it, and that pair
+// stands for all: the walk goes down into it. Slices of one parent tensor
+// (q and k of a fused QKV output, even and odd columns) are told apart
+// exactly; layouts that do not nest that way count as overlapping.
+bool footprints_overlap(const Footprint& a, const Footprint& b) noexcept {
+  if (a.base + a.extent <= b.base || b.base + b.extent <= a.base) return false;
+  // b's base relative to a's, and the extents below the dims walked so far.
+  int64_t offset = static_cast<int64_t>(b.base - a.base);
+  int64_t extent_a = static_cast<int64_t>(a.extent);
+  int64_t extent_b = static_cast<int64_t>(b.extent);
+  int ia = 0;
+  int ib = 0;
+  while (true) {
+    if (offset >= extent_a || offset + extent_b <= 0) return false;
+    if (ia == a.num_dims && ib == b.num_dims) return true;
+    const int64_t stride_a = ia < a.num_dims ? a.dims[2 * ia + 1] : 0;
+    const int64_t stride_b = ib < b.num_dims ? b.dims[2 * ib + 1] : 0;
+    const int64_t s = std::max(stride_a, stride_b);
+    const int64_t rows_a = stride_a == s ? a.dims[2 * ia] : 1;
+    const int64_t rows_b = stride_b == s ? b.dims[2 * ib] : 1;
+    const int64_t row_a = extent_a - (rows_a - 1) * s;
+    const int64_t row_b = extent_b - (rows_b - 1) * s;
+    if (row_a > s || row_b > s) return true;
+    // b's row j starts at a's row (shift + j) plus `within`.
+    int64_t shift = floor_div(offset, s);
+    int64_t within = offset - shift * s;
+    if (within + row_b > s) {
+      if (row_a > within) return true;
+      within -= s;
+      ++shift;
+    }
+    if (shift >= rows_a || shift + rows_b <= 0) return false;
+    if (stride_a == s) ++ia;
+    if (stride_b == s) ++ib;
+    offset = within;
+    extent_a = row_a;
+    extent_b = row_b;
+  }
+}
+
+bool present_with_data(const DLTensor& t) { return t.data != nullptr && !is_empty(t); }
+
+}  // namespace
+
+bool may_overlap(const DLTensor& a, const DLTensor& b) noexcept {
+  if (!present_with_data(a) || !present_with_data(b)) return false;
+  Footprint fa;
+  Footprint fb;
+  if (!footprint(a, &fa) || !footprint(b, &fb)) return true;
+  return footprints_overlap(fa, fb);
+}
+
+bool find_written_overlap(std::span<const DLTensor> tensors, uint32_t written, size_t* writer,
+                          size_t* other) noexcept {
+  // The byte ranges first, without strides sorted: most pairs end there.
+  std::array<uint64_t, 2 * kMaxSchemaTensors> range;
+  const size_t n = std::min(tensors.size(), kMaxSchemaTensors);
+  for (size_t i = 0; i < n; ++i) {
+    const DLTensor& t = tensors[i];
+    range[2 * i] = range[2 * i + 1] = 0;
+    if (!present_with_data(t)) continue;
+    const std::optional<uint64_t> extent = checked_extent(t);
+    const uint64_t start = reinterpret_cast<uintptr_t>(t.data) + t.byte_offset;
+    if (!extent) {
+      range[2 * i + 1] = ~uint64_t{0};  // unknown: overlapping everything
+      continue;
+    }
+    // Negative strides reach below the first element.
+    uint64_t below = 0;
+    if (t.strides != nullptr) {
+      for (int k = 0; k < t.ndim; ++k) {
+        if (t.strides[k] < 0) below += static_cast<uint64_t>(-t.strides[k]) * static_cast<uint64_t>(t.shape[k] - 1);
+      }
+      below *= static_cast<uint64_t>((int64_t{t.dtype.bits} * t.dtype.lanes + 7) / 8);
+    }
+    range[2 * i] = start - below;
+    range[2 * i + 1] = start - below + *extent;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (((written >> i) & 1u) == 0 || range[2 * i] == range[2 * i + 1]) continue;
+    for (size_t j = 0; j < n; ++j) {
+      if (j == i || range[2 * j] == range[2 * j + 1]) continue;
+      if (range[2 * i + 1] <= range[2 * j] || range[2 * j + 1] <= range[2 * i]) continue;
+      if (!may_overlap(tensors[i], tensors[j])) continue;
+      *writer = i;
+      *other = j;
+      return true;
+    }
+  }
+  return false;
+}
+
+namespace {
+
 // Highest user-space address plus one: a tensor ending above it cannot be
 // memory of this process.
 #if defined(__x86_64__) || defined(__aarch64__)
@@ -199,6 +355,7 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
     if (arg.layout == Layout::any) t.flags |= kStrided;
     if (arg.layout == Layout::rows) t.flags |= kRows;
     if (arg.optional) t.flags |= kOptional;
+    if (arg.written || arg.inplace) written_ |= uint32_t{1} << plan_.size();
     const auto refuse_schema = [&](const std::string& why) {
       throw ManifestError(ErrorCode::manifest_bad_field,
                           fmt::format("{}: op '{}', tensor '{}': {}", schema.source, schema.op, arg.name, why));
@@ -525,6 +682,21 @@ bool CompiledSchema::walk(std::span<const DLTensor> tensors, CallInfo* info, Ref
         }
         return fmt::format("op '{}': the call breaks the schema's requirement {}: {}", schema_.op, req.text,
                            fmt::join(bound, ", "));
+      });
+    }
+  }
+  if constexpr (scope == Scope::call) {
+    // A written tensor sharing memory with another argument reads values
+    // the kernel has already overwritten (or writes one place twice): the
+    // in-place tensors of a schema are read and written as one argument,
+    // never as two.
+    size_t writer = 0;
+    size_t other = 0;
+    if (written_ != 0 && find_written_overlap(tensors, written_, &writer, &other)) [[unlikely]] {
+      return refuse(writer, [&] {
+        return fmt::format("is written by the op, and its memory overlaps that of argument {} '{}'; a written "
+                           "tensor may share no byte with another argument (pass separate tensors)",
+                           other, schema_.tensors[other].name);
       });
     }
   }

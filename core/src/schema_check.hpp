@@ -177,6 +177,7 @@ class CompiledSchema {
   std::array<uint8_t, kMaxSchemaSymbols> symbol_owner_{};
   std::array<uint8_t, kMaxSchemaDtypeVars> var_owner_{};
   uint8_t leading_owner_ = 0;
+  uint32_t written_ = 0;  // bit i: the op writes tensor i ("written" or "inplace")
   mutable std::array<Accepted, kRemembered> accepted_;
   mutable std::atomic<uint32_t> next_accepted_{0};  // the entry the next new signature replaces
 };
@@ -237,6 +238,17 @@ std::optional<uint64_t> checked_extent(const DLTensor& t) noexcept;
 // element size, overflowing with the data pointer and `bytes`, or (cpu)
 // putting the data outside mapped memory.
 std::string byte_offset_problem(const DLTensor& t, uint64_t bytes);
+// Whether two tensors may share a byte of memory: false when they are
+// absent, empty, or proven apart (slices of one buffer that interleave, such
+// as q and k of a fused QKV output, are told apart exactly); true when they
+// share one, or their layouts do not nest so that this can be proven.
+bool may_overlap(const DLTensor& a, const DLTensor& b) noexcept;
+// The first pair (`writer`, `other`) of a call's tensors, `writer` one whose
+// bit is set in `written`, whose memory may overlap (may_overlap); false
+// when there is none. No allocation: the byte range of each tensor first,
+// the finer test only for pairs whose ranges meet.
+bool find_written_overlap(std::span<const DLTensor> tensors, uint32_t written, size_t* writer,
+                          size_t* other) noexcept;
 
 // Inline: the whole per-call cost of a checked call's validation.
 inline bool CompiledSchema::matches(const Accepted& accepted, std::span<const DLTensor> tensors,
@@ -292,7 +304,13 @@ inline bool CompiledSchema::matches(const Accepted& accepted, std::span<const DL
 inline bool CompiledSchema::matches_remembered(std::span<const DLTensor> tensors, CallInfo* info) const noexcept {
   if (tensors.size() != num_tensors_ || tensors.size() > Accepted::kTensors) return false;
   for (const Accepted& accepted : accepted_) {
-    if (matches(accepted, tensors, info)) return true;
+    if (matches(accepted, tensors, info)) {
+      // Memory is not part of the remembered words: a written tensor that
+      // overlaps another argument goes on to the plan, which refuses it.
+      size_t writer = 0;
+      size_t other = 0;
+      return written_ == 0 || !find_written_overlap(tensors, written_, &writer, &other);
+    }
   }
   return false;
 }

@@ -116,9 +116,12 @@ TEST_CASE("hostile sizes: overflowing counts, negative dims and bad byte_offset 
   const OpSchema schema = scale_schema();
   const CompiledSchema compiled(schema);
   std::vector<float> storage(64);
+  std::vector<float> out_storage(64);
   int64_t good_shape[2] = {4, 16};
   const DLTensor good{storage.data(), {kDLCPU, 0}, 2, {kDLFloat, 32, 1}, good_shape, nullptr, 0};
-  CHECK(refusal(compiled, {good, good}) == "accepted");
+  DLTensor good_out = good;
+  good_out.data = out_storage.data();
+  CHECK(refusal(compiled, {good_out, good}) == "accepted");
 
   SUBCASE("element count past 64 bits, null data") {
     // 2^32 * 2^32 elements wrap to 0, which would make null data look fine.
@@ -144,14 +147,14 @@ TEST_CASE("hostile sizes: overflowing counts, negative dims and bad byte_offset 
     DLTensor t = good;
     t.byte_offset = uint64_t{1} << 40;
     if (!kSanitized) {
-      const std::string why = refusal(compiled, {good, t});
+      const std::string why = refusal(compiled, {good_out, t});
       CHECK(why.find("argument 1 'x'") != std::string::npos);
       CHECK(why.find("byte_offset 1099511627776 puts the tensor's 256 bytes outside this process's memory") !=
             std::string::npos);
     }
     // Past the end of the address space: refused under any memory layout.
     t.byte_offset = uint64_t{1} << 47;
-    CHECK(refusal(compiled, {good, t}).find("outside this process's memory") != std::string::npos);
+    CHECK(refusal(compiled, {good_out, t}).find("outside this process's memory") != std::string::npos);
   }
   SUBCASE("byte_offset that overflows or is misaligned") {
     DLTensor t = good;
@@ -166,10 +169,67 @@ TEST_CASE("hostile sizes: overflowing counts, negative dims and bad byte_offset 
     t.shape = shape;
     t.byte_offset = 16 * sizeof(float);
     DLTensor o = t;
+    o.data = out_storage.data();
     o.byte_offset = 0;
     CHECK(refusal(compiled, {o, t}) == "accepted");
     CHECK(refusal(compiled, {o, t}) == "accepted");
     t.byte_offset = uint64_t{1} << 47;  // same shapes as an accepted call: still checked
     CHECK(refusal(compiled, {o, t}) != "accepted");
+  }
+}
+
+TEST_CASE("overlapping memory: a written tensor sharing a byte with another argument is KD-E030 naming both") {
+  const OpSchema schema = scale_schema();
+  const CompiledSchema compiled(schema);
+  std::vector<float> storage(256);
+  int64_t shape[2] = {4, 16};
+  int64_t wide[2] = {16, 1};  // rows of 16 floats
+  int64_t padded[2] = {32, 1};  // rows of 32 floats: two tensors side by side
+  const DLTensor base{storage.data(), {kDLCPU, 0}, 2, {kDLFloat, 32, 1}, shape, wide, 0};
+  const auto at = [&](size_t offset, int64_t* strides) {
+    DLTensor t = base;
+    t.data = storage.data() + offset;
+    t.strides = strides;
+    return t;
+  };
+  const std::string overlaps = "argument 0 'out': is written by the op, and its memory overlaps that of argument 1 'x'";
+  CHECK(refusal(compiled, {at(0, wide), at(64, wide)}) == "accepted");
+  CHECK(refusal(compiled, {at(0, wide), at(64, wide)}) == "accepted");  // remembered
+  SUBCASE("one tensor as both") { CHECK(refusal(compiled, {at(0, wide), at(0, wide)}).find(overlaps) != std::string::npos); }
+  SUBCASE("shifted by one element, after an accepted call of the same shapes") {
+    CHECK(refusal(compiled, {at(1, wide), at(0, wide)}).find(overlaps) != std::string::npos);
+    CHECK(refusal(compiled, {at(63, nullptr), at(0, nullptr)}).find(overlaps) != std::string::npos);
+  }
+  // Strided views (refused by this schema's contiguous layout) through may_overlap.
+  SUBCASE("interleaved rows of one buffer share no byte") {
+    CHECK(may_overlap(at(0, padded), at(16, padded)) == false);
+    CHECK(may_overlap(at(16, padded), at(0, padded)) == false);
+    CHECK(may_overlap(at(8, padded), at(16, padded)) == true);
+    CHECK(may_overlap(at(16, padded), at(47, padded)) == true);  // the next row's first float
+  }
+  SUBCASE("even and odd columns") {
+    int64_t cols[2] = {32, 2};
+    CHECK(may_overlap(at(0, cols), at(1, cols)) == false);
+    CHECK(may_overlap(at(0, cols), at(2, cols)) == true);
+    CHECK(may_overlap(at(0, cols), at(0, padded)) == true);
+  }
+  SUBCASE("negative strides reach below the data pointer") {
+    int64_t reversed[2] = {-16, 1};
+    CHECK(may_overlap(at(64, wide), at(112, reversed)) == true);
+    CHECK(may_overlap(at(0, wide), at(112, reversed)) == false);
+  }
+  SUBCASE("tensors without elements never overlap") {
+    int64_t empty[2] = {0, 16};
+    DLTensor out = at(0, wide);
+    DLTensor x = at(0, wide);
+    out.shape = x.shape = empty;
+    CHECK(refusal(compiled, {out, x}) == "accepted");
+  }
+  SUBCASE("a byte_offset counts") {
+    DLTensor x = at(0, wide);
+    x.byte_offset = 60 * sizeof(float);
+    CHECK(refusal(compiled, {at(0, wide), x}).find(overlaps) != std::string::npos);
+    x.byte_offset = 64 * sizeof(float);
+    CHECK(refusal(compiled, {at(0, wide), x}) == "accepted");
   }
 }

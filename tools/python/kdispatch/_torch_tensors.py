@@ -29,6 +29,6 @@ def enable():
     global _enabled
     if _enabled:
         return
-    _kdispatch._set_torch(torch.Tensor, _DTYPES, _raw_stream_function(),
+    _kdispatch._set_torch(torch.Tensor, _DTYPES, _raw_stream_function(), torch.is_grad_enabled,
                           getattr(torch.version, "hip", None) is not None)
     _enabled = True

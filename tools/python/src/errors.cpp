@@ -19,14 +19,31 @@ const char* class_name(const Error& error) {
   return "Error";
 }
 
+// The module of the exception classes: kdispatch._errors, or, for this
+// extension loaded on its own from the package's folder (the folder on
+// sys.path, no kdispatch package), the same file as the top-level _errors.
+py::module_ errors_module() {
+  try {
+    return py::module_::import("kdispatch._errors");
+  } catch (const py::error_already_set&) {
+    return py::module_::import("_errors");
+  }
+}
+
 }  // namespace
+
+py::str text(std::string_view s) {
+  PyObject* str = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "surrogateescape");
+  if (str == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(str);
+}
 
 void set_python_error(const Error& error) {
   try {
-    py::object cls = py::module_::import("kdispatch._errors").attr(class_name(error));
+    py::object cls = errors_module().attr(class_name(error));
     py::list hints;
-    for (const auto& h : error.hints()) hints.append(h);
-    py::object instance = cls(error.code_string(), error.message(), hints);
+    for (const auto& h : error.hints()) hints.append(text(h));
+    py::object instance = cls(text(error.code_string()), text(error.message()), hints);
     PyErr_SetObject(cls.ptr(), instance.ptr());
   } catch (const py::error_already_set&) {
     // kdispatch._errors could not be used: a RuntimeError still carries the

@@ -8,6 +8,7 @@
 #include <kdispatch/error_catalogue.hpp>
 #include <kdispatch/platform.hpp>
 
+#include "errors.hpp"
 #include "runtime.hpp"
 
 namespace py = pybind11;
@@ -36,13 +37,13 @@ py::list dtype_list(const std::vector<Dtype>& dtypes) {
 
 py::dict spec_dict(const KernelSpec& spec) {
   py::dict d;
-  d["op"] = spec.op;
-  d["backend"] = spec.backend;
-  d["plugin"] = spec.plugin;
-  d["symbol"] = spec.symbol;
+  d["op"] = text(spec.op);
+  d["backend"] = text(spec.backend);
+  d["plugin"] = text(spec.plugin);
+  d["symbol"] = text(spec.symbol);
   d["targets"] = target_list(spec.targets);
   d["dtypes"] = dtype_list(spec.dtypes);
-  d["manifest"] = spec.manifest;
+  d["manifest"] = text(spec.manifest);
   return d;
 }
 
@@ -50,7 +51,7 @@ py::object attr_to_python(const AttrValue& v) {
   if (auto* d = std::get_if<double>(&v)) return py::float_(*d);
   if (auto* i = std::get_if<int64_t>(&v)) return py::int_(*i);
   if (auto* b = std::get_if<bool>(&v)) return py::bool_(*b);
-  return py::str(std::get<std::string>(v));
+  return text(std::get<std::string>(v));
 }
 
 // {dtype name: {"ulps", "atol", "mean_ulps"}} for each float dtype an output
@@ -84,16 +85,16 @@ py::dict tolerance_dict(const OpSchema& s) {
 
 py::dict schema_dict(const OpSchema& s) {
   py::dict d;
-  d["op"] = s.op;
-  d["doc"] = s.doc;
+  d["op"] = text(s.op);
+  d["doc"] = text(s.doc);
   py::list tensors;
   for (const auto& t : s.tensors) {
     py::dict td;
-    td["name"] = t.name;
+    td["name"] = text(t.name);
     py::list shape;
     for (const auto& tok : t.shape) shape.append(tok.str());
     td["shape"] = shape;
-    td["dtype"] = t.dtype;
+    td["dtype"] = text(t.dtype);
     td["written"] = t.written || t.inplace;
     td["inplace"] = t.inplace;
     td["strided"] = t.layout == Layout::any;
@@ -113,31 +114,31 @@ py::dict schema_dict(const OpSchema& s) {
   py::list attrs;
   for (const auto& a : s.attrs) {
     py::dict ad;
-    ad["name"] = a.name;
+    ad["name"] = text(a.name);
     ad["type"] = std::string(attr_type_name(a.type));
     ad["default"] = a.default_value ? attr_to_python(*a.default_value) : py::none();
     ad["required"] = !a.default_value.has_value();
-    ad["doc"] = a.doc;
+    ad["doc"] = text(a.doc);
     attrs.append(ad);
   }
   d["attrs"] = attrs;
   py::dict vars;
-  for (const auto& [name, dtypes] : s.dtype_vars) vars[py::str(name)] = dtype_list(dtypes);
+  for (const auto& [name, dtypes] : s.dtype_vars) vars[text(name)] = dtype_list(dtypes);
   d["dtypes"] = vars;
   py::list requirements;
-  for (const std::string& r : s.requirements) requirements.append(r);
+  for (const std::string& r : s.requirements) requirements.append(text(r));
   d["requires"] = requirements;
   if (!s.out_of_place.empty()) d["out_of_place"] = s.out_of_place;
   d["tolerance"] = tolerance_dict(s);
-  d["source"] = s.source;
+  d["source"] = text(s.source);
   return d;
 }
 
 py::dict problem_dict(const Problem& p) {
   py::dict d;
   d["code"] = code_string(p.code);
-  d["file"] = p.file;
-  d["message"] = p.message;
+  d["file"] = text(p.file);
+  d["message"] = text(p.message);
   d["severity"] = p.warning ? "warning" : "error";
   return d;
 }
@@ -146,7 +147,7 @@ py::dict problem_dict(const Problem& p) {
 
 py::list ops() {
   py::list out;
-  for (const auto& op : runtime()->context.registry().ops()) out.append(op);
+  for (const auto& op : runtime()->context.registry().ops()) out.append(text(op));
   return out;
 }
 
@@ -162,7 +163,7 @@ py::list backends(const std::string& op, const std::optional<std::string>& devic
     py::dict d = spec_dict(*e.spec);
     d["device"] = dev.str();
     d["eligible"] = e.eligible;
-    d["reason"] = e.eligible ? py::none() : py::object(py::str(e.reason));
+    d["reason"] = e.eligible ? py::none() : py::object(text(e.reason));
     out.append(d);
   }
   return out;
@@ -207,30 +208,30 @@ py::dict schema(const std::string& op) {
 py::dict doctor() {
   const DoctorReport report = doctor_report(runtime()->context);
   py::list search;
-  for (const auto& d : report.search_path) search.append(d.path.string());
+  for (const auto& d : report.search_path) search.append(text(d.path.string()));
   py::list plugins;
   for (const PluginReport& r : report.plugins) {
     py::dict p;
-    p["name"] = r.name;
-    p["backend"] = r.backend;
-    p["manifest"] = r.manifest;
-    p["library"] = r.library;
+    p["name"] = text(r.name);
+    p["backend"] = text(r.backend);
+    p["manifest"] = text(r.manifest);
+    p["library"] = text(r.library);
     p["status"] = r.ok ? "ok" : "error";
     p["state"] = std::string(plugin_state_name(r.state));
-    if (!r.note.empty()) p["note"] = r.note;
+    if (!r.note.empty()) p["note"] = text(r.note);
     py::list problems;
     for (const auto& q : r.problems) problems.append(problem_dict(q));
     p["problems"] = problems;
     p["loaded"] = r.loaded;
     if (r.loaded) {
-      p["version"] = r.version;
+      p["version"] = text(r.version);
       p["abi"] = r.abi;
       py::list devices;
       for (const auto& dev : r.devices) {
         py::dict dd;
         dd["device"] = dev.device.str();
         dd["id"] = dev.id;
-        dd["name"] = dev.name;
+        dd["name"] = text(dev.name);
         devices.append(dd);
       }
       p["devices"] = devices;
@@ -240,7 +241,7 @@ py::dict doctor() {
   py::list problems;
   for (const auto& q : report.problems) problems.append(problem_dict(q));
   py::list without_reference;
-  for (const auto& op : report.ops_without_reference) without_reference.append(op);
+  for (const auto& op : report.ops_without_reference) without_reference.append(text(op));
   py::dict out;
   out["search_path"] = search;
   out["plugins"] = plugins;

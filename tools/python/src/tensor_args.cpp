@@ -34,6 +34,9 @@ struct Names {
   PyObject* max_version = PyUnicode_InternFromString("max_version");
   PyObject* cuda_stream = PyUnicode_InternFromString("cuda_stream");
   PyObject* ptr = PyUnicode_InternFromString("ptr");
+  PyObject* is_neg = PyUnicode_InternFromString("is_neg");
+  PyObject* requires_grad = PyUnicode_InternFromString("requires_grad");
+  PyObject* resolve_neg = PyUnicode_InternFromString("resolve_neg");
 };
 const Names& names() {
   static const Names* n = new Names();
@@ -49,6 +52,12 @@ struct TorchSupport {
   std::array<TorchDtype, 16> dtypes{};
   size_t dtype_count = 0;
   PyObject* raw_stream = nullptr;  // torch._C._cuda_getCurrentRawStream, or nullptr
+  // The C-level is_neg method and requires_grad getter of torch's tensor
+  // base type, called directly: no lookup per call, and a subclass cannot
+  // override them.
+  PyObject* is_neg = nullptr;
+  PyObject* requires_grad = nullptr;
+  PyObject* grad_enabled = nullptr;  // torch.is_grad_enabled
   bool rocm = false;
 };
 TorchSupport g_torch;
@@ -114,15 +123,41 @@ Py_ssize_t read_ints(PyObject* seq, std::array<int64_t, kMaxDims>& out) {
   return n;
 }
 
+// torch.Tensor and its subclasses, told by the name of torch's C base type:
+// for torch tensors met before kdispatch was told about torch (kdispatch
+// imported before torch), whose DLPack export would drop their negative bit.
+bool torch_tensor_type(PyTypeObject* type) {
+  for (PyTypeObject* t = type; t != nullptr; t = t->tp_base) {
+    if (std::strcmp(t->tp_name, "torch._C._TensorBase") == 0 || std::strcmp(t->tp_name, "torch._C.TensorBase") == 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
 bool is_gpu(int32_t dl_type) { return dl_type == kDLCUDA || dl_type == kDLROCM || dl_type == kDLCUDAManaged; }
 
 }  // namespace
 
-void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* raw_stream_fn, bool rocm) {
+void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* raw_stream_fn, PyObject* grad_enabled_fn,
+                       bool rocm) {
   if (!PyType_Check(tensor_type)) throw py::type_error("torch support: tensor_type must be a type");
   TorchSupport support;
   Py_INCREF(tensor_type);
   support.tensor_type = tensor_type;
+  for (PyTypeObject* t = reinterpret_cast<PyTypeObject*>(tensor_type); t != nullptr; t = t->tp_base) {
+    if (std::strcmp(t->tp_name, "torch._C._TensorBase") == 0 || std::strcmp(t->tp_name, "torch._C.TensorBase") == 0) {
+      support.is_neg = PyObject_GetAttr(reinterpret_cast<PyObject*>(t), names().is_neg);
+      support.requires_grad = PyDict_GetItem(t->tp_dict, names().requires_grad);  // borrowed
+      Py_XINCREF(support.requires_grad);
+      break;
+    }
+  }
+  PyErr_Clear();
+  if (support.is_neg == nullptr || support.requires_grad == nullptr ||
+      Py_TYPE(support.requires_grad)->tp_descr_get == nullptr) {
+    throw py::type_error("torch support: no is_neg method or requires_grad getter on torch's tensor base type");
+  }
   py::list table = py::reinterpret_borrow<py::list>(dtype_table);
   for (py::handle entry : table) {
     auto pair = entry.cast<py::tuple>();
@@ -138,6 +173,8 @@ void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* r
     Py_INCREF(raw_stream_fn);
     support.raw_stream = raw_stream_fn;
   }
+  Py_INCREF(grad_enabled_fn);
+  support.grad_enabled = grad_enabled_fn;
   support.rocm = rocm;
   g_torch = support;  // the previous references are kept: handles made before may still use them
 }
@@ -167,6 +204,7 @@ StreamRequest StreamRequest::from(PyObject* stream) {
 }
 
 TensorArgs::~TensorArgs() {
+  for (size_t i = 0; i < kept_count_; ++i) Py_DECREF(kept_[i]);
   for (size_t i = 0; i < taken_count_; ++i) {
     if (taken_[i].versioned) {
       auto* m = static_cast<ManagedTensorVersioned*>(taken_[i].managed);
@@ -219,6 +257,12 @@ void TensorArgs::add(PyObject* object) {
     ++count_;
     return;
   }
+  if (g_torch.tensor_type == nullptr && torch_tensor_type(Py_TYPE(object))) {
+    // kdispatch._torch_tensors tells this module about torch.
+    py::object module = steal(PyImport_ImportModule("kdispatch._torch_tensors"));
+    py::object done = module ? steal(PyObject_CallMethod(module.ptr(), "enable", nullptr)) : py::object();
+    if (!done) throw_call_error(fmt::format("{}: cannot read torch tensors: {}", where(), take_python_error()));
+  }
   if (g_torch.tensor_type != nullptr &&
       PyObject_TypeCheck(object, reinterpret_cast<PyTypeObject*>(g_torch.tensor_type))) {
     add_torch(object, out);
@@ -232,6 +276,50 @@ void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
   const Names& n = names();
   void* data = nullptr;  // a layout check reads no data (fake tensors have none to give)
   if (purpose_ == Purpose::call) {
+    // A lazily negated view (torch's negative bit: torch._neg_view, the
+    // imaginary part of a conjugated tensor) holds in memory the negation of
+    // its values. An input is read from a resolved copy, kept until the call
+    // is done; a written tensor is refused, since the kernel would write
+    // values that read back negated. (The conjugate bit only exists on
+    // complex dtypes, which no op takes.)
+    py::object neg = steal(PyObject_CallOneArg(g_torch.is_neg, object));
+    if (!neg) {
+      throw_call_error(fmt::format("{}: cannot read the torch tensor's negative bit: {}", where(),
+                                   take_python_error()));
+    }
+    if (neg.ptr() == Py_True) {
+      const bool written = count_ < schema_.tensors.size() &&
+                           (schema_.tensors[count_].written || schema_.tensors[count_].inplace);
+      if (written) {
+        throw_call_error(
+            fmt::format("{}: is a torch tensor with its negative bit set (a lazily negated view, "
+                        "t.is_neg()), which the op would write as if it were not; pass a tensor "
+                        "without it (t.resolve_neg() is a copy: copy the result back)",
+                        where()));
+      }
+      PyObject* resolved = PyObject_CallMethodNoArgs(object, n.resolve_neg);
+      if (resolved == nullptr) {
+        throw_call_error(fmt::format("{}: t.resolve_neg() failed: {}", where(), take_python_error()));
+      }
+      kept_[kept_count_++] = resolved;
+      object = resolved;
+    }
+    // No op has a backward: a call that autograd would have to follow is
+    // refused rather than leaving results without a grad_fn.
+    py::object grad = steal(Py_TYPE(g_torch.requires_grad)
+                                ->tp_descr_get(g_torch.requires_grad, object,
+                                               reinterpret_cast<PyObject*>(Py_TYPE(object))));
+    if (!grad) PyErr_Clear();
+    if (grad.ptr() == Py_True) {
+      py::object enabled = steal(PyObject_CallNoArgs(g_torch.grad_enabled));
+      if (!enabled) throw_call_error(fmt::format("{}: torch.is_grad_enabled() failed: {}", where(), take_python_error()));
+      if (enabled.ptr() == Py_True) {
+        throw_call_error(
+            fmt::format("{}: requires grad, and kdispatch ops have no backward (their results would have no "
+                        "grad_fn); call under torch.no_grad() or torch.inference_mode(), or pass t.detach()",
+                        where()));
+      }
+    }
     py::object ptr = steal(PyObject_CallMethodNoArgs(object, n.data_ptr));
     if (!ptr) {
       throw_call_error(

@@ -1,9 +1,13 @@
 // The tensors of one call, from Python objects, as DLTensors in schema
 // order, without copying data:
-//   - torch tensors (once kdispatch.torch or a torch-aware import told the
-//     module torch's Tensor type): read from the tensor's own attributes
+//   - torch tensors (once the module knows torch's Tensor type: from
+//     kdispatch.torch, an import of kdispatch after torch, or the first
+//     torch tensor a call meets): read from the tensor's own attributes
 //     (data_ptr, shape, stride, dtype, device), which costs a fraction of
-//     exporting a DLPack capsule;
+//     exporting a DLPack capsule; an input with torch's negative bit is
+//     read through a resolved copy, an output with it is refused, and so
+//     is any tensor that requires grad while grad mode is on (no op has a
+//     backward);
 //   - any other object with __dlpack__ / __dlpack_device__ (NumPy, CuPy, ...)
 //     and bare DLPack capsules: the capsule protocol, versioned capsules
 //     ("dltensor_versioned") asked for first, unversioned ("dltensor")
@@ -28,9 +32,11 @@ inline constexpr size_t kMaxDims = 16;
 
 // Tells the module about torch: its Tensor type, each torch dtype with its
 // DLPack code and bits, the function returning the raw current CUDA stream
-// of a device index (torch._C._cuda_getCurrentRawStream) or None, and whether
-// torch is a ROCm build (its "cuda" tensors are DLPack kDLROCM).
-void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* raw_stream_fn, bool rocm);
+// of a device index (torch._C._cuda_getCurrentRawStream) or None,
+// torch.is_grad_enabled, and whether torch is a ROCm build (its "cuda"
+// tensors are DLPack kDLROCM).
+void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* raw_stream_fn, PyObject* grad_enabled_fn,
+                       bool rocm);
 
 // The stream a caller asked for: None, an int (a cudaStream_t), or an object
 // with a `cuda_stream` (torch) or `ptr` (CuPy) attribute.
@@ -102,6 +108,10 @@ class TensorArgs {
   };
   std::array<Taken, kMaxTensors> taken_;
   size_t taken_count_ = 0;
+  // Tensors made for the call (torch inputs with their negative bit
+  // resolved), referenced until it is done.
+  std::array<PyObject*, kMaxTensors> kept_;
+  size_t kept_count_ = 0;
 };
 
 }  // namespace kdispatch::python
