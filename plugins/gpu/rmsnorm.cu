@@ -14,11 +14,11 @@
 // 16-byte paths need every row start and the weight 16-byte aligned.
 //
 // Both ops are memory bound, so the row is read from memory once. Many
-// rmsnorm rows too long for a warp, of up to 2048 16-byte vectors and a
-// multiple of two warps' worth, take torch.compile's layout: one block a
-// row, exactly two vectors a thread, which reads the row, keeps it in L1
-// and L2 across the reduction and reads it again from there
-// (norm_whole_row_two_pass). Of the other rows, those of 16-bit values,
+// rows too long for a warp, of up to 2048 16-byte vectors and a multiple
+// of two warps' worth, whose row starts are one stride apart, take
+// torch.compile's layout: one block a row, exactly two vectors a thread
+// (of x, and of the residual for the fused op), held in registers across
+// the reduction (norm_whole_row). Of the other rows, those of 16-bit values,
 // when many, take two passes in blocks of 256 threads: the first sums the
 // squares and keeps the row (x and residual) in L1 and L2, the second reads
 // it back from there, lets it go, and streams the output (and the residual);
@@ -180,60 +180,55 @@ __global__ void __launch_bounds__(kRowMaxThreads) norm_block_per_row(const NormA
 }
 
 // Many rows of exactly blockDim.x * VPT vectors, in the layout of
-// torch.compile's kernel for them: each block takes its row and exits; pass
-// 1 loads the thread's vectors (x, and the residual for the fused op),
-// asking L1 and L2 to keep them, pass 2 reloads them from there (letting
-// them go) with the weight and stores the outputs (the residual's too, so
-// that in place it is read before it is overwritten). Nothing of the row is
-// held across the reduction and nothing is bounds checked, so the blocks
-// have few registers and fill the SMs with loads. The row layouts are
-// linear() (checked by the launcher).
+// torch.compile's kernel for them: each block takes its row and exits. The
+// thread's vectors (x, and the residual for the fused op) are loaded at
+// once and held across the reduction, then the weight is loaded and the
+// outputs stored (the residual's after it was read, so that in place it is
+// read before it is overwritten). Nothing is bounds checked; rmsnorm's
+// blocks take 32 registers a thread (four blocks of 512 threads an SM), the
+// fused op's up to 50.
+// The row layouts are linear() (checked by the launcher).
 template <class T, class W, int N, int VPT, bool kFused>
-__global__ void __launch_bounds__(kRowMaxThreads) norm_whole_row_two_pass(const NormArgs<T, W> a) {
+__global__ void __launch_bounds__(kRowMaxThreads) norm_whole_row(const NormArgs<T, W> a) {
   start_after_previous_kernel();
   const RowPolicies policies = row_policies();
   using V = Vec<T, N>;
   using WV = Vec<W, N>;
   const V* xr = reinterpret_cast<const V*>(a.x + a.x_rows.linear_offset(blockIdx.x));
   const V* rr = kFused ? reinterpret_cast<const V*>(a.residual + a.residual_rows.linear_offset(blockIdx.x)) : nullptr;
-  const WV* wr = reinterpret_cast<const WV*>(a.weight);
-  V* outr = reinterpret_cast<V*>(a.out + a.out_rows.linear_offset(blockIdx.x));
   const int first = static_cast<int>(threadIdx.x);
   const int stride = static_cast<int>(blockDim.x);
+  V x[VPT];
+  V r[kFused ? VPT : 1];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    x[k] = load_row_vec<RowRead::kFirst, T, N>(xr[first + k * stride].v, policies);
+    if constexpr (kFused) r[k] = load_row_vec<RowRead::kFirst, T, N>(rr[first + k * stride].v, policies);
+  }
   float sum_sq = 0.f;
-  {
-    V v[VPT];
-    V r[kFused ? VPT : 1];
 #pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      v[k] = load_row_vec<RowRead::kFirst, T, N>(xr[first + k * stride].v, policies);
-      if constexpr (kFused) r[k] = load_row_vec<RowRead::kFirst, T, N>(rr[first + k * stride].v, policies);
-    }
+  for (int k = 0; k < VPT; ++k) {
 #pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-#pragma unroll
-      for (int e = 0; e < N; ++e) {
-        const float s = normed_value<kFused>(v[k], r[kFused ? k : 0], e);
-        sum_sq += s * s;
-      }
+    for (int e = 0; e < N; ++e) {
+      const float s = normed_value<kFused>(x[k], r[kFused ? k : 0], e);
+      sum_sq += s * s;
     }
   }
   const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(a.hidden) + a.eps);
   // Addressed after the reduction: nothing more is live across it.
+  const WV* wr = reinterpret_cast<const WV*>(a.weight);
+  V* outr = reinterpret_cast<V*>(a.out + a.out_rows.linear_offset(blockIdx.x));
   V* residual_out =
       kFused ? reinterpret_cast<V*>(a.residual_out + a.residual_out_rows.linear_offset(blockIdx.x)) : nullptr;
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
     const int i = first + k * stride;
-    const V xv = load_row_vec<RowRead::kLast, T, N>(xr[i].v, policies);
-    V rv;
-    if constexpr (kFused) rv = load_row_vec<RowRead::kLast, T, N>(rr[i].v, policies);
     const WV w = load_row_vec<RowRead::kFirst, W, N>(wr[i].v, policies);
     [[maybe_unused]] V stored;
     V o;
 #pragma unroll
     for (int e = 0; e < N; ++e) {
-      const float s = normed_value<kFused>(xv, rv, e);
+      const float s = normed_value<kFused>(x[k], r[kFused ? k : 0], e);
       if constexpr (kFused) stored.v[e] = from_float<T>(s);
       o.v[e] = from_float<T>(s * inv_rms * (a.weight_offset + to_float(w.v[e])));
     }
@@ -336,7 +331,7 @@ void launch_norm(const Launch& launch, const NormArgs<T, W>& a) {
                       (!kFused || (a.residual_rows.linear() && a.residual_out_rows.linear()));
   if (vectorized && linear && !few_rows && rows <= INT32_MAX && whole_row_threads <= kRowMaxThreads &&
       nvec % (kWholeRowVecPerThread * launch.warp_size) == 0) {
-    launch_kernel(launch, norm_whole_row_two_pass<T, W, kVec, kWholeRowVecPerThread, kFused>,
+    launch_kernel(launch, norm_whole_row<T, W, kVec, kWholeRowVecPerThread, kFused>,
                   static_cast<unsigned>(rows), whole_row_threads, a);
     return;
   }
