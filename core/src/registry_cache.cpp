@@ -463,15 +463,17 @@ ManifestResult ManifestCache::read(const fs::path& path) {
 }
 
 ManifestResult ManifestCache::read(const fs::path& path, int fd, const struct stat& st) {
-  const auto parse = [&] {
-    ManifestResult result;
+  // The text of the descriptor, or a result that reports why it has none.
+  ManifestResult unread;
+  const auto read_text = [&]() -> std::optional<std::string> {
     Problem unreadable{};
-    const std::optional<std::string> text = read_manifest_text_from(fd, path.string(), unreadable);
-    if (!text) {
-      result.errors.push_back(std::move(unreadable));
-      return result;
-    }
-    return parse_manifest(*text, path.string());
+    std::optional<std::string> text = read_manifest_text_from(fd, path.string(), unreadable);
+    if (!text) unread.errors.push_back(std::move(unreadable));
+    return text;
+  };
+  const auto parse = [&] {
+    const std::optional<std::string> text = read_text();
+    return text ? parse_manifest(*text, path.string()) : std::move(unread);
   };
   if (!write_) return parse();
   if (use_ && !loaded_) load();
@@ -493,15 +495,10 @@ ManifestResult ManifestCache::read(const fs::path& path, int fd, const struct st
     changes_[key] = std::nullopt;  // stale or undecodable: replaced below, or dropped
   }
 
-  ManifestResult result;
-  Problem unreadable{};
-  const std::optional<std::string> text = read_manifest_text_from(fd, path.string(), unreadable);
-  if (!text) {
-    result.errors.push_back(std::move(unreadable));
-    return result;
-  }
+  const std::optional<std::string> text = read_text();
+  if (!text) return unread;
   std::string ops_json;
-  result = parse_manifest_for_cache(*text, path.string(), ops_json);
+  ManifestResult result = parse_manifest_for_cache(*text, path.string(), ops_json);
   // The stamp was taken before the read: should the file change in
   // between, the next process sees a new stamp and parses it again.
   if (result.ok() && result.warnings.empty() && settled(stamp)) {
