@@ -18,6 +18,8 @@ import kdispatch, kdispatch.testing as kt
 prefix = pathlib.Path(sys.argv[1]).resolve()
 where = pathlib.Path(kdispatch.__file__).resolve()
 assert prefix in where.parents, f"kdispatch imported from {where}, not from {prefix}"
+for sub in ("compat", "integrations"):  # the subpackages are installed too
+    assert (where.parent / sub / "__init__.py").is_file(), f"{sub} is not installed beside {where}"
 chosen = kdispatch.select("layernorm.rmsnorm", device="cpu")
 manifest = pathlib.Path(chosen["manifest"]).resolve()
 assert prefix in manifest.parents, f"the cpu plugin came from {manifest}, not from {prefix}"
