@@ -11,7 +11,8 @@
 #   tools/gpu/focused_check.sh [BENCH_WORD...]      (no words: no benchmark)
 #
 # Logs go to $OUT (default build/gpu-check). KD_CHECK_NO_CONFORMANCE=1 skips
-# the conformance suite and `run --all` (the longest part). Exit status: 0
+# the conformance suite and `run --all` (the longest part);
+# KD_CHECK_CONFORMANCE_TIMEOUT bounds the suite (420 s). Exit status: 0
 # when the build and every correctness check passed.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -23,15 +24,10 @@ summary="$OUT/focused_summary.txt"
 note() { echo "$*" | tee -a "$summary"; }
 status=0
 python=$(command -v python3)
-export CUDACXX=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 
 started=$(date +%s)
-dlpack_dir=$(tools/gpu/find_dlpack.sh) || { note "FAIL: no dlpack.h"; exit 2; }
-if cmake --preset cuda -DKDISPATCH_DLPACK_INCLUDE_DIR="$dlpack_dir" -DCMAKE_INCLUDE_PATH="$root/.gpu-carry/include" \
-      -DPython3_EXECUTABLE="$python" -Dpybind11_DIR="$("$python" -m pybind11 --cmakedir 2> /dev/null)" \
-      > "$OUT/focused_build.log" 2>&1 &&
-   cmake --build build/cuda -j "$(nproc)" --target kdispatch kdispatch-conformance kdispatch_python \
-      kdispatch_plugin_cpu kdispatch_plugin_cuda kdispatch_plugin_reference >> "$OUT/focused_build.log" 2>&1; then
+if tools/gpu/build.sh "$OUT/focused_build.log" kdispatch kdispatch-conformance kdispatch_python \
+      kdispatch_plugin_cpu kdispatch_plugin_cuda kdispatch_plugin_reference; then
   note "build: $(( $(date +%s) - started )) s"
 else
   note "FAIL: the build (focused_build.log)"
@@ -44,7 +40,7 @@ export KDISPATCH_PLUGIN_PATH="$root/build/cuda/lib/kdispatch/plugins" PYTHONPATH
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR="$root/build/cuda/inductor-cache"
 if [[ "${KD_CHECK_NO_CONFORMANCE:-0}" != 1 ]]; then
 started=$(date +%s)
-KDISPATCH_CONFORMANCE_BACKEND=cuda timeout 240 "$bin/kdispatch-conformance" > "$OUT/conformance-cuda.txt" 2>&1
+KDISPATCH_CONFORMANCE_BACKEND=cuda timeout "${KD_CHECK_CONFORMANCE_TIMEOUT:-420}" "$bin/kdispatch-conformance" > "$OUT/conformance-cuda.txt" 2>&1
 rc=$?
 note "conformance (cuda vs float64 reference): exit $rc, $(( $(date +%s) - started )) s"
 grep -E "calls checked|test cases|assertions" "$OUT/conformance-cuda.txt" | sed 's/^.*MESSAGE: //' | tee -a "$summary"
