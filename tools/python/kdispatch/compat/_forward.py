@@ -27,6 +27,13 @@ def check_enable_pdl(function, enable_pdl):
         raise unsupported(function, "enable_pdl", f"expected None or a bool, got {enable_pdl!r}")
 
 
+def check_out(function, out, like, shape):
+    """out has the dtype of `like` and `shape`: kdispatch writes no other."""
+    if out.dtype != like.dtype or tuple(out.shape) != tuple(shape):
+        raise unsupported(function, "out", f"expected {like.dtype} of shape {list(shape)} (from input), got "
+                          f"{out.dtype} of shape {list(out.shape)}")
+
+
 def call(function, op, names, *args):
     """torch.ops.kdispatch.<op>(*args). A KD-E030 refusal of the op (a
     layout it cannot address, a dtype or shape that does not fit) is raised
@@ -69,6 +76,8 @@ def norm(function, op, input, weight, eps, out, enable_pdl):
     check_float(function, "input", input, op)
     if out is None:
         out = _torch.empty(input.shape, dtype=input.dtype, device=input.device)
+    else:
+        check_out(function, out, input, input.shape)
     call(function, op, _NORM_NAMES, out, input, weight, float(eps))
     return out
 
@@ -84,8 +93,11 @@ def act_and_mul(function, op, input, out, enable_pdl):
     """out [..., D] = op(input [..., 2D]) into `out`, or into a new tensor; returns it."""
     check_enable_pdl(function, enable_pdl)
     check_float(function, "input", input, op)
+    shape = (*input.shape[:-1], input.shape[-1] // 2)
     if out is None:
-        out = _torch.empty((*input.shape[:-1], input.shape[-1] // 2), dtype=input.dtype, device=input.device)
+        out = _torch.empty(shape, dtype=input.dtype, device=input.device)
+    else:
+        check_out(function, out, input, shape)
     call(function, op, {"x": "input", "out": "out"}, out, input)
     return out
 
