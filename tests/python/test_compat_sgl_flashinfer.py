@@ -301,7 +301,8 @@ def test_layernorm():
         xbuf = randn(rows, h + 2, dtype=dtype)
         with Spy() as spy:
             y = flashinfer.layernorm(xbuf[:, 1:h + 1], g, b)
-        check(spy.reached(xbuf[:, 1:h + 1]) and torch.equal(y, flashinfer.layernorm(xbuf[:, 1:h + 1].contiguous(), g, b)),
+        want = flashinfer.layernorm(xbuf[:, 1:h + 1].contiguous(), g, b)
+        check(spy.reached(xbuf[:, 1:h + 1]) and torch.equal(y, want),
               f"{what}: strided input reaches the op uncopied")
 
 
@@ -587,7 +588,8 @@ def peer_activation_cases(mod, label, with_pdl):
             ("test_fused_gelu_tanh_mul", "gelu_tanh_and_mul",
              lambda a: torch.nn.functional.gelu(a, approximate="tanh")),
             ("test_fused_gelu_mul", "gelu_and_mul", torch.nn.functional.gelu))
-    dims, batches, seqs = (128, 256, 512, 2048, 4096, 11008, 16384), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16, 32, 64, 128, 512)
+    dims, batches = (128, 256, 512, 2048, 4096, 11008, 16384), (1, 2, 4, 8, 16)
+    seqs = (1, 2, 4, 8, 16, 32, 64, 128, 512)
     pdls = (True, False) if with_pdl else (None,)
     fmod = mod.activation if hasattr(mod, "activation") else mod
     for (test, name, act), dim, b, s, pdl in itertools.product(acts, dims, batches, seqs, pdls):
@@ -600,6 +602,38 @@ def peer_activation_cases(mod, label, with_pdl):
             y = getattr(fmod, name)(x, enable_pdl=pdl) if with_pdl else getattr(fmod, name)(x)
             return assert_close(y, ref, 1e-3, 1e-3)
         pf.run((test, dim, b, s, pdl), run, (b, s, 2 * dim))
+    pf.report()
+
+
+def peer_cross_cases():
+    """SGLang's jit_kernel tests that compare an SGLang kernel with FlashInfer's: here
+    kdispatch.compat.sgl_kernel against kdispatch.compat.flashinfer."""
+    pf = PeerFile("sglang python/sglang/jit_kernel/tests/test_activation.py (sgl_kernel against flashinfer)")
+    shapes = ((1, 1, 128), (2, 4, 256), (4, 8, 512), (8, 16, 2048), (1, 1, 4096), (16, 32, 11008))
+    for name, (b, s, dim), dtype in itertools.product(ACTS, shapes, (torch.float16, torch.bfloat16)):
+        def run(c, name=name):
+            _, b, s, dim, dtype = c
+            b, s, _ = fit((b, s, 2 * dim))
+            x = randn(b, s, 2 * dim, dtype=getattr(torch, dtype))
+            return assert_close(getattr(flashinfer, name)(x), getattr(sgl_kernel, name)(x), 1e-3, 1e-3)
+        pf.run((f"test_{name}", b, s, dim, str(dtype).split(".")[1]), run, (b, s, 2 * dim))
+    pf.report()
+
+    pf = PeerFile("sglang python/sglang/jit_kernel/tests/test_fused_add_rmsnorm.py (sgl_kernel against flashinfer)")
+    batches = [2 ** n for n in range(14)]
+    batches += [x + 1 + i for i, x in enumerate(batches)]
+    for b, h in itertools.product(batches, (512, 1024, 1536, 2048, 3072, 4096, 5120, 6144, 7168, 8192)):
+        def run(c):
+            _, b, h = c
+            b, h = fit((b, h))
+            bf16 = torch.bfloat16
+            x, r, w = randn(b, h, dtype=bf16), randn(b, h, dtype=bf16), randn(h, dtype=bf16)
+            xs, rs, xf, rf = x.clone(), r.clone(), x.clone(), r.clone()
+            eps = torch.finfo(torch.bfloat16).eps
+            sgl_kernel.fused_add_rmsnorm(xs, rs, w, eps)
+            flashinfer.norm.fused_add_rmsnorm(xf, rf, w, eps=eps)
+            return assert_close(xs, xf, 1e-2, 1e-2) and assert_close(rs, rf, 1e-2, 1e-2)
+        pf.run(("test_fused_add_rmsnorm", b, h), run, (b, h))
     pf.report()
 
 
@@ -620,7 +654,8 @@ def peer_rope_cases(fn, label, cases, untranslated):
             cache = peer_rope_cache(rot, maxpos, base)
             pos = torch.arange(s).repeat(b)
             q, k = randn(b * s, hq * head, dtype=dtype), randn(b * s, hk * head, dtype=dtype)
-            rq, rk = f_rope(pos, q.float(), head, cache, neox).to(dtype), f_rope(pos, k.float(), head, cache, neox).to(dtype)
+            rq = f_rope(pos, q.float(), head, cache, neox).to(dtype)
+            rk = f_rope(pos, k.float(), head, cache, neox).to(dtype)
             fn(positions=pos, query=q, key=k, head_size=head, cos_sin_cache=cache, is_neox=neox)
             return assert_close(q, rq, 1e-2, 1e-2) and assert_close(k, rk, 1e-2, 1e-2)
         pf.run(tuple(str(v) if isinstance(v, torch.dtype) else v for v in c), lambda _c, c=c: run(c))
@@ -736,6 +771,7 @@ def test_peers():
                      (None, "the fp8 and paged KV-cache tests after them (rope_quantize_fp8_append_paged_kv_cache, "
                       "mla_rope_quantize_fp8: functions kdispatch has not)")])
     peer_topk_cases()
+    peer_cross_cases()
 
 
 def main():
