@@ -343,6 +343,14 @@ def test_rope():
                               [positions, qr.view(n, hq, d), kr.view(n, hk, d), cache], want, w)
             check(close(qr, fq, dtype) and close(kr, fk, dtype), f"{w}: formula")
             check(torch.equal(qkv_run[:, (hq + hk) * d:], v), f"{w}: v untouched")
+        # positions [2, n] with query and key [2, n, H * D].
+        pos2 = torch.stack((positions, positions.flip(0)))
+        q2, k2 = randn(2, n, hq * d, dtype=dtype), randn(2, n, hk * d, dtype=dtype)
+        want2 = reference("embeddings.rotary_embedding",
+                          [pos2, q2.view(2, n, hq, d), k2.view(2, n, hk, d), cache], is_neox)
+        sgl_kernel.apply_rope_with_cos_sin_cache_inplace(pos2, q2, k2, d, cache, is_neox)
+        matches_reference("embeddings.rotary_embedding", [pos2, q2.view(2, n, hq, d), k2.view(2, n, hk, d), cache],
+                          want2, f"rope positions [2, n] {what}")
         # key=None: only query rotated.
         q1 = q0.clone()
         sgl_kernel.apply_rope_with_cos_sin_cache_inplace(positions, q1, None, d, cache, is_neox)
@@ -460,6 +468,8 @@ def test_refusals():
     refused(sgl_kernel.topk_softmax, "topk_ids", f, w_, torch.empty(4, 2, dtype=torch.int16), g)
     refused(sgl_kernel.topk_softmax, "token_expert_indices", f, w_, i_, torch.empty(4, 2, dtype=torch.int64), g)
     refused(sgl_kernel.topk_softmax, "renormalize", f, w_, i_, g, "yes")
+    # K = 7 top experts of E = 6.
+    refused(sgl_kernel.topk_softmax, "topk_weights", f, torch.empty(4, 7), torch.empty(4, 7, dtype=torch.int32), g)
     refused(sgl_kernel.topk_softmax, "gating_output", f, w_, i_, randn(4, 12)[:, ::2])
 
 

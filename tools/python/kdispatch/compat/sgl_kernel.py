@@ -125,6 +125,9 @@ def topk_softmax(topk_weights, topk_ids, gating_output, renormalize=False, moe_s
     check_float(function, "gating_output", gating_output, op)
     if not isinstance(renormalize, bool):
         raise unsupported(function, "renormalize", f"expected a bool, got {renormalize!r}")
+    if topk_weights.dim() > 0 and gating_output.dim() > 0 and topk_weights.shape[-1] > gating_output.shape[-1]:
+        raise unsupported(function, "topk_weights", f"K = {topk_weights.shape[-1]} top experts of "
+                          f"E = {gating_output.shape[-1]}: moe.topk_softmax requires K <= E")
     call(function, op,
          {"topk_weights": "topk_weights", "topk_ids": "topk_ids", "gating_output": "gating_output",
           "correction_bias": "correction_bias", "token_expert_indices": "token_expert_indices"},
