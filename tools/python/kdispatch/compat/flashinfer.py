@@ -1,0 +1,162 @@
+"""FlashInfer's norm, activation and rope functions on kdispatch's torch ops.
+
+``import kdispatch.compat.flashinfer as flashinfer`` gives the names,
+signatures and in-place/out conventions of FlashInfer's ``rmsnorm``,
+``fused_add_rmsnorm``, ``gemma_rmsnorm``, ``gemma_fused_add_rmsnorm``,
+``layernorm``, ``silu_and_mul``, ``gelu_and_mul``, ``gelu_tanh_and_mul``,
+``apply_rope_with_cos_sin_cache`` and ``apply_rope_with_cos_sin_cache_inplace``,
+at the top level (``flashinfer.rmsnorm``) and in the submodules FlashInfer
+has them in (``flashinfer.norm``, ``flashinfer.activation``,
+``flashinfer.rope``; ``import kdispatch.compat.flashinfer.norm`` works too).
+Each call forwards its tensors as they are (strides included) to
+``torch.ops.kdispatch.*``; nothing is copied or cast: an argument the op
+cannot take as given raises ``kdispatch.CallError`` (KD-E030) naming the
+function and the argument.
+
+``enable_pdl`` (programmatic dependent launch, a CUDA scheduling hint) is
+accepted and has no effect: kdispatch launches its kernels on torch's
+current stream without PDL, and the results do not depend on it.
+"""
+import sys as _sys
+import types as _types
+
+import torch as _torch
+
+from . import _forward
+from ._common import unsupported
+from ._forward import call, check_float
+
+__all__ = [
+    "activation",
+    "apply_rope_with_cos_sin_cache",
+    "apply_rope_with_cos_sin_cache_inplace",
+    "fused_add_rmsnorm",
+    "gelu_and_mul",
+    "gelu_tanh_and_mul",
+    "gemma_fused_add_rmsnorm",
+    "gemma_rmsnorm",
+    "layernorm",
+    "norm",
+    "rmsnorm",
+    "rope",
+    "silu_and_mul",
+]
+
+_MODULE = "flashinfer"
+
+
+def rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
+    """out = input * rsqrt(mean(input^2 over the last dim) + eps) * weight, into
+    ``out`` when given (then returned), else into a new tensor; forwards to
+    layernorm.rmsnorm. input [*, H] (2D or 3D in FlashInfer) with rows of any
+    stride, weight [H] of input's dtype or float32. enable_pdl: accepted, no
+    effect (see the module)."""
+    return _forward.norm(f"{_MODULE}.rmsnorm", "layernorm.rmsnorm", input, weight, eps, out, enable_pdl)
+
+
+def fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
+    """residual += input; input = rmsnorm(residual) * weight, both in place,
+    returns None; forwards to layernorm.fused_add_rmsnorm, which normalises
+    the float32 sum before it is rounded into residual, as FlashInfer does."""
+    _forward.fused_add_norm(f"{_MODULE}.fused_add_rmsnorm", "layernorm.fused_add_rmsnorm", input, residual, weight,
+                            eps, enable_pdl)
+
+
+def gemma_rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
+    """Gemma's norm: out = input * rsqrt(mean(input^2) + eps) * (1 + weight),
+    into ``out`` when given (then returned), else into a new tensor; forwards
+    to layernorm.gemma_rmsnorm."""
+    return _forward.norm(f"{_MODULE}.gemma_rmsnorm", "layernorm.gemma_rmsnorm", input, weight, eps, out, enable_pdl)
+
+
+def gemma_fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
+    """residual += input; input = gemma_rmsnorm(residual), both in place,
+    returns None; forwards to layernorm.gemma_fused_add_rmsnorm (the float32
+    sum is normalised)."""
+    _forward.fused_add_norm(f"{_MODULE}.gemma_fused_add_rmsnorm", "layernorm.gemma_fused_add_rmsnorm", input,
+                            residual, weight, eps, enable_pdl)
+
+
+def layernorm(input, gemma, beta, eps=1e-6):
+    """Returns a new tensor (input - mean) * rsqrt(var + eps) * gemma + beta,
+    mean and biased variance over the last dim, in float32; forwards to
+    layernorm.layernorm. FlashInfer takes bfloat16 input with float32 gemma
+    and beta; kdispatch also takes float32 and float16 input, and gemma and
+    beta of input's dtype."""
+    function = f"{_MODULE}.layernorm"
+    op = "layernorm.layernorm"
+    check_float(function, "input", input, op)
+    out = _torch.empty(input.shape, dtype=input.dtype, device=input.device)
+    call(function, op, {"x": "input", "weight": "gemma", "bias": "beta", "out": "out"},
+         out, input, gemma, beta, float(eps))
+    return out
+
+
+def silu_and_mul(input, out=None, enable_pdl=None):
+    """out = silu(input[..., :D]) * input[..., D:], into ``out`` when given
+    (then returned), else into a new [..., D] tensor; forwards to
+    activation.silu_and_mul. Any D: FlashInfer's 16-byte row requirement
+    is not kdispatch's."""
+    return _forward.act_and_mul(f"{_MODULE}.silu_and_mul", "activation.silu_and_mul", input, out, enable_pdl)
+
+
+def gelu_and_mul(input, out=None, enable_pdl=None):
+    """out = gelu(input[..., :D]) * input[..., D:] (erf form); forwards to
+    activation.gelu_and_mul."""
+    return _forward.act_and_mul(f"{_MODULE}.gelu_and_mul", "activation.gelu_and_mul", input, out, enable_pdl)
+
+
+def gelu_tanh_and_mul(input, out=None, enable_pdl=None):
+    """out = gelu_tanh(input[..., :D]) * input[..., D:]; forwards to
+    activation.gelu_tanh_and_mul."""
+    return _forward.act_and_mul(f"{_MODULE}.gelu_tanh_and_mul", "activation.gelu_tanh_and_mul", input, out,
+                                enable_pdl)
+
+
+def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache, is_neox=True):
+    """Rotates query [*, HQ * head_size] and key [*, HK * head_size] in place
+    (returns None), * the shape of positions (int32 or int64); forwards
+    [*, H, head_size] views of them (no copy: slices of a fused QKV output
+    stay strided) to embeddings.rotary_embedding. The rotary dim is
+    cos_sin_cache.shape[-1]; the cache is float32 (or query's dtype)."""
+    _forward.rope_inplace(f"{_MODULE}.apply_rope_with_cos_sin_cache_inplace", positions, query, key, head_size,
+                          cos_sin_cache, is_neox)
+
+
+# FlashInfer's implementations of the functional rotary; kdispatch's
+# selection rules choose the kernel whichever is named.
+_ROPE_BACKENDS = ("cuda", "cute-dsl")
+
+
+def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox=True, backend="cuda"):
+    """Returns (query_out, key_out): new tensors of query's and key's shapes
+    holding them rotated (the values past the rotary dim copied as they
+    are); query and key are only read. Rotates the new tensors in place with
+    embeddings.rotary_embedding. backend: FlashInfer's "cuda" or "cute-dsl",
+    accepted; kdispatch's selection rules choose the kernel."""
+    function = f"{_MODULE}.apply_rope_with_cos_sin_cache"
+    if backend not in _ROPE_BACKENDS:
+        raise unsupported(function, "backend", f"expected one of {list(_ROPE_BACKENDS)}, got {backend!r}")
+    check_float(function, "query", query, "embeddings.rotary_embedding")
+    query_out = query.clone(memory_format=_torch.contiguous_format)
+    key_out = None if key is None else key.clone(memory_format=_torch.contiguous_format)
+    _forward.rope_inplace(function, positions, query_out, key_out, head_size, cos_sin_cache, is_neox)
+    return query_out, key_out
+
+
+def _submodule(name, doc, names):
+    module = _types.ModuleType(f"{__name__}.{name}", doc)
+    for n in names:
+        setattr(module, n, globals()[n])
+    module.__all__ = list(names)
+    # Registered so that `import kdispatch.compat.flashinfer.<name>` finds it.
+    _sys.modules[module.__name__] = module
+    return module
+
+
+norm = _submodule("norm", "FlashInfer's flashinfer.norm functions on kdispatch's torch ops.",
+                  ["rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm", "layernorm"])
+activation = _submodule("activation", "FlashInfer's flashinfer.activation functions on kdispatch's torch ops.",
+                        ["silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul"])
+rope = _submodule("rope", "FlashInfer's flashinfer.rope functions on kdispatch's torch ops.",
+                  ["apply_rope_with_cos_sin_cache", "apply_rope_with_cos_sin_cache_inplace"])

@@ -1,0 +1,135 @@
+"""SGLang's ``sgl_kernel`` functions on kdispatch's torch ops.
+
+``import kdispatch.compat.sgl_kernel as sgl_kernel`` gives the names,
+signatures and in-place/out conventions of ``sgl_kernel``'s norms,
+activations, rotary embedding and MoE top-k softmax; each call forwards its
+tensors as they are (strides included: a column slice, q and k sliced from
+a fused QKV output) to ``torch.ops.kdispatch.*``, which runs the kernel the
+selection rules choose for the device. Nothing is copied or cast: an
+argument the op cannot take as given raises ``kdispatch.CallError``
+(KD-E030) naming the function and the argument.
+
+``enable_pdl`` (programmatic dependent launch, a CUDA scheduling hint) is
+accepted and has no effect: kdispatch launches its kernels on torch's
+current stream without PDL, and the results do not depend on it.
+"""
+import torch as _torch
+
+from . import _forward
+from ._common import unsupported
+from ._forward import call, check_enable_pdl, check_float
+
+__all__ = [
+    "apply_rope_with_cos_sin_cache_inplace",
+    "fused_add_rmsnorm",
+    "gelu_and_mul",
+    "gelu_tanh_and_mul",
+    "gemma_fused_add_rmsnorm",
+    "gemma_rmsnorm",
+    "rmsnorm",
+    "silu_and_mul",
+    "topk_softmax",
+]
+
+_MODULE = "sgl_kernel"
+def rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
+    """out = input * rsqrt(mean(input^2 over the last dim) + eps) * weight, into
+    ``out`` when given (then returned), else into a new tensor; forwards to
+    layernorm.rmsnorm. input [*, H] with rows of any stride, weight [H] of
+    input's dtype or float32. enable_pdl: accepted, no effect (see the module)."""
+    return _forward.norm(f"{_MODULE}.rmsnorm", "layernorm.rmsnorm", input, weight, eps, out, enable_pdl)
+
+
+def fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
+    """residual += input; input = rmsnorm(residual) * weight, both in place,
+    returns None; forwards to layernorm.fused_add_rmsnorm, which normalises
+    the float32 sum before it is rounded into residual, as sgl_kernel does."""
+    _forward.fused_add_norm(f"{_MODULE}.fused_add_rmsnorm", "layernorm.fused_add_rmsnorm", input, residual, weight,
+                            eps, enable_pdl)
+
+
+def gemma_rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
+    """Gemma's norm: out = input * rsqrt(mean(input^2) + eps) * (1 + weight),
+    into ``out`` when given (then returned), else into a new tensor; forwards
+    to layernorm.gemma_rmsnorm."""
+    return _forward.norm(f"{_MODULE}.gemma_rmsnorm", "layernorm.gemma_rmsnorm", input, weight, eps, out, enable_pdl)
+
+
+def gemma_fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
+    """residual += input; input = gemma_rmsnorm(residual), both in place,
+    returns None; forwards to layernorm.gemma_fused_add_rmsnorm (the float32
+    sum is normalised)."""
+    _forward.fused_add_norm(f"{_MODULE}.gemma_fused_add_rmsnorm", "layernorm.gemma_fused_add_rmsnorm", input,
+                            residual, weight, eps, enable_pdl)
+
+
+def silu_and_mul(input, out=None, enable_pdl=None):
+    """out = silu(input[..., :D]) * input[..., D:], into ``out`` when given
+    (then returned), else into a new [..., D] tensor; forwards to
+    activation.silu_and_mul. Any D: sgl_kernel's 16-byte row requirement
+    is not kdispatch's."""
+    return _forward.act_and_mul(f"{_MODULE}.silu_and_mul", "activation.silu_and_mul", input, out, enable_pdl)
+
+
+def gelu_and_mul(input, out=None, enable_pdl=None):
+    """out = gelu(input[..., :D]) * input[..., D:] (erf form); forwards to
+    activation.gelu_and_mul."""
+    return _forward.act_and_mul(f"{_MODULE}.gelu_and_mul", "activation.gelu_and_mul", input, out, enable_pdl)
+
+
+def gelu_tanh_and_mul(input, out=None, enable_pdl=None):
+    """out = gelu_tanh(input[..., :D]) * input[..., D:]; forwards to
+    activation.gelu_tanh_and_mul."""
+    return _forward.act_and_mul(f"{_MODULE}.gelu_tanh_and_mul", "activation.gelu_tanh_and_mul", input, out,
+                                enable_pdl)
+
+
+def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache, is_neox=True,
+                                          fused_set_kv_buffer_arg=None, enable_pdl=None):
+    """Rotates query [*, HQ * head_size] and key [*, HK * head_size] in place
+    (returns None), * the shape of positions (int32 or int64, used as given);
+    forwards [*, H, head_size] views of them (no copy: slices of a fused QKV
+    output stay strided) to embeddings.rotary_embedding. The rotary dim is
+    cos_sin_cache.shape[-1]; the cache is float32 (or query's dtype). key
+    may be None (only query is rotated). fused_set_kv_buffer_arg is refused:
+    kdispatch has no fused KV-cache write."""
+    function = f"{_MODULE}.apply_rope_with_cos_sin_cache_inplace"
+    check_enable_pdl(function, enable_pdl)
+    if fused_set_kv_buffer_arg is not None:
+        raise unsupported(function, "fused_set_kv_buffer_arg",
+                          "kdispatch's rotary embedding has no fused KV-cache write; pass None and write the "
+                          "rotated key and the value into the cache after the call")
+    _forward.rope_inplace(function, positions, query, key, head_size, cos_sin_cache, is_neox)
+
+
+def topk_softmax(topk_weights, topk_ids, gating_output, renormalize=False, moe_softcapping=0.0,
+                 correction_bias=None, *, token_expert_indices=None):
+    """Writes the top-K experts of each row of gating_output [*, E] into
+    topk_weights [*, K] (float32) and topk_ids [*, K] (int32 or int64),
+    returns None; forwards to moe.topk_softmax, which follows SGLang's order:
+    softcap (tanh(x / c) * c when moe_softcapping c != 0; tanh is odd, so -c
+    is c), then + correction_bias (float32 [E]), then the softmax, the top K
+    and, with renormalize, their division by their sum.
+
+    Also takes sgl_kernel's earlier form topk_softmax(topk_weights, topk_ids,
+    token_expert_indices, gating_output), whose third tensor (int32 [*, K])
+    receives i * T + t for the i-th choice of row t of T; token_expert_indices=
+    gives it in the current form."""
+    function = f"{_MODULE}.topk_softmax"
+    if isinstance(renormalize, _torch.Tensor):
+        # The earlier form: (topk_weights, topk_ids, token_expert_indices, gating_output).
+        if token_expert_indices is not None:
+            raise unsupported(function, "token_expert_indices", "given twice: as the third tensor and by name")
+        token_expert_indices, gating_output, renormalize = gating_output, renormalize, False
+    op = "moe.topk_softmax"
+    check_float(function, "gating_output", gating_output, op)
+    if not isinstance(renormalize, bool):
+        raise unsupported(function, "renormalize", f"expected a bool, got {renormalize!r}")
+    if topk_weights.dim() > 0 and gating_output.dim() > 0 and topk_weights.shape[-1] > gating_output.shape[-1]:
+        raise unsupported(function, "topk_weights", f"K = {topk_weights.shape[-1]} top experts of "
+                          f"E = {gating_output.shape[-1]}: moe.topk_softmax requires K <= E")
+    call(function, op,
+         {"topk_weights": "topk_weights", "topk_ids": "topk_ids", "gating_output": "gating_output",
+          "correction_bias": "correction_bias", "token_expert_indices": "token_expert_indices"},
+         topk_weights, topk_ids, gating_output, correction_bias, token_expert_indices, renormalize,
+         abs(float(moe_softcapping)))
