@@ -154,15 +154,19 @@ for name, make, center, extra_norms in [
 # 16 bits a token whose top-k experts are nearly tied may route differently
 # in any two runs (the original against float32 too): the errors against
 # float32 are compared summed over several models.
-for renormalize in (True, False):
+for renormalize, logits_float32 in ((True, False), (False, False), (True, True)):
     def make():
-        return td.LlamaForCausalLM(td.Config(num_experts=8, norm_topk_prob=renormalize), moe=True, norm_heads=True)
+        return td.LlamaForCausalLM(td.Config(num_experts=8, norm_topk_prob=renormalize,
+                                             router_logits_float32=logits_float32), moe=True, norm_heads=True)
 
     original, model, report = pair(make, torch.float32)
     counts = report.counts()
     check(counts.get("MoE router") == 3, f"moe: routers {counts}")
     check(counts.get("MoE experts (its _apply_gate)") == 3, f"moe: experts {counts}")
     check(not report.left, f"moe: nothing left, got {report.left}")
+    routers = {op for _, what, op in pair(make, torch.bfloat16)[2].replaced if what == "MoE router"}
+    check(routers == {"moe.topk_softmax" + (" (float32 logits)" if logits_float32 else "")},
+          f"moe: router logits in float32 where the original computes them so: {routers}")
     compare(f"qwen3-moe renormalize={renormalize}", original, model, torch.float32, batch=2, length=5)
     errors, errors_original = [], []
     for seed in range(4):

@@ -30,6 +30,7 @@ class Config:
         self.moe_intermediate_size = 32
         self.norm_topk_prob = True
         self._experts_implementation = "grouped_mm"
+        self.router_logits_float32 = False
         self.__dict__.update(kw)
 
 
@@ -160,6 +161,18 @@ class Qwen3MoeTopKRouter(nn.Module):
         return probs, values.to(probs.dtype), ids
 
 
+class FloatLogitsTopKRouter(Qwen3MoeTopKRouter):
+    """A router computing its logits in float32."""
+
+    def forward(self, hidden_states):
+        h = hidden_states.reshape(-1, self.weight.shape[1])
+        probs = F.linear(h.float(), self.weight.float()).softmax(-1)
+        values, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            values = values / values.sum(-1, keepdim=True)
+        return probs, values, ids
+
+
 class Qwen3MoeExperts(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -187,7 +200,7 @@ class Qwen3MoeExperts(nn.Module):
 class Qwen3MoeSparseMoeBlock(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.gate = Qwen3MoeTopKRouter(config)
+        self.gate = (FloatLogitsTopKRouter if config.router_logits_float32 else Qwen3MoeTopKRouter)(config)
         self.experts = Qwen3MoeExperts(config)
 
     def forward(self, hidden_states):
@@ -256,7 +269,7 @@ class LlamaModel(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+        for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             hidden_states = decoder_layer(
                 hidden_states,
                 position_ids=position_ids,

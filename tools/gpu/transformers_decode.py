@@ -111,12 +111,32 @@ def decode_step(model, batch):
     return step
 
 
+def profile(title, step, steps=5):
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    attr = "device_time_total" if hasattr(events[0], "device_time_total") else "cuda_time_total"
+    events.sort(key=lambda e: -getattr(e, attr))
+    total = sum(getattr(e, attr) for e in events) / steps
+    count = sum(e.count for e in events) / steps
+    print(f"\nprofile {title}: {count:.0f} kernels, {total:.1f} us of GPU time per step")
+    for e in events[:25]:
+        print(f"  {getattr(e, attr) / steps:8.1f} us {e.count / steps:5.0f}x  {e.key[:110]}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--models", default="llama,qwen3_moe")
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the GPU kernels of one decode step at the first batch size, by total time")
     args = parser.parse_args()
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     accuracy = []
@@ -136,7 +156,12 @@ def main():
             err_kernelized = rel_l2(kernelized(ids).logits, exact)
         torch.cuda.empty_cache()
         accuracy.append((name, err_original, err_kernelized))
-        for batch in [int(b) for b in args.batches.split(",")]:
+        batches = [int(b) for b in args.batches.split(",")]
+        if args.profile:
+            for label, model in (("original", original), ("kernelized", kernelized)):
+                with torch.inference_mode():
+                    profile(f"{name} {label} batch {batches[0]}", decode_step(model, batches[0]))
+        for batch in batches:
             times = {}
             for label, model in (("original", original), ("kernelized", kernelized)):
                 with torch.inference_mode():

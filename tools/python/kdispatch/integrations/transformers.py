@@ -405,9 +405,12 @@ def _kernelize_experts(model, report, device_ok):
 
 def _router_forward(self, hidden_states):
     h = hidden_states.reshape(-1, self.weight.shape[1])
-    logits = _F.linear(h, self.weight)
-    if _needs_grad(logits):
+    if _needs_grad(h, self.weight):
         return self._kd_original_class.forward(self, hidden_states)
+    if self._kd_weight_float32 is not None:
+        logits = _F.linear(h.float(), self._kd_weight_float32)
+    else:
+        logits = _F.linear(h, self.weight)
     rows = logits.shape[0]
     weights = _torch.empty(rows, self.top_k, dtype=_torch.float32, device=logits.device)
     ids = _torch.empty(rows, self.top_k, dtype=_torch.int64, device=logits.device)
@@ -438,34 +441,45 @@ def _kernelize_routers(model, report, device_ok):
         if key not in checked:
             with _torch.no_grad():
                 checked[key] = _check_router(module, renormalize)
-        if checked[key] is not None:
-            report._leave(path, "MoE router", checked[key])
+        logits_float32, reason = checked[key]
+        if reason is not None:
+            report._leave(path, "MoE router", reason)
             continue
         module._kd_renormalize = renormalize
+        # The router's logits in float32 where the original computes them so
+        # (a float32 copy of its weight, made once).
+        module.register_buffer("_kd_weight_float32", weight.detach().float() if logits_float32 else None,
+                               persistent=False)
         _swap_class(module, "router", {"forward": _router_forward})
-        report._replace(path, "MoE router", "moe.topk_softmax")
+        report._replace(path, "MoE router", "moe.topk_softmax" + (" (float32 logits)" if logits_float32 else ""))
 
 
 def _check_router(router, renormalize):
+    """(logits in float32, None) for the first form of the router's logits
+    (the activation dtype, then float32) that matches the original on random
+    input, or (None, why not)."""
     weight = router.weight
     x = _torch.randn(9, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    try:
-        want = router.forward(x)
-        if not (isinstance(want, tuple) and len(want) == 3):
-            return "its forward does not return (logits, weights, ids)"
-        _, want_weights, want_ids = want
-        router._kd_renormalize = renormalize
-        _, got_weights, got_ids = _router_forward(router, x)
-    finally:
-        router.__dict__.pop("_kd_renormalize", None)
+    want = router.forward(x)
+    if not (isinstance(want, tuple) and len(want) == 3):
+        return None, "its forward does not return (logits, weights, ids)"
+    _, want_weights, want_ids = want
     dense_want = _torch.zeros(9, weight.shape[0], dtype=_torch.float64, device=weight.device)
-    dense_got = _torch.zeros_like(dense_want)
     dense_want.scatter_(1, want_ids.long(), want_weights.double())
-    dense_got.scatter_(1, got_ids, got_weights.double())
-    err = _rel_l2(dense_got, dense_want)
-    if err > 1e-5:
-        return f"differs from the original on random input (relative L2 error {err:.3g})"
-    return None
+    errors = []
+    for logits_float32 in ((False, True) if weight.dtype != _torch.float32 else (False,)):
+        router._kd_renormalize = renormalize
+        router._kd_weight_float32 = weight.detach().float() if logits_float32 else None
+        try:
+            _, got_weights, got_ids = _router_forward(router, x)
+        finally:
+            del router._kd_renormalize, router._kd_weight_float32
+        dense_got = _torch.zeros_like(dense_want)
+        dense_got.scatter_(1, got_ids, got_weights.double())
+        errors.append(_rel_l2(dense_got, dense_want))
+        if errors[-1] <= 1e-5:
+            return logits_float32, None
+    return None, f"differs from the original on random input (relative L2 error {min(errors):.3g})"
 
 
 # ---------------------------------------------------------------------------
@@ -681,7 +695,8 @@ def _forwards_to_norm(parent, layers_name):
     if source is None:
         return False
     code = "\n".join(line.strip() for line in source.splitlines())
-    loop = code.find(f"in self.{layers_name}")
+    loops = [line for line in code.splitlines() if line.startswith("for ") and f"self.{layers_name}" in line]
+    loop = code.find(loops[0]) if len(loops) == 1 else -1
     norm = code.find("hidden_states = self.norm(hidden_states)")
     if loop < 0 or norm < loop:
         return False
