@@ -158,7 +158,7 @@ class Qwen3MoeTopKRouter(nn.Module):
         values, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             values = values / values.sum(-1, keepdim=True)
-        return probs, values.to(probs.dtype), ids
+        return probs, values.to(logits.dtype), ids
 
 
 class FloatLogitsTopKRouter(Qwen3MoeTopKRouter):
