@@ -51,19 +51,33 @@ _gelu_tanh_and_mul = torch_op("activation.gelu_tanh_and_mul")
 _rotary_embedding = torch_op("embeddings.rotary_embedding")
 _topk_softmax = torch_op("moe.topk_softmax")
 
-# The argument of a kdispatch call error: "op 'x.y', argument 1 'x': why".
+# A kdispatch call error: "op 'x.y', argument 1 'x': why" for one tensor,
+# "op 'x.y': why" for a requirement between tensors, naming each "(from 'x')".
 _ARGUMENT = _re.compile(r"op '([^']+)', argument \d+ '([^']+)': (.*)", _re.S)
+_CALL = _re.compile(r"op '([^']+)': (.*)", _re.S)
+_NAMED = _re.compile(r"\(from '([^']+)'\)")
 
 
 def _renamed(function, names, error):
     """A kdispatch op's KD-E030 error as one of `function`, naming vLLM's
-    argument (`names` maps the op's tensor names to vLLM's)."""
-    match = _ARGUMENT.match(error.message)
-    if error.code != "KD-E030" or match is None:
+    argument (`names` maps the op's tensor names to vLLM's): the tensor
+    the error is about, or the first one a requirement names."""
+    if error.code != "KD-E030":
         return error
-    op, tensor, why = match.groups()
-    argument = names.get(tensor, tensor)
-    return unsupported(function, argument, f"{why} (kdispatch op '{op}', its tensor '{tensor}')")
+    match = _ARGUMENT.match(error.message)
+    if match is not None:
+        op, tensor, why = match.groups()
+    else:
+        match = _CALL.match(error.message)
+        if match is None:
+            return error
+        op, why = match.groups()
+        tensor = next((t for t in _NAMED.findall(why) if t in names), None)
+        if tensor is None:
+            return error
+    renamed = unsupported(function, names.get(tensor, tensor), f"{why} (kdispatch op '{op}', its tensor '{tensor}')")
+    renamed.hints = list(error.hints)
+    return renamed
 
 
 def _forward(function, names, opfn, *args):
