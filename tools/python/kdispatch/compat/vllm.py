@@ -37,6 +37,7 @@ import re as _re
 
 import torch as _torch
 
+from .. import rotary as _rotary
 from .._errors import CallError
 from ._common import torch_op, unsupported
 
@@ -146,22 +147,18 @@ _ROTARY_NAMES = {"positions": "positions", "query": "query", "key": "key", "cos_
 
 def _heads(function, name, t, lead, head_size):
     """t [*, H, head_size] as it is, or t [*, H * head_size] viewed so (never
-    copied); * is the `lead` dims of positions."""
-    if t.dim() == lead + 2:
-        if t.shape[-1] != head_size:
-            raise unsupported(function, name, f"its last dim {t.shape[-1]} is not head_size {head_size} "
-                              f"(shape {list(t.shape)})")
-        return t
-    if t.dim() != lead + 1:
-        raise unsupported(function, name, f"expected [*, H * head_size] or [*, H, head_size] with * the "
-                          f"{lead} dims of positions, got shape {list(t.shape)}")
-    if t.shape[-1] % head_size != 0:
-        raise unsupported(function, name, f"its last dim {t.shape[-1]} is not a multiple of head_size {head_size}")
+    copied), as kdispatch.rotary takes them; * is the `lead` dims of positions."""
     try:
-        return t.view(*t.shape[:-1], t.shape[-1] // head_size, head_size)
-    except RuntimeError:
+        heads = _rotary._heads_view(t, lead, head_size, name)
+    except ValueError as e:
+        raise unsupported(function, name, str(e)) from None
+    except RuntimeError:  # view() refused: the heads are not evenly strided
         raise unsupported(function, name, f"strides {list(t.stride())} of shape {list(t.shape)} cannot be viewed "
                           f"as [*, H, {head_size}] without a copy") from None
+    if heads.shape[-1] != head_size:
+        raise unsupported(function, name, f"its last dim {heads.shape[-1]} is not head_size {head_size} "
+                          f"(shape {list(t.shape)})")
+    return heads
 
 
 def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset=0, inverse=False):
