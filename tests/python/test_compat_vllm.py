@@ -9,10 +9,10 @@
 - row-strided views (column slices, q and k sliced from a fused QKV output)
   written in place: same storage, the values of a contiguous call, the
   rest of the buffer untouched;
-- vLLM's in-place/out conventions (what is written, what is only read, None
-  returned);
+- vLLM's signatures (names, order, defaults) and in-place/out conventions
+  (what is written, what is only read, None returned);
 - every refusal: kdispatch.CallError KD-E030 naming the function and vLLM's
-  name of the argument;
+  name of the argument (a strided or mis-sized top-k output among them);
 - the parametrisations of vLLM's own kernel tests (tests/kernels/core/
   test_layernorm.py, test_activation.py, test_pos_encoding.py,
   test_rotary_embedding.py, tests/kernels/moe/test_fused_topk.py) run
@@ -394,11 +394,36 @@ def test_refusals():
     refused(lambda: ops.topk_softmax(tw, ti, te.long(), gating, False), "topk_softmax", "token_expert_indices")
     refused(lambda: ops.topk_softmax(tw, ti, te, gating.double(), False), "topk_softmax", "gating_output")
     refused(lambda: ops.topk_softmax(tw.half(), ti, te, gating, False), "topk_softmax", "topk_weights")
+    refused(lambda: ops.topk_softmax(torch.empty(4, 5)[:, :2], ti, te, gating, False), "topk_softmax", "topk_weights")
+    refused(lambda: ops.topk_softmax(tw, torch.empty(4, 3, dtype=torch.int32), te, gating, False), "topk_softmax",
+            "topk_ids")
     try:
         ops.mul_and_silu
         check(False, "a vLLM op kdispatch lacks is not an attribute")
     except AttributeError as e:
         check("mul_and_silu" in str(e), f"unknown name: {e}")
+
+
+def test_signatures():
+    """vLLM's parameter names, order and defaults, for callers passing them by keyword."""
+    import inspect
+
+    want = {
+        "rms_norm": ["out", "input", "weight", "epsilon"],
+        "fused_add_rms_norm": ["input", "residual", "weight", "epsilon"],
+        "silu_and_mul": ["out", "input"],
+        "gelu_and_mul": ["out", "input"],
+        "gelu_tanh_and_mul": ["out", "input"],
+        "rotary_embedding": ["positions", "query", "key", "head_size", "cos_sin_cache", "is_neox",
+                             "rope_dim_offset=0", "inverse=False"],
+        "topk_softmax": ["topk_weights", "topk_ids", "token_expert_indices", "gating_output", "renormalize=False",
+                         "e_score_correction_bias=None", "is_padding=None"],
+    }
+    check(sorted(ops.__all__) == sorted(want), f"functions {ops.__all__}")
+    for name, params in want.items():
+        got = [p.name if p.default is p.empty else f"{p.name}={p.default!r}"
+               for p in inspect.signature(getattr(ops, name)).parameters.values()]
+        check(got == params, f"{name}{tuple(got)} is not vLLM's {tuple(params)}")
 
 
 # ---- vLLM's own test parametrisations ----
@@ -637,7 +662,7 @@ def main():
     parser.add_argument("--full", action="store_true", help="run vLLM's largest rotary cases at full size")
     parser.add_argument("--verbose", action="store_true", help="print the time of each part")
     args = parser.parse_args()
-    for part in (test_rms_norm, test_fused_add_rms_norm, test_activations, test_rotary_embedding, test_topk_softmax,
+    for part in (test_signatures, test_rms_norm, test_fused_add_rms_norm, test_activations, test_rotary_embedding, test_topk_softmax,
                  test_refusals, vllm_layernorm_cases, vllm_activation_cases,
                  lambda: vllm_pos_encoding_cases(args.full), vllm_rotary_embedding_cases, vllm_fused_topk_cases):
         start = time.time()
