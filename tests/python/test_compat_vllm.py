@@ -18,7 +18,8 @@
   test_rotary_embedding.py, tests/kernels/moe/test_fused_topk.py) run
   through this module, with a line per file: how many cases pass at vLLM's
   own tolerance, and which do not and why. Cases of the seq_len 8192 rotary
-  test run with 512 tokens unless --full is given.
+  test run with 512 tokens, and layernorm's 4096-token cases with 256,
+  unless --full is given.
 
 Exits 77 without torch."""
 import argparse
@@ -458,10 +459,12 @@ def close(got, want, atol, rtol):
     return bool(torch.isclose(got.double(), want.double(), atol=atol, rtol=rtol).all())
 
 
-def vllm_layernorm_cases():
+def vllm_layernorm_cases(full):
     tally = Tally("tests/kernels/core/test_layernorm.py")
     hidden_sizes = [8, 768, 769, 5120, 5125, 8192]
-    grid = list(itertools.product([7, 83, 4096], hidden_sizes, [False, True],
+    # vLLM's 4096-token cases run with 256 tokens unless --full is given.
+    tokens = [7, 83, 4096 if full else 256]
+    grid = list(itertools.product(tokens, hidden_sizes, [False, True],
                                   [torch.half, torch.bfloat16, torch.float], [False, True]))
     for seed, (num_tokens, hidden, add_residual, dtype, strided) in enumerate(grid):
         # test_rms_norm: RMSNorm(hidden) with weight ~ N(1, 0.1), inputs scaled by 1 / (2 hidden).
@@ -485,7 +488,7 @@ def vllm_layernorm_cases():
         tally.add(ok, "beyond atol=rtol=1e-2")
         check(ok, f"vLLM test_rms_norm {num_tokens}x{hidden} residual={add_residual} {dtype} strided={strided}")
     # test_rms_norm_weightless: RMSNorm(has_weight=False) passes weight=None.
-    for num_tokens, hidden, add_residual, dtype in itertools.product([7, 83, 4096], hidden_sizes, [False, True],
+    for num_tokens, hidden, add_residual, dtype in itertools.product(tokens, hidden_sizes, [False, True],
                                                                       [torch.half, torch.bfloat16, torch.float]):
         x = randn([num_tokens, hidden], dtype, 30)
         try:
@@ -500,6 +503,8 @@ def vllm_layernorm_cases():
     tally.skip(6 * 3 * 2 * 3 * 2 * 3, "test_fused_rms_norm_quant (fp8 quantising norms: no kdispatch op)")
     tally.skip(6 * 3 * 2 * 3 * 2 + 1, "test_gemma_rms_norm* (GemmaRMSNorm is not a vllm._custom_ops function)")
     tally.report()
+    if not full:
+        print("  (test_layernorm.py: the 4096-token cases ran with 256 tokens; --full runs them at full size)")
 
 
 def vllm_activation_cases():
@@ -659,11 +664,11 @@ def vllm_fused_topk_cases():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--full", action="store_true", help="run vLLM's largest rotary cases at full size")
+    parser.add_argument("--full", action="store_true", help="run vLLM's largest layernorm and rotary cases at full size")
     parser.add_argument("--verbose", action="store_true", help="print the time of each part")
     args = parser.parse_args()
     for part in (test_signatures, test_rms_norm, test_fused_add_rms_norm, test_activations, test_rotary_embedding, test_topk_softmax,
-                 test_refusals, vllm_layernorm_cases, vllm_activation_cases,
+                 test_refusals, lambda: vllm_layernorm_cases(args.full), vllm_activation_cases,
                  lambda: vllm_pos_encoding_cases(args.full), vllm_rotary_embedding_cases, vllm_fused_topk_cases):
         start = time.time()
         part()
