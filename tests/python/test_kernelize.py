@@ -162,7 +162,7 @@ for renormalize, logits_float32 in ((True, False), (False, False), (True, True))
     original, model, report = pair(make, torch.float32)
     counts = report.counts()
     check(counts.get("MoE router") == 3, f"moe: routers {counts}")
-    check(counts.get("MoE experts (its _apply_gate)") == 3, f"moe: experts {counts}")
+    check(counts.get("MoE experts (grouped_mm, batched_mm and eager)") == 3, f"moe: experts {counts}")
     check(not report.left, f"moe: nothing left, got {report.left}")
     routers = {op for _, what, op in pair(make, torch.bfloat16)[2].replaced if what == "MoE router"}
     check(routers == {"moe.topk_softmax" + (" (float32 logits)" if logits_float32 else "")},
@@ -180,6 +180,24 @@ for renormalize, logits_float32 in ((True, False), (False, False), (True, True))
     check(mean <= 1.25 * mean_original + 1e-3, f"qwen3-moe bf16: mean error {mean:.3g}, the original's {mean_original:.3g}")
     print(f"ok   qwen3-moe renormalize={renormalize} bfloat16: mean logits relative L2 error against float32 over 4 "
           f"models {mean:.2e} (the original {mean_original:.2e})")
+    # The eager form of the experts (the activation inline in transformers)
+    # goes through kdispatch too.
+    for form in ("eager", "grouped_mm"):
+        original.model.config._experts_implementation = form
+        model.model.config._experts_implementation = form
+        ids = tokens(batch=2, length=5)
+        with torch.no_grad():
+            exact = copy.deepcopy(original).float()(ids)
+            err, err_original = rel_l2(model(ids), exact), rel_l2(original(ids), exact)
+        check(err <= 1.25 * err_original + 1e-3, f"experts form {form}: error {err:.3g}, original {err_original:.3g}")
+    calls = []
+    experts = model.model.layers[0].mlp.experts
+    experts._kd_act_op = lambda *args, op=experts._kd_act_op: (calls.append(1), op(*args))
+    with torch.no_grad():
+        model(tokens(batch=1, length=3))
+    check(len(calls) > 0, "the eager experts form calls kdispatch's activation")
+    del experts._kd_act_op
+    experts._kd_act_op = getattr(torch.ops.kdispatch, "activation_silu_and_mul")
     router = model.model.layers[0].mlp.gate
     with torch.no_grad():
         _, weights, ids = router(torch.randn(4, 64, dtype=torch.bfloat16))

@@ -173,7 +173,34 @@ class FloatLogitsTopKRouter(Qwen3MoeTopKRouter):
         return probs, values, ids
 
 
+def _eager_experts(self, hidden_states, ids, weights):
+    """The eager form: the activation computed inline."""
+    out = torch.zeros_like(hidden_states)
+    for slot in range(ids.shape[1]):
+        for row in range(ids.shape[0]):
+            e = int(ids[row, slot])
+            gate, up = F.linear(hidden_states[row:row + 1], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(self.act_fn(gate) * up, self.down_proj[e])
+            out[row:row + 1] += (y * weights[row, slot]).to(out.dtype)
+    return out
+
+
+def _gated_experts(self, hidden_states, ids, weights):
+    """The other forms (transformers' grouped_mm and batched_mm): the gate through _apply_gate."""
+    out = torch.zeros_like(hidden_states)
+    for slot in range(ids.shape[1]):
+        for row in range(ids.shape[0]):
+            e = int(ids[row, slot])
+            gate_up = F.linear(hidden_states[row:row + 1], self.gate_up_proj[e])
+            y = F.linear(self._apply_gate(gate_up), self.down_proj[e])
+            out[row:row + 1] += (y * weights[row, slot]).to(out.dtype)
+    return out
+
+
 class Qwen3MoeExperts(nn.Module):
+    """Experts behind transformers' experts interface: forward picks the form
+    config._experts_implementation names; forward.__wrapped__ is the eager one."""
+
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -187,14 +214,10 @@ class Qwen3MoeExperts(nn.Module):
         return self.act_fn(gate) * up
 
     def forward(self, hidden_states, ids, weights):
-        out = torch.zeros_like(hidden_states)
-        for slot in range(ids.shape[1]):
-            for row in range(ids.shape[0]):
-                e = int(ids[row, slot])
-                gate_up = F.linear(hidden_states[row:row + 1], self.gate_up_proj[e])
-                y = F.linear(self._apply_gate(gate_up), self.down_proj[e])
-                out[row:row + 1] += (y * weights[row, slot]).to(out.dtype)
-        return out
+        form = _eager_experts if self.config._experts_implementation == "eager" else _gated_experts
+        return form(self, hidden_states, ids, weights)
+
+    forward.__wrapped__ = _eager_experts
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):

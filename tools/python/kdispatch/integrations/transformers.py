@@ -361,6 +361,63 @@ def _experts_apply_gate(self, gate_up_out):
     return out
 
 
+def _experts_eager(self, hidden_states, top_k_index, top_k_weights):
+    """The eager experts forward (the one transformers' experts interface
+    calls "eager") with the gate through _apply_gate: the routed rows grouped
+    by expert, one gate/up and one down matmul per expert hit."""
+    out = _torch.zeros_like(hidden_states)
+    experts = self.gate_up_proj.shape[0]
+    flat = top_k_index.reshape(-1)
+    order = _torch.argsort(flat)
+    counts = _torch.bincount(flat, minlength=experts).tolist()
+    rows = order // top_k_index.shape[-1]
+    weights = top_k_weights.reshape(-1)[order]
+    start = 0
+    for expert, count in enumerate(counts[:experts]):
+        if count == 0:
+            continue
+        take = slice(start, start + count)
+        start += count
+        tokens = rows[take]
+        gate_up = _F.linear(hidden_states[tokens], self.gate_up_proj[expert])
+        y = _F.linear(self._apply_gate(gate_up), self.down_proj[expert])
+        out.index_add_(0, tokens, (y * weights[take, None]).to(out.dtype))
+    return out
+
+
+def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    implementation = getattr(getattr(self, "config", None), "_experts_implementation", None)
+    if implementation not in (None, "eager") or _needs_grad(hidden_states, self.gate_up_proj):
+        return self._kd_original_class.forward(self, hidden_states, top_k_index, top_k_weights)
+    return _experts_eager(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _original_eager(cls):
+    """The eager forward of an experts class (the one transformers' experts
+    interface wraps), or None where it cannot be told apart."""
+    wrapped = getattr(cls.forward, "__wrapped__", None)
+    if wrapped is not None:
+        return wrapped
+    source = _source(cls.forward)
+    if source is not None and "_experts_implementation" not in source and "get_interface" not in source:
+        return cls.forward
+    return None
+
+
+def _check_experts_eager(module, eager):
+    """None when _experts_eager matches the original eager forward on random routing."""
+    weight = module.gate_up_proj
+    experts, hidden = weight.shape[0], weight.shape[-1]
+    x = _torch.randn(7, hidden, dtype=weight.dtype, device=weight.device)
+    k = min(2, experts)
+    ids = _torch.stack([_torch.randperm(experts, device=weight.device)[:k] for _ in range(7)])
+    w = _torch.rand(7, k, dtype=_torch.float32, device=weight.device)
+    err = _rel_l2(_experts_eager(module, x, ids, w), eager(module, x, ids, w))
+    if err > _tolerance(weight.dtype):
+        return f"its eager forward differs from kdispatch's on random routing (relative L2 error {err:.3g})"
+    return None
+
+
 def _kernelize_experts(model, report, device_ok):
     checked = {}
     for path, module in model.named_modules():
@@ -371,8 +428,13 @@ def _kernelize_experts(model, report, device_ok):
             report._leave(path, "MoE experts", "no _apply_gate (transformers' experts interface) to replace")
             continue
         weight = getattr(module, "gate_up_proj", None)
-        if not isinstance(weight, _torch.Tensor) or not device_ok(weight):
-            report._leave(path, "MoE experts", "no gate_up_proj on cpu or cuda")
+        down = getattr(module, "down_proj", None)
+        if not isinstance(weight, _torch.Tensor) or not isinstance(down, _torch.Tensor) or weight.dim() != 3 \
+                or not device_ok(weight):
+            report._leave(path, "MoE experts", "no 3-d gate_up_proj and down_proj on cpu or cuda")
+            continue
+        if getattr(module, "is_transposed", False) or getattr(module, "has_bias", False):
+            report._leave(path, "MoE experts", "transposed or biased expert weights")
             continue
         op_name = _act_op(module)
         if op_name is None:
@@ -382,22 +444,32 @@ def _kernelize_experts(model, report, device_ok):
         key = (cls, weight.dtype)
         if key not in checked:
             with _torch.no_grad():
-                checked[key] = _check_gated(act_op, lambda g, m=module: cls._apply_gate(m, g), 37, weight.dtype,
-                                            weight.device)
-        if checked[key] is not None:
-            report._leave(path, "MoE experts", checked[key])
+                reason = _check_gated(act_op, lambda g, m=module: cls._apply_gate(m, g), 37, weight.dtype,
+                                      weight.device)
+                eager = _original_eager(cls)
+                if reason is None and eager is not None:
+                    module._kd_act_op = act_op
+                    try:
+                        eager_reason = _check_experts_eager(module, eager)
+                    finally:
+                        del module._kd_act_op
+                else:
+                    eager_reason = "its eager forward is not known"
+            checked[key] = (reason, eager_reason)
+        reason, eager_reason = checked[key]
+        if reason is not None:
+            report._leave(path, "MoE experts", reason)
             continue
         module._kd_act_op = act_op
-        _swap_class(module, "experts", {"_apply_gate": _experts_apply_gate})
-        how = "its _apply_gate"
-        implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
-        if implementation in (None, "eager"):
-            source = _source(getattr(cls.forward, "__wrapped__", cls.forward))
-            if source is not None and "_apply_gate" not in source:
-                report._leave(path, "MoE experts", "the eager experts forward computes its activation inline "
-                                                   "(kdispatch serves the grouped_mm and batched_mm forms)")
-                continue
-        report._replace(path, f"MoE experts ({how})", f"activation.{op_name}")
+        namespace = {"_apply_gate": _experts_apply_gate}
+        forms = "grouped_mm and batched_mm"
+        if eager_reason is None:
+            namespace["forward"] = _experts_forward
+            forms = "grouped_mm, batched_mm and eager"
+        else:
+            report._leave(path, "MoE experts (eager form)", eager_reason)
+        _swap_class(module, "experts", namespace)
+        report._replace(path, f"MoE experts ({forms})", f"activation.{op_name}")
 
 
 # ---------------------------------------------------------------------------
