@@ -248,7 +248,12 @@ report = kt.kernelize(model_dyn)
 check(any(what == "rotary embedding" and "changes inv_freq" in reason for _, what, reason in report.left),
       f"dynamic rope is left: {report.left}")
 compare("dynamic rope left", original, model_dyn, torch.float32)
-print("ok   left with reasons:", "; ".join(sorted({f'{w}: {r}' for _, w, r in report.left})))
+model_long = copy.deepcopy(original)
+model_long.model.rotary_emb.original_max_seq_len = 1 << 25
+report_long = kt.kernelize(model_long)
+check(any(what == "rotary embedding" and "MiB" in reason for _, what, reason in report_long.left),
+      f"a cos/sin cache over 1 GiB is not built: {report_long.left}")
+print("ok   left with reasons:", "; ".join(sorted({f'{w}: {r}' for _, w, r in report.left + report_long.left})))
 
 # kernelize twice replaces nothing more; restore gives the classes back.
 again = kt.kernelize(model)

@@ -73,6 +73,10 @@ _ACTIVATIONS = {
     "GELUActivation": "gelu_and_mul", "GELU": "gelu_and_mul",
 }
 
+# The largest float32 cos/sin cache kernelize builds for a model's rotary
+# embedding (max_position_embeddings rows).
+_MAX_COS_SIN_CACHE_BYTES = 1 << 30
+
 # Rotary types whose inv_freq changes with the sequence length.
 _DYNAMIC_ROPE = ("dynamic", "longrope")
 
@@ -648,6 +652,10 @@ def _check_rotary(rotary, attentions):
                         or 0)
     if max_positions <= 0:
         return "no max_position_embeddings to size the cos/sin cache"
+    cache_bytes = max_positions * 2 * inv_freq.numel() * 4
+    if cache_bytes > _MAX_COS_SIN_CACHE_BYTES:
+        return (f"its cos/sin cache of {max_positions} positions would take {cache_bytes >> 20} MiB "
+                f"(more than {_MAX_COS_SIN_CACHE_BYTES >> 20} MiB)")
     scaling = float(getattr(rotary, "attention_scaling", 1.0))
     cache = _rotary.cos_sin_cache_from_inv_freq(inv_freq, max_positions, attention_scaling=scaling)
     dtype = attention.q_proj.weight.dtype
