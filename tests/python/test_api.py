@@ -108,12 +108,14 @@ class Errors(unittest.TestCase):
         self.assertEqual(caught.exception.code, "KD-E002")
 
     def test_kernel_failure_is_kernel_error(self):
-        logits = np.random.default_rng(3).uniform(-1, 1, (3, 8)).astype(np.float32)
-        weights, ids = np.empty((3, 9), np.float32), np.empty((3, 9), np.int32)
+        positions = np.array([0, 7, 2], np.int64)
+        query = np.random.default_rng(3).uniform(-1, 1, (3, 2, 8)).astype(np.float32)
+        cache = np.random.default_rng(4).uniform(-1, 1, (5, 8)).astype(np.float32)
         with self.assertRaises(kdispatch.KernelError) as caught:
-            kdispatch.call("moe.topk_softmax", weights, ids, logits)  # K = 9 > E = 8: the kernel refuses
+            # Position 7 is past the cache's 5 rows: the cpu kernel refuses it.
+            kdispatch.call("embeddings.rotary_embedding", positions, query, None, cache, backend="cpu")
         self.assertEqual(caught.exception.code, "KD-E040")
-        self.assertIn("K = 9", caught.exception.message)
+        self.assertIn("position 7 of token 1", caught.exception.message)
 
     def test_errors_pickle(self):
         e = kdispatch.CallError("KD-E030", "op 'x': bad", ["a hint"])
