@@ -1,16 +1,12 @@
 """How the sgl_kernel and flashinfer compat functions call a kdispatch op:
 the tensors as given, and a refusal reworded to name the compat function
 and the caller's argument."""
-import re as _re
-
 import torch as _torch
 
-from .._errors import CallError
-from ._common import torch_op, unsupported
+from ._common import forward, torch_op, unsupported
 
 # The dtypes of the activations of every op these modules forward to.
 FLOAT_DTYPES = (_torch.float32, _torch.float16, _torch.bfloat16)
-_ARGUMENT = _re.compile(r"argument \d+ '(\w+)'")
 
 
 def check_float(function, argument, t, op):
@@ -37,18 +33,9 @@ def check_out(function, out, like, shape):
 def call(function, op, names, *args):
     """torch.ops.kdispatch.<op>(*args). A KD-E030 refusal of the op (a
     layout it cannot address, a dtype or shape that does not fit) is raised
-    again as the KD-E030 error of `function`, naming the argument by the
-    caller's name: `names` maps the op's tensor names to them
-    ({"x": "input"})."""
-    try:
-        torch_op(op)(*args)
-    except CallError as e:
-        if e.code != "KD-E030":
-            raise
-        match = _ARGUMENT.search(e.message)
-        if match is None:
-            raise
-        raise unsupported(function, names.get(match.group(1), match.group(1)), e.message) from None
+    as the KD-E030 error of `function`, naming the argument by the caller's
+    name: `names` maps the op's tensor names to them ({"x": "input"})."""
+    forward(function, names, torch_op(op), *args)
 
 
 def heads_view(function, argument, t, lead, head_size):
@@ -113,3 +100,63 @@ def rope_inplace(function, positions, query, key, head_size, cos_sin_cache, is_n
     q = heads_view(function, "query", query, lead, int(head_size))
     k = None if key is None else heads_view(function, "key", key, lead, int(head_size))
     call(function, op, _ROPE_NAMES, positions, q, k, cos_sin_cache, bool(is_neox))
+
+
+def norms_and_activations(module, peer):
+    """The norm and gated-activation functions that sgl_kernel and FlashInfer
+    both have, with the same names, signatures and conventions, as functions
+    of `module` (their __module__) that name `peer` in their errors:
+    rmsnorm, fused_add_rmsnorm, gemma_rmsnorm, gemma_fused_add_rmsnorm,
+    silu_and_mul, gelu_and_mul, gelu_tanh_and_mul."""
+
+    def rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
+        """out = input * rsqrt(mean(input^2 over the last dim) + eps) * weight, into
+        ``out`` when given (then returned), else into a new tensor; forwards to
+        layernorm.rmsnorm. input [*, H] with rows of any stride, weight [H] of
+        input's dtype or float32. enable_pdl: accepted, no effect (see the module)."""
+        return norm(f"{peer}.rmsnorm", "layernorm.rmsnorm", input, weight, eps, out, enable_pdl)
+
+    def fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
+        """residual += input; input = rmsnorm(residual) * weight, both in place,
+        returns None; forwards to layernorm.fused_add_rmsnorm, which normalises
+        the float32 sum before it is rounded into residual, as {peer} does."""
+        fused_add_norm(f"{peer}.fused_add_rmsnorm", "layernorm.fused_add_rmsnorm", input, residual, weight, eps,
+                       enable_pdl)
+
+    def gemma_rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
+        """Gemma's norm: out = input * rsqrt(mean(input^2) + eps) * (1 + weight),
+        into ``out`` when given (then returned), else into a new tensor; forwards
+        to layernorm.gemma_rmsnorm."""
+        return norm(f"{peer}.gemma_rmsnorm", "layernorm.gemma_rmsnorm", input, weight, eps, out, enable_pdl)
+
+    def gemma_fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
+        """residual += input; input = gemma_rmsnorm(residual), both in place,
+        returns None; forwards to layernorm.gemma_fused_add_rmsnorm (the float32
+        sum is normalised)."""
+        fused_add_norm(f"{peer}.gemma_fused_add_rmsnorm", "layernorm.gemma_fused_add_rmsnorm", input, residual,
+                       weight, eps, enable_pdl)
+
+    def silu_and_mul(input, out=None, enable_pdl=None):
+        """out = silu(input[..., :D]) * input[..., D:], into ``out`` when given
+        (then returned), else into a new [..., D] tensor; forwards to
+        activation.silu_and_mul. Any D: {peer}'s 16-byte row requirement
+        is not kdispatch's."""
+        return act_and_mul(f"{peer}.silu_and_mul", "activation.silu_and_mul", input, out, enable_pdl)
+
+    def gelu_and_mul(input, out=None, enable_pdl=None):
+        """out = gelu(input[..., :D]) * input[..., D:] (erf form); forwards to
+        activation.gelu_and_mul."""
+        return act_and_mul(f"{peer}.gelu_and_mul", "activation.gelu_and_mul", input, out, enable_pdl)
+
+    def gelu_tanh_and_mul(input, out=None, enable_pdl=None):
+        """out = gelu_tanh(input[..., :D]) * input[..., D:]; forwards to
+        activation.gelu_tanh_and_mul."""
+        return act_and_mul(f"{peer}.gelu_tanh_and_mul", "activation.gelu_tanh_and_mul", input, out, enable_pdl)
+
+    functions = (rmsnorm, fused_add_rmsnorm, gemma_rmsnorm, gemma_fused_add_rmsnorm, silu_and_mul, gelu_and_mul,
+                 gelu_tanh_and_mul)
+    for f in functions:
+        f.__module__ = module
+        f.__qualname__ = f.__name__
+        f.__doc__ = f.__doc__.replace("{peer}", peer)
+    return functions

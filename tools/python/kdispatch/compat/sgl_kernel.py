@@ -32,56 +32,10 @@ __all__ = [
 ]
 
 _MODULE = "sgl_kernel"
-def rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
-    """out = input * rsqrt(mean(input^2 over the last dim) + eps) * weight, into
-    ``out`` when given (then returned), else into a new tensor; forwards to
-    layernorm.rmsnorm. input [*, H] with rows of any stride, weight [H] of
-    input's dtype or float32. enable_pdl: accepted, no effect (see the module)."""
-    return _forward.norm(f"{_MODULE}.rmsnorm", "layernorm.rmsnorm", input, weight, eps, out, enable_pdl)
 
-
-def fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
-    """residual += input; input = rmsnorm(residual) * weight, both in place,
-    returns None; forwards to layernorm.fused_add_rmsnorm, which normalises
-    the float32 sum before it is rounded into residual, as sgl_kernel does."""
-    _forward.fused_add_norm(f"{_MODULE}.fused_add_rmsnorm", "layernorm.fused_add_rmsnorm", input, residual, weight,
-                            eps, enable_pdl)
-
-
-def gemma_rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
-    """Gemma's norm: out = input * rsqrt(mean(input^2) + eps) * (1 + weight),
-    into ``out`` when given (then returned), else into a new tensor; forwards
-    to layernorm.gemma_rmsnorm."""
-    return _forward.norm(f"{_MODULE}.gemma_rmsnorm", "layernorm.gemma_rmsnorm", input, weight, eps, out, enable_pdl)
-
-
-def gemma_fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
-    """residual += input; input = gemma_rmsnorm(residual), both in place,
-    returns None; forwards to layernorm.gemma_fused_add_rmsnorm (the float32
-    sum is normalised)."""
-    _forward.fused_add_norm(f"{_MODULE}.gemma_fused_add_rmsnorm", "layernorm.gemma_fused_add_rmsnorm", input,
-                            residual, weight, eps, enable_pdl)
-
-
-def silu_and_mul(input, out=None, enable_pdl=None):
-    """out = silu(input[..., :D]) * input[..., D:], into ``out`` when given
-    (then returned), else into a new [..., D] tensor; forwards to
-    activation.silu_and_mul. Any D: sgl_kernel's 16-byte row requirement
-    is not kdispatch's."""
-    return _forward.act_and_mul(f"{_MODULE}.silu_and_mul", "activation.silu_and_mul", input, out, enable_pdl)
-
-
-def gelu_and_mul(input, out=None, enable_pdl=None):
-    """out = gelu(input[..., :D]) * input[..., D:] (erf form); forwards to
-    activation.gelu_and_mul."""
-    return _forward.act_and_mul(f"{_MODULE}.gelu_and_mul", "activation.gelu_and_mul", input, out, enable_pdl)
-
-
-def gelu_tanh_and_mul(input, out=None, enable_pdl=None):
-    """out = gelu_tanh(input[..., :D]) * input[..., D:]; forwards to
-    activation.gelu_tanh_and_mul."""
-    return _forward.act_and_mul(f"{_MODULE}.gelu_tanh_and_mul", "activation.gelu_tanh_and_mul", input, out,
-                                enable_pdl)
+# The norms and gated activations, shared with the other peer's module.
+(rmsnorm, fused_add_rmsnorm, gemma_rmsnorm, gemma_fused_add_rmsnorm, silu_and_mul, gelu_and_mul,
+ gelu_tanh_and_mul) = _forward.norms_and_activations(__name__, _MODULE)
 
 
 def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache, is_neox=True,

@@ -33,13 +33,10 @@ fused add, then ``layernorm.rmsnorm`` of the rounded residual into
 ``input``). A ``topk_softmax`` row whose logits hold NaN or +inf gets NaN
 weights, where vLLM's kernel gives finite ones.
 """
-import re as _re
-
 import torch as _torch
 
 from .. import rotary as _rotary
-from .._errors import CallError
-from ._common import torch_op, unsupported
+from ._common import forward as _forward, torch_op, unsupported
 
 __all__ = ["fused_add_rms_norm", "gelu_and_mul", "gelu_tanh_and_mul", "rms_norm", "rotary_embedding",
            "silu_and_mul", "topk_softmax"]
@@ -51,42 +48,6 @@ _gelu_and_mul = torch_op("activation.gelu_and_mul")
 _gelu_tanh_and_mul = torch_op("activation.gelu_tanh_and_mul")
 _rotary_embedding = torch_op("embeddings.rotary_embedding")
 _topk_softmax = torch_op("moe.topk_softmax")
-
-# A kdispatch call error: "op 'x.y', argument 1 'x': why" for one tensor,
-# "op 'x.y': why" for a requirement between tensors, naming each "(from 'x')".
-_ARGUMENT = _re.compile(r"op '([^']+)', argument \d+ '([^']+)': (.*)", _re.S)
-_CALL = _re.compile(r"op '([^']+)': (.*)", _re.S)
-_NAMED = _re.compile(r"\(from '([^']+)'\)")
-
-
-def _renamed(function, names, error):
-    """A kdispatch op's KD-E030 error as one of `function`, naming vLLM's
-    argument (`names` maps the op's tensor names to vLLM's): the tensor
-    the error is about, or the first one a requirement names."""
-    if error.code != "KD-E030":
-        return error
-    match = _ARGUMENT.match(error.message)
-    if match is not None:
-        op, tensor, why = match.groups()
-    else:
-        match = _CALL.match(error.message)
-        if match is None:
-            return error
-        op, why = match.groups()
-        tensor = next((t for t in _NAMED.findall(why) if t in names), None)
-        if tensor is None:
-            return error
-    renamed = unsupported(function, names.get(tensor, tensor), f"{why} (kdispatch op '{op}', its tensor '{tensor}')")
-    renamed.hints = list(error.hints)
-    return renamed
-
-
-def _forward(function, names, opfn, *args):
-    try:
-        opfn(*args)
-    except CallError as e:
-        raise _renamed(function, names, e) from e
-
 
 def _need_weight(function, weight):
     if weight is None:
