@@ -276,11 +276,12 @@ def _kernelize_norms(model, report, device_ok):
 
 
 def _act_op(module):
+    """(op id, torch op) of the kdispatch gated activation of module.act_fn, or None."""
     act = getattr(module, "act_fn", None)
     name = _ACTIVATIONS.get(type(act).__name__) if act is not None else None
     if name == "gelu_and_mul" and getattr(act, "approximate", "none") == "tanh":
         name = "gelu_tanh_and_mul"
-    return name
+    return None if name is None else (f"activation.{name}", getattr(_ops, f"activation_{name}"))
 
 
 def _mlp_forward(self, x):
@@ -323,11 +324,11 @@ def _kernelize_mlps(model, report, device_ok):
         if not device_ok(gate.weight):
             report._leave(path, "gated MLP", f"weights on {gate.weight.device}, kdispatch serves cpu and cuda")
             continue
-        op_name = _act_op(module)
-        if op_name is None:
+        act = _act_op(module)
+        if act is None:
             report._leave(path, "gated MLP", f"activation {type(module.act_fn).__name__} has no kdispatch op")
             continue
-        act_op = getattr(_ops, f"activation_{op_name}")
+        op_name, act_op = act
         key = (type(module), type(module.act_fn), gate.weight.dtype)
         if key not in checked:
             def reference(gate_up, act=module.act_fn):
@@ -352,7 +353,7 @@ def _kernelize_mlps(model, report, device_ok):
         module.register_buffer("_kd_gate_up_bias", fused_bias, persistent=False)
         module._kd_act_op = act_op
         _swap_class(module, "mlp", {"forward": _mlp_forward})
-        report._replace(path, "gated MLP", f"activation.{op_name}")
+        report._replace(path, "gated MLP", op_name)
     return checked
 
 
@@ -440,11 +441,11 @@ def _kernelize_experts(model, report, device_ok):
         if getattr(module, "is_transposed", False) or getattr(module, "has_bias", False):
             report._leave(path, "MoE experts", "transposed or biased expert weights")
             continue
-        op_name = _act_op(module)
-        if op_name is None:
+        act = _act_op(module)
+        if act is None:
             report._leave(path, "MoE experts", f"activation {type(module.act_fn).__name__} has no kdispatch op")
             continue
-        act_op = getattr(_ops, f"activation_{op_name}")
+        op_name, act_op = act
         key = (cls, weight.dtype)
         if key not in checked:
             with _torch.no_grad():
@@ -473,7 +474,7 @@ def _kernelize_experts(model, report, device_ok):
         else:
             report._leave(path, "MoE experts (eager form)", eager_reason)
         _swap_class(module, "experts", namespace)
-        report._replace(path, f"MoE experts ({forms})", f"activation.{op_name}")
+        report._replace(path, f"MoE experts ({forms})", op_name)
 
 
 # ---------------------------------------------------------------------------
