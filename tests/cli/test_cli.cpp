@@ -526,6 +526,12 @@ TEST_CASE("run and bench: a bad --dtype, --shape, --attr, --iters or --save is a
       {{"run", "layernorm.rmsnorm", "--attr", "eps=1e-5x"}, {"attribute 'eps'", "'1e-5x' is not one"}},
       {{"bench", "moe.topk_softmax", "--attr", "renormalize=maybe"},
        {"attribute 'renormalize' of op 'moe.topk_softmax' is a bool; 'maybe' is not one"}},
+      // An attribute takes the values it takes through every entry point: a
+      // bool is true or false, as in Python and C++, not 1 or 0.
+      {{"run", "moe.topk_softmax", "--attr", "renormalize=1"},
+       {"attribute 'renormalize' of op 'moe.topk_softmax' is a bool; '1' is not one (true or false)"}},
+      {{"run", "moe.topk_softmax", "--attr", "renormalize=0"}, {"'0' is not one (true or false)"}},
+      {{"run", "embeddings.rotary_embedding", "--attr", "is_neox=True"}, {"'True' is not one (true or false)"}},
       {{"run", "--all", "--attr", "nope=1"}, {"--attr nope=1", "no op has an attribute 'nope'"}},
       {{"run", "layernorm.rmsnorm", "--attr", "eps"}, {"--attr 'eps': expected NAME=VALUE"}},
   };

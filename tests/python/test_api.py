@@ -80,6 +80,27 @@ class Errors(unittest.TestCase):
         with self.assertRaises(kdispatch.CallError):
             kdispatch.call(OP, out, x, w, stream="default")
 
+    def test_attribute_values_take_one_rule(self):
+        # A float takes an int, an int and a bool take only their own type:
+        # the rule of the CLI's --attr and of C++ callers alike.
+        out, x, w = rmsnorm_args()
+        kdispatch.call(OP, out, x, w, eps=1)
+        assert_matches(out, x, w, eps=1.0)
+        for value, given in ((True, "bool"), ("1e-5", "string")):
+            with self.assertRaises(kdispatch.CallError) as caught:
+                kdispatch.call(OP, out, x, w, eps=value)
+            self.assertIn(f"attribute 'eps': expected float, got {given}", caught.exception.message)
+        gating = np.random.default_rng(3).standard_normal((5, 8)).astype(np.float32)
+        weights = np.full((5, 2), np.nan, np.float32)
+        ids = np.full((5, 2), -1, np.int32)
+        for value, given in ((1, "int"), (1.0, "float"), (np.int64(1), "int")):
+            with self.assertRaises(kdispatch.CallError) as caught:
+                kdispatch.call("moe.topk_softmax", weights, ids, gating, renormalize=value)
+            self.assertIn(f"attribute 'renormalize': expected bool, got {given}", caught.exception.message)
+        # NumPy's bool scalar is a bool, as NumPy's float and int scalars are numbers.
+        kdispatch.call("moe.topk_softmax", weights, ids, gating, renormalize=np.bool_(True))
+        np.testing.assert_allclose(weights.sum(axis=1), np.ones(5), rtol=1e-5)
+
     def test_stream_forms(self):
         class TorchLikeStream:
             cuda_stream = 0

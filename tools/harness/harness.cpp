@@ -135,9 +135,12 @@ void apply_attr_overrides(std::vector<NamedAttr>& attrs, const std::vector<std::
       throw std::invalid_argument(fmt::format("--attr {}: op '{}' has no attribute '{}' (attributes: {})", o, schema.op,
                                               name, known.empty() ? "none" : fmt::format("{}", fmt::join(known, ", "))));
     }
+    // The text is typed as the C++ and Python callers' values are: a float
+    // takes an integer too, a bool is true or false only.
     const auto bad = [&] {
-      return std::invalid_argument(fmt::format("--attr {}: attribute '{}' of op '{}' is a {}; '{}' is not one", o, name,
-                                               schema.op, attr_type_name(arg->type), text));
+      return std::invalid_argument(fmt::format("--attr {}: attribute '{}' of op '{}' is a {}; '{}' is not one{}", o,
+                                               name, schema.op, attr_type_name(arg->type), text,
+                                               arg->type == AttrType::bool_ ? " (true or false)" : ""));
     };
     AttrValue value;
     size_t used = 0;
@@ -146,8 +149,8 @@ void apply_attr_overrides(std::vector<NamedAttr>& attrs, const std::vector<std::
         case AttrType::float_: value = std::stod(text, &used); break;
         case AttrType::int_: value = static_cast<int64_t>(std::stoll(text, &used)); break;
         case AttrType::bool_:
-          if (text != "true" && text != "false" && text != "1" && text != "0") throw bad();
-          value = text == "true" || text == "1";
+          if (text != "true" && text != "false") throw bad();
+          value = text == "true";
           used = text.size();
           break;
         case AttrType::string: value = text; used = text.size(); break;

@@ -42,6 +42,14 @@ AttrValue attr_value(std::string_view op, std::string_view name, PyObject* value
   }
   if (PyFloat_Check(value)) return PyFloat_AS_DOUBLE(value);
   if (PyUnicode_Check(value)) return std::string(utf8(value));
+  // NumPy's bool scalar is a bool (it also has __index__, which would make
+  // it an int).
+  const std::string_view type_name = Py_TYPE(value)->tp_name;
+  if (type_name == "numpy.bool_" || type_name == "numpy.bool") {
+    const int truth = PyObject_IsTrue(value);
+    if (truth >= 0) return truth == 1;
+    PyErr_Clear();
+  }
   // NumPy and torch scalars: integers through __index__, the rest through __float__.
   if (PyIndex_Check(value)) {
     const long long v = PyLong_AsLongLong(value);
