@@ -5,14 +5,14 @@
 # libraries of build/default when they are there. Corpora grow in build/fuzz/corpus/<target>; a crashing
 # input is written to build/fuzz/artifacts/ and stops that target.
 #
-#   tools/fuzz.sh [SECONDS] [TARGET...]     targets: manifest op_schema elf_check
+#   tools/fuzz.sh [SECONDS] [TARGET...]     targets: manifest op_schema elf_check registry_cache
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 seconds=${1:-60}
 shift || true
 targets=("$@")
-((${#targets[@]})) || targets=(manifest op_schema elf_check)
+((${#targets[@]})) || targets=(manifest op_schema elf_check registry_cache)
 build="$root/build/fuzz"
 
 cmake -S "$root/tests/fuzz" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER="${CXX:-clang++}" >/dev/null
@@ -33,6 +33,14 @@ seed manifest "$root"/manifests/*.json "$root"/build/default/manifests/*.json "$
   "$root"/tests/fixtures/**/*.json
 seed op_schema "$root"/manifests/ops/*.json
 seed elf_check "$root"/build/default/lib/kdispatch/plugins/*.so "$root"/build/default/tests/fixtures/**/*.so
+# The entries of a registry cache that the built tool writes over the shipped plugins (its first line, which
+# names the build, left out).
+if [[ -x $root/build/default/bin/kdispatch ]]; then
+  rm -rf "$build/seed-cache"
+  XDG_CACHE_HOME="$build/seed-cache" "$root/build/default/bin/kdispatch" list > /dev/null 2>&1 || true
+  for f in "$build"/seed-cache/kdispatch/*.cache; do tail -n +2 "$f" > "$f.entries"; done
+  seed registry_cache "$build"/seed-cache/kdispatch/*.entries
+fi
 
 mkdir -p "$build/artifacts"
 status=0

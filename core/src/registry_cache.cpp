@@ -46,27 +46,6 @@ constexpr uint64_t kMaxCacheBytes = uint64_t{64} << 20;
 constexpr int64_t kSettleNs = 100'000'000;
 constexpr int64_t kSettleNsWholeSeconds = 2'000'000'000;
 
-// The library file as the manifests' entries key theirs: device, inode,
-// size, and modification and change times (a copy that keeps the size and
-// mtime, `cp -p` or `rsync -t`, is a new inode or a new ctime), plus the
-// sha256 of its content (a file rewritten in place within one clock tick
-// keeps every time stamp), and the manifest's sha256.
-struct ScanStamp {
-  std::string library_file, manifest_sha256;
-  bool operator==(const ScanStamp&) const = default;
-};
-
-struct ScanEntry {
-  ScanStamp stamp;
-  ScanOutcome outcome;
-};
-
-struct CacheFile {
-  std::unique_ptr<std::string> text = std::make_unique<std::string>();  // the file; records point into it
-  std::map<std::string, ScanEntry> scans;                               // by library path
-  std::map<std::string, ManifestCache::Stored> manifests;               // by absolute manifest path
-};
-
 std::mutex& cache_mutex() {
   static std::mutex mutex;
   return mutex;
@@ -323,19 +302,7 @@ CacheFile read_cache(bool manifests) {
     }
     return CacheFile();
   }
-  size_t dropped = 0;
-  while (next_line(line)) {
-    const size_t tab = line.find('\t');
-    const std::string_view kind = line.substr(0, tab);
-    const std::string_view fields = tab == std::string_view::npos ? std::string_view() : line.substr(tab + 1);
-    bool ok = false;
-    if (kind == kScanKind) {
-      ok = parse_scan_line(fields, file);
-    } else if (kind == kManifestKind) {
-      ok = !manifests || parse_manifest_line(fields, file);
-    }
-    if (!ok) ++dropped;
-  }
+  const size_t dropped = parse_cache_entries(rest, manifests, file);
   if (dropped > 0) warn_broken(key, "registry cache {}: {} corrupt entries dropped", path.string(), dropped);
   return file;
 }
@@ -346,18 +313,7 @@ std::optional<std::string> write_cache(const CacheFile& file) {
   if (const std::string problem = cache_dir_problem(path.parent_path()); !problem.empty()) {
     return fmt::format("registry cache {} cannot be written: {}", path.string(), problem);
   }
-  std::string text = header() + "\n";
-  for (const auto& [library, e] : file.scans) {
-    text += fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\n", kScanKind, escape(library), e.stamp.library_file,
-                        e.stamp.manifest_sha256, scan_verdict_name(e.outcome.verdict), e.outcome.code,
-                        escape(e.outcome.detail));
-  }
-  for (const auto& [manifest, e] : file.manifests) {
-    text += fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\t{:x}\t", kManifestKind, escape(manifest), e.stamp.device,
-                        e.stamp.inode, e.stamp.size, e.stamp.mtime_ns, e.stamp.ctime_ns, checksum(e.record));
-    text += e.record;
-    text += '\n';
-  }
+  const std::string text = header() + "\n" + format_cache_entries(file);
   std::string temporary = path.string() + ".tmp-XXXXXX";
   const int fd = ::mkstemp(temporary.data());
   bool ok = fd >= 0;
@@ -397,6 +353,42 @@ bool settled(const FileStamp& stamp) {
 }
 
 }  // namespace
+
+size_t parse_cache_entries(std::string_view text, bool manifests, CacheFile& file) {
+  size_t dropped = 0;
+  while (!text.empty()) {
+    const size_t newline = text.find('\n');
+    const std::string_view line = text.substr(0, newline);
+    text.remove_prefix(newline == std::string_view::npos ? text.size() : newline + 1);
+    const size_t tab = line.find('\t');
+    const std::string_view kind = line.substr(0, tab);
+    const std::string_view fields = tab == std::string_view::npos ? std::string_view() : line.substr(tab + 1);
+    bool ok = false;
+    if (kind == kScanKind) {
+      ok = parse_scan_line(fields, file);
+    } else if (kind == kManifestKind) {
+      ok = !manifests || parse_manifest_line(fields, file);
+    }
+    if (!ok) ++dropped;
+  }
+  return dropped;
+}
+
+std::string format_cache_entries(const CacheFile& file) {
+  std::string text;
+  for (const auto& [library, e] : file.scans) {
+    text += fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\n", kScanKind, escape(library), e.stamp.library_file,
+                        e.stamp.manifest_sha256, scan_verdict_name(e.outcome.verdict), e.outcome.code,
+                        escape(e.outcome.detail));
+  }
+  for (const auto& [manifest, e] : file.manifests) {
+    text += fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\t{:x}\t", kManifestKind, escape(manifest), e.stamp.device,
+                        e.stamp.inode, e.stamp.size, e.stamp.mtime_ns, e.stamp.ctime_ns, checksum(e.record));
+    text += e.record;
+    text += '\n';
+  }
+  return text;
+}
 
 FileStamp FileStamp::of(const struct stat& st) {
   return {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), static_cast<uint64_t>(st.st_size),

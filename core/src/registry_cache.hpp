@@ -99,4 +99,34 @@ class ManifestCache {
   std::map<std::string, std::optional<Fresh>> changes_;  // to write: new entries, or nullopt to drop
 };
 
+// The library file as the manifests' entries key theirs: device, inode,
+// size, and modification and change times (a copy that keeps the size and
+// mtime, `cp -p` or `rsync -t`, is a new inode or a new ctime), plus the
+// sha256 of its content (a file rewritten in place within one clock tick
+// keeps every time stamp), and the manifest's sha256.
+struct ScanStamp {
+  std::string library_file, manifest_sha256;
+  bool operator==(const ScanStamp&) const = default;
+};
+
+struct ScanEntry {
+  ScanStamp stamp;
+  ScanOutcome outcome;
+};
+
+// The entries of a cache file.
+struct CacheFile {
+  std::unique_ptr<std::string> text = std::make_unique<std::string>();  // the file; records point into it
+  std::map<std::string, ScanEntry> scans;                               // by library path
+  std::map<std::string, ManifestCache::Stored> manifests;               // by absolute manifest path
+};
+
+// The entry lines of a cache file (all after its first line) into `file`
+// (manifest entries only when `manifests`), pointing into `text`, which
+// must outlive them; returns how many lines were dropped as malformed.
+size_t parse_cache_entries(std::string_view text, bool manifests, CacheFile& file);
+
+// The entry lines of `file`, as parse_cache_entries reads them.
+std::string format_cache_entries(const CacheFile& file);
+
 }  // namespace kdispatch
