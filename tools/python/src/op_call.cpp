@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <cxxabi.h>
 #include <string_view>
 
 #include "errors.hpp"
@@ -73,11 +74,21 @@ bool interpreter_exiting() {
 #endif
 }
 
+[[noreturn]] void wait_for_exit() {
+  for (;;) ::pause();
+}
+
 void take_back_gil(PyThreadState* thread) {
-  if (interpreter_exiting()) {
-    for (;;) ::pause();
+  if (interpreter_exiting()) wait_for_exit();
+  try {
+    PyEval_RestoreThread(thread);
+  } catch (abi::__forced_unwind&) {
+    // The exit began between the check and the call: CPython ends the
+    // thread with pthread_exit(), whose unwinding would run the call's
+    // destructors without the GIL. The thread waits here instead; the
+    // exception is never left unrethrown, since this block never returns.
+    wait_for_exit();
   }
-  PyEval_RestoreThread(thread);
 }
 
 // The call itself: the GIL is released while a host kernel runs (a GPU
