@@ -107,6 +107,23 @@ class VersionCounter(unittest.TestCase):
                     fn(x, r, w)
                 self.assertEqual((x._version, r._version), (0, 0))
 
+    def test_a_failed_kernel_bumps_what_it_may_have_written(self):
+        rope = "embeddings.rotary_embedding"
+        calls = {
+            "torch.ops.kdispatch": lambda p, q, k, c: torch.ops.kdispatch.embeddings_rotary_embedding(
+                p, q, k, c, True, "cpu"),
+            "kdispatch.call": lambda p, q, k, c: kdispatch.call(rope, p, q, k, c, backend="cpu"),
+            "kdispatch.op": lambda p, q, k, c: kdispatch.op(rope, backend="cpu")(p, q, k, c),
+        }
+        for name, fn in calls.items():
+            with self.subTest(name):
+                # Position 7 is past the cache's 5 rows: the cpu kernel fails on it.
+                positions = torch.tensor([0, 7, 2])
+                query, key, cache = torch.rand(3, 2, 8), torch.rand(3, 1, 8), torch.rand(5, 8)
+                with self.assertRaises(kdispatch.KernelError):
+                    fn(positions, query, key, cache)
+                self.assertEqual((query._version, key._version, positions._version, cache._version), (1, 1, 0, 0))
+
     def test_inference_tensors_have_no_counter_and_run(self):
         for name, fn in ENTRY_POINTS.items():
             with self.subTest(name):
