@@ -34,12 +34,13 @@ def _version_bump_function():
     increment = getattr(getattr(torch.autograd, "graph", None), "increment_version", None)
     if increment is not None:  # torch >= 2.1
         return increment
-    # torch 1.13 has no function for it: a copy of the tensor into itself,
-    # an in-place op that torch counts as a write (once) and that returns
-    # before touching any memory, since source and destination are the same
-    # tensor: no device work, whatever the size. Allowed on every tensor a
-    # call may write: detached ones, views (whose counter is their base's),
-    # expanded ones, and under torch.no_grad() ones that require grad.
+    # torch 1.13 and 2.0 have no function for it: a copy of the tensor into
+    # itself, an in-place op that torch counts as a write (once) and that
+    # returns before touching any memory, since source and destination are
+    # the same tensor: no device work, whatever the size. Allowed on every
+    # tensor a call may write: detached ones, views (whose counter is their
+    # base's), expanded ones, and under torch.no_grad() ones that require
+    # grad.
     copy_ = torch.Tensor.copy_
 
     def bump(tensor):
