@@ -1,7 +1,8 @@
 """Tells the extension module about torch, so that torch tensors are read
 from their attributes (data_ptr, shape, stride, dtype, device) instead of
-being exported as DLPack capsules, and CUDA calls run on torch's current
-stream."""
+being exported as DLPack capsules, CUDA calls run on torch's current
+stream, and the tensors a call writes have their version counters bumped
+as torch's own in-place ops do."""
 import torch
 
 from . import _kdispatch
@@ -25,10 +26,33 @@ def _raw_stream_function():
     return lambda index: torch.cuda.current_stream(index).cuda_stream
 
 
+def _version_bump_function():
+    """A function that bumps the version counter of one tensor (not an
+    inference tensor: the caller skips those, which have none), which
+    autograd compares with the version it saved to tell that a tensor
+    saved for backward was overwritten since."""
+    increment = getattr(getattr(torch.autograd, "graph", None), "increment_version", None)
+    if increment is not None:  # torch >= 2.1
+        return increment
+    # torch 1.13 and 2.0 have no function for it: a copy of the tensor into
+    # itself, an in-place op that torch counts as a write (once) and that
+    # returns before touching any memory, since source and destination are
+    # the same tensor: no device work, whatever the size. Allowed on every
+    # tensor a call may write: detached ones, views (whose counter is their
+    # base's), expanded ones, and under torch.no_grad() ones that require
+    # grad.
+    copy_ = torch.Tensor.copy_
+
+    def bump(tensor):
+        copy_(tensor, tensor)
+
+    return bump
+
+
 def enable():
     global _enabled
     if _enabled:
         return
     _kdispatch._set_torch(torch.Tensor, _DTYPES, _raw_stream_function(), torch.is_grad_enabled,
-                          getattr(torch.version, "hip", None) is not None)
+                          _version_bump_function(), getattr(torch.version, "hip", None) is not None)
     _enabled = True

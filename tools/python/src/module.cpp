@@ -85,8 +85,8 @@ PYBIND11_MODULE(_kdispatch, m) {
 
   m.def("_live_runtimes", &live_runtimes, "How many runtimes are alive (one per configure() still in use).");
 
-  m.def("_set_torch",
-        [](py::object tensor_type, py::list dtypes, py::object raw_stream, py::object grad_enabled, bool rocm) {
-          set_torch_support(tensor_type.ptr(), dtypes.ptr(), raw_stream.ptr(), grad_enabled.ptr(), rocm);
-        });
+  m.def("_set_torch", [](py::object tensor_type, py::list dtypes, py::object raw_stream, py::object grad_enabled,
+                         py::object version_bump, bool rocm) {
+    set_torch_support(tensor_type.ptr(), dtypes.ptr(), raw_stream.ptr(), grad_enabled.ptr(), version_bump.ptr(), rocm);
+  });
 }

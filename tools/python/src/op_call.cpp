@@ -91,7 +91,7 @@ void take_back_gil(PyThreadState* thread) {
   }
 }
 
-// The call itself: the GIL is released while a host kernel runs (a GPU
+// The kernel call itself: the GIL is released while a host kernel runs (a GPU
 // kernel is only launched, which takes less time than releasing it).
 // A daemon thread whose call ends while the interpreter exits cannot have
 // the GIL back: PyEval_RestoreThread() would end the thread by unwinding its
@@ -99,7 +99,7 @@ void take_back_gil(PyThreadState* thread) {
 // deleters) and are noexcept, which aborts the process. Such a thread waits
 // instead, for the exit that is under way to end it. For the same reason
 // the GIL is never taken back in a destructor (py::gil_scoped_release).
-void run(const OpHandle& handle, TensorArgs& tensors, std::span<const NamedAttr> attrs) {
+void launch(const OpHandle& handle, TensorArgs& tensors, std::span<const NamedAttr> attrs) {
   if (!tensors.on_cpu()) {
     handle(tensors.tensors(), attrs, tensors.stream());
     return;
@@ -112,6 +112,23 @@ void run(const OpHandle& handle, TensorArgs& tensors, std::span<const NamedAttr>
     throw;
   }
   take_back_gil(thread);
+}
+
+// The call, then the record of its writes in the torch tensors' version
+// counters: after a kernel that ran, whether it succeeded or failed (it may
+// have written part of its outputs), and never after a call refused before
+// any kernel ran. A failed kernel's error is the one raised.
+void run(const OpHandle& handle, TensorArgs& tensors, std::span<const NamedAttr> attrs) {
+  try {
+    launch(handle, tensors, attrs);
+  } catch (const KernelError&) {
+    try {
+      tensors.record_writes();
+    } catch (const Error&) {
+    }
+    throw;
+  }
+  tensors.record_writes();
 }
 
 // Tensors args[first:], attributes and `stream` from kwargs (`skip` names a

@@ -35,6 +35,7 @@ struct Names {
   PyObject* cuda_stream = PyUnicode_InternFromString("cuda_stream");
   PyObject* ptr = PyUnicode_InternFromString("ptr");
   PyObject* is_neg = PyUnicode_InternFromString("is_neg");
+  PyObject* is_inference = PyUnicode_InternFromString("is_inference");
   PyObject* requires_grad = PyUnicode_InternFromString("requires_grad");
   PyObject* resolve_neg = PyUnicode_InternFromString("resolve_neg");
 };
@@ -52,12 +53,14 @@ struct TorchSupport {
   std::array<TorchDtype, 16> dtypes{};
   size_t dtype_count = 0;
   PyObject* raw_stream = nullptr;  // torch._C._cuda_getCurrentRawStream, or nullptr
-  // The C-level is_neg method and requires_grad getter of torch's tensor
-  // base type, called directly: no lookup per call, and a subclass cannot
-  // override them.
+  // The C-level is_neg and is_inference methods and requires_grad getter
+  // of torch's tensor base type, called directly: no lookup per call, and a
+  // subclass cannot override them.
   PyObject* is_neg = nullptr;
+  PyObject* is_inference = nullptr;
   PyObject* requires_grad = nullptr;
   PyObject* grad_enabled = nullptr;  // torch.is_grad_enabled
+  PyObject* version_bump = nullptr;  // bumps one tensor's version counter
   bool rocm = false;
 };
 TorchSupport g_torch;
@@ -140,7 +143,7 @@ bool is_gpu(int32_t dl_type) { return dl_type == kDLCUDA || dl_type == kDLROCM |
 }  // namespace
 
 void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* raw_stream_fn, PyObject* grad_enabled_fn,
-                       bool rocm) {
+                       PyObject* version_bump_fn, bool rocm) {
   if (!PyType_Check(tensor_type)) throw py::type_error("torch support: tensor_type must be a type");
   TorchSupport support;
   Py_INCREF(tensor_type);
@@ -148,16 +151,19 @@ void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* r
   for (PyTypeObject* t = reinterpret_cast<PyTypeObject*>(tensor_type); t != nullptr; t = t->tp_base) {
     if (std::strcmp(t->tp_name, "torch._C._TensorBase") == 0 || std::strcmp(t->tp_name, "torch._C.TensorBase") == 0) {
       support.is_neg = PyObject_GetAttr(reinterpret_cast<PyObject*>(t), names().is_neg);
+      support.is_inference = PyObject_GetAttr(reinterpret_cast<PyObject*>(t), names().is_inference);
       support.requires_grad = PyDict_GetItem(t->tp_dict, names().requires_grad);  // borrowed
       Py_XINCREF(support.requires_grad);
       break;
     }
   }
   PyErr_Clear();
-  if (support.is_neg == nullptr || support.requires_grad == nullptr ||
+  if (support.is_neg == nullptr || support.is_inference == nullptr || support.requires_grad == nullptr ||
       Py_TYPE(support.requires_grad)->tp_descr_get == nullptr) {
-    throw py::type_error("torch support: no is_neg method or requires_grad getter on torch's tensor base type");
+    throw py::type_error(
+        "torch support: no is_neg or is_inference method or requires_grad getter on torch's tensor base type");
   }
+  if (!PyCallable_Check(version_bump_fn)) throw py::type_error("torch support: version_bump must be callable");
   py::list table = py::reinterpret_borrow<py::list>(dtype_table);
   for (py::handle entry : table) {
     auto pair = entry.cast<py::tuple>();
@@ -175,6 +181,8 @@ void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* r
   }
   Py_INCREF(grad_enabled_fn);
   support.grad_enabled = grad_enabled_fn;
+  Py_INCREF(version_bump_fn);
+  support.version_bump = version_bump_fn;
   support.rocm = rocm;
   g_torch = support;  // the previous references are kept: handles made before may still use them
 }
@@ -234,6 +242,10 @@ const DLTensor* TensorArgs::first_present() const {
   return nullptr;
 }
 
+bool TensorArgs::writes_current() const {
+  return count_ < schema_.tensors.size() && (schema_.tensors[count_].written || schema_.tensors[count_].inplace);
+}
+
 std::string TensorArgs::where() const {
   const std::string name = count_ < schema_.tensors.size() ? schema_.tensors[count_].name : "?";
   return fmt::format("op '{}', argument {} '{}'", schema_.op, count_, name);
@@ -288,9 +300,7 @@ void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
                                    take_python_error()));
     }
     if (neg.ptr() == Py_True) {
-      const bool written = count_ < schema_.tensors.size() &&
-                           (schema_.tensors[count_].written || schema_.tensors[count_].inplace);
-      if (written) {
+      if (writes_current()) {
         throw_call_error(
             fmt::format("{}: is a torch tensor with its negative bit set (a lazily negated view, "
                         "t.is_neg()), which the op would write as if it were not; pass a tensor "
@@ -326,6 +336,7 @@ void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
           fmt::format("{}: cannot read the torch tensor's data pointer: {}", where(), take_python_error()));
     }
     data = PyLong_AsVoidPtr(ptr.ptr());
+    if (writes_current()) written_torch_[written_torch_count_++] = object;
   }
 
   py::object dtype = steal(PyObject_GetAttr(object, n.dtype));
@@ -406,6 +417,23 @@ void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
   }
 }
 
+void TensorArgs::record_writes() {
+  for (size_t i = 0; i < written_torch_count_; ++i) {
+    PyObject* tensor = written_torch_[i];
+    py::object inference = steal(PyObject_CallOneArg(g_torch.is_inference, tensor));
+    if (!inference) {
+      throw_call_error(fmt::format("op '{}': t.is_inference() failed: {}", schema_.op, take_python_error()));
+    }
+    if (inference.ptr() == Py_True) continue;
+    py::object done = steal(PyObject_CallOneArg(g_torch.version_bump, tensor));
+    if (!done) {
+      throw_call_error(
+          fmt::format("op '{}': the kernel ran, but bumping the version counter of a tensor it wrote failed: {}",
+                      schema_.op, take_python_error()));
+    }
+  }
+}
+
 void TensorArgs::add_dlpack(PyObject* object, DLTensor& out) {
   if (PyCapsule_CheckExact(object)) {
     take_capsule(object, out);
@@ -477,7 +505,7 @@ void TensorArgs::add_dlpack(PyObject* object, DLTensor& out) {
 }
 
 void TensorArgs::take_capsule(PyObject* capsule, DLTensor& out) {
-  const bool written = count_ < schema_.tensors.size() && (schema_.tensors[count_].written || schema_.tensors[count_].inplace);
+  const bool written = writes_current();
   if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
     auto* m = static_cast<ManagedTensorVersioned*>(PyCapsule_GetPointer(capsule, "dltensor_versioned"));
     if (PyCapsule_SetName(capsule, "used_dltensor_versioned") != 0) {

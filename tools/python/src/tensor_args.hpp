@@ -7,7 +7,9 @@
 //     exporting a DLPack capsule; an input with torch's negative bit is
 //     read through a resolved copy, an output with it is refused, and so
 //     is any tensor that requires grad while grad mode is on (no op has a
-//     backward);
+//     backward). The torch tensors a call writes have their version
+//     counters bumped once the kernel ran (record_writes), as torch's own
+//     in-place ops do;
 //   - any other object with __dlpack__ / __dlpack_device__ (NumPy, CuPy, ...)
 //     and bare DLPack capsules: the capsule protocol, versioned capsules
 //     ("dltensor_versioned") asked for first, unversioned ("dltensor")
@@ -33,10 +35,11 @@ inline constexpr size_t kMaxDims = 16;
 // Tells the module about torch: its Tensor type, each torch dtype with its
 // DLPack code and bits, the function returning the raw current CUDA stream
 // of a device index (torch._C._cuda_getCurrentRawStream) or None,
-// torch.is_grad_enabled, and whether torch is a ROCm build (its "cuda"
+// torch.is_grad_enabled, the function that bumps the version counter of one
+// tensor (written by a call), and whether torch is a ROCm build (its "cuda"
 // tensors are DLPack kDLROCM).
 void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* raw_stream_fn, PyObject* grad_enabled_fn,
-                       bool rocm);
+                       PyObject* version_bump_fn, bool rocm);
 
 // The stream a caller asked for: None, an int (a cudaStream_t), or an object
 // with a `cuda_stream` (torch) or `ptr` (CuPy) attribute.
@@ -76,6 +79,12 @@ class TensorArgs {
   // The stream to launch on: the requested one, else torch's current
   // stream for torch CUDA tensors, else the default stream (nullptr).
   void* stream() const { return reinterpret_cast<void*>(launch_stream_); }
+  // Records that the kernel ran: bumps the version counter of every torch
+  // tensor the op writes, once each (a view's counter is its base's; an
+  // inference tensor has none and is skipped), so that autograd sees the
+  // write as it sees torch's own in-place ops. Throws CallError KD-E030
+  // when torch refuses.
+  void record_writes();
   // True when the first tensor given lives in host memory.
   bool on_cpu() const {
     const DLTensor* t = first_present();
@@ -87,7 +96,8 @@ class TensorArgs {
   void add_torch(PyObject* object, DLTensor& out);
   void add_dlpack(PyObject* object, DLTensor& out);
   void take_capsule(PyObject* capsule, DLTensor& out);
-  std::string where() const;  // "op 'X', argument 1 'x'", as the C++ check words it
+  std::string where() const;    // "op 'X', argument 1 'x'", as the C++ check words it
+  bool writes_current() const;  // the op writes the tensor being added ("written" or "inplace")
 
   const OpSchema& schema_;
   StreamRequest stream_;
@@ -112,6 +122,10 @@ class TensorArgs {
   // resolved), referenced until it is done.
   std::array<PyObject*, kMaxTensors> kept_;
   size_t kept_count_ = 0;
+  // The torch tensors the op writes (borrowed: the caller's arguments,
+  // alive until the call returns).
+  std::array<PyObject*, kMaxTensors> written_torch_;
+  size_t written_torch_count_ = 0;
 };
 
 }  // namespace kdispatch::python
