@@ -1,7 +1,7 @@
 """Tells the extension module about torch, so that torch tensors are read
-from their attributes (data_ptr, shape, stride, dtype, device) instead of
-being exported as DLPack capsules, and CUDA calls run on torch's current
-stream."""
+through the C methods and getters of torch's tensor base type (data_ptr,
+shape, stride, dtype, device) instead of being exported as DLPack capsules,
+and CUDA calls run on torch's current stream."""
 import torch
 
 from . import _kdispatch
