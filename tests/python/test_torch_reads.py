@@ -8,8 +8,8 @@ until the kernel returns:
     shape than its storage) is run on its true layout, or refused with
     KD-E030, never read or written out of bounds;
   - a DLPack object passed after a torch tensor whose __dlpack__ resizes
-    the tensor, swaps its storage (set_()) or drops the caller's last
-    reference leaves no pointer to freed memory: the result is right, or
+    the tensor or its storage, swaps its storage (set_()) or drops the
+    caller's last reference leaves no pointer to freed memory: the result is right, or
     the call is refused with KD-E030;
   - plain tensors, nn.Parameter (under no_grad), strided views and
     zero-size tensors keep working.
@@ -199,6 +199,11 @@ class ReleasedByALaterArgument(unittest.TestCase):
     def test_resize_to_larger_moves_the_storage(self):
         out = self.hostile("holder[0].resize_(1 << 15, 256)")
         self.assertIn("refused", out)
+
+    def test_storage_resized_to_zero(self):
+        # The storage itself is freed; x keeps its shape, over no data.
+        out = self.hostile("holder[0].storage().resize_(0)")
+        self.assertIn("has no data", out)
 
     def test_resize_to_zero(self):
         out = self.hostile("holder[0].resize_(0)")
