@@ -5,8 +5,9 @@ until the kernel returns:
 
   - a torch.Tensor subclass whose shape, stride(), data_ptr(), size(),
     dim(), is_contiguous() and __torch_function__ lie (claiming a larger
-    shape than its storage) is run on its true layout, or refused with
-    KD-E030, never read or written out of bounds;
+    shape than its storage), or a torch-function mode that lies, is run on
+    the true layout, or refused with KD-E030, never read or written out of
+    bounds;
   - a DLPack object passed after a torch tensor whose __dlpack__ resizes
     the tensor or its storage, swaps its storage (set_()) or drops the
     caller's last reference leaves no pointer to freed memory: the result is right, or
@@ -150,6 +151,31 @@ class LyingSubclass(unittest.TestCase):
             refused_or(lambda: kdispatch.op(RMS, "cpu")(got, liar, w), check)
         ''')
         self.assertEqual(out.splitlines(), ["ran", "ran"], "their true layouts agree")
+
+    def test_lying_torch_function_mode(self):
+        # An active torch-function mode sees torch's methods and getters on
+        # plain tensors too.
+        out = run_child('''
+            from torch.overrides import TorchFunctionMode
+            class Lying(TorchFunctionMode):
+                def __torch_function__(self, func, types, args=(), kwargs=None):
+                    result = func(*args, **(kwargs or {}))
+                    if getattr(func, "__name__", "") == "data_ptr":
+                        return 1 << 40
+                    return torch.Size(BIG) if isinstance(result, torch.Size) else result
+            torch.manual_seed(0)
+            x = torch.rand(4, 64) + 0.5
+            w = torch.rand(64) + 0.5
+            got = torch.full((4, 64), float("nan"))
+            out2 = torch.full((4, 64), float("nan"))
+            with Lying():
+                assert x.shape == BIG
+                refused_or(lambda: kdispatch.call(RMS, got, x, w, backend="reference"), lambda: None)
+                refused_or(lambda: kdispatch.op(RMS, "cpu")(out2, x, w), lambda: None)
+            torch.testing.assert_close(got, rms(x, w))
+            torch.testing.assert_close(out2, rms(x, w))
+        ''')
+        self.assertEqual(out.splitlines(), ["ran", "ran"])
 
     def test_lying_layout_check(self):
         # A layout check (torch.ops.kdispatch's fake implementation path)
