@@ -43,7 +43,7 @@ struct TorchSupport {
   PyObject* raw_stream = nullptr;  // torch._C._cuda_getCurrentRawStream, or nullptr
   // The C-level methods and getters of torch's tensor base type, called
   // directly: no lookup per call, and a subclass cannot override them. They
-  // do honour __torch_function__ (see reads_through_torch_function).
+  // do honour __torch_function__ (see has_torch_function).
   struct {
     PyObject* is_neg = nullptr;  // methods
     PyObject* resolve_neg = nullptr;
