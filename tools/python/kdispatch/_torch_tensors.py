@@ -1,8 +1,8 @@
 """Tells the extension module about torch, so that torch tensors are read
-from their attributes (data_ptr, shape, stride, dtype, device) instead of
-being exported as DLPack capsules, CUDA calls run on torch's current
-stream, and the tensors a call writes have their version counters bumped
-as torch's own in-place ops do."""
+through the C methods and getters of torch's tensor base type (data_ptr,
+shape, stride, dtype, device) instead of being exported as DLPack capsules,
+CUDA calls run on torch's current stream, and the tensors a call writes
+have their version counters bumped as torch's own in-place ops do."""
 import torch
 
 from . import _kdispatch

@@ -19,25 +19,13 @@ namespace {
 
 // Interned attribute names, made once (never freed).
 struct Names {
-  PyObject* data_ptr = PyUnicode_InternFromString("data_ptr");
-  PyObject* dtype = PyUnicode_InternFromString("dtype");
-  PyObject* shape = PyUnicode_InternFromString("shape");
-  PyObject* stride = PyUnicode_InternFromString("stride");
-  PyObject* is_cuda = PyUnicode_InternFromString("is_cuda");
-  PyObject* is_cpu = PyUnicode_InternFromString("is_cpu");
-  PyObject* is_meta = PyUnicode_InternFromString("is_meta");
-  PyObject* get_device = PyUnicode_InternFromString("get_device");
-  PyObject* device = PyUnicode_InternFromString("device");
   PyObject* dlpack = PyUnicode_InternFromString("__dlpack__");
   PyObject* dlpack_device = PyUnicode_InternFromString("__dlpack_device__");
   PyObject* stream = PyUnicode_InternFromString("stream");
   PyObject* max_version = PyUnicode_InternFromString("max_version");
   PyObject* cuda_stream = PyUnicode_InternFromString("cuda_stream");
   PyObject* ptr = PyUnicode_InternFromString("ptr");
-  PyObject* is_neg = PyUnicode_InternFromString("is_neg");
-  PyObject* is_inference = PyUnicode_InternFromString("is_inference");
-  PyObject* requires_grad = PyUnicode_InternFromString("requires_grad");
-  PyObject* resolve_neg = PyUnicode_InternFromString("resolve_neg");
+  PyObject* torch_function = PyUnicode_InternFromString("__torch_function__");
 };
 const Names& names() {
   static const Names* n = new Names();
@@ -53,14 +41,29 @@ struct TorchSupport {
   std::array<TorchDtype, 16> dtypes{};
   size_t dtype_count = 0;
   PyObject* raw_stream = nullptr;  // torch._C._cuda_getCurrentRawStream, or nullptr
-  // The C-level is_neg and is_inference methods and requires_grad getter
-  // of torch's tensor base type, called directly: no lookup per call, and a
-  // subclass cannot override them.
-  PyObject* is_neg = nullptr;
-  PyObject* is_inference = nullptr;
-  PyObject* requires_grad = nullptr;
-  PyObject* grad_enabled = nullptr;  // torch.is_grad_enabled
-  PyObject* version_bump = nullptr;  // bumps one tensor's version counter
+  // The C-level methods and getters of torch's tensor base type, called
+  // directly: no lookup per call, and a subclass cannot override them. They
+  // do honour __torch_function__ (see has_torch_function).
+  struct {
+    PyObject* is_neg = nullptr;  // methods
+    PyObject* is_inference = nullptr;
+    PyObject* resolve_neg = nullptr;
+    PyObject* data_ptr = nullptr;
+    PyObject* get_device = nullptr;
+    PyObject* stride = nullptr;
+    PyObject* requires_grad = nullptr;  // getters
+    PyObject* dtype = nullptr;
+    PyObject* is_cuda = nullptr;
+    PyObject* is_cpu = nullptr;
+    PyObject* is_meta = nullptr;
+    PyObject* device = nullptr;
+    PyObject* shape = nullptr;
+  } base;
+  PyObject* disabled_torch_function = nullptr;  // torch._C._disabled_torch_function_impl
+  PyObject* function_mode_enabled = nullptr;    // torch._C._is_torch_function_mode_enabled
+  PyObject* to_dlpack = nullptr;                // torch._C._to_dlpack
+  PyObject* grad_enabled = nullptr;             // torch.is_grad_enabled
+  PyObject* version_bump = nullptr;             // bumps one tensor's version counter
   bool rocm = false;
 };
 TorchSupport g_torch;
@@ -138,6 +141,36 @@ bool torch_tensor_type(PyTypeObject* type) {
   return false;
 }
 
+// A getter of torch's tensor base type, read on `object`: a new reference,
+// or nullptr with a Python error set.
+PyObject* get(PyObject* getter, PyObject* object) {
+  return Py_TYPE(getter)->tp_descr_get(getter, object, reinterpret_cast<PyObject*>(Py_TYPE(object)));
+}
+
+// Whether torch's C methods and getters hand `object` to Python code, the
+// __torch_function__ it has, which may answer anything: for every type but
+// torch.Tensor itself and subclasses that keep __torch_function__ disabled
+// (torch.nn.Parameter), as torch decides it (check_has_torch_function: the
+// attribute of the object, not only of its type). Found without running
+// Python code, or taken to be so; an active torch-function mode is checked
+// apart.
+bool has_torch_function(PyObject* object) {
+  PyTypeObject* type = Py_TYPE(object);
+  if (reinterpret_cast<PyObject*>(type) == g_torch.tensor_type) return false;
+  if (_PyType_Lookup(type, names().torch_function) != g_torch.disabled_torch_function) return true;
+  // The type's is a plain function, no descriptor: the generic lookup only
+  // adds the object's own __dict__.
+  if (type->tp_getattro != PyObject_GenericGetAttr) return true;
+  PyObject* own = PyObject_GenericGetAttr(object, names().torch_function);
+  if (own == nullptr) {
+    PyErr_Clear();
+    return true;
+  }
+  const bool disabled = own == g_torch.disabled_torch_function;
+  Py_DECREF(own);
+  return !disabled;
+}
+
 bool is_gpu(int32_t dl_type) { return dl_type == kDLCUDA || dl_type == kDLROCM || dl_type == kDLCUDAManaged; }
 
 }  // namespace
@@ -145,25 +178,50 @@ bool is_gpu(int32_t dl_type) { return dl_type == kDLCUDA || dl_type == kDLROCM |
 void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* raw_stream_fn, PyObject* grad_enabled_fn,
                        PyObject* version_bump_fn, bool rocm) {
   if (!PyType_Check(tensor_type)) throw py::type_error("torch support: tensor_type must be a type");
+  if (!PyCallable_Check(version_bump_fn)) throw py::type_error("torch support: version_bump must be callable");
   TorchSupport support;
   Py_INCREF(tensor_type);
   support.tensor_type = tensor_type;
+  PyTypeObject* base = nullptr;
   for (PyTypeObject* t = reinterpret_cast<PyTypeObject*>(tensor_type); t != nullptr; t = t->tp_base) {
     if (std::strcmp(t->tp_name, "torch._C._TensorBase") == 0 || std::strcmp(t->tp_name, "torch._C.TensorBase") == 0) {
-      support.is_neg = PyObject_GetAttr(reinterpret_cast<PyObject*>(t), names().is_neg);
-      support.is_inference = PyObject_GetAttr(reinterpret_cast<PyObject*>(t), names().is_inference);
-      support.requires_grad = PyDict_GetItem(t->tp_dict, names().requires_grad);  // borrowed
-      Py_XINCREF(support.requires_grad);
+      base = t;
       break;
     }
   }
-  PyErr_Clear();
-  if (support.is_neg == nullptr || support.is_inference == nullptr || support.requires_grad == nullptr ||
-      Py_TYPE(support.requires_grad)->tp_descr_get == nullptr) {
-    throw py::type_error(
-        "torch support: no is_neg or is_inference method or requires_grad getter on torch's tensor base type");
+  if (base == nullptr) throw py::type_error("torch support: tensor_type does not derive from torch's tensor base type");
+  // Each entry of the base type's own dictionary: a method or a getter of
+  // its C code (referenced for the process's lifetime).
+  auto own = [&](const char* name, bool getter) {
+    PyObject* entry = PyDict_GetItemString(base->tp_dict, name);  // borrowed
+    if (entry == nullptr || Py_TYPE(entry)->tp_descr_get == nullptr ||
+        (getter ? !PyObject_TypeCheck(entry, &PyGetSetDescr_Type)
+                : !PyObject_TypeCheck(entry, &PyMethodDescr_Type))) {
+      throw py::type_error(fmt::format("torch support: torch's tensor base type has no C {} '{}'",
+                                       getter ? "getter" : "method", name));
+    }
+    Py_INCREF(entry);
+    return entry;
+  };
+  support.base.is_neg = own("is_neg", false);
+  support.base.is_inference = own("is_inference", false);
+  support.base.resolve_neg = own("resolve_neg", false);
+  support.base.data_ptr = own("data_ptr", false);
+  support.base.get_device = own("get_device", false);
+  support.base.stride = own("stride", false);
+  support.base.requires_grad = own("requires_grad", true);
+  support.base.dtype = own("dtype", true);
+  support.base.is_cuda = own("is_cuda", true);
+  support.base.is_cpu = own("is_cpu", true);
+  support.base.is_meta = own("is_meta", true);
+  support.base.device = own("device", true);
+  support.base.shape = own("shape", true);
+  {
+    py::module_ c = py::module_::import("torch._C");
+    support.disabled_torch_function = py::object(c.attr("_disabled_torch_function_impl")).release().ptr();
+    support.function_mode_enabled = py::object(c.attr("_is_torch_function_mode_enabled")).release().ptr();
+    support.to_dlpack = py::object(c.attr("_to_dlpack")).release().ptr();
   }
-  if (!PyCallable_Check(version_bump_fn)) throw py::type_error("torch support: version_bump must be callable");
   py::list table = py::reinterpret_borrow<py::list>(dtype_table);
   for (py::handle entry : table) {
     auto pair = entry.cast<py::tuple>();
@@ -212,7 +270,7 @@ StreamRequest StreamRequest::from(PyObject* stream) {
 }
 
 TensorArgs::~TensorArgs() {
-  for (size_t i = 0; i < kept_count_; ++i) Py_DECREF(kept_[i]);
+  for (size_t i = 0; i < torch_count_; ++i) Py_DECREF(torch_[i].object);
   for (size_t i = 0; i < taken_count_; ++i) {
     if (taken_[i].versioned) {
       auto* m = static_cast<ManagedTensorVersioned*>(taken_[i].managed);
@@ -225,6 +283,7 @@ TensorArgs::~TensorArgs() {
 }
 
 std::span<DLTensor> TensorArgs::tensors() {
+  finish();
   if (absent_ != 0) {
     if (const DLTensor* given = first_present()) {
       for (size_t i = 0; i < count_; ++i) {
@@ -242,13 +301,15 @@ const DLTensor* TensorArgs::first_present() const {
   return nullptr;
 }
 
+std::string TensorArgs::where() const { return where(count_); }
+
 bool TensorArgs::writes_current() const {
   return count_ < schema_.tensors.size() && (schema_.tensors[count_].written || schema_.tensors[count_].inplace);
 }
 
-std::string TensorArgs::where() const {
-  const std::string name = count_ < schema_.tensors.size() ? schema_.tensors[count_].name : "?";
-  return fmt::format("op '{}', argument {} '{}'", schema_.op, count_, name);
+std::string TensorArgs::where(size_t i) const {
+  const std::string name = i < schema_.tensors.size() ? schema_.tensors[i].name : "?";
+  return fmt::format("op '{}', argument {} '{}'", schema_.op, i, name);
 }
 
 void TensorArgs::add(PyObject* object) {
@@ -277,16 +338,20 @@ void TensorArgs::add(PyObject* object) {
   }
   if (g_torch.tensor_type != nullptr &&
       PyObject_TypeCheck(object, reinterpret_cast<PyTypeObject*>(g_torch.tensor_type))) {
-    add_torch(object, out);
+    add_torch(object);
   } else {
     add_dlpack(object, out);
   }
   ++count_;
 }
 
-void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
-  const Names& n = names();
-  void* data = nullptr;  // a layout check reads no data (fake tensors have none to give)
+// Phase one of a torch tensor, which may run Python code (a subclass's
+// __torch_function__, resolve_neg): the checks that refuse it or replace it
+// by a resolved copy. Its pointer and layout are read by finish(), once
+// every argument was added.
+void TensorArgs::add_torch(PyObject* object) {
+  const auto& base = g_torch.base;
+  py::object resolved;
   if (purpose_ == Purpose::call) {
     // A lazily negated view (torch's negative bit: torch._neg_view, the
     // imaginary part of a conjugated tensor) holds in memory the negation of
@@ -294,7 +359,7 @@ void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
     // is done; a written tensor is refused, since the kernel would write
     // values that read back negated. (The conjugate bit only exists on
     // complex dtypes, which no op takes.)
-    py::object neg = steal(PyObject_CallOneArg(g_torch.is_neg, object));
+    py::object neg = steal(PyObject_CallOneArg(base.is_neg, object));
     if (!neg) {
       throw_call_error(fmt::format("{}: cannot read the torch tensor's negative bit: {}", where(),
                                    take_python_error()));
@@ -307,18 +372,13 @@ void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
                         "without it (t.resolve_neg() is a copy: copy the result back)",
                         where()));
       }
-      PyObject* resolved = PyObject_CallMethodNoArgs(object, n.resolve_neg);
-      if (resolved == nullptr) {
-        throw_call_error(fmt::format("{}: t.resolve_neg() failed: {}", where(), take_python_error()));
-      }
-      kept_[kept_count_++] = resolved;
-      object = resolved;
+      resolved = steal(PyObject_CallOneArg(base.resolve_neg, object));
+      if (!resolved) throw_call_error(fmt::format("{}: t.resolve_neg() failed: {}", where(), take_python_error()));
+      object = resolved.ptr();
     }
     // No op has a backward: a call that autograd would have to follow is
     // refused rather than leaving results without a grad_fn.
-    py::object grad = steal(Py_TYPE(g_torch.requires_grad)
-                                ->tp_descr_get(g_torch.requires_grad, object,
-                                               reinterpret_cast<PyObject*>(Py_TYPE(object))));
+    py::object grad = steal(get(base.requires_grad, object));
     if (!grad) PyErr_Clear();
     if (grad.ptr() == Py_True) {
       py::object enabled = steal(PyObject_CallNoArgs(g_torch.grad_enabled));
@@ -330,97 +390,25 @@ void TensorArgs::add_torch(PyObject* object, DLTensor& out) {
                         where()));
       }
     }
-    py::object ptr = steal(PyObject_CallMethodNoArgs(object, n.data_ptr));
-    if (!ptr) {
-      throw_call_error(
-          fmt::format("{}: cannot read the torch tensor's data pointer: {}", where(), take_python_error()));
+    // The first torch tensor, when no stream was asked for and no GPU
+    // tensor before it chose one, gives torch's current stream of its
+    // device (finish() asks torch for it if the device is a GPU).
+    if (!launch_stream_set_) {
+      launch_stream_set_ = true;
+      stream_from_ = static_cast<int>(count_);
     }
-    data = PyLong_AsVoidPtr(ptr.ptr());
     if (writes_current()) written_torch_[written_torch_count_++] = object;
   }
-
-  py::object dtype = steal(PyObject_GetAttr(object, n.dtype));
-  if (!dtype) throw_call_error(fmt::format("{}: {}", where(), take_python_error()));
-  const TorchDtype* found = nullptr;
-  for (size_t i = 0; i < g_torch.dtype_count; ++i) {
-    if (g_torch.dtypes[i].dtype == dtype.ptr()) {
-      found = &g_torch.dtypes[i];
-      break;
-    }
-  }
-  if (found == nullptr) {
-    throw_call_error(
-        fmt::format("{}: torch dtype {} is not one kdispatch handles (float32, float16, bfloat16, "
-                    "float64, int32, int64, uint8, bool)",
-                    where(), repr_of(dtype.ptr())));
-  }
-
-  DLDevice device{kDLCPU, 0};
-  py::object is_cuda = steal(PyObject_GetAttr(object, n.is_cuda));
-  if (!is_cuda) PyErr_Clear();
-  if (is_cuda.ptr() == Py_True) {
-    py::object index = steal(PyObject_CallMethodNoArgs(object, n.get_device));
-    if (!index) throw_call_error(fmt::format("{}: {}", where(), take_python_error()));
-    device = {g_torch.rocm ? kDLROCM : kDLCUDA, static_cast<int32_t>(PyLong_AsLong(index.ptr()))};
-  } else {
-    py::object is_cpu = steal(PyObject_GetAttr(object, n.is_cpu));
-    if (is_cpu.ptr() != Py_True) {
-      PyErr_Clear();
-      py::object is_meta = steal(PyObject_GetAttr(object, n.is_meta));
-      PyErr_Clear();
-      if (is_meta.ptr() == Py_True && purpose_ == Purpose::layout) {
-        // No DLPack device is torch's "meta"; the check only asks that a
-        // call's tensors share one device.
-        device = {kDLExtDev, 0};
-      } else if (is_meta.ptr() == Py_True) {
-        throw_call_error(
-            fmt::format("{}: is a meta tensor, which has no data for a kernel "
-                        "(torch.ops.kdispatch.* take meta tensors through their fake implementation)",
-                        where()));
-      } else {
-        py::object dev = steal(PyObject_GetAttr(object, n.device));
-        PyErr_Clear();
-        throw_call_error(
-            fmt::format("{}: is on torch device '{}', for which kdispatch has no backend kind "
-                        "(cpu, cuda, hip)",
-                        where(), dev ? repr_of(dev.ptr()) : "?"));
-      }
-    }
-  }
-
-  const size_t i = count_;
-  py::object shape = steal(PyObject_GetAttr(object, n.shape));
-  const Py_ssize_t ndim = shape ? read_ints(shape.ptr(), shapes_[i]) : -1;
-  py::object stride = steal(PyObject_CallMethodNoArgs(object, n.stride));
-  const Py_ssize_t nstride = stride ? read_ints(stride.ptr(), strides_[i]) : -1;
-  if (ndim < 0 || nstride != ndim) {
-    PyErr_Clear();
-    throw_call_error(
-        fmt::format("{}: cannot read the torch tensor's shape and strides (at most {} dims)", where(), kMaxDims));
-  }
-  out.data = data;
-  out.device = device;
-  out.ndim = static_cast<int32_t>(ndim);
-  out.dtype = found->dl;
-  out.shape = shapes_[i].data();
-  out.strides = strides_[i].data();
-  out.byte_offset = 0;
-
-  if (purpose_ == Purpose::call && !launch_stream_set_ && !stream_.given && device.device_type != kDLCPU &&
-      g_torch.raw_stream != nullptr) {
-    py::object index = steal(PyLong_FromLong(device.device_id));
-    py::object raw = steal(PyObject_CallOneArg(g_torch.raw_stream, index.ptr()));
-    if (!raw)
-      throw_call_error(fmt::format("{}: cannot get torch's current CUDA stream: {}", where(), take_python_error()));
-    launch_stream_ = reinterpret_cast<uintptr_t>(PyLong_AsVoidPtr(raw.ptr()));
-    launch_stream_set_ = true;
-  }
+  // Referenced until the call is done (a later argument's __dlpack__ may
+  // drop the caller's references), as is a resolved copy.
+  Py_INCREF(object);
+  torch_[torch_count_++] = {object, count_};
 }
 
 void TensorArgs::record_writes() {
   for (size_t i = 0; i < written_torch_count_; ++i) {
     PyObject* tensor = written_torch_[i];
-    py::object inference = steal(PyObject_CallOneArg(g_torch.is_inference, tensor));
+    py::object inference = steal(PyObject_CallOneArg(g_torch.base.is_inference, tensor));
     if (!inference) {
       throw_call_error(fmt::format("op '{}': t.is_inference() failed: {}", schema_.op, take_python_error()));
     }
@@ -434,9 +422,163 @@ void TensorArgs::record_writes() {
   }
 }
 
+void TensorArgs::finish() {
+  if (finished_) return;
+  finished_ = true;
+  if (torch_count_ == 0) return;
+  if (stream_from_ >= 0 && g_torch.raw_stream != nullptr) {
+    // Asked first: the function may be Python code.
+    const auto& base = g_torch.base;
+    const size_t i = static_cast<size_t>(stream_from_);
+    PyObject* object = nullptr;
+    for (size_t k = 0; k < torch_count_; ++k) {
+      if (torch_[k].index == i) object = torch_[k].object;
+    }
+    py::object is_cuda = steal(get(base.is_cuda, object));
+    if (!is_cuda) PyErr_Clear();
+    if (is_cuda.ptr() == Py_True) {
+      py::object index = steal(PyObject_CallOneArg(base.get_device, object));
+      py::object raw = index ? steal(PyObject_CallOneArg(g_torch.raw_stream, index.ptr())) : py::object();
+      if (!raw) {
+        throw_call_error(
+            fmt::format("{}: cannot get torch's current CUDA stream: {}", where(i), take_python_error()));
+      }
+      launch_stream_ = reinterpret_cast<uintptr_t>(PyLong_AsVoidPtr(raw.ptr()));
+    }
+  }
+  // Nothing below runs Python code for a call (torch's C functions read the
+  // C++ tensor; a tensor that would call its __torch_function__ is
+  // exported by torch's C++), so no argument can be released, resized or
+  // moved between the reads of its pointer and the kernel.
+  bool mode = false;
+  if (purpose_ == Purpose::call) {
+    py::object enabled = steal(PyObject_CallNoArgs(g_torch.function_mode_enabled));
+    if (!enabled) throw_call_error(fmt::format("op '{}': {}", schema_.op, take_python_error()));
+    mode = enabled.ptr() == Py_True;
+  }
+  for (size_t k = 0; k < torch_count_; ++k) {
+    const auto [object, i] = torch_[k];
+    if (purpose_ == Purpose::call && (mode || has_torch_function(object))) {
+      read_torch_capsule(object, i);
+    } else {
+      read_torch(object, i);
+    }
+  }
+}
+
+// A torch tensor whose reads would go through Python (__torch_function__):
+// the DLPack capsule torch's C++ makes of the tensor itself, which holds
+// its storage until the capsule's deleter runs, when the call is done.
+void TensorArgs::read_torch_capsule(PyObject* object, size_t i) {
+  py::object capsule = steal(PyObject_CallOneArg(g_torch.to_dlpack, object));
+  if (!capsule) {
+    throw_call_error(fmt::format("{}: cannot export the torch tensor (a {} with its own __torch_function__): {}",
+                                 where(i), Py_TYPE(object)->tp_name, take_python_error()));
+  }
+  take_capsule(capsule.ptr(), tensors_[i], i);
+  const DLTensor& t = tensors_[i];
+  int64_t elements = 1;
+  for (int32_t d = 0; d < t.ndim; ++d) elements *= t.shape[d];
+  if (t.data == nullptr && elements != 0) {
+    throw_call_error(fmt::format("{}: the torch tensor (a {}) has no data for a kernel", where(i),
+                                 Py_TYPE(object)->tp_name));
+  }
+}
+
+// A torch tensor through the C methods and getters of torch's tensor base
+// type.
+void TensorArgs::read_torch(PyObject* object, size_t i) {
+  const auto& base = g_torch.base;
+  DLTensor& out = tensors_[i];
+  void* data = nullptr;  // a layout check reads no data (fake tensors have none to give)
+  if (purpose_ == Purpose::call) {
+    py::object ptr = steal(PyObject_CallOneArg(base.data_ptr, object));
+    if (!ptr) {
+      throw_call_error(
+          fmt::format("{}: cannot read the torch tensor's data pointer: {}", where(i), take_python_error()));
+    }
+    data = PyLong_AsVoidPtr(ptr.ptr());
+    if (PyErr_Occurred()) throw_call_error(fmt::format("{}: data pointer: {}", where(i), take_python_error()));
+  }
+
+  py::object dtype = steal(get(base.dtype, object));
+  if (!dtype) throw_call_error(fmt::format("{}: {}", where(i), take_python_error()));
+  const TorchDtype* found = nullptr;
+  for (size_t k = 0; k < g_torch.dtype_count; ++k) {
+    if (g_torch.dtypes[k].dtype == dtype.ptr()) {
+      found = &g_torch.dtypes[k];
+      break;
+    }
+  }
+  if (found == nullptr) {
+    throw_call_error(
+        fmt::format("{}: torch dtype {} is not one kdispatch handles (float32, float16, bfloat16, "
+                    "float64, int32, int64, uint8, bool)",
+                    where(i), repr_of(dtype.ptr())));
+  }
+
+  DLDevice device{kDLCPU, 0};
+  py::object is_cuda = steal(get(base.is_cuda, object));
+  if (!is_cuda) PyErr_Clear();
+  if (is_cuda.ptr() == Py_True) {
+    py::object index = steal(PyObject_CallOneArg(base.get_device, object));
+    if (!index) throw_call_error(fmt::format("{}: {}", where(i), take_python_error()));
+    device = {g_torch.rocm ? kDLROCM : kDLCUDA, static_cast<int32_t>(PyLong_AsLong(index.ptr()))};
+  } else {
+    py::object is_cpu = steal(get(base.is_cpu, object));
+    if (is_cpu.ptr() != Py_True) {
+      PyErr_Clear();
+      py::object is_meta = steal(get(base.is_meta, object));
+      PyErr_Clear();
+      if (is_meta.ptr() == Py_True && purpose_ == Purpose::layout) {
+        // No DLPack device is torch's "meta"; the check only asks that a
+        // call's tensors share one device.
+        device = {kDLExtDev, 0};
+      } else if (is_meta.ptr() == Py_True) {
+        throw_call_error(
+            fmt::format("{}: is a meta tensor, which has no data for a kernel "
+                        "(torch.ops.kdispatch.* take meta tensors through their fake implementation)",
+                        where(i)));
+      } else {
+        py::object dev = steal(get(base.device, object));
+        PyErr_Clear();
+        throw_call_error(
+            fmt::format("{}: is on torch device '{}', for which kdispatch has no backend kind "
+                        "(cpu, cuda, hip)",
+                        where(i), dev ? repr_of(dev.ptr()) : "?"));
+      }
+    }
+  }
+
+  py::object shape = steal(get(base.shape, object));
+  const Py_ssize_t ndim = shape ? read_ints(shape.ptr(), shapes_[i]) : -1;
+  py::object stride = steal(PyObject_CallOneArg(base.stride, object));
+  const Py_ssize_t nstride = stride ? read_ints(stride.ptr(), strides_[i]) : -1;
+  if (ndim < 0 || nstride != ndim) {
+    PyErr_Clear();
+    throw_call_error(
+        fmt::format("{}: cannot read the torch tensor's shape and strides (at most {} dims)", where(i), kMaxDims));
+  }
+  if (purpose_ == Purpose::call && data == nullptr) {
+    int64_t elements = 1;
+    for (Py_ssize_t d = 0; d < ndim; ++d) elements *= shapes_[i][static_cast<size_t>(d)];
+    if (elements != 0) {
+      throw_call_error(fmt::format("{}: the torch tensor (a {}) has no data for a kernel", where(i),
+                                   Py_TYPE(object)->tp_name));
+    }
+  }
+  out.data = data;
+  out.device = device;
+  out.ndim = static_cast<int32_t>(ndim);
+  out.dtype = found->dl;
+  out.shape = shapes_[i].data();
+  out.strides = strides_[i].data();
+  out.byte_offset = 0;
+}
+
 void TensorArgs::add_dlpack(PyObject* object, DLTensor& out) {
   if (PyCapsule_CheckExact(object)) {
-    take_capsule(object, out);
+    take_capsule(object, out, count_);
     return;
   }
   const Names& n = names();
@@ -498,26 +640,26 @@ void TensorArgs::add_dlpack(PyObject* object, DLTensor& out) {
     throw_call_error(
         fmt::format("{}: __dlpack__() returned a {}, not a capsule", where(), Py_TYPE(capsule.ptr())->tp_name));
   }
-  take_capsule(capsule.ptr(), out);
+  take_capsule(capsule.ptr(), out, count_);
   // The first GPU tensor fixes the launch stream: the requested one, or the
   // default stream the producer was told about.
   if (is_gpu(out.device.device_type)) launch_stream_set_ = true;
 }
 
-void TensorArgs::take_capsule(PyObject* capsule, DLTensor& out) {
-  const bool written = writes_current();
+void TensorArgs::take_capsule(PyObject* capsule, DLTensor& out, size_t i) {
+  const bool written = i < schema_.tensors.size() && (schema_.tensors[i].written || schema_.tensors[i].inplace);
   if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
     auto* m = static_cast<ManagedTensorVersioned*>(PyCapsule_GetPointer(capsule, "dltensor_versioned"));
     if (PyCapsule_SetName(capsule, "used_dltensor_versioned") != 0) {
-      throw_call_error(fmt::format("{}: {}", where(), take_python_error()));
+      throw_call_error(fmt::format("{}: {}", where(i), take_python_error()));
     }
     taken_[taken_count_++] = {m, true};  // the deleter runs when the call is done, whatever happens
     if (m->version.major != kDlpackMajor) {
-      throw_call_error(fmt::format("{}: DLPack version {}.{} is not supported (this consumer reads major {})", where(),
+      throw_call_error(fmt::format("{}: DLPack version {}.{} is not supported (this consumer reads major {})", where(i),
                                    m->version.major, m->version.minor, kDlpackMajor));
     }
     if (written && (m->flags & kDlpackFlagReadOnly) != 0) {
-      throw_call_error(fmt::format("{}: is written by the op, but its producer marked it read-only", where()));
+      throw_call_error(fmt::format("{}: is written by the op, but its producer marked it read-only", where(i)));
     }
     out = m->dl_tensor;
     return;
@@ -525,7 +667,7 @@ void TensorArgs::take_capsule(PyObject* capsule, DLTensor& out) {
   if (PyCapsule_IsValid(capsule, "dltensor")) {
     auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
     if (PyCapsule_SetName(capsule, "used_dltensor") != 0) {
-      throw_call_error(fmt::format("{}: {}", where(), take_python_error()));
+      throw_call_error(fmt::format("{}: {}", where(i), take_python_error()));
     }
     taken_[taken_count_++] = {m, false};
     out = m->dl_tensor;
@@ -538,10 +680,10 @@ void TensorArgs::take_capsule(PyObject* capsule, DLTensor& out) {
     throw_call_error(
         fmt::format("{}: this DLPack capsule was used already (a capsule can be consumed once; "
                     "pass the array itself, or a new capsule)",
-                    where()));
+                    where(i)));
   }
   throw_call_error(
-      fmt::format("{}: a capsule named '{}' is not a DLPack tensor", where(), name != nullptr ? name : "(none)"));
+      fmt::format("{}: a capsule named '{}' is not a DLPack tensor", where(i), name != nullptr ? name : "(none)"));
 }
 
 }  // namespace kdispatch::python

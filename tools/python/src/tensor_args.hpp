@@ -2,14 +2,21 @@
 // order, without copying data:
 //   - torch tensors (once the module knows torch's Tensor type: from
 //     kdispatch.torch, an import of kdispatch after torch, or the first
-//     torch tensor a call meets): read from the tensor's own attributes
-//     (data_ptr, shape, stride, dtype, device), which costs a fraction of
-//     exporting a DLPack capsule; an input with torch's negative bit is
-//     read through a resolved copy, an output with it is refused, and so
-//     is any tensor that requires grad while grad mode is on (no op has a
-//     backward). The torch tensors a call writes have their version
-//     counters bumped once the kernel ran (record_writes), as torch's own
-//     in-place ops do;
+//     torch tensor a call meets): read through the C methods and getters
+//     of torch's tensor base type (data_ptr, shape, stride, dtype, device),
+//     never through attributes a subclass can override, which costs a
+//     fraction of exporting a DLPack capsule. A tensor whose reads would go
+//     through Python code (a subclass with its own __torch_function__, or
+//     an active torch-function mode) is read, for a call, from the DLPack
+//     capsule torch's C++ makes of it (torch._C._to_dlpack). An input with
+//     torch's negative bit is read through a resolved copy, an output with
+//     it is refused, and so is any tensor that requires grad while grad
+//     mode is on (no op has a backward). The pointers and layouts of torch
+//     tensors are read last (finish()), after every other argument's
+//     __dlpack__ ran, so no Python code runs between reading them and the
+//     kernel; the tensors are referenced until the call is done. The torch
+//     tensors a call writes have their version counters bumped once the
+//     kernel ran (record_writes), as torch's own in-place ops do;
 //   - any other object with __dlpack__ / __dlpack_device__ (NumPy, CuPy, ...)
 //     and bare DLPack capsules: the capsule protocol, versioned capsules
 //     ("dltensor_versioned") asked for first, unversioned ("dltensor")
@@ -74,11 +81,20 @@ class TensorArgs {
   // the dispatcher's check.
   void add(PyObject* object);
 
+  // Reads the torch tensors added, once: their data pointers and layouts,
+  // through torch's C functions, which run no Python code for a call.
+  // Throws CallError KD-E030 naming the argument. tensors(), stream() and
+  // on_cpu() call it.
+  void finish();
+
   std::span<DLTensor> tensors();
   size_t count() const { return count_; }
   // The stream to launch on: the requested one, else torch's current
   // stream for torch CUDA tensors, else the default stream (nullptr).
-  void* stream() const { return reinterpret_cast<void*>(launch_stream_); }
+  void* stream() {
+    finish();
+    return reinterpret_cast<void*>(launch_stream_);
+  }
   // Records that the kernel ran: bumps the version counter of every torch
   // tensor the op writes, once each (a view's counter is its base's; an
   // inference tensor has none and is skipped), so that autograd sees the
@@ -86,24 +102,30 @@ class TensorArgs {
   // when torch refuses.
   void record_writes();
   // True when the first tensor given lives in host memory.
-  bool on_cpu() const {
+  bool on_cpu() {
+    finish();
     const DLTensor* t = first_present();
     return t != nullptr && t->device.device_type == kDLCPU;
   }
 
  private:
   const DLTensor* first_present() const;
-  void add_torch(PyObject* object, DLTensor& out);
+  void add_torch(PyObject* object);
+  void read_torch(PyObject* object, size_t i);
+  void read_torch_capsule(PyObject* object, size_t i);
   void add_dlpack(PyObject* object, DLTensor& out);
-  void take_capsule(PyObject* capsule, DLTensor& out);
-  std::string where() const;    // "op 'X', argument 1 'x'", as the C++ check words it
-  bool writes_current() const;  // the op writes the tensor being added ("written" or "inplace")
+  void take_capsule(PyObject* capsule, DLTensor& out, size_t i);
+  std::string where() const;  // of the tensor being added
+  std::string where(size_t i) const;  // "op 'X', argument 1 'x'", as the C++ check words it
+  bool writes_current() const;        // the op writes the tensor being added ("written" or "inplace")
 
   const OpSchema& schema_;
   StreamRequest stream_;
   uintptr_t launch_stream_;
   bool launch_stream_set_;  // the requested stream, or one chosen from a GPU tensor
+  int stream_from_ = -1;    // the torch tensor that gives torch's current stream, if on a GPU
   Purpose purpose_;
+  bool finished_ = false;
   size_t count_ = 0;
   uint32_t absent_ = 0;  // bit i: tensor i is an optional one given as None
   // Left uninitialised (about 10 KiB a call): entries below count_ and
@@ -118,12 +140,15 @@ class TensorArgs {
   };
   std::array<Taken, kMaxTensors> taken_;
   size_t taken_count_ = 0;
-  // Tensors made for the call (torch inputs with their negative bit
-  // resolved), referenced until it is done.
-  std::array<PyObject*, kMaxTensors> kept_;
-  size_t kept_count_ = 0;
-  // The torch tensors the op writes (borrowed: the caller's arguments,
-  // alive until the call returns).
+  // The torch tensors, read by finish(), referenced until the call is done
+  // (for an input with its negative bit, the resolved copy).
+  struct Torch {
+    PyObject* object;
+    size_t index;
+  };
+  std::array<Torch, kMaxTensors> torch_;
+  size_t torch_count_ = 0;
+  // The torch tensors the op writes (referenced in torch_).
   std::array<PyObject*, kMaxTensors> written_torch_;
   size_t written_torch_count_ = 0;
 };
