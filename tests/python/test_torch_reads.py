@@ -231,6 +231,11 @@ class ReleasedByALaterArgument(unittest.TestCase):
         out = self.hostile("holder[0].storage().resize_(0)")
         self.assertIn("has no data", out)
 
+    def test_storage_shrunk(self):
+        # The storage is reallocated smaller; x keeps its shape over it.
+        out = self.hostile("holder[0].storage().resize_(16)")
+        self.assertIn("past the end of its storage", out)
+
     def test_resize_to_zero(self):
         out = self.hostile("holder[0].resize_(0)")
         self.assertIn("refused", out)

@@ -49,6 +49,17 @@ def _version_bump_function():
     return bump
 
 
+# The untyped storage of a tensor: Tensor.untyped_storage (torch >= 2.0),
+# Tensor._storage before.
+_untyped_storage = getattr(torch.Tensor, "untyped_storage", None) or torch.Tensor._storage
+
+
+def storage_bounds(tensor):
+    """(address, bytes) of the memory of a tensor's storage."""
+    storage = _untyped_storage(tensor)
+    return storage.data_ptr(), storage.nbytes()
+
+
 def enable():
     global _enabled
     if _enabled:

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <kdispatch/dtype.hpp>
 
@@ -351,6 +352,7 @@ void TensorArgs::add(PyObject* object) {
 // every argument was added.
 void TensorArgs::add_torch(PyObject* object) {
   const auto& base = g_torch.base;
+  if (has_torch_function(object)) python_ran_ = true;  // its is_neg, requires_grad go through it
   py::object resolved;
   if (purpose_ == Purpose::call) {
     // A lazily negated view (torch's negative bit: torch._neg_view, the
@@ -462,7 +464,35 @@ void TensorArgs::finish() {
       read_torch_capsule(object, i);
     } else {
       read_torch(object, i);
+      // Python code ran after the tensor was added (another argument's
+      // __dlpack__, a __torch_function__) and may have shrunk its storage
+      // under its shape (x.storage().resize_(n)).
+      if (purpose_ == Purpose::call && (python_ran_ || mode)) check_storage(object, i);
     }
+  }
+}
+
+void TensorArgs::check_storage(PyObject* object, size_t i) {
+  const DLTensor& t = tensors_[i];
+  uint64_t last = 0;  // the offset of the last element, in elements
+  for (int32_t d = 0; d < t.ndim; ++d) {
+    if (t.shape[d] == 0) return;  // no element is read or written
+    last += static_cast<uint64_t>(t.shape[d] - 1) * static_cast<uint64_t>(t.strides[d]);
+  }
+  const uint64_t bytes = (last + 1) * ((t.dtype.bits * t.dtype.lanes + 7) / 8);
+  py::object bounds;
+  try {
+    bounds = py::module_::import("kdispatch._torch_tensors").attr("storage_bounds")(py::handle(object));
+  } catch (py::error_already_set& e) {
+    throw_call_error(fmt::format("{}: cannot read the torch tensor's storage: {}", where(i), e.what()));
+  }
+  const auto [start, size] = bounds.cast<std::pair<uintptr_t, uint64_t>>();
+  const auto data = reinterpret_cast<uintptr_t>(t.data);
+  if (data < start || data - start > size || size - (data - start) < bytes) {
+    throw_call_error(fmt::format("{}: the torch tensor's shape and strides reach {} bytes from its data, past "
+                                 "the end of its storage ({} bytes from {:#x}, the data at {:#x}): the storage "
+                                 "was changed during the call",
+                                 where(i), bytes, size, start, data));
   }
 }
 
@@ -581,6 +611,7 @@ void TensorArgs::add_dlpack(PyObject* object, DLTensor& out) {
     take_capsule(object, out, count_);
     return;
   }
+  python_ran_ = true;  // __dlpack_device__ and __dlpack__ are the object's own code
   const Names& n = names();
   py::object dev = steal(PyObject_CallMethodNoArgs(object, n.dlpack_device));
   if (!dev) {

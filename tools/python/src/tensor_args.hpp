@@ -113,6 +113,8 @@ class TensorArgs {
   void add_torch(PyObject* object);
   void read_torch(PyObject* object, size_t i);
   void read_torch_capsule(PyObject* object, size_t i);
+  // Refuses torch tensor i when its shape and strides reach past its storage.
+  void check_storage(PyObject* object, size_t i);
   void add_dlpack(PyObject* object, DLTensor& out);
   void take_capsule(PyObject* capsule, DLTensor& out, size_t i);
   std::string where() const;  // of the tensor being added
@@ -126,6 +128,7 @@ class TensorArgs {
   int stream_from_ = -1;    // the torch tensor that gives torch's current stream, if on a GPU
   Purpose purpose_;
   bool finished_ = false;
+  bool python_ran_ = false;  // an argument's own Python code ran while the tensors were added
   size_t count_ = 0;
   uint32_t absent_ = 0;  // bit i: tensor i is an optional one given as None
   // Left uninitialised (about 10 KiB a call): entries below count_ and
