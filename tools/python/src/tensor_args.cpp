@@ -304,8 +304,8 @@ const DLTensor* TensorArgs::first_present() const {
 
 std::string TensorArgs::where() const { return where(count_); }
 
-bool TensorArgs::writes_current() const {
-  return count_ < schema_.tensors.size() && (schema_.tensors[count_].written || schema_.tensors[count_].inplace);
+bool TensorArgs::writes(size_t i) const {
+  return i < schema_.tensors.size() && (schema_.tensors[i].written || schema_.tensors[i].inplace);
 }
 
 std::string TensorArgs::where(size_t i) const {
@@ -352,7 +352,8 @@ void TensorArgs::add(PyObject* object) {
 // every argument was added.
 void TensorArgs::add_torch(PyObject* object) {
   const auto& base = g_torch.base;
-  if (has_torch_function(object)) python_ran_ = true;  // its is_neg, requires_grad go through it
+  const bool python = has_torch_function(object);
+  if (python) python_ran_ = true;  // its is_neg, requires_grad go through it
   py::object resolved;
   if (purpose_ == Purpose::call) {
     // A lazily negated view (torch's negative bit: torch._neg_view, the
@@ -367,7 +368,7 @@ void TensorArgs::add_torch(PyObject* object) {
                                    take_python_error()));
     }
     if (neg.ptr() == Py_True) {
-      if (writes_current()) {
+      if (writes(count_)) {
         throw_call_error(
             fmt::format("{}: is a torch tensor with its negative bit set (a lazily negated view, "
                         "t.is_neg()), which the op would write as if it were not; pass a tensor "
@@ -399,17 +400,17 @@ void TensorArgs::add_torch(PyObject* object) {
       launch_stream_set_ = true;
       stream_from_ = static_cast<int>(count_);
     }
-    if (writes_current()) written_torch_[written_torch_count_++] = object;
   }
   // Referenced until the call is done (a later argument's __dlpack__ may
   // drop the caller's references), as is a resolved copy.
   Py_INCREF(object);
-  torch_[torch_count_++] = {object, count_};
+  torch_[torch_count_++] = {object, count_, python};
 }
 
 void TensorArgs::record_writes() {
-  for (size_t i = 0; i < written_torch_count_; ++i) {
-    PyObject* tensor = written_torch_[i];
+  for (size_t k = 0; k < torch_count_; ++k) {
+    if (!writes(torch_[k].index)) continue;
+    PyObject* tensor = torch_[k].object;
     py::object inference = steal(PyObject_CallOneArg(g_torch.base.is_inference, tensor));
     if (!inference) {
       throw_call_error(fmt::format("op '{}': t.is_inference() failed: {}", schema_.op, take_python_error()));
@@ -459,8 +460,8 @@ void TensorArgs::finish() {
     mode = enabled.ptr() == Py_True;
   }
   for (size_t k = 0; k < torch_count_; ++k) {
-    const auto [object, i] = torch_[k];
-    if (purpose_ == Purpose::call && (mode || has_torch_function(object))) {
+    const auto [object, i, python] = torch_[k];
+    if (purpose_ == Purpose::call && (mode || python)) {
       read_torch_capsule(object, i);
     } else {
       read_torch(object, i);
@@ -678,7 +679,7 @@ void TensorArgs::add_dlpack(PyObject* object, DLTensor& out) {
 }
 
 void TensorArgs::take_capsule(PyObject* capsule, DLTensor& out, size_t i) {
-  const bool written = i < schema_.tensors.size() && (schema_.tensors[i].written || schema_.tensors[i].inplace);
+  const bool written = writes(i);
   if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
     auto* m = static_cast<ManagedTensorVersioned*>(PyCapsule_GetPointer(capsule, "dltensor_versioned"));
     if (PyCapsule_SetName(capsule, "used_dltensor_versioned") != 0) {

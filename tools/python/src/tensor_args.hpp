@@ -119,7 +119,7 @@ class TensorArgs {
   void take_capsule(PyObject* capsule, DLTensor& out, size_t i);
   std::string where() const;  // of the tensor being added
   std::string where(size_t i) const;  // "op 'X', argument 1 'x'", as the C++ check words it
-  bool writes_current() const;        // the op writes the tensor being added ("written" or "inplace")
+  bool writes(size_t i) const;        // the op writes tensor i ("written" or "inplace")
 
   const OpSchema& schema_;
   StreamRequest stream_;
@@ -148,12 +148,10 @@ class TensorArgs {
   struct Torch {
     PyObject* object;
     size_t index;
+    bool python;  // has_torch_function: torch's C reads would call its Python code
   };
   std::array<Torch, kMaxTensors> torch_;
   size_t torch_count_ = 0;
-  // The torch tensors the op writes (referenced in torch_).
-  std::array<PyObject*, kMaxTensors> written_torch_;
-  size_t written_torch_count_ = 0;
 };
 
 }  // namespace kdispatch::python
