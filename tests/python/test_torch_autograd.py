@@ -133,6 +133,10 @@ class VersionCounter(unittest.TestCase):
                     fn(x, r, w)
                 self.assertTrue(x.is_inference())
                 self.assertFalse(torch.equal(x, want))
+                # Written outside inference mode, where torch refuses to count a write to it.
+                want = x.clone()
+                fn(x, r, w)
+                self.assertFalse(torch.equal(x, want))
                 # A normal tensor written in inference mode is counted, as torch counts it.
                 x, r, w = fused_args()
                 with torch.inference_mode():

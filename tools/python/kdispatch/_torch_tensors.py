@@ -27,26 +27,11 @@ def _raw_stream_function():
 
 
 def _version_bump_function():
-    """A function that bumps the version counter of one tensor (not an
-    inference tensor: the caller skips those, which have none), which
-    autograd compares with the version it saved to tell that a tensor
-    saved for backward was overwritten since."""
-    increment = getattr(getattr(torch.autograd, "graph", None), "increment_version", None)
-    if increment is not None:  # torch >= 2.1
-        return increment
-    # torch 1.13 and 2.0 have no function for it: a copy of the tensor into
-    # itself, an in-place op that torch counts as a write (once) and that
-    # returns before touching any memory, since source and destination are
-    # the same tensor: no device work, whatever the size. Allowed on every
-    # tensor a call may write: detached ones, views (whose counter is their
-    # base's), expanded ones, and under torch.no_grad() ones that require
-    # grad.
-    copy_ = torch.Tensor.copy_
-
-    def bump(tensor):
-        copy_(tensor, tensor)
-
-    return bump
+    """torch.autograd.graph.increment_version (torch >= 2.1), or None: the
+    extension then bumps a tensor's version counter, which autograd
+    compares with the version it saved to tell that a tensor saved for
+    backward was overwritten since, by copying the tensor into itself."""
+    return getattr(getattr(torch.autograd, "graph", None), "increment_version", None)
 
 
 # The untyped storage of a tensor: Tensor.untyped_storage (torch >= 2.0),

@@ -48,6 +48,7 @@ struct TorchSupport {
   struct {
     PyObject* is_neg = nullptr;  // methods
     PyObject* is_inference = nullptr;
+    PyObject* copy_ = nullptr;
     PyObject* resolve_neg = nullptr;
     PyObject* data_ptr = nullptr;
     PyObject* get_device = nullptr;
@@ -64,7 +65,7 @@ struct TorchSupport {
   PyObject* function_mode_enabled = nullptr;    // torch._C._is_torch_function_mode_enabled
   PyObject* to_dlpack = nullptr;                // torch._C._to_dlpack
   PyObject* grad_enabled = nullptr;             // torch.is_grad_enabled
-  PyObject* version_bump = nullptr;             // bumps one tensor's version counter
+  PyObject* version_bump = nullptr;             // torch.autograd.graph.increment_version, or nullptr
   bool rocm = false;
 };
 TorchSupport g_torch;
@@ -179,7 +180,9 @@ bool is_gpu(int32_t dl_type) { return dl_type == kDLCUDA || dl_type == kDLROCM |
 void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* raw_stream_fn, PyObject* grad_enabled_fn,
                        PyObject* version_bump_fn, bool rocm) {
   if (!PyType_Check(tensor_type)) throw py::type_error("torch support: tensor_type must be a type");
-  if (!PyCallable_Check(version_bump_fn)) throw py::type_error("torch support: version_bump must be callable");
+  if (version_bump_fn != Py_None && !PyCallable_Check(version_bump_fn)) {
+    throw py::type_error("torch support: version_bump must be callable or None");
+  }
   TorchSupport support;
   Py_INCREF(tensor_type);
   support.tensor_type = tensor_type;
@@ -206,6 +209,7 @@ void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* r
   };
   support.base.is_neg = own("is_neg", false);
   support.base.is_inference = own("is_inference", false);
+  support.base.copy_ = own("copy_", false);
   support.base.resolve_neg = own("resolve_neg", false);
   support.base.data_ptr = own("data_ptr", false);
   support.base.get_device = own("get_device", false);
@@ -240,8 +244,10 @@ void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* r
   }
   Py_INCREF(grad_enabled_fn);
   support.grad_enabled = grad_enabled_fn;
-  Py_INCREF(version_bump_fn);
-  support.version_bump = version_bump_fn;
+  if (version_bump_fn != Py_None) {
+    Py_INCREF(version_bump_fn);
+    support.version_bump = version_bump_fn;
+  }
   support.rocm = rocm;
   g_torch = support;  // the previous references are kept: handles made before may still use them
 }
@@ -407,21 +413,39 @@ void TensorArgs::add_torch(PyObject* object) {
   torch_[torch_count_++] = {object, count_, python};
 }
 
+namespace {
+
+// Bumps the version counter of one torch tensor: a new reference, or
+// nullptr with a Python error set. torch 2.1 and later have a function for
+// it; before, a copy of the tensor into itself, an in-place op that torch
+// counts as one write and that returns before touching any memory, since
+// source and destination are the same tensor: no device work, whatever the
+// size. Allowed on every tensor a call may write: detached ones, views
+// (whose counter is their base's), expanded ones, and under
+// torch.no_grad() ones that require grad.
+PyObject* bump_version(PyObject* tensor) {
+  if (g_torch.version_bump != nullptr) return PyObject_CallOneArg(g_torch.version_bump, tensor);
+  PyObject* args[] = {tensor, tensor};
+  return PyObject_Vectorcall(g_torch.base.copy_, args, 2, nullptr);
+}
+
+}  // namespace
+
 void TensorArgs::record_writes() {
   for (size_t k = 0; k < torch_count_; ++k) {
     if (!writes(torch_[k].index)) continue;
     PyObject* tensor = torch_[k].object;
+    py::object done = steal(bump_version(tensor));
+    if (done) continue;
+    // An inference tensor has no counter, and torch refuses to count a
+    // write to one outside inference mode: it is left as it is. Asked only
+    // here, since the question costs as much as the bump.
+    std::string error = take_python_error();
     py::object inference = steal(PyObject_CallOneArg(g_torch.base.is_inference, tensor));
-    if (!inference) {
-      throw_call_error(fmt::format("op '{}': t.is_inference() failed: {}", schema_.op, take_python_error()));
-    }
     if (inference.ptr() == Py_True) continue;
-    py::object done = steal(PyObject_CallOneArg(g_torch.version_bump, tensor));
-    if (!done) {
-      throw_call_error(
-          fmt::format("op '{}': the kernel ran, but bumping the version counter of a tensor it wrote failed: {}",
-                      schema_.op, take_python_error()));
-    }
+    if (!inference) error += "; t.is_inference() failed too: " + take_python_error();
+    throw_call_error(fmt::format(
+        "op '{}': the kernel ran, but bumping the version counter of a tensor it wrote failed: {}", schema_.op, error));
   }
 }
 

@@ -42,8 +42,8 @@ inline constexpr size_t kMaxDims = 16;
 // Tells the module about torch: its Tensor type, each torch dtype with its
 // DLPack code and bits, the function returning the raw current CUDA stream
 // of a device index (torch._C._cuda_getCurrentRawStream) or None,
-// torch.is_grad_enabled, the function that bumps the version counter of one
-// tensor (written by a call), and whether torch is a ROCm build (its "cuda"
+// torch.is_grad_enabled, torch's function that bumps the version counter of
+// one tensor (written by a call) or None where torch has none, and whether torch is a ROCm build (its "cuda"
 // tensors are DLPack kDLROCM).
 void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* raw_stream_fn, PyObject* grad_enabled_fn,
                        PyObject* version_bump_fn, bool rocm);
