@@ -111,7 +111,18 @@ def decode_step(model, batch):
     return step
 
 
-def profile(title, step, steps=5):
+def graph_of(step):
+    """The replay of a CUDA graph of one call of step."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def profile(title, step, steps=5, rows=25):
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -125,7 +136,7 @@ def profile(title, step, steps=5):
     total = sum(getattr(e, attr) for e in events) / steps
     count = sum(e.count for e in events) / steps
     print(f"\nprofile {title}: {count:.0f} kernels, {total:.1f} us of GPU time per step")
-    for e in events[:25]:
+    for e in events[:rows]:
         print(f"  {getattr(e, attr) / steps:8.1f} us {e.count / steps:5.0f}x  {e.key[:110]}")
 
 
@@ -136,7 +147,8 @@ def main():
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
     parser.add_argument("--profile", action="store_true",
-                        help="print the GPU kernels of one decode step at the first batch size, by total time")
+                        help="print the GPU kernels of one decode step at the first batch size, by total time, "
+                             "eager and compiled")
     args = parser.parse_args()
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     accuracy = []
@@ -170,6 +182,10 @@ def main():
                         try:
                             compiled = torch.compile(model)
                             times[label + "+compile"] = time_graph(decode_step(compiled, batch))
+                            if args.profile and batch == batches[0]:
+                                profile(f"{name} {label}+compile batch {batch}", decode_step(compiled, batch))
+                                profile(f"{name} {label}+compile batch {batch} graph replay",
+                                        graph_of(decode_step(compiled, batch)), rows=200)
                         except Exception as e:  # noqa: BLE001 - reported in the table
                             print(f"{name} b{batch} {label} torch.compile: {type(e).__name__}: {str(e)[:400]}")
                             times[label + "+compile"] = (float("nan"), float("nan"))
