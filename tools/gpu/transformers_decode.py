@@ -138,6 +138,15 @@ def profile(title, step, steps=5, rows=25):
     print(f"\nprofile {title}: {count:.0f} kernels, {total:.1f} us of GPU time per step")
     for e in events[:rows]:
         print(f"  {getattr(e, attr) / steps:8.1f} us {e.count / steps:5.0f}x  {e.key[:110]}")
+    # The GPU's idle time between consecutive kernels of the last step, the
+    # largest gaps first, with the kernels on either side.
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)[-int(count):]
+    gaps = [(b.time_range.start - a.time_range.end, a.name, b.name) for a, b in zip(kernels, kernels[1:])]
+    idle = sum(g for g, _, _ in gaps if g > 0)
+    print(f"  idle between kernels in the last step: {idle:.1f} us; the largest gaps:")
+    for g, a, b in sorted(gaps, reverse=True)[:12]:
+        print(f"  {g:8.1f} us  after {a[:60]}  before {b[:60]}")
 
 
 def main():
