@@ -224,14 +224,20 @@ bool may_overlap(const DLTensor& a, const DLTensor& b) noexcept {
   return footprints_overlap(fa, fb);
 }
 
-bool find_written_overlap(std::span<const DLTensor> tensors, uint32_t written, size_t* writer,
-                          size_t* other) noexcept {
+bool find_written_overlap(std::span<const DLTensor> tensors, uint32_t written, size_t* writer, size_t* other,
+                          const uint64_t* dense_bytes) noexcept {
   // The byte ranges first, without strides sorted: most pairs end there.
   std::array<uint64_t, 2 * kMaxSchemaTensors> range;
   const size_t n = std::min(tensors.size(), kMaxSchemaTensors);
   for (size_t i = 0; i < n; ++i) {
     const DLTensor& t = tensors[i];
     range[2 * i] = range[2 * i + 1] = 0;
+    if (dense_bytes != nullptr && dense_bytes[i] != kUnknownBytes) {
+      if (t.data == nullptr) continue;  // absent; an empty tensor's range is empty as well
+      range[2 * i] = reinterpret_cast<uintptr_t>(t.data) + t.byte_offset;
+      range[2 * i + 1] = range[2 * i] + dense_bytes[i];
+      continue;
+    }
     if (!present_with_data(t)) continue;
     const std::optional<uint64_t> extent = checked_extent(t);
     const uint64_t start = reinterpret_cast<uintptr_t>(t.data) + t.byte_offset;
@@ -511,6 +517,8 @@ void CompiledSchema::remember(std::span<const DLTensor> tensors, Dtype dtype) co
     w[0].store(read_word(t, offsetof(DLTensor, device)), std::memory_order_release);
     w[1].store(read_word(t, offsetof(DLTensor, ndim)), std::memory_order_release);
     for (int k = 0; k < t.ndim; ++k) w[2 + k].store(static_cast<uint64_t>(t.shape[k]), std::memory_order_release);
+    accepted.bytes[i].store(t.data == nullptr ? 0 : checked_bytes(t).value_or(kUnknownBytes),
+                            std::memory_order_release);
   }
   accepted.dtype.store(dtype, std::memory_order_release);
   // seq + 2 wraps to 0 ("nothing recorded") once in 2^31 writes: harmless.

@@ -134,13 +134,19 @@ class CompiledSchema {
     std::atomic<uint32_t> seq{0};  // odd: being written; 0: nothing recorded
     std::atomic<Dtype> dtype{Dtype::float32};
     std::array<std::array<std::atomic<uint64_t>, 2 + kDims>, kTensors> rows{};
+    // Bytes of each tensor's elements (checked_bytes), kUnknownBytes when
+    // they overflow.
+    std::array<std::atomic<uint64_t>, kTensors> bytes{};
   };
   static constexpr size_t kRemembered = 4;
   // What walk() looks at: a call's data too, or only its layout.
   enum class Scope { call, layout };
   static constexpr size_t kWholeCall = ~size_t{0};  // a refusal about no one argument
 
-  bool matches(const Accepted& accepted, std::span<const DLTensor> tensors, CallInfo* info) const noexcept;
+  // `dense_bytes[i]`: the bytes of tensor i when it is contiguous (as
+  // remembered), else kUnknownBytes.
+  bool matches(const Accepted& accepted, std::span<const DLTensor> tensors, CallInfo* info,
+               uint64_t* dense_bytes) const noexcept;
   // Two 64-bit words of a DLTensor: its device, or its ndim and dtype.
   static uint64_t read_word(const DLTensor& t, size_t offset) {
     static_assert(offsetof(DLTensor, device) + sizeof(DLDevice) == offsetof(DLTensor, ndim) &&
@@ -243,16 +249,40 @@ std::string byte_offset_problem(const DLTensor& t, uint64_t bytes);
 // as q and k of a fused QKV output, are told apart exactly); true when they
 // share one, or their layouts do not nest so that this can be proven.
 bool may_overlap(const DLTensor& a, const DLTensor& b) noexcept;
+inline constexpr uint64_t kUnknownBytes = ~uint64_t{0};
 // The first pair (`writer`, `other`) of a call's tensors, `writer` one whose
 // bit is set in `written`, whose memory may overlap (may_overlap); false
 // when there is none. No allocation: the byte range of each tensor first,
-// the finer test only for pairs whose ranges meet.
-bool find_written_overlap(std::span<const DLTensor> tensors, uint32_t written, size_t* writer,
-                          size_t* other) noexcept;
+// the finer test only for pairs whose ranges meet. `dense_bytes`, when
+// given, holds for each tensor known to be contiguous the bytes of its
+// elements, which are then its range (else kUnknownBytes).
+bool find_written_overlap(std::span<const DLTensor> tensors, uint32_t written, size_t* writer, size_t* other,
+                          const uint64_t* dense_bytes = nullptr) noexcept;
+
+// Whether every tensor whose bit is set in `written` is contiguous, as is
+// every other tensor, and their byte ranges (`dense_bytes` from their data
+// pointers, all kUnknownBytes-free) meet none: the common call, decided
+// without find_written_overlap(). False says nothing.
+inline bool dense_ranges_apart(std::span<const DLTensor> tensors, uint32_t written,
+                               const uint64_t* dense_bytes) noexcept {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (dense_bytes[i] == kUnknownBytes) return false;
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (((written >> i) & 1u) == 0 || dense_bytes[i] == 0) continue;
+    const auto start = reinterpret_cast<uintptr_t>(tensors[i].data);
+    for (size_t j = 0; j < tensors.size(); ++j) {
+      if (j == i || dense_bytes[j] == 0) continue;
+      const auto other = reinterpret_cast<uintptr_t>(tensors[j].data);
+      if (start < other + dense_bytes[j] && other < start + dense_bytes[i]) return false;
+    }
+  }
+  return true;
+}
 
 // Inline: the whole per-call cost of a checked call's validation.
-inline bool CompiledSchema::matches(const Accepted& accepted, std::span<const DLTensor> tensors,
-                                    CallInfo* info) const noexcept {
+inline bool CompiledSchema::matches(const Accepted& accepted, std::span<const DLTensor> tensors, CallInfo* info,
+                                    uint64_t* dense_bytes) const noexcept {
   const uint32_t seq = accepted.seq.load(std::memory_order_acquire);
   if ((seq & 1) != 0 || seq == 0) return false;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -284,6 +314,7 @@ inline bool CompiledSchema::matches(const Accepted& accepted, std::span<const DL
     // What the words do not cover is checked as in the plan. An absent
     // optional tensor (ndim 0, as remembered) has nothing more to check.
     if (t.data == nullptr) {
+      dense_bytes[i] = 0;
       if ((plan_[i].flags & kOptional) && ndim == 0) continue;
       return false;
     }
@@ -291,6 +322,10 @@ inline bool CompiledSchema::matches(const Accepted& accepted, std::span<const DL
     // can pass it.
     if (t.byte_offset != 0) return false;
     if (t.strides != nullptr && !(plan_[i].flags & kStrided) && !is_contiguous(t)) return false;
+    // Contiguous: without strides, or by the test above.
+    dense_bytes[i] = t.strides == nullptr || !(plan_[i].flags & kStrided)
+                         ? accepted.bytes[i].load(std::memory_order_acquire)
+                         : kUnknownBytes;
   }
   info->dtype = accepted.dtype.load(std::memory_order_acquire);
   info->device = tensors[0].device;
@@ -301,15 +336,17 @@ inline bool CompiledSchema::matches(const Accepted& accepted, std::span<const DL
   return accepted.seq.load(std::memory_order_relaxed) == seq;
 }
 
-inline bool CompiledSchema::matches_remembered(std::span<const DLTensor> tensors, CallInfo* info) const noexcept {
+[[gnu::always_inline]] inline bool CompiledSchema::matches_remembered(std::span<const DLTensor> tensors, CallInfo* info) const noexcept {
   if (tensors.size() != num_tensors_ || tensors.size() > Accepted::kTensors) return false;
+  std::array<uint64_t, Accepted::kTensors> dense_bytes;
   for (const Accepted& accepted : accepted_) {
-    if (matches(accepted, tensors, info)) {
+    if (matches(accepted, tensors, info, dense_bytes.data())) {
       // Memory is not part of the remembered words: a written tensor that
       // overlaps another argument goes on to the plan, which refuses it.
+      if (written_ == 0 || dense_ranges_apart(tensors, written_, dense_bytes.data())) return true;
       size_t writer = 0;
       size_t other = 0;
-      return written_ == 0 || !find_written_overlap(tensors, written_, &writer, &other);
+      return !find_written_overlap(tensors, written_, &writer, &other, dense_bytes.data());
     }
   }
   return false;
