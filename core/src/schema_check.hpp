@@ -259,25 +259,30 @@ inline constexpr uint64_t kUnknownBytes = ~uint64_t{0};
 bool find_written_overlap(std::span<const DLTensor> tensors, uint32_t written, size_t* writer, size_t* other,
                           const uint64_t* dense_bytes = nullptr) noexcept;
 
-// Whether every tensor whose bit is set in `written` is contiguous, as is
-// every other tensor, and their byte ranges (`dense_bytes` from their data
-// pointers, all kUnknownBytes-free) meet none: the common call, decided
-// without find_written_overlap(). False says nothing.
+// Whether every tensor is contiguous (no kUnknownBytes in `dense_bytes`) and
+// the byte range of each one whose bit is set in `written` meets no other's:
+// the common call, decided without branches on the data and without
+// find_written_overlap(). False says nothing (an empty tensor whose pointer
+// lies inside a written range takes the long way).
 inline bool dense_ranges_apart(std::span<const DLTensor> tensors, uint32_t written,
                                const uint64_t* dense_bytes) noexcept {
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (dense_bytes[i] == kUnknownBytes) return false;
+  constexpr size_t kMax = 8;
+  const size_t n = tensors.size();
+  if (n > kMax) return false;
+  uint64_t lo[kMax];
+  uint64_t hi[kMax];
+  bool unknown = false;
+  for (size_t i = 0; i < n; ++i) {
+    lo[i] = reinterpret_cast<uintptr_t>(tensors[i].data);
+    hi[i] = lo[i] + dense_bytes[i];
+    unknown |= dense_bytes[i] == kUnknownBytes;
   }
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (((written >> i) & 1u) == 0 || dense_bytes[i] == 0) continue;
-    const auto start = reinterpret_cast<uintptr_t>(tensors[i].data);
-    for (size_t j = 0; j < tensors.size(); ++j) {
-      if (j == i || dense_bytes[j] == 0) continue;
-      const auto other = reinterpret_cast<uintptr_t>(tensors[j].data);
-      if (start < other + dense_bytes[j] && other < start + dense_bytes[i]) return false;
-    }
+  bool meet = false;
+  for (uint32_t w = written & ((1u << n) - 1); w != 0; w &= w - 1) {
+    const auto i = static_cast<size_t>(__builtin_ctz(w));
+    for (size_t j = 0; j < n; ++j) meet |= (j != i) & (lo[i] < hi[j]) & (lo[j] < hi[i]);
   }
-  return true;
+  return !unknown && !meet;
 }
 
 // Inline: the whole per-call cost of a checked call's validation.
