@@ -69,6 +69,9 @@ struct TorchSupport {
   bool rocm = false;
 };
 TorchSupport g_torch;
+// Whether the torch tensor read last was a GPU one (read_torch asks about
+// that kind first); guarded by the GIL.
+bool g_last_read_cuda = false;
 
 // Types whose __dlpack__ refused max_version (a TypeError): they are asked
 // for unversioned capsules right away. References kept.
@@ -572,36 +575,41 @@ void TensorArgs::read_torch(PyObject* object, size_t i) {
                     where(i), repr_of(dtype.ptr())));
   }
 
+  const auto flag = [&](PyObject* getter) {
+    py::object value = steal(get(getter, object));
+    if (!value) PyErr_Clear();
+    return value.ptr() == Py_True;
+  };
+  // A call's tensors mostly share a device: the kind of the tensor read
+  // last is asked about first (one getter instead of two).
   DLDevice device{kDLCPU, 0};
-  py::object is_cuda = steal(get(base.is_cuda, object));
-  if (!is_cuda) PyErr_Clear();
-  if (is_cuda.ptr() == Py_True) {
+  bool cpu = !g_last_read_cuda && flag(base.is_cpu);
+  if (!cpu && flag(base.is_cuda)) {
     py::object index = steal(PyObject_CallOneArg(base.get_device, object));
     if (!index) throw_call_error(fmt::format("{}: {}", where(i), take_python_error()));
     device = {g_torch.rocm ? kDLROCM : kDLCUDA, static_cast<int32_t>(PyLong_AsLong(index.ptr()))};
-  } else {
-    py::object is_cpu = steal(get(base.is_cpu, object));
-    if (is_cpu.ptr() != Py_True) {
+    g_last_read_cuda = true;
+  } else if (!cpu) {
+    cpu = g_last_read_cuda && flag(base.is_cpu);
+    g_last_read_cuda = false;
+  }
+  if (!cpu && device.device_type == kDLCPU) {
+    if (flag(base.is_meta) && purpose_ == Purpose::layout) {
+      // No DLPack device is torch's "meta"; the check only asks that a
+      // call's tensors share one device.
+      device = {kDLExtDev, 0};
+    } else if (flag(base.is_meta)) {
+      throw_call_error(
+          fmt::format("{}: is a meta tensor, which has no data for a kernel "
+                      "(torch.ops.kdispatch.* take meta tensors through their fake implementation)",
+                      where(i)));
+    } else {
+      py::object dev = steal(get(base.device, object));
       PyErr_Clear();
-      py::object is_meta = steal(get(base.is_meta, object));
-      PyErr_Clear();
-      if (is_meta.ptr() == Py_True && purpose_ == Purpose::layout) {
-        // No DLPack device is torch's "meta"; the check only asks that a
-        // call's tensors share one device.
-        device = {kDLExtDev, 0};
-      } else if (is_meta.ptr() == Py_True) {
-        throw_call_error(
-            fmt::format("{}: is a meta tensor, which has no data for a kernel "
-                        "(torch.ops.kdispatch.* take meta tensors through their fake implementation)",
-                        where(i)));
-      } else {
-        py::object dev = steal(get(base.device, object));
-        PyErr_Clear();
-        throw_call_error(
-            fmt::format("{}: is on torch device '{}', for which kdispatch has no backend kind "
-                        "(cpu, cuda, hip)",
-                        where(i), dev ? repr_of(dev.ptr()) : "?"));
-      }
+      throw_call_error(
+          fmt::format("{}: is on torch device '{}', for which kdispatch has no backend kind "
+                      "(cpu, cuda, hip)",
+                      where(i), dev ? repr_of(dev.ptr()) : "?"));
     }
   }
 
