@@ -398,6 +398,8 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
       }
       bound_symbols |= uint64_t{1} << slot;
       symbol_owner_[slot] = static_cast<uint8_t>(plan_.size());
+      symbol_dim_[slot] = t.num_dims;
+      symbol_divisor_[slot] = factor;
       if (factor != 1) t.flags |= kDivides;
       push({0, factor, slot, slot, factor});
     };

@@ -58,6 +58,14 @@ class CompiledSchema {
   void check_layout(std::span<const DLTensor> tensors) const;
 
   const OpSchema& schema() const { return schema_; }
+  // The shape symbols by slot, and the dtype variable that selects the
+  // kernel (empty when none does): the names of kernel constraints.
+  std::span<const std::string> symbols() const { return symbols_; }
+  std::string_view selecting_dtype_var() const { return var_names_.empty() ? std::string_view() : var_names_[0]; }
+  // The shape symbols' values in a call that check() accepted, by slot (a
+  // symbol that only an absent optional tensor binds reads 0). Reads one
+  // dim per symbol.
+  void bind_symbols(std::span<const DLTensor> tensors, int64_t* value) const noexcept;
 
  private:
   // The plan that walk() follows without branching on what a dim or dtype
@@ -175,6 +183,8 @@ class CompiledSchema {
   // The argument that binds each symbol slot, each dtype variable slot, and
   // the leading dims: the "from 'x'" of a refusal.
   std::array<uint8_t, kMaxSchemaSymbols> symbol_owner_{};
+  std::array<uint8_t, kMaxSchemaSymbols> symbol_dim_{};       // its dim in the owner, after "*"
+  std::array<int64_t, kMaxSchemaSymbols> symbol_divisor_{};  // that dim is divisor * symbol
   std::array<uint8_t, kMaxSchemaDtypeVars> var_owner_{};
   uint8_t leading_owner_ = 0;
   uint32_t written_ = 0;  // bit i: the op writes tensor i ("written" or "inplace")
@@ -313,6 +323,19 @@ inline bool CompiledSchema::matches_remembered(std::span<const DLTensor> tensors
     }
   }
   return false;
+}
+
+inline void CompiledSchema::bind_symbols(std::span<const DLTensor> tensors, int64_t* value) const noexcept {
+  for (size_t s = 0; s < symbols_.size(); ++s) {
+    const DLTensor& t = tensors[symbol_owner_[s]];
+    const Tensor& spec = plan_[symbol_owner_[s]];
+    if ((spec.flags & kOptional) && is_absent(t)) {
+      value[s] = 0;
+      continue;
+    }
+    const int64_t lead = (spec.flags & kLeading) ? t.ndim - spec.num_dims : 0;
+    value[s] = t.shape[lead + symbol_dim_[s]] / symbol_divisor_[s];
+  }
 }
 
 }  // namespace kdispatch
