@@ -122,7 +122,23 @@ class Parser {
   }
   static Kind join(Kind a, Kind b) { return a == Kind::any ? b : a; }
 
+  // Parentheses, "not" and unary "-" recurse: their nesting is bounded, so
+  // that a hostile manifest cannot exhaust the stack.
+  struct Nested {
+    explicit Nested(Parser& p) : parser(p) {
+      if (++parser.nesting_ > Constraint::kMaxDepth) {
+        throw std::invalid_argument(fmt::format("at column {}: nested deeper than {} levels", parser.tok_.column,
+                                                Constraint::kMaxDepth));
+      }
+    }
+    ~Nested() { --parser.nesting_; }
+    Nested(const Nested&) = delete;
+    Nested& operator=(const Nested&) = delete;
+    Parser& parser;
+  };
+
   Kind parse_or() {
+    const Nested nested(*this);
     Kind k = parse_and();
     while (at("or") || at("||")) {
       const size_t column = tok_.column;
@@ -154,6 +170,7 @@ class Parser {
   }
   Kind parse_not() {
     if (at("not") || at("!")) {
+      const Nested nested(*this);
       const size_t column = tok_.column;
       const std::string_view op = tok_.text;
       next();
@@ -237,6 +254,7 @@ class Parser {
   }
   Kind parse_unary() {
     if (at("-")) {
+      const Nested nested(*this);
       const size_t column = tok_.column;
       next();
       want(parse_unary(), Kind::int_, "-", column);
@@ -329,6 +347,7 @@ class Parser {
   std::vector<Node>& program_;
   std::vector<Constraint::Name>& read_;
   size_t pos_ = 0;
+  size_t nesting_ = 0;
   Token tok_;
 };
 
@@ -365,7 +384,9 @@ Constraint Constraint::compile(std::string_view text, const ConstraintNames* nam
   Parser parser(c.text_, names, c.program_, c.names_);
   parser.parse();
   if (stack_depth(c.program_) > kMaxDepth) {
-    throw std::invalid_argument(fmt::format("nested deeper than {} values", kMaxDepth));
+    throw std::invalid_argument(fmt::format("needs more than {} values at once (a shorter 'in' list, fewer "
+                                            "operands)",
+                                            kMaxDepth));
   }
   return c;
 }

@@ -93,6 +93,14 @@ TEST_CASE("constraint: syntax and names are checked when compiled") {
   CHECK(refusal("T in [float32, 4]").find("'in' compares a dtype with an integer") != std::string::npos);
   CHECK(refusal("H + 1").find("not a condition") != std::string::npos);
   CHECK(refusal(std::string(600, '(')).find("longer than 512 characters") != std::string::npos);
+  CHECK(refusal(std::string(40, '(') + "H > 0" + std::string(40, ')')).find("nested deeper than 32 levels") !=
+        std::string::npos);
+  std::string not_not = "H > 0";
+  for (int i = 0; i < 40; ++i) not_not = "not " + not_not;
+  CHECK(refusal(not_not).find("nested deeper than 32 levels") != std::string::npos);
+  std::string long_list = "H in [0";
+  for (int i = 1; i < 40; ++i) long_list += ", " + std::to_string(i);
+  CHECK(refusal(long_list + "]").find("needs more than 32 values at once") != std::string::npos);
 
   // Without names (a manifest read before its op's schema) only the syntax counts.
   CHECK_NOTHROW(Constraint::compile("Q % 8 == 0 and dtype in [float16, bfloat16]", nullptr));
