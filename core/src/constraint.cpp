@@ -50,7 +50,8 @@ class Parser {
     const Kind k = parse_or();
     if (tok_.type != Token::Type::end) refuse_here("an operator or the end of the expression");
     if (k != Kind::bool_ && k != Kind::any) {
-      throw std::invalid_argument(fmt::format("the expression is {}, not a condition (compare it: e.g. '== 0')",
+      throw std::invalid_argument(fmt::format("the expression is {}, not a condition: compare it with one of "
+                                              "==, !=, <, <=, >, >=",
                                               kind_name(k)));
     }
   }
@@ -300,6 +301,10 @@ class Parser {
       if (const auto it = std::find(symbols.begin(), symbols.end(), name); it != symbols.end()) {
         read(Op::symbol, it - symbols.begin());
         return Kind::int_;
+      }
+      if (names_->symbols_only) {
+        throw std::invalid_argument(fmt::format("at column {}: no tensor's shape has the symbol {} (symbols: [{}])",
+                                                column, name, fmt::join(symbols, ", ")));
       }
       if (name == "dtype" || (!names_->dtype_var.empty() && name == names_->dtype_var)) {
         read(Op::dtype, 0);

@@ -28,6 +28,8 @@ struct ConstraintNames {
   std::span<const std::string> symbols;
   std::string_view dtype_var;  // empty: only "dtype"
   std::span<const AttrArg> attrs;
+  // Shape symbols and integers only (an op schema's "requires").
+  bool symbols_only = false;
 };
 
 // One call's values, as the names above index them.
@@ -73,6 +75,8 @@ class Constraint {
     Op op;  // symbol, attr_int, attr_bool or dtype
     int64_t slot;
   };
+  // Each name the expression reads, once, in order of appearance.
+  const std::vector<Name>& names() const { return names_; }
 
  private:
   std::string text_;

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "constraint.hpp"
 #include "kdispatch/dtype.hpp"
 #include "kdispatch/schema.hpp"
 
@@ -109,15 +110,9 @@ class CompiledSchema {
     uint8_t num_alts;  // dtypes it may take instead ("dtype": ["T", "float32"])
     std::array<uint32_t, 4> alt_codes;  // packed DLDataType
   };
-  // "requires": lhs_factor * value[lhs] + lhs_constant  <op>  rhs likewise.
-  struct Requirement {
-    enum class Op : uint8_t { le, lt, eq, ne, ge, gt };
-    int64_t lhs_factor, lhs_constant, rhs_factor, rhs_constant;
-    uint8_t lhs, rhs;  // symbol slots (kZeroSymbol: a constant)
-    Op op;
-    std::string text;
-    bool holds(const int64_t* value) const;  // value: the symbol slots of a walk
-  };
+  // "requires": conditions over the shape symbols, in the language of
+  // kernel constraints (constraint.hpp) restricted to symbols and integers,
+  // evaluated on the symbol slots of a walk.
   void compile_requirement(const std::string& text, uint64_t bound_symbols);
   // A dtype variable's allowed dtypes (each once, in schema order), flat for
   // the per-call check. Slot 0 is the first variable the tensors use: it
@@ -175,7 +170,7 @@ class CompiledSchema {
   std::vector<Tensor> plan_;
   size_t num_tensors_ = 0;  // plan_.size()
   std::vector<Dim> dims_;
-  std::vector<Requirement> requirements_;
+  std::vector<Constraint> requirements_;
   std::array<VarCodes, kMaxSchemaDtypeVars> var_codes_{};
   Dtype fixed_dtype_ = Dtype::float32;  // the call's dtype when no variable selects it
   std::vector<std::string> symbols_;
