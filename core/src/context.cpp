@@ -11,6 +11,8 @@
 #include <thread>
 
 #include "builtin_schemas.hpp"
+#include "constraint.hpp"
+#include "schema_check.hpp"
 #include "kdispatch/platform.hpp"
 #include "kdispatch/log.hpp"
 #include "scanner.hpp"
@@ -71,7 +73,16 @@ void Context::register_record(PluginRecord& record) {
   }
   for (const KernelSpec& spec : m.kernels) {
     try {
+      // Constraints name the op's symbols and attributes: checked here when
+      // the schema is known, else when the op is first called.
+      if (const OpSchema* schema = spec.constraints.empty() ? nullptr : registry_->schema(spec.op)) {
+        const CompiledSchema compiled(*schema);
+        compile_constraints(spec, {compiled.symbols(), compiled.selecting_dtype_var(), schema->attrs});
+      }
       registry_->add(spec);
+    } catch (const ManifestError& e) {
+      log(LogLevel::warn, "{}", e.message());
+      record.problems.push_back({e.code(), record.manifest_path, e.message()});
     } catch (const RegistrationError& e) {
       // The first registration stays; the rest of this plugin still loads.
       log(LogLevel::warn, "{}", e.message());

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 
+#include "constraint.hpp"
 #include "file_check.hpp"
 #include "kdispatch/environment.hpp"
 #include "kdispatch/log.hpp"
@@ -58,6 +59,13 @@ struct OpState {
     uint64_t generation;
     kd_kernel_fn fn;
     const KernelSpec* spec;
+    uint64_t rejected;  // `constrained_cache` only: bit i, kernel i of Constrained refused the call
+  };
+  // The op's kernels that have constraints, compiled against its schema, at
+  // one registry generation. Immutable once published; owned by the state.
+  struct Constrained {
+    uint64_t generation;
+    std::vector<std::pair<const KernelSpec*, ConstraintSet>> kernels;  // at most 64
   };
   static constexpr size_t kSlots = 8;
 
@@ -81,6 +89,24 @@ struct OpState {
   std::array<std::atomic<const Resolved*>, kSlots> cache{};
   std::vector<std::unique_ptr<Resolved>> owned;  // guarded by the dispatcher's mutex
   size_t next_victim = 0;
+  // An op with constrained kernels chooses per call: the kernels' verdicts
+  // on the call's values join device and dtype in the key of
+  // `constrained_cache`, and `cache` stays empty, so that the calls above
+  // never take a cached kernel without evaluating the constraints.
+  std::atomic<const Constrained*> constrained{nullptr};  // null: no kernel of the op has constraints
+  std::atomic<uint64_t> constrained_generation{~uint64_t{0}};  // the generation `constrained` was made at
+  std::array<std::atomic<const Resolved*>, kSlots> constrained_cache{};
+  std::vector<std::unique_ptr<Constrained>> owned_constrained;  // guarded by the dispatcher's mutex
+  size_t next_constrained_victim = 0;
+
+  const Resolved* find_constrained(uint64_t device, Dtype dtype, uint64_t rejected, uint64_t generation) const {
+    for (const auto& slot : constrained_cache) {
+      const Resolved* r = slot.load(std::memory_order_acquire);
+      if (r == nullptr) break;
+      if (r->device == device && r->dtype == dtype && r->rejected == rejected && r->generation == generation) return r;
+    }
+    return nullptr;
+  }
 
   // The kernel for a checked call's device and dtype when cached and current.
   const Resolved* find_cached(uint64_t device, Dtype dtype) const {
@@ -270,7 +296,7 @@ void OpHandle::check(std::span<const DLTensor> tensors, CheckScope scope) const 
 
 KernelHandle OpHandle::resolve(std::span<const DLTensor> tensors) const {
   const CompiledSchema::CallInfo info = state_->compiled->check(tensors);
-  return state_->dispatcher->resolve(*state_, info.device, info.dtype);
+  return state_->dispatcher->resolve(*state_, info.device, info.dtype, tensors, state_->defaults);
 }
 
 void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream) const {
@@ -329,9 +355,9 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
 void OpHandle::call_checked(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream,
                             DLDevice device, Dtype dtype) const {
   OpState& state = *state_;
-  const KernelHandle kernel = state.dispatcher->resolve(state, device, dtype);
   std::array<kd_attr, kMaxSchemaAttrs> storage;
   const std::span<const kd_attr> packed = pack_attrs(attrs, storage);
+  const KernelHandle kernel = state.dispatcher->resolve(state, device, dtype, tensors, packed);
   if (state.trace_file == nullptr) {
     kernel(tensors, packed, stream);
     return;
@@ -476,12 +502,57 @@ size_t Dispatcher::interned() const {
 
 OpHandle Dispatcher::op(std::string_view op, std::string_view backend) { return OpHandle(intern(op, backend)); }
 
-KernelHandle Dispatcher::resolve(OpState& state, DLDevice device, Dtype dtype) {
-  if (const OpState::Resolved* r = state.find_cached(device_word(device), dtype)) return KernelHandle(r->fn, r->spec);
-  return resolve_slow(state, device, dtype);
+KernelHandle Dispatcher::resolve(OpState& state, DLDevice device, Dtype dtype, std::span<const DLTensor> tensors,
+                                 std::span<const kd_attr> attrs) {
+  const uint64_t generation = state.registry->generation();
+  if (state.constrained_generation.load(std::memory_order_acquire) != generation) [[unlikely]] {
+    refresh_constraints(state, generation);
+  }
+  const OpState::Constrained* constrained = state.constrained.load(std::memory_order_acquire);
+  if (constrained == nullptr) [[likely]] {
+    if (const OpState::Resolved* r = state.find_cached(device_word(device), dtype)) return KernelHandle(r->fn, r->spec);
+    return resolve_slow(state, device, dtype, nullptr, 0, generation);
+  }
+  std::array<int64_t, kMaxSchemaSymbols> symbols{};
+  state.compiled->bind_symbols(tensors, symbols.data());
+  ConstraintCall call{{state.compiled->symbols(), state.compiled->selecting_dtype_var(), state.compiled->schema().attrs},
+                      {symbols.data(), dtype, attrs.data()}};
+  uint64_t rejected = 0;
+  for (size_t i = 0; i < constrained->kernels.size(); ++i) {
+    Constraint::Result result{};
+    if (constrained->kernels[i].second.first_failing(call.input, &result) != nullptr) rejected |= uint64_t{1} << i;
+  }
+  if (const OpState::Resolved* r = state.find_constrained(device_word(device), dtype, rejected, constrained->generation)) {
+    return KernelHandle(r->fn, r->spec);
+  }
+  return resolve_slow(state, device, dtype, &call, rejected, constrained->generation);
 }
 
-KernelHandle Dispatcher::resolve_slow(OpState& state, DLDevice device, Dtype dtype) {
+void Dispatcher::refresh_constraints(OpState& state, uint64_t generation) {
+  std::vector<std::pair<const KernelSpec*, ConstraintSet>> kernels;
+  const ConstraintNames names{state.compiled->symbols(), state.compiled->selecting_dtype_var(),
+                              state.compiled->schema().attrs};
+  for (const KernelSpec* spec : state.registry->get(state.op)) {
+    if (!spec->constraints.empty()) kernels.emplace_back(spec, compile_constraints(*spec, names));
+  }
+  if (kernels.size() > 64) {
+    throw CallError(ErrorCode::bad_arguments,
+                    fmt::format("op '{}' has {} kernels with constraints; at most 64 are supported", state.op,
+                                kernels.size()));
+  }
+  std::lock_guard lock(mutex_);
+  if (!kernels.empty()) {
+    state.owned_constrained.push_back(
+        std::make_unique<OpState::Constrained>(OpState::Constrained{generation, std::move(kernels)}));
+    state.constrained.store(state.owned_constrained.back().get(), std::memory_order_release);
+  } else {
+    state.constrained.store(nullptr, std::memory_order_release);
+  }
+  state.constrained_generation.store(generation, std::memory_order_release);
+}
+
+KernelHandle Dispatcher::resolve_slow(OpState& state, DLDevice device, Dtype dtype, const ConstraintCall* call,
+                                      uint64_t rejected, uint64_t seen_generation) {
   const auto type = from_dlpack_device_type(device.device_type);
   if (!type) {
     throw CallError(ErrorCode::bad_arguments,
@@ -491,23 +562,30 @@ KernelHandle Dispatcher::resolve_slow(OpState& state, DLDevice device, Dtype dty
                                 static_cast<int>(kDLCUDA), static_cast<int>(kDLROCM)));
   }
   const uint64_t generation = context_.registry().generation();
-  const KernelSpec& spec = context_.select({state.op, state.backend, context_.device(*type, device.device_id), dtype});
+  const KernelSpec& spec =
+      context_.select({state.op, state.backend, context_.device(*type, device.device_id), dtype, call});
   const kd_kernel_fn fn = context_.kernel(spec);
+  // A choice made against an older list of constrained kernels (or before
+  // the op had any) is not cached for this generation.
+  if (seen_generation != generation) return KernelHandle(fn, &spec);
   std::lock_guard lock(mutex_);
-  auto resolved =
-      std::make_unique<OpState::Resolved>(OpState::Resolved{device_word(device), dtype, generation, fn, &spec});
+  auto resolved = std::make_unique<OpState::Resolved>(
+      OpState::Resolved{device_word(device), dtype, generation, fn, &spec, rejected});
+  // A choice made with constraints goes to their cache (see OpState).
+  auto& cache = call != nullptr ? state.constrained_cache : state.cache;
+  size_t& next_victim = call != nullptr ? state.next_constrained_victim : state.next_victim;
   // Prefer an empty or stale slot; else evict round-robin. Old entries stay
   // owned, so a reader holding one is safe.
   size_t slot = OpState::kSlots;
   for (size_t i = 0; i < OpState::kSlots; ++i) {
-    const OpState::Resolved* r = state.cache[i].load(std::memory_order_relaxed);
+    const OpState::Resolved* r = cache[i].load(std::memory_order_relaxed);
     if (r == nullptr || r->generation != generation) {
       slot = i;
       break;
     }
   }
-  if (slot == OpState::kSlots) slot = state.next_victim++ % OpState::kSlots;
-  state.cache[slot].store(resolved.get(), std::memory_order_release);
+  if (slot == OpState::kSlots) slot = next_victim++ % OpState::kSlots;
+  cache[slot].store(resolved.get(), std::memory_order_release);
   state.owned.push_back(std::move(resolved));
   return KernelHandle(fn, &spec);
 }

@@ -56,13 +56,16 @@ constexpr CatalogueEntry kCatalogue[] = {
     {ErrorCode::no_usable_backend,
      "No backend usable on the device"sv,
      "Backends are registered for the op, but none can run on the device of the call: "
-     "each was rejected by device type, arch window, CPU features or dtype. The "
+     "each was rejected by device type, arch window, CPU features, dtype or one of its "
+     "kernel's constraints on the call's sizes and attributes. The "
      "message gives the reason for each backend, and names any plugin that declares "
      "the op but failed to load or has an invalid manifest, with its first problem."sv,
      "- Only a GPU backend is registered and the call runs on the CPU (e.g. only the cuda plugin on a CPU box)\n"
      "- The device's arch is outside the kernel's min_arch/max_arch window (cuda) or archs list (hip)\n"
      "- The CPU lacks a required feature (e.g. avx2)\n"
      "- No backend supports the dtype of the call\n"
+     "- A kernel's constraint is false for the call's sizes, dtype or attributes "
+     "(\"cpu: constraint 'H % 8 == 0' is false (H = 12)\")\n"
      "- KDISPATCH_DEVICE or --device names a different device than intended\n"
      "- The cpu reference plugin is missing or disabled\n"
      "- The plugin for this device declares the op but its manifest is invalid or it failed to load"sv,
@@ -72,6 +75,8 @@ constexpr CatalogueEntry kCatalogue[] = {
      "- Fix a plugin the message names as failed: `kdispatch doctor` says why, `kdispatch validate FILE` lists "
      "every problem of an invalid manifest\n"
      "- Call with a dtype the backends list in their manifest \"dtypes\"\n"
+     "- For a false constraint: call with sizes or attributes it allows, or install a backend "
+     "without it (docs/manifest.md, Constraints)\n"
      "- Move the tensors to a device a backend supports"sv},
 
     {ErrorCode::ambiguous_backend,
@@ -142,7 +147,9 @@ constexpr CatalogueEntry kCatalogue[] = {
      "- A name breaks the rules: plugin/backend must match [a-z0-9_]+, op ids \"<group>.<name>\"\n"
      "- An unknown dtype (valid: float32, float16, bfloat16, float64, int32, int64, uint8, bool)\n"
      "- A bad target: device not cpu/cuda/hip, arch not \"major.minor\", min_arch > max_arch\n"
-     "- sha256 not 64 hex digits, or a bad shape token in an op schema"sv,
+     "- sha256 not 64 hex digits, or a bad shape token in an op schema\n"
+     "- A kernel's constraint does not parse, or names what is not a shape symbol, dtype variable or "
+     "int/bool attribute of the op's schema"sv,
      "- Go to the JSON pointer in the message (e.g. /kernels/2/dtypes/0) and fix the value\n"
      "- Run `kdispatch validate FILE` until it reports no problem\n"
      "- Compare with the shipped manifests (manifests/*.json)"sv},

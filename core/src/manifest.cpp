@@ -25,6 +25,7 @@
 #include <memory>
 #include <set>
 
+#include "constraint.hpp"
 #include "file_check.hpp"
 #include "kdispatch/plugin_api.h"
 #include "manifest_for_cache.hpp"
@@ -1193,7 +1194,7 @@ std::optional<KernelSpec> read_kernel(Reader& r, const json& j, const std::strin
     return std::nullopt;
   }
   const size_t before = r.error_count();
-  r.unknown_keys(j, pointer, {"op", "symbol", "dtypes", "targets", "description", "role", "opt_in"});
+  r.unknown_keys(j, pointer, {"op", "symbol", "dtypes", "targets", "description", "role", "opt_in", "constraints"});
   KernelSpec k;
   k.op = r.checked_string(j, pointer, "op", true, "an op id <group>.<name> of [a-z0-9_]+", is_valid_op_id)
              .value_or("");
@@ -1232,6 +1233,27 @@ std::optional<KernelSpec> read_kernel(Reader& r, const json& j, const std::strin
   }
   k.backend = kernel_backend(m, k.role);
   k.opt_in = r.boolean(j, pointer, "opt_in").value_or(false);
+  // "constraints": ["H % 8 == 0"], conditions on a call (docs/manifest.md).
+  // Their syntax is checked here; their names against the op's schema when
+  // the kernel is registered, once the schema is known.
+  constexpr std::string_view kConstraintExpected = "a list of conditions such as \"H % 8 == 0\"";
+  if (const json* list = r.array(j, pointer, "constraints", false, kConstraintExpected)) {
+    for (size_t i = 0; i < list->size(); ++i) {
+      const json& item = (*list)[i];
+      const std::string item_pointer = pointer_index(pointer_key(pointer, "constraints"), i);
+      if (!item.is_string()) {
+        r.bad(item_pointer, "a condition such as \"H % 8 == 0\"", item);
+        continue;
+      }
+      const std::string text = item.get<std::string>();
+      try {
+        Constraint::compile(text, nullptr);
+        k.constraints.push_back(text);
+      } catch (const std::invalid_argument& e) {
+        r.error(ErrorCode::manifest_bad_field, item_pointer, fmt::format("constraint \"{}\": {}", text, e.what()));
+      }
+    }
+  }
   if (r.error_count() != before) return std::nullopt;
   return k;
 }

@@ -213,6 +213,12 @@ bool read_kernel(RecordReader& r, const Manifest& m, KernelSpec& k) {
   k.role = flags[0] == 'r' ? KernelRole::reference : KernelRole::backend;
   k.backend = kernel_backend(m, k.role);
   k.opt_in = flags.size() == 2;
+  size_t constraints = 0;
+  if (!r.count(constraints)) return false;
+  k.constraints.resize(constraints);
+  for (std::string& c : k.constraints) {
+    if (!r.text(c)) return false;
+  }
   return true;
 }
 
@@ -243,6 +249,8 @@ std::string encode_manifest_record(const Manifest& m, std::string_view ops_json)
       write_targets(w, k.targets);
     }
     w.text(std::string(k.role == KernelRole::reference ? "r" : "b") + (k.opt_in ? "o" : ""));
+    w.count(k.constraints.size());
+    for (const std::string& c : k.constraints) w.text(c);
   }
   w.text(ops_json);
   return w.take();

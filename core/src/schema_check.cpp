@@ -404,6 +404,8 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
       }
       bound_symbols |= uint64_t{1} << slot;
       symbol_owner_[slot] = static_cast<uint8_t>(plan_.size());
+      symbol_dim_[slot] = t.num_dims;
+      symbol_divisor_[slot] = factor;
       if (factor != 1) t.flags |= kDivides;
       push({0, factor, slot, slot, factor});
     };
@@ -434,67 +436,28 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
   for (const std::string& text : schema.requirements) compile_requirement(text, bound_symbols);
 }
 
-// "2*R <= D": each side an integer, a shape symbol, or factor*symbol, the
-// relation one of <=, <, ==, !=, >=, >.
+// "2*R <= D": a condition over shape symbols that tensors other than
+// optional ones bind (docs/op-schema.md).
 void CompiledSchema::compile_requirement(const std::string& text, uint64_t bound_symbols) {
   const auto refuse = [&](const std::string& why) {
     throw ManifestError(ErrorCode::manifest_bad_field, fmt::format("{}: op '{}', requirement \"{}\": {}",
                                                                    schema_.source, schema_.op, text, why));
   };
-  static constexpr std::pair<std::string_view, Requirement::Op> kOps[] = {
-      {"<=", Requirement::Op::le}, {">=", Requirement::Op::ge}, {"==", Requirement::Op::eq},
-      {"!=", Requirement::Op::ne}, {"<", Requirement::Op::lt},  {">", Requirement::Op::gt}};
-  Requirement req{};
-  req.text = text;
-  size_t at = std::string::npos;
-  size_t width = 0;
-  for (const auto& [word, op] : kOps) {
-    if (const size_t found = text.find(word); found != std::string::npos) {
-      at = found;
-      width = word.size();
-      req.op = op;
-      break;
-    }
+  ConstraintNames names{symbols_, {}, {}};
+  names.symbols_only = true;
+  std::optional<Constraint> req;
+  try {
+    req = Constraint::compile(text, &names);
+  } catch (const std::invalid_argument& e) {
+    refuse(e.what());
   }
-  if (at == std::string::npos) refuse("expected two sides and one of <=, <, ==, !=, >=, >");
-  const auto side = [&](std::string_view part, int64_t* factor, int64_t* constant, uint8_t* slot) {
-    while (!part.empty() && part.front() == ' ') part.remove_prefix(1);
-    while (!part.empty() && part.back() == ' ') part.remove_suffix(1);
-    const auto parsed = parse_shape_token_text(part);
-    if (!parsed) refuse(fmt::format("\"{}\" is not an integer, a shape symbol or factor*symbol", part));
-    if (parsed->kind == ShapeToken::Kind::constant) {
-      *factor = 0;
-      *constant = parsed->value;
-      *slot = kZeroSymbol;
-      return;
-    }
-    const auto it = std::find(symbols_.begin(), symbols_.end(), parsed->symbol);
-    if (it == symbols_.end()) refuse(fmt::format("no tensor's shape has the symbol {}", parsed->symbol));
-    const auto s = static_cast<uint8_t>(it - symbols_.begin());
+  for (const Constraint::Name& n : req->names()) {
+    const auto s = static_cast<uint8_t>(n.slot);
     if (!(bound_symbols & (uint64_t{1} << s)) || schema_.tensors[symbol_owner_[s]].optional) {
-      refuse(fmt::format("symbol {} is bound only by an optional tensor", parsed->symbol));
+      refuse(fmt::format("symbol {} is bound only by an optional tensor", n.name));
     }
-    *factor = parsed->kind == ShapeToken::Kind::multiple ? parsed->value : 1;
-    *constant = 0;
-    *slot = s;
-  };
-  side(std::string_view(text).substr(0, at), &req.lhs_factor, &req.lhs_constant, &req.lhs);
-  side(std::string_view(text).substr(at + width), &req.rhs_factor, &req.rhs_constant, &req.rhs);
-  requirements_.push_back(std::move(req));
-}
-
-bool CompiledSchema::Requirement::holds(const int64_t* value) const {
-  const int64_t a = lhs_factor * value[lhs] + lhs_constant;
-  const int64_t b = rhs_factor * value[rhs] + rhs_constant;
-  switch (op) {
-    case Op::le: return a <= b;
-    case Op::lt: return a < b;
-    case Op::eq: return a == b;
-    case Op::ne: return a != b;
-    case Op::ge: return a >= b;
-    case Op::gt: return a > b;
   }
-  return false;
+  requirements_.push_back(std::move(*req));
 }
 
 // Records an accepted call for matches_remembered(), over the oldest entry. A
@@ -679,16 +642,19 @@ bool CompiledSchema::walk(std::span<const DLTensor> tensors, CallInfo* info, Ref
       }
     }
   }
-  for (const Requirement& req : requirements_) {
-    if (!req.holds(value.data())) [[unlikely]] {
+  for (const Constraint& req : requirements_) {
+    const ConstraintInput input{value.data(), dtype, nullptr};
+    if (const Constraint::Result result = req.evaluate(input); result != Constraint::Result::holds) [[unlikely]] {
       return refuse(kWholeCall, [&] {
         std::vector<std::string> bound;
-        for (const uint8_t slot : {req.lhs, req.rhs}) {
-          if (slot == kZeroSymbol) continue;
-          bound.push_back(fmt::format("{} = {} (from '{}')", symbols_[slot], value[slot],
-                                      schema_.tensors[symbol_owner_[slot]].name));
+        for (const Constraint::Name& read : req.names()) {
+          bound.push_back(fmt::format("{} = {} (from '{}')", read.name, value[static_cast<size_t>(read.slot)],
+                                      schema_.tensors[symbol_owner_[static_cast<size_t>(read.slot)]].name));
         }
-        return fmt::format("op '{}': the call breaks the schema's requirement {}: {}", schema_.op, req.text,
+        return fmt::format("op '{}': the call breaks the schema's requirement {}{}: {}", schema_.op, req.text(),
+                           result == Constraint::Result::fails                ? ""
+                           : result == Constraint::Result::division_by_zero ? " (division by zero)"
+                                                                            : " (integer overflow)",
                            fmt::join(bound, ", "));
       });
     }

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "constraint.hpp"
 #include "kdispatch/dtype.hpp"
 #include "kdispatch/schema.hpp"
 
@@ -58,6 +59,14 @@ class CompiledSchema {
   void check_layout(std::span<const DLTensor> tensors) const;
 
   const OpSchema& schema() const { return schema_; }
+  // The shape symbols by slot, and the dtype variable that selects the
+  // kernel (empty when none does): the names of kernel constraints.
+  std::span<const std::string> symbols() const { return symbols_; }
+  std::string_view selecting_dtype_var() const { return var_names_.empty() ? std::string_view() : var_names_[0]; }
+  // The shape symbols' values in a call that check() accepted, by slot (a
+  // symbol that only an absent optional tensor binds reads 0). Reads one
+  // dim per symbol.
+  void bind_symbols(std::span<const DLTensor> tensors, int64_t* value) const noexcept;
 
  private:
   // The plan that walk() follows without branching on what a dim or dtype
@@ -101,15 +110,9 @@ class CompiledSchema {
     uint8_t num_alts;  // dtypes it may take instead ("dtype": ["T", "float32"])
     std::array<uint32_t, 4> alt_codes;  // packed DLDataType
   };
-  // "requires": lhs_factor * value[lhs] + lhs_constant  <op>  rhs likewise.
-  struct Requirement {
-    enum class Op : uint8_t { le, lt, eq, ne, ge, gt };
-    int64_t lhs_factor, lhs_constant, rhs_factor, rhs_constant;
-    uint8_t lhs, rhs;  // symbol slots (kZeroSymbol: a constant)
-    Op op;
-    std::string text;
-    bool holds(const int64_t* value) const;  // value: the symbol slots of a walk
-  };
+  // "requires": conditions over the shape symbols, in the language of
+  // kernel constraints (constraint.hpp) restricted to symbols and integers,
+  // evaluated on the symbol slots of a walk.
   void compile_requirement(const std::string& text, uint64_t bound_symbols);
   // A dtype variable's allowed dtypes (each once, in schema order), flat for
   // the per-call check. Slot 0 is the first variable the tensors use: it
@@ -173,7 +176,7 @@ class CompiledSchema {
   std::vector<Tensor> plan_;
   size_t num_tensors_ = 0;  // plan_.size()
   std::vector<Dim> dims_;
-  std::vector<Requirement> requirements_;
+  std::vector<Constraint> requirements_;
   std::array<VarCodes, kMaxSchemaDtypeVars> var_codes_{};
   Dtype fixed_dtype_ = Dtype::float32;  // the call's dtype when no variable selects it
   std::vector<std::string> symbols_;
@@ -181,6 +184,8 @@ class CompiledSchema {
   // The argument that binds each symbol slot, each dtype variable slot, and
   // the leading dims: the "from 'x'" of a refusal.
   std::array<uint8_t, kMaxSchemaSymbols> symbol_owner_{};
+  std::array<uint8_t, kMaxSchemaSymbols> symbol_dim_{};       // its dim in the owner, after "*"
+  std::array<int64_t, kMaxSchemaSymbols> symbol_divisor_{};  // that dim is divisor * symbol
   std::array<uint8_t, kMaxSchemaDtypeVars> var_owner_{};
   uint8_t leading_owner_ = 0;
   uint32_t written_ = 0;  // bit i: the op writes tensor i ("written" or "inplace")
@@ -355,6 +360,19 @@ inline bool CompiledSchema::matches(const Accepted& accepted, std::span<const DL
     }
   }
   return false;
+}
+
+inline void CompiledSchema::bind_symbols(std::span<const DLTensor> tensors, int64_t* value) const noexcept {
+  for (size_t s = 0; s < symbols_.size(); ++s) {
+    const DLTensor& t = tensors[symbol_owner_[s]];
+    const Tensor& spec = plan_[symbol_owner_[s]];
+    if ((spec.flags & kOptional) && is_absent(t)) {
+      value[s] = 0;
+      continue;
+    }
+    const int64_t lead = (spec.flags & kLeading) ? t.ndim - spec.num_dims : 0;
+    value[s] = t.shape[lead + symbol_dim_[s]] / symbol_divisor_[s];
+  }
 }
 
 }  // namespace kdispatch

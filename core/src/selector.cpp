@@ -6,6 +6,7 @@
 
 #include "kdispatch/environment.hpp"
 #include "kdispatch/log.hpp"
+#include "constraint.hpp"
 
 namespace kdispatch {
 
@@ -123,8 +124,8 @@ Selector::Selector(const KernelRegistry& registry, SelectorOptions options)
 
 Selector::~Selector() = default;
 
-std::vector<Eligibility> Selector::eligibility(std::string_view op, const Device& device,
-                                               std::optional<Dtype> dtype) const {
+std::vector<Eligibility> Selector::eligibility(std::string_view op, const Device& device, std::optional<Dtype> dtype,
+                                               const ConstraintCall* call) const {
   std::vector<Eligibility> out;
   for (const KernelSpec* spec : registry_.get(op)) {
     Eligibility e{spec, true, {}};
@@ -135,6 +136,13 @@ std::vector<Eligibility> Selector::eligibility(std::string_view op, const Device
     } else if (dtype && !spec->supports(*dtype)) {
       e.eligible = false;
       e.reason = fmt::format("does not support dtype {} (supports {})", dtype_name(*dtype), dtype_list(spec->dtypes));
+    } else if (call != nullptr && !spec->constraints.empty()) {
+      const ConstraintSet set = compile_constraints(*spec, call->names);
+      Constraint::Result result{};
+      if (const Constraint* failed = set.first_failing(call->input, &result)) {
+        e.eligible = false;
+        e.reason = failed->explain(result, call->input);
+      }
     }
     out.push_back(std::move(e));
   }
@@ -194,6 +202,15 @@ const KernelSpec& Selector::select(const SelectRequest& request) const {
                       fmt::format("Backend '{}' for op '{}' does not support dtype {} (supports {})", request.backend,
                                   request.op, dtype_name(*request.dtype), dtype_list(spec.dtypes)));
     }
+    if (request.call != nullptr && !spec.constraints.empty()) {
+      const ConstraintSet set = compile_constraints(spec, request.call->names);
+      Constraint::Result result{};
+      if (const Constraint* failed = set.first_failing(request.call->input, &result)) {
+        throw SelectionError(ErrorCode::no_usable_backend,
+                             fmt::format("op '{}' has no backend usable for this call on device '{}': {}: {}",
+                                         request.op, device, spec.backend, failed->explain(result, request.call->input)));
+      }
+    }
     return spec;
   }
 
@@ -201,7 +218,7 @@ const KernelSpec& Selector::select(const SelectRequest& request) const {
   // can only be forced: it makes no call ambiguous and is never the one
   // usable backend. An opt-in kernel takes part only when its backend is
   // in the preference order.
-  const std::vector<Eligibility> checked = eligibility(request.op, request.device, request.dtype);
+  const std::vector<Eligibility> checked = eligibility(request.op, request.device, request.dtype, request.call);
   std::vector<const KernelSpec*> usable;  // references and opt-ins included: what force may pick
   std::vector<const KernelSpec*> eligible;
   const auto ordered = [&](const KernelSpec* s) {

@@ -130,6 +130,37 @@ TEST_CASE("select --device cuda:9.0 works without a GPU, on manifests alone") {
   fs::remove_all(dir);
 }
 
+TEST_CASE("list and select show a kernel's constraints") {
+  const std::string dir = plugin_dir({kManifests + "/cpu.json"});
+  Json cpu = Json::parse(std::ifstream(kManifests + "/cpu.json"));
+  for (auto& k : cpu["kernels"]) {
+    if (k["op"] == "layernorm.rmsnorm") k["constraints"] = {"H % 8 == 0", "dtype != float16"};
+  }
+  std::ofstream(dir + "/cpu.json") << cpu.dump();
+
+  const ToolResult list = run_tool({"list", "--device", "cpu", "--plugin-path", dir});
+  CHECK(list.exit_code == 0);
+  CHECK(list.out.find("only for calls where H % 8 == 0, and dtype != float16") != std::string::npos);
+  const Json listed = json_of(run_tool({"list", "--json", "--device", "cpu", "--plugin-path", dir}));
+  bool found = false;
+  for (const auto& op : listed["ops"]) {
+    if (op["op"] != "layernorm.rmsnorm") continue;
+    found = true;
+    CHECK(op["backends"][0]["constraints"] == Json{"H % 8 == 0", "dtype != float16"});
+  }
+  CHECK(found);
+
+  const ToolResult select = run_tool({"select", "layernorm.rmsnorm", "--device", "cpu", "--plugin-path", dir});
+  CHECK(select.exit_code == 0);
+  CHECK(select.out.find("backend 'cpu'") != std::string::npos);
+  CHECK(select.out.find("  only for calls where H % 8 == 0\n  only for calls where dtype != float16\n") !=
+        std::string::npos);
+  const Json selected =
+      json_of(run_tool({"select", "layernorm.rmsnorm", "--device", "cpu", "--json", "--plugin-path", dir}));
+  CHECK(selected["constraints"] == Json{"H % 8 == 0", "dtype != float16"});
+  fs::remove_all(dir);
+}
+
 TEST_CASE("several usable backends: KD-E004 until one is named or ordered") {
   const std::string dir = plugin_dir({kGpuManifests + "/cuda.json", kFixtures + "/cli/triton.json"});
   const std::vector<std::string> base{"select", "layernorm.rmsnorm", "--device", "cuda:9.0", "--plugin-path", dir};

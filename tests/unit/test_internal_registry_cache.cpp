@@ -52,7 +52,7 @@ void write_text(const fs::path& path, const std::string& text) { std::ofstream(p
 
 // A manifest that sets every field the record holds: a checksum, the
 // reference role, targets of each kind, kernels with inherited, own and
-// empty targets, a kernel of its own role and opt-in, text that needs
+// empty targets, a kernel of its own role, opt-in and with constraints, text that needs
 // escaping, and op schemas (the built-in
 // layernorm ones, which use ranges, tests, tolerances and examples).
 std::string every_field_manifest() {
@@ -70,7 +70,8 @@ std::string every_field_manifest() {
       {"op": "every.own", "symbol": "kd_own", "dtypes": ["float32", "bfloat16", "int64", "bool"],
        "targets": [{"device": "cuda", "max_arch": "9.0"}], "description": "\\t is not a tab"},
       {"op": "every.anywhere", "symbol": "kd_anywhere", "targets": []},
-      {"op": "every.opt_in", "symbol": "kd_opt_in", "role": "backend", "opt_in": true}],
+      {"op": "every.opt_in", "symbol": "kd_opt_in", "role": "backend", "opt_in": true,
+       "constraints": ["H % 8 == 0", "T in [float16, bfloat16] and\tnot (K > 8 || renorm) and H > 0"]}],
     "ops": )" +
          read_text(kSource / "manifests" / "ops" / "layernorm.json") + "}";
 }

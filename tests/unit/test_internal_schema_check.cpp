@@ -296,6 +296,25 @@ TEST_CASE("schema check: rows layout, dtype lists, optional tensors and requirem
   }
 }
 
+TEST_CASE("schema check: requirements are conditions of the kernel constraint language") {
+  std::string text = kRowsSchemas;
+  const std::string from = R"("requires": ["2*R <= D"])";
+  text.replace(text.find(from), from.size(), R"("requires": ["2*R <= D and D % 4 == 0", "P / (H - 4) > 0"])");
+  SchemaFileResult parsed = parse_op_schemas(text, "<test>");
+  REQUIRE(parsed.errors.empty());
+  const CompiledSchema compiled(parsed.schemas.at(0));
+  RowsCall call;  // H = 4
+  CHECK(refusal(compiled, call.tensors) ==
+        "op 'test.rows': the call breaks the schema's requirement P / (H - 4) > 0 (division by zero): P = 16 (from "
+        "'cache'), H = 4 (from 'q')");
+  call.q_shape[1] = 5;
+  CHECK(refusal(compiled, call.tensors) == "");
+  call.q_shape[2] = call.k_shape[2] = 6;
+  CHECK(refusal(compiled, call.tensors) ==
+        "op 'test.rows': the call breaks the schema's requirement 2*R <= D and D % 4 == 0: R = 3 (from 'cache'), D = "
+        "6 (from 'q')");
+}
+
 TEST_CASE("schema check: bad uses of the new schema keys are KD-E011") {
   const auto errors_of = [](const std::string& tensors, const std::string& extra) {
     const std::string text = R"([{"op": "test.bad", "tensors": [)" + tensors + "]" + extra +
@@ -313,7 +332,7 @@ TEST_CASE("schema check: bad uses of the new schema keys are KD-E011") {
   CHECK(errors_of(x + R"(, {"name": "y", "shape": ["D"], "dtype": ["float32", "T"]})", "")
             .find("only the first entry may be a variable") != std::string::npos);
   CHECK(errors_of(x, R"(, "requires": ["D <= Q"])").find("no tensor's shape has the symbol Q") != std::string::npos);
-  CHECK(errors_of(x, R"(, "requires": ["D"])").find("one of <=, <, ==, !=, >=, >") != std::string::npos);
+  CHECK(errors_of(x, R"(, "requires": ["D"])").find("not a condition: compare it with one of ==, !=, <, <=, >, >=") != std::string::npos);
   CHECK(errors_of(x + R"(, {"name": "y", "shape": ["E"], "dtype": "T", "optional": true}, )"
                       R"({"name": "z", "shape": ["E"], "dtype": "T"})",
                   "")

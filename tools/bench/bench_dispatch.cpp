@@ -97,6 +97,31 @@ void BM_CheckedCall(benchmark::State& state) {
 }
 BENCHMARK(BM_CheckedCall);
 
+// The checked call of an op whose kernel has constraints ("H % 8 == 0",
+// "H <= 8192"): they are evaluated on every call, and the kernel chosen for
+// their verdicts comes from the dispatcher's second cache.
+void BM_CheckedCallConstrained(benchmark::State& state) {
+  Fixture& f = fixture();
+  ContextOptions options;
+  options.search.use_environment = false;
+  options.search.use_default_path = false;
+  Context context(options);
+  ManifestResult parsed = read_manifest(std::string(KDISPATCH_BENCH_PLUGIN_DIR) + "/bench_noop.json");
+  if (!parsed.manifest) {
+    state.SkipWithError("bench_noop.json does not parse");
+    return;
+  }
+  parsed.manifest->kernels.at(0).constraints = {"H % 8 == 0", "H <= 8192"};
+  context.add_manifest(*parsed.manifest);
+  Dispatcher dispatch(context);
+  const OpHandle op = dispatch.op("bench.noop");
+  for (auto _ : state) {
+    op(f.tensors);
+    benchmark::ClobberMemory();
+  }
+}
+BENCHMARK(BM_CheckedCallConstrained);
+
 // Checked calls whose shapes change on every call, cycling through five
 // ([4..8, 64]), one more than the check remembers: none repeats a recent
 // signature, so each runs the whole compiled plan and records its own. The

@@ -42,6 +42,7 @@ Runner add_list(CLI::App& app) {
                               {"plugin", e.spec->plugin},
                               {"role", e.spec->is_reference() ? "reference" : "backend"},
                               {"opt_in", e.spec->opt_in},
+                              {"constraints", e.spec->constraints},
                               {"eligible", e.eligible},
                               {"reason", e.eligible ? Json(nullptr) : Json(e.reason)}});
         }
@@ -89,11 +90,16 @@ Runner add_list(CLI::App& app) {
     for (const auto& op : ops) {
       bool first = true;
       for (const auto& e : sel.eligibility(op, device.device, std::nullopt)) {
-        const std::string note =
-            for_command_line(!e.eligible               ? e.reason
-                             : e.spec->is_reference() ? kReferenceOnlyWhenAsked
-                             : e.spec->opt_in         ? kOptInOnlyWhenAsked
-                                                      : "");
+        std::string note = !e.eligible              ? e.reason
+                           : e.spec->is_reference() ? kReferenceOnlyWhenAsked
+                           : e.spec->opt_in         ? kOptInOnlyWhenAsked
+                                                    : "";
+        // A kernel with constraints is usable for the calls that meet them.
+        if (e.eligible && !e.spec->constraints.empty()) {
+          note += fmt::format("{}only for calls where {}", note.empty() ? "" : "; ",
+                              fmt::join(e.spec->constraints, ", and "));
+        }
+        note = for_command_line(note);
         fmt::print("{:<{}}  {:<{}} {:<7} {}\n", first ? op : "", width, e.spec->backend, backend_width,
                    e.eligible ? "yes" : "no", note);
         first = false;

@@ -38,14 +38,21 @@ Runner add_select(CLI::App& app) {
     try {
       const KernelSpec& spec = ctx.select({options->op, options->backend, device.device, dtype});
       if (options->common.json) {
-        print_json(Json{{"op", spec.op},
-                        {"backend", spec.backend},
-                        {"plugin", spec.plugin},
-                        {"symbol", spec.symbol},
-                        {"device", device.device.str()}});
+        Json doc{{"op", spec.op},
+                 {"backend", spec.backend},
+                 {"plugin", spec.plugin},
+                 {"symbol", spec.symbol},
+                 {"device", device.device.str()}};
+        if (!spec.constraints.empty()) doc["constraints"] = spec.constraints;
+        print_json(doc);
       } else {
         fmt::print("{} on {}: backend '{}' (plugin '{}', symbol '{}', {})\n", spec.op, device.device.str(),
                    spec.backend, spec.plugin, spec.symbol, spec.manifest);
+        // The call's sizes and attributes are unknown here: a call for
+        // which a constraint is false selects among the other backends.
+        for (const std::string& c : spec.constraints) {
+          fmt::print("  only for calls where {}\n", for_command_line(c));
+        }
       }
       return kOk;
     } catch (const Error& e) {

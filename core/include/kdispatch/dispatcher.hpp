@@ -39,6 +39,7 @@ struct NamedAttr {
 
 class Dispatcher;
 struct OpState;
+struct ConstraintCall;
 
 // A kernel resolved for one device and dtype: calling it checks nothing.
 // For callers that validated their arguments already.
@@ -129,8 +130,16 @@ class Dispatcher {
  private:
   friend class OpHandle;
   OpState* intern(std::string_view op, std::string_view backend);
-  KernelHandle resolve(OpState& state, DLDevice device, Dtype dtype);
-  KernelHandle resolve_slow(OpState& state, DLDevice device, Dtype dtype);
+  // The kernel for a checked call: its tensors and packed attributes are
+  // read only when a kernel of the op has constraints.
+  KernelHandle resolve(OpState& state, DLDevice device, Dtype dtype, std::span<const DLTensor> tensors,
+                       std::span<const kd_attr> attrs);
+  // `rejected`: the verdicts of the constrained kernels as of registry
+  // generation `seen_generation` (with `call` only).
+  KernelHandle resolve_slow(OpState& state, DLDevice device, Dtype dtype, const ConstraintCall* call,
+                            uint64_t rejected, uint64_t seen_generation);
+  // OpState::constrained, current with the registry's generation.
+  void refresh_constraints(OpState& state, uint64_t generation);
   void trace(const OpState& state, const KernelHandle& kernel, std::span<const DLTensor> tensors, double us);
 
   Context& context_;

@@ -32,6 +32,10 @@ struct KernelSpec {
   // (KDISPATCH_FORCE_BACKEND) or listed in KDISPATCH_BACKEND_ORDER, so that
   // installing a second implementation of an op changes no existing call.
   bool opt_in = false;
+  // "constraints": conditions over the op schema's shape symbols, the call's
+  // dtype and int/bool attributes, all of which must hold for a call to be
+  // eligible (docs/manifest.md, Constraints). Empty: every call.
+  std::vector<std::string> constraints;
 
   bool is_reference() const { return role == KernelRole::reference; }
 

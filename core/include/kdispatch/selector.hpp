@@ -17,6 +17,11 @@
 #include "kdispatch/kernel_spec.hpp"
 #include "kdispatch/registry.hpp"
 
+namespace kdispatch {
+// A call's values for kernel constraints (internal: core/src/constraint.hpp).
+struct ConstraintCall;
+}  // namespace kdispatch
+
 namespace kdispatch KDISPATCH_API {
 
 struct SelectorOptions {
@@ -35,6 +40,10 @@ struct SelectRequest {
   std::string_view backend;  // empty: choose
   Device device;
   std::optional<Dtype> dtype;  // unknown: dtype is not checked
+  // The call's shape symbols, dtype and attributes, which kernel
+  // constraints read; null: constraints are not evaluated (every kernel
+  // with constraints counts as eligible).
+  const ConstraintCall* call = nullptr;
 };
 
 // Why one registered backend was or was not eligible (for `list`, KD-E003).
@@ -68,8 +77,10 @@ class Selector {
   const KernelSpec& select(const SelectRequest& request) const;
 
   // Every registered backend of `op` checked against the device and dtype.
-  std::vector<Eligibility> eligibility(std::string_view op, const Device& device,
-                                       std::optional<Dtype> dtype) const;
+  // With `call`, a kernel whose constraints (KernelSpec::constraints) do
+  // not hold for it is not eligible, the failed one's text in the reason.
+  std::vector<Eligibility> eligibility(std::string_view op, const Device& device, std::optional<Dtype> dtype,
+                                       const ConstraintCall* call = nullptr) const;
 
   const SelectorOptions& options() const { return options_; }
   const KernelRegistry& registry() const { return registry_; }

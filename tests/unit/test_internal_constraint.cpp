@@ -1,0 +1,286 @@
+// Kernel eligibility constraints (docs/manifest.md, Constraints): the
+// expression language's syntax and names (KD-E011 naming the field), each
+// operator's value, overflow and division by zero, and selection: a call
+// goes to a constrained kernel only when its constraints hold, else to
+// another backend, else KD-E003 with the failed constraint's text.
+#include <doctest/doctest.h>
+
+#include <array>
+#include <cstdint>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "constraint.hpp"
+#include "kdispatch/context.hpp"
+#include "kdispatch/dispatcher.hpp"
+#include "kdispatch/error.hpp"
+#include "kdispatch/manifest.hpp"
+#include "schema_check.hpp"
+
+using namespace kdispatch;
+
+namespace {
+
+// Names of a made-up op: shape symbols H, K, N; dtype variable T; an int,
+// a bool and a float attribute.
+struct Names {
+  std::vector<std::string> symbols{"H", "K", "N"};
+  std::vector<AttrArg> attrs{{"topk", AttrType::int_, AttrValue{int64_t{2}}, ""},
+                             {"renorm", AttrType::bool_, AttrValue{false}, ""},
+                             {"eps", AttrType::float_, AttrValue{1e-6}, ""}};
+  ConstraintNames names() const { return {symbols, "T", attrs}; }
+};
+
+struct Values {
+  std::array<int64_t, 3> symbols{12, 4, 100};
+  std::array<kd_attr, 3> attrs{};
+  Dtype dtype = Dtype::bfloat16;
+  Values() {
+    attrs[0].type = KD_ATTR_TYPE_INT;
+    attrs[0].value.i = 2;
+    attrs[1].type = KD_ATTR_TYPE_BOOL;
+    attrs[1].value.b = 1;
+    attrs[2].type = KD_ATTR_TYPE_FLOAT;
+    attrs[2].value.f = 1e-6;
+  }
+  ConstraintInput input() const { return {symbols.data(), dtype, attrs.data()}; }
+};
+
+Constraint::Result eval(std::string_view text, const Values& v = Values()) {
+  const Names n;
+  const ConstraintNames names = n.names();
+  return Constraint::compile(text, &names).evaluate(v.input());
+}
+
+bool holds(std::string_view text, const Values& v = Values()) {
+  const Constraint::Result r = eval(text, v);
+  REQUIRE_MESSAGE((r == Constraint::Result::holds || r == Constraint::Result::fails), text);
+  return r == Constraint::Result::holds;
+}
+
+std::string refusal(std::string_view text) {
+  const Names n;
+  const ConstraintNames names = n.names();
+  try {
+    Constraint::compile(text, &names);
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  FAIL("compiled: " << text);
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("constraint: syntax and names are checked when compiled") {
+  CHECK(refusal("H %% 8 == 0").find("column 4") != std::string::npos);
+  CHECK(refusal("H in 1").find("'[' after 'in'") != std::string::npos);
+  CHECK(refusal("(H == 1").find("expected ')'") != std::string::npos);
+  CHECK(refusal("H +").find("found the end") != std::string::npos);
+  CHECK(refusal("H == 99999999999999999999").find("fits in 64 bits") != std::string::npos);
+  CHECK(refusal("H $ 2").find("unexpected character '$'") != std::string::npos);
+  CHECK(refusal("Q <= 8").find("'Q' is not a shape symbol ([H, K, N]), dtype (dtype, T) or attribute ([topk, "
+                               "renorm, eps])") != std::string::npos);
+  CHECK(refusal("eps < 1").find("attribute 'eps' is a float") != std::string::npos);
+  CHECK(refusal("H and K").find("'and' takes a truth value, got an integer") != std::string::npos);
+  CHECK(refusal("dtype < float32").find("'<' takes an integer, got a dtype") != std::string::npos);
+  CHECK(refusal("H == renorm").find("compares an integer with a truth value") != std::string::npos);
+  CHECK(refusal("T in [float32, 4]").find("'in' compares a dtype with an integer") != std::string::npos);
+  CHECK(refusal("H + 1").find("not a condition") != std::string::npos);
+  CHECK(refusal(std::string(600, '(')).find("longer than 512 characters") != std::string::npos);
+  CHECK(refusal(std::string(40, '(') + "H > 0" + std::string(40, ')')).find("nested deeper than 32 levels") !=
+        std::string::npos);
+  std::string not_not = "H > 0";
+  for (int i = 0; i < 40; ++i) not_not = "not " + not_not;
+  CHECK(refusal(not_not).find("nested deeper than 32 levels") != std::string::npos);
+  std::string long_list = "H in [0";
+  for (int i = 1; i < 40; ++i) long_list += ", " + std::to_string(i);
+  CHECK(refusal(long_list + "]").find("needs more than 32 values at once") != std::string::npos);
+
+  // Without names (a manifest read before its op's schema) only the syntax counts.
+  CHECK_NOTHROW(Constraint::compile("Q % 8 == 0 and dtype in [float16, bfloat16]", nullptr));
+  CHECK_THROWS_AS(Constraint::compile("Q %", nullptr), std::invalid_argument);
+}
+
+TEST_CASE("constraint: each operator") {
+  // H = 12, K = 4, N = 100, topk = 2, renorm = true, dtype bfloat16.
+  CHECK(holds("H % 8 == 4"));
+  CHECK(holds("H / 5 == 2 and -H / 5 == -2 and -H % 5 == -2"));
+  CHECK(holds("H + K * 2 - 1 == 19"));
+  CHECK(holds("(H + K) * 2 == 32"));
+  CHECK(holds("K <= 8 && K < 5 && K >= 4 && K > 3 && K != 5"));
+  CHECK_FALSE(holds("K < 4"));
+  CHECK(holds("H in [64, 12, 256]"));
+  CHECK_FALSE(holds("H in [64, 128, 256]"));
+  CHECK(holds("not H in [64, 128]"));
+  CHECK(holds("!(K > 8) || H == 0"));
+  CHECK(holds("K > 8 or N == 100"));
+  CHECK_FALSE(holds("K > 8 or N != 100"));
+  CHECK(holds("topk == 2 and renorm"));
+  CHECK(holds("renorm == true and not false"));
+  CHECK(holds("dtype == bfloat16 and T in [float16, bfloat16] and dtype != float32"));
+  CHECK_FALSE(holds("T == float32"));
+}
+
+TEST_CASE("constraint: overflow and division by zero are refusals, not values") {
+  Values v;
+  v.symbols = {int64_t{1} << 40, 0, 100};
+  CHECK(eval("H * H > 0", v) == Constraint::Result::overflow);
+  CHECK(eval("H * 1000000 + 9223372036854775807 > 0", v) == Constraint::Result::overflow);
+  CHECK(eval("0 - 9223372036854775807 - 2 < 0", v) == Constraint::Result::overflow);
+  CHECK(eval("(0 - 9223372036854775807 - 1) / -1 > 0", v) == Constraint::Result::overflow);
+  CHECK(eval("(0 - 9223372036854775807 - 1) % -1 == 0", v) == Constraint::Result::overflow);
+  CHECK(eval("-(0 - 9223372036854775807 - 1) > 0", v) == Constraint::Result::overflow);
+  CHECK(eval("N / K > 2", v) == Constraint::Result::division_by_zero);
+  CHECK(eval("N % K == 0", v) == Constraint::Result::division_by_zero);
+  // `and` and `or` stop at the first operand that decides.
+  CHECK(eval("K != 0 and N / K > 2", v) == Constraint::Result::fails);
+  CHECK(eval("K == 0 or N / K > 2", v) == Constraint::Result::holds);
+
+  const Names n;
+  const ConstraintNames names = n.names();
+  const Constraint c = Constraint::compile("N / K > 2 and renorm", &names);
+  CHECK(c.explain(c.evaluate(v.input()), v.input()) ==
+        "constraint 'N / K > 2 and renorm' cannot be evaluated: division by zero (N = 100, K = 0, renorm = true)");
+  const Constraint d = Constraint::compile("H % 8 == 0 and T == float32", &names);
+  Values w;
+  CHECK(d.explain(d.evaluate(w.input()), w.input()) ==
+        "constraint 'H % 8 == 0 and T == float32' is false (H = 12, T = bfloat16)");
+}
+
+namespace {
+
+// A manifest of the plugin directory, parsed from its JSON after `edit`;
+// its path stays in that directory, so its library is found.
+Manifest edited_manifest(const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
+  const std::string path = std::string(KDISPATCH_PLUGIN_DIR) + "/" + name;
+  std::ifstream in(path);
+  REQUIRE(in);
+  nlohmann::json j = nlohmann::json::parse(in);
+  edit(j);
+  ManifestResult parsed = parse_manifest(j.dump(), path);
+  REQUIRE_MESSAGE(parsed.manifest, (parsed.errors.empty() ? "" : parsed.errors[0].message));
+  return *parsed.manifest;
+}
+
+void constrain(nlohmann::json& manifest, std::string_view op, std::vector<std::string> constraints) {
+  for (auto& k : manifest["kernels"]) {
+    if (k["op"] == op) k["constraints"] = constraints;
+  }
+}
+
+// rmsnorm float32 [rows, H].
+struct Rmsnorm {
+  std::vector<int64_t> shape2, shape1;
+  std::vector<float> out, x, weight;
+  std::vector<DLTensor> tensors;
+  explicit Rmsnorm(int64_t h) : shape2{2, h}, shape1{h}, out(2 * h), x(2 * h, 0.5f), weight(h, 1.0f) {
+    const DLDevice cpu{kDLCPU, 0};
+    const DLDataType f32{kDLFloat, 32, 1};
+    tensors = {DLTensor{out.data(), cpu, 2, f32, shape2.data(), nullptr, 0},
+               DLTensor{x.data(), cpu, 2, f32, shape2.data(), nullptr, 0},
+               DLTensor{weight.data(), cpu, 1, f32, shape1.data(), nullptr, 0}};
+  }
+};
+
+// The cpu plugin (its rmsnorm constrained as given) and the reference
+// plugin made an ordinary backend (rmsnorm constrained as given), in the
+// order cpu, reference.
+std::unique_ptr<Context> constrained_context(std::vector<std::string> cpu, std::vector<std::string> reference) {
+  ContextOptions options;
+  options.search.use_environment = false;
+  options.search.use_default_path = false;
+  SelectorOptions selector;
+  selector.backend_order = {"cpu", "reference"};
+  options.selector = selector;
+  auto context = std::make_unique<Context>(options);
+  const auto cpu_problems = context->add_manifest(
+      edited_manifest("cpu.json", [&](nlohmann::json& j) { constrain(j, "layernorm.rmsnorm", cpu); }));
+  CHECK(cpu_problems.empty());
+  const auto ref_problems = context->add_manifest(edited_manifest("reference.json", [&](nlohmann::json& j) {
+    j["role"] = "backend";
+    constrain(j, "layernorm.rmsnorm", reference);
+  }));
+  CHECK(ref_problems.empty());
+  return context;
+}
+
+}  // namespace
+
+TEST_CASE("constraint: manifest fields are checked, syntax on reading and names on registration") {
+  const std::string path = std::string(KDISPATCH_PLUGIN_DIR) + "/cpu.json";
+  std::ifstream in(path);
+  REQUIRE(in);
+  nlohmann::json j = nlohmann::json::parse(in);
+  j["kernels"][0]["constraints"] = {"H > 0", "H %"};
+  ManifestResult parsed = parse_manifest(j.dump(), path);
+  REQUIRE(!parsed.errors.empty());
+  CHECK(parsed.errors[0].code == ErrorCode::manifest_bad_field);
+  CHECK(parsed.errors[0].message.find("/kernels/0/constraints/1") != std::string::npos);
+  CHECK(parsed.errors[0].message.find("constraint \"H %\"") != std::string::npos);
+
+  ContextOptions options;
+  options.search.use_environment = false;
+  options.search.use_default_path = false;
+  Context context(options);
+  const auto problems = context.add_manifest(
+      edited_manifest("cpu.json", [](nlohmann::json& m) { constrain(m, "layernorm.rmsnorm", {"Q % 8 == 0"}); }));
+  REQUIRE(problems.size() == 1);
+  CHECK(problems[0].code == ErrorCode::manifest_bad_field);
+  CHECK(problems[0].message.find("cpu.json: kernel of op 'layernorm.rmsnorm' (symbol 'kd_cpu_rmsnorm'), "
+                                 "\"constraints\"[0] \"Q % 8 == 0\": at column 1: 'Q' is not a shape symbol") !=
+        std::string::npos);
+  CHECK(context.registry().get_backend("layernorm.rmsnorm", "cpu") == nullptr);
+  CHECK(context.registry().get_backend("layernorm.fused_add_rmsnorm", "cpu") != nullptr);
+}
+
+TEST_CASE("constraint: a call goes to a kernel only when its constraints hold") {
+  auto context = constrained_context({"H % 8 == 0", "dtype == float32"}, {"H <= 64"});
+  Dispatcher dispatch(*context);
+  const OpHandle op = dispatch.op("layernorm.rmsnorm");
+
+  Rmsnorm eligible(16);
+  CHECK(op.resolve(eligible.tensors).spec().backend == "cpu");
+  op(eligible.tensors);
+  CHECK(eligible.out[0] == doctest::Approx(1.0f));
+
+  Rmsnorm other(12);  // the cpu kernel is not eligible: the reference backend runs it
+  CHECK(op.resolve(other.tensors).spec().backend == "reference");
+  op(other.tensors);
+  CHECK(other.out[0] == doctest::Approx(1.0f));
+  // Both verdicts stay cached side by side.
+  CHECK(op.resolve(eligible.tensors).spec().backend == "cpu");
+  CHECK(op.resolve(other.tensors).spec().backend == "reference");
+
+  Rmsnorm none(100);  // neither: KD-E003 says why for each
+  try {
+    op(none.tensors);
+    FAIL("no error");
+  } catch (const SelectionError& e) {
+    CHECK(e.code() == ErrorCode::no_usable_backend);
+    CHECK(e.message().find("cpu: constraint 'H % 8 == 0' is false (H = 100)") != std::string::npos);
+    CHECK(e.message().find("reference: constraint 'H <= 64' is false (H = 100)") != std::string::npos);
+  }
+
+  // A named backend whose constraint fails is KD-E003 too.
+  const OpHandle named = dispatch.op("layernorm.rmsnorm", "cpu");
+  CHECK(named.resolve(eligible.tensors).spec().backend == "cpu");
+  try {
+    named(other.tensors);
+    FAIL("no error");
+  } catch (const SelectionError& e) {
+    CHECK(e.code() == ErrorCode::no_usable_backend);
+    CHECK(e.message().find("cpu: constraint 'H % 8 == 0' is false (H = 12)") != std::string::npos);
+  }
+
+  // Without a call's values (`kdispatch list`, `select`) constraints are
+  // not evaluated: both kernels count as eligible.
+  for (const Eligibility& e : context->selector().eligibility("layernorm.rmsnorm", Device::host_cpu(), Dtype::float32)) {
+    CHECK(e.eligible);
+  }
+}
