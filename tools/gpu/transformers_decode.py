@@ -71,20 +71,26 @@ def static_cache(model, batch):
     raise RuntimeError("no StaticCache constructor fits")
 
 
-def time_graph(step, replays=50):
-    """us per step: CUDA-graph replay, and back to back without a graph."""
+def graph_of(step):
+    """The replay of a CUDA graph of one call of step."""
     for _ in range(3):
         step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    graph.replay()
+    return graph.replay
+
+
+def time_graph(step, replays=50):
+    """us per step: CUDA-graph replay, and back to back without a graph."""
+    replay = graph_of(step)
+    replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
-        graph.replay()
+        replay()
     end.record()
     torch.cuda.synchronize()
     in_graph = start.elapsed_time(end) * 1000 / replays
@@ -109,17 +115,6 @@ def decode_step(model, batch):
                      use_cache=True).logits
 
     return step
-
-
-def graph_of(step):
-    """The replay of a CUDA graph of one call of step."""
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
 
 
 def profile(title, step, steps=5, rows=25):
