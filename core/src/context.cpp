@@ -23,6 +23,7 @@ Context::Context(ContextOptions options)
       selector_(std::make_unique<Selector>(*registry_, options.selector ? std::move(*options.selector)
                                                                         : SelectorOptions::from_environment())),
       device_of_(options.device_of ? std::move(options.device_of) : kdispatch::device_of) {
+  problems_ = selector_->options().problems;
   if (options.builtin_schemas) {
     for (const BuiltinSchemaFile& file : builtin_schema_files()) {
       SchemaFileResult parsed = parse_op_schemas(file.text, file.name);
@@ -104,6 +105,11 @@ std::vector<Problem> Context::add_manifest(const Manifest& manifest) {
   api_manifests_.push_back(manifest);
   for (const auto& p : record.problems) problems_.push_back(p);
   return record.problems;
+}
+
+void Context::set_preference(std::string_view op, std::vector<std::string> backends) {
+  selector_->set_preference(op, std::move(backends));
+  registry_->invalidate();
 }
 
 std::vector<Problem> Context::problems() const {

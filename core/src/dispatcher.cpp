@@ -49,18 +49,26 @@ struct AttrName {
   }
 };
 
+// A kernel chosen for one (device, dtype[, constraint verdicts]), with how
+// it was chosen (for the trace).
+struct ResolvedKernel {
+  uint64_t device;  // DLDevice as one word (device_type, device_id)
+  Dtype dtype;
+  uint64_t generation;
+  kd_kernel_fn fn;
+  const KernelSpec* spec;
+  uint64_t rejected;  // `constrained_cache` only: bit i, kernel i of Constrained refused the call
+  SelectionRule rule;
+  std::vector<const KernelSpec*> ranked;  // Selection::ranked
+
+  KernelHandle handle() const;
+};
+
 // One (op, backend request): its compiled schema and the kernels resolved
 // for it, per (device type, device id, dtype). Owned by the Dispatcher and
 // never freed before it, so handles and readers of the cache stay valid.
 struct OpState {
-  struct Resolved {
-    uint64_t device;  // DLDevice as one word (device_type, device_id)
-    Dtype dtype;
-    uint64_t generation;
-    kd_kernel_fn fn;
-    const KernelSpec* spec;
-    uint64_t rejected;  // `constrained_cache` only: bit i, kernel i of Constrained refused the call
-  };
+  using Resolved = ResolvedKernel;
   // The op's kernels that have constraints, compiled against its schema, at
   // one registry generation. Immutable once published; owned by the state.
   struct Constrained {
@@ -296,7 +304,7 @@ void OpHandle::check(std::span<const DLTensor> tensors, CheckScope scope) const 
 
 KernelHandle OpHandle::resolve(std::span<const DLTensor> tensors) const {
   const CompiledSchema::CallInfo info = state_->compiled->check(tensors);
-  return state_->dispatcher->resolve(*state_, info.device, info.dtype, tensors, state_->defaults);
+  return state_->dispatcher->resolve(*state_, info.device, info.dtype, tensors, state_->defaults).handle();
 }
 
 void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream) const {
@@ -357,7 +365,8 @@ void OpHandle::call_checked(std::span<DLTensor> tensors, std::span<const NamedAt
   OpState& state = *state_;
   std::array<kd_attr, kMaxSchemaAttrs> storage;
   const std::span<const kd_attr> packed = pack_attrs(attrs, storage);
-  const KernelHandle kernel = state.dispatcher->resolve(state, device, dtype, tensors, packed);
+  const ResolvedKernel& resolved = state.dispatcher->resolve(state, device, dtype, tensors, packed);
+  const KernelHandle kernel = resolved.handle();
   if (state.trace_file == nullptr) {
     kernel(tensors, packed, stream);
     return;
@@ -365,7 +374,7 @@ void OpHandle::call_checked(std::span<DLTensor> tensors, std::span<const NamedAt
   const auto start = std::chrono::steady_clock::now();
   kernel(tensors, packed, stream);
   const std::chrono::duration<double, std::micro> us = std::chrono::steady_clock::now() - start;
-  state.dispatcher->trace(state, kernel, tensors, us.count());
+  state.dispatcher->trace(state, resolved, tensors, us.count());
 }
 
 void OpHandle::operator()(std::initializer_list<DLTensor> tensors, std::initializer_list<NamedAttr> attrs,
@@ -502,15 +511,17 @@ size_t Dispatcher::interned() const {
 
 OpHandle Dispatcher::op(std::string_view op, std::string_view backend) { return OpHandle(intern(op, backend)); }
 
-KernelHandle Dispatcher::resolve(OpState& state, DLDevice device, Dtype dtype, std::span<const DLTensor> tensors,
-                                 std::span<const kd_attr> attrs) {
+KernelHandle ResolvedKernel::handle() const { return KernelHandle(fn, spec); }
+
+const ResolvedKernel& Dispatcher::resolve(OpState& state, DLDevice device, Dtype dtype,
+                                          std::span<const DLTensor> tensors, std::span<const kd_attr> attrs) {
   const uint64_t generation = state.registry->generation();
   if (state.constrained_generation.load(std::memory_order_acquire) != generation) [[unlikely]] {
     refresh_constraints(state, generation);
   }
   const OpState::Constrained* constrained = state.constrained.load(std::memory_order_acquire);
   if (constrained == nullptr) [[likely]] {
-    if (const OpState::Resolved* r = state.find_cached(device_word(device), dtype)) return KernelHandle(r->fn, r->spec);
+    if (const OpState::Resolved* r = state.find_cached(device_word(device), dtype)) return *r;
     return resolve_slow(state, device, dtype, nullptr, 0, generation);
   }
   std::array<int64_t, kMaxSchemaSymbols> symbols{};
@@ -523,7 +534,7 @@ KernelHandle Dispatcher::resolve(OpState& state, DLDevice device, Dtype dtype, s
     if (constrained->kernels[i].second.first_failing(call.input, &result) != nullptr) rejected |= uint64_t{1} << i;
   }
   if (const OpState::Resolved* r = state.find_constrained(device_word(device), dtype, rejected, constrained->generation)) {
-    return KernelHandle(r->fn, r->spec);
+    return *r;
   }
   return resolve_slow(state, device, dtype, &call, rejected, constrained->generation);
 }
@@ -551,8 +562,9 @@ void Dispatcher::refresh_constraints(OpState& state, uint64_t generation) {
   state.constrained_generation.store(generation, std::memory_order_release);
 }
 
-KernelHandle Dispatcher::resolve_slow(OpState& state, DLDevice device, Dtype dtype, const ConstraintCall* call,
-                                      uint64_t rejected, uint64_t seen_generation) {
+const ResolvedKernel& Dispatcher::resolve_slow(OpState& state, DLDevice device, Dtype dtype,
+                                               const ConstraintCall* call, uint64_t rejected,
+                                               uint64_t seen_generation) {
   const auto type = from_dlpack_device_type(device.device_type);
   if (!type) {
     throw CallError(ErrorCode::bad_arguments,
@@ -562,15 +574,17 @@ KernelHandle Dispatcher::resolve_slow(OpState& state, DLDevice device, Dtype dty
                                 static_cast<int>(kDLCUDA), static_cast<int>(kDLROCM)));
   }
   const uint64_t generation = context_.registry().generation();
-  const KernelSpec& spec =
-      context_.select({state.op, state.backend, context_.device(*type, device.device_id), dtype, call});
-  const kd_kernel_fn fn = context_.kernel(spec);
+  Selection selection =
+      context_.choose({state.op, state.backend, context_.device(*type, device.device_id), dtype, call});
+  const kd_kernel_fn fn = context_.kernel(*selection.spec);
+  std::lock_guard lock(mutex_);
+  auto resolved = std::make_unique<OpState::Resolved>(OpState::Resolved{
+      device_word(device), dtype, generation, fn, selection.spec, rejected, selection.rule, std::move(selection.ranked)});
+  const OpState::Resolved& out = *resolved;
+  state.owned.push_back(std::move(resolved));
   // A choice made against an older list of constrained kernels (or before
   // the op had any) is not cached for this generation.
-  if (seen_generation != generation) return KernelHandle(fn, &spec);
-  std::lock_guard lock(mutex_);
-  auto resolved = std::make_unique<OpState::Resolved>(
-      OpState::Resolved{device_word(device), dtype, generation, fn, &spec, rejected});
+  if (seen_generation != generation) return out;
   // A choice made with constraints goes to their cache (see OpState).
   auto& cache = call != nullptr ? state.constrained_cache : state.cache;
   size_t& next_victim = call != nullptr ? state.next_constrained_victim : state.next_victim;
@@ -585,9 +599,8 @@ KernelHandle Dispatcher::resolve_slow(OpState& state, DLDevice device, Dtype dty
     }
   }
   if (slot == OpState::kSlots) slot = next_victim++ % OpState::kSlots;
-  cache[slot].store(resolved.get(), std::memory_order_release);
-  state.owned.push_back(std::move(resolved));
-  return KernelHandle(fn, &spec);
+  cache[slot].store(&out, std::memory_order_release);
+  return out;
 }
 
 void Dispatcher::call(std::string_view op, std::span<DLTensor> tensors, std::span<const NamedAttr> attrs,
@@ -595,7 +608,8 @@ void Dispatcher::call(std::string_view op, std::span<DLTensor> tensors, std::spa
   OpHandle(intern(op, backend))(tensors, attrs, stream);
 }
 
-void Dispatcher::trace(const OpState& state, const KernelHandle& kernel, std::span<const DLTensor> tensors, double us) {
+void Dispatcher::trace(const OpState& state, const ResolvedKernel& kernel, std::span<const DLTensor> tensors,
+                       double us) {
   std::vector<std::string> dtypes;
   std::vector<std::string> shapes;
   for (const DLTensor& t : tensors) {
@@ -604,9 +618,12 @@ void Dispatcher::trace(const OpState& state, const KernelHandle& kernel, std::sp
     shapes.push_back(fmt::format("[{}]", fmt::join(std::span<const int64_t>(t.shape, static_cast<size_t>(t.ndim)), ",")));
   }
   const auto type = from_dlpack_device_type(tensors.empty() ? kDLCPU : tensors[0].device.device_type);
+  std::vector<std::string> ranked;
+  for (const KernelSpec* s : kernel.ranked) ranked.push_back(fmt::format("\"{}\"", s->backend));
   const std::string line = fmt::format(
-      "{{\"op\":\"{}\",\"backend\":\"{}\",\"device\":\"{}:{}\",\"dtypes\":[{}],\"shapes\":[{}],\"us\":{:.3f}}}\n",
-      state.op, kernel.spec().backend, type ? device_type_name(*type) : "?",
+      "{{\"op\":\"{}\",\"backend\":\"{}\",\"rule\":\"{}\",\"ranked\":[{}],\"device\":\"{}:{}\",\"dtypes\":[{}],"
+      "\"shapes\":[{}],\"us\":{:.3f}}}\n",
+      state.op, kernel.spec->backend, rule_name(kernel.rule), fmt::join(ranked, ","), type ? device_type_name(*type) : "?",
       tensors.empty() ? 0 : tensors[0].device.device_id, fmt::join(dtypes, ","), fmt::join(shapes, ","), us);
   std::lock_guard lock(mutex_);
   std::fputs(line.c_str(), trace_file_);

@@ -82,17 +82,19 @@ constexpr CatalogueEntry kCatalogue[] = {
     {ErrorCode::ambiguous_backend,
      "Several backends usable, none chosen"sv,
      "More than one backend can run the op on this device and dtype, and nothing says "
-     "which one to use. There is no built-in ranking, by design: the selector takes the "
-     "backend named for the call, else KDISPATCH_FORCE_BACKEND when it is usable, else "
-     "the first backend of KDISPATCH_BACKEND_ORDER that is usable, and reports this error "
-     "when none of them decides. A reference kernel never counts here: it runs only when "
-     "named or forced."sv,
+     "which one to use. The selector takes the backend named for the call, else "
+     "KDISPATCH_FORCE_BACKEND when it is usable, else ranks the usable backends by the op's "
+     "preference, KDISPATCH_BACKEND_ORDER and the kernels' manifest priority, and reports this "
+     "error when none of them tells the first ones apart (the message names those tied). A "
+     "reference kernel never counts here: it runs only when named or forced."sv,
      "- Two plugins implement the op for the same device, e.g. the shipped cpu backend and a third-party one "
      "(the example plugin's example_cpu for activation.silu_and_mul)\n"
-     "- No backend was named for the call, and KDISPATCH_BACKEND_ORDER is unset or names none of the usable "
-     "backends (the message lists them)"sv,
+     "- No backend was named for the call, no preference or KDISPATCH_BACKEND_ORDER names one of the tied "
+     "backends, and their manifests declare equal priorities (the message lists them)"sv,
      "- Name a backend for the call: --backend B on the command line, backend=\"B\" in Python, "
      "dispatcher.op(op, \"B\") in C++\n"
+     "- Or rank backends for the op: kdispatch.set_preference(op, [\"a\", \"b\"]) in Python, "
+     "Context::set_preference in C++, or a KDISPATCH_PREFERENCE_FILE (docs/environment.md)\n"
      "- Or rank backends for every op: KDISPATCH_BACKEND_ORDER=a,b (the first usable one wins; in C++ "
      "ContextOptions::selector's backend_order)\n"
      "- Or force one for every op it can run: KDISPATCH_FORCE_BACKEND=B (any other op is selected as usual, "
@@ -129,8 +131,9 @@ constexpr CatalogueEntry kCatalogue[] = {
     // ---------------------------------------------------------------- manifests
     {ErrorCode::manifest_bad_json,
      "Manifest is not valid JSON"sv,
-     "A manifest or op schema file could not be parsed as JSON. The message gives "
-     "file:line:col of the first error; the plugin is skipped."sv,
+     "A manifest or op schema file could not be parsed as JSON (or read at all). The message gives "
+     "file:line:col of the first error; the plugin is skipped. The same code reports a "
+     "KDISPATCH_PREFERENCE_FILE that is not JSON or cannot be read; it is then ignored whole."sv,
      "- A trailing comma, missing comma or unbalanced bracket\n"
      "- Comments (JSON has none) or single-quoted strings\n"
      "- A truncated or empty file, or a non-manifest *.json in a plugin directory"sv,
@@ -140,16 +143,19 @@ constexpr CatalogueEntry kCatalogue[] = {
 
     {ErrorCode::manifest_bad_field,
      "Manifest field is missing or invalid"sv,
-     "A manifest or op schema is valid JSON but a field is missing, has the wrong "
-     "type or an invalid value. The message gives the JSON pointer, what was "
-     "expected and what was found."sv,
+     "A manifest, op schema or KDISPATCH_PREFERENCE_FILE is valid JSON but a field is missing, has "
+     "the wrong type or an invalid value. The message gives the JSON pointer, what was "
+     "expected and what was found. A preference file with such a field is ignored whole."sv,
      "- A required key is missing: kdispatch_manifest, plugin, backend, library, abi, kernels\n"
      "- A name breaks the rules: plugin/backend must match [a-z0-9_]+, op ids \"<group>.<name>\"\n"
      "- An unknown dtype (valid: float32, float16, bfloat16, float64, int32, int64, uint8, bool)\n"
      "- A bad target: device not cpu/cuda/hip, arch not \"major.minor\", min_arch > max_arch\n"
      "- sha256 not 64 hex digits, or a bad shape token in an op schema\n"
      "- A kernel's constraint does not parse, or names what is not a shape symbol, dtype variable or "
-     "int/bool attribute of the op's schema"sv,
+     "int/bool attribute of the op's schema\n"
+     "- A kernel's priority is not an integer in [-1000, 1000]\n"
+     "- A preference file's op id or backend name breaks the rules, or a preference is not a non-empty "
+     "list of backend names"sv,
      "- Go to the JSON pointer in the message (e.g. /kernels/2/dtypes/0) and fix the value\n"
      "- Run `kdispatch validate FILE` until it reports no problem\n"
      "- Compare with the shipped manifests (manifests/*.json)"sv},

@@ -1194,7 +1194,8 @@ std::optional<KernelSpec> read_kernel(Reader& r, const json& j, const std::strin
     return std::nullopt;
   }
   const size_t before = r.error_count();
-  r.unknown_keys(j, pointer, {"op", "symbol", "dtypes", "targets", "description", "role", "opt_in", "constraints"});
+  r.unknown_keys(j, pointer, {"op", "symbol", "dtypes", "targets", "description", "role", "opt_in", "constraints",
+                          "priority"});
   KernelSpec k;
   k.op = r.checked_string(j, pointer, "op", true, "an op id <group>.<name> of [a-z0-9_]+", is_valid_op_id)
              .value_or("");
@@ -1233,6 +1234,14 @@ std::optional<KernelSpec> read_kernel(Reader& r, const json& j, const std::strin
   }
   k.backend = kernel_backend(m, k.role);
   k.opt_in = r.boolean(j, pointer, "opt_in").value_or(false);
+  constexpr std::string_view kPriorityExpected = "an integer in [-1000, 1000] (the higher wins a tie)";
+  if (const json* priority = r.get(j, pointer, "priority", false, kPriorityExpected)) {
+    if (priority->is_number_integer() && priority->get<int64_t>() >= -1000 && priority->get<int64_t>() <= 1000) {
+      k.priority = static_cast<int32_t>(priority->get<int64_t>());
+    } else {
+      r.bad(pointer_key(pointer, "priority"), kPriorityExpected, *priority);
+    }
+  }
   // "constraints": ["H % 8 == 0"], conditions on a call (docs/manifest.md).
   // Their syntax is checked here; their names against the op's schema when
   // the kernel is registered, once the schema is known.

@@ -186,6 +186,12 @@ bool read_targets(RecordReader& r, std::vector<Target>& out) {
   return r.count(n) && read_target_list(r, n, out);
 }
 
+// A kernel's priority, as the parser bounds it.
+bool parse_priority(std::string_view field, int32_t& out) {
+  const auto [end, ec] = std::from_chars(field.data(), field.data() + field.size(), out);
+  return ec == std::errc() && end == field.data() + field.size() && !field.empty() && out >= -1000 && out <= 1000;
+}
+
 bool read_kernel(RecordReader& r, const Manifest& m, KernelSpec& k) {
   std::string_view dtypes;
   if (!r.text(k.op) || !r.text(k.symbol) || !r.text(k.description) || !r.raw(dtypes)) return false;
@@ -213,6 +219,8 @@ bool read_kernel(RecordReader& r, const Manifest& m, KernelSpec& k) {
   k.role = flags[0] == 'r' ? KernelRole::reference : KernelRole::backend;
   k.backend = kernel_backend(m, k.role);
   k.opt_in = flags.size() == 2;
+  std::string_view priority;
+  if (!r.raw(priority) || !parse_priority(priority, k.priority)) return false;
   size_t constraints = 0;
   if (!r.count(constraints)) return false;
   k.constraints.resize(constraints);
@@ -249,6 +257,7 @@ std::string encode_manifest_record(const Manifest& m, std::string_view ops_json)
       write_targets(w, k.targets);
     }
     w.text(std::string(k.role == KernelRole::reference ? "r" : "b") + (k.opt_in ? "o" : ""));
+    w.text(std::to_string(k.priority));
     w.count(k.constraints.size());
     for (const std::string& c : k.constraints) w.text(c);
   }

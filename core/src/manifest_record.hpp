@@ -7,7 +7,7 @@
 // The fields, in order (a list is its length, then its items):
 //   format plugin backend library abi sha256 description role
 //   targets: [device min_arch max_arch archs: [arch] features: [feature]]
-//   kernels: [op symbol description dtypes targets flags constraints: [text]]
+//   kernels: [op symbol description dtypes targets flags priority constraints: [text]]
 //   ops_json
 // A kernel's dtypes are one field, a digit per dtype (its place in
 // kAllDtypes); its targets are "=" when they are the manifest's, else a
@@ -27,7 +27,7 @@ namespace kdispatch {
 // The record format; the registry cache's header carries it. Bump it
 // whenever the fields above or the parser's output change meaning, so that
 // records written by other code are not read as this code's.
-inline constexpr int kManifestRecordFormat = 3;
+inline constexpr int kManifestRecordFormat = 4;
 
 // `manifest` as one record (it holds no newline). `ops_json` is the text
 // parse_manifest_for_cache gave with it. The path is not part of the

@@ -7,6 +7,7 @@
 #include "kdispatch/environment.hpp"
 #include "kdispatch/log.hpp"
 #include "constraint.hpp"
+#include "preference_file.hpp"
 
 namespace kdispatch {
 
@@ -87,6 +88,18 @@ SelectorOptions SelectorOptions::from_environment() {
   SelectorOptions options;
   if (auto force = get_env("KDISPATCH_FORCE_BACKEND")) options.force_backend = *force;
   if (auto order = get_env("KDISPATCH_BACKEND_ORDER")) options.backend_order = split_list(*order, ',');
+  if (auto file = get_env("KDISPATCH_PREFERENCE_FILE"); file && !file->empty()) {
+    PreferenceFileResult read = read_preference_file(*file);
+    for (Problem& p : read.warnings) {
+      log(LogLevel::warn, "KDISPATCH_PREFERENCE_FILE: [{}] {}", code_string(p.code), p.message);
+      options.problems.push_back(std::move(p));
+    }
+    for (Problem& p : read.errors) {
+      log(LogLevel::warn, "KDISPATCH_PREFERENCE_FILE: [{}] {}; the file is ignored", code_string(p.code), p.message);
+      options.problems.push_back(std::move(p));
+    }
+    options.preferences = std::move(read.preferences);
+  }
   return options;
 }
 
@@ -149,7 +162,7 @@ std::vector<Eligibility> Selector::eligibility(std::string_view op, const Device
   return out;
 }
 
-const KernelSpec& Selector::select(const SelectRequest& request) const {
+Selection Selector::choose(const SelectRequest& request) const {
   const std::string device = request.device.str();
   const std::vector<const KernelSpec*> specs = registry_.get(request.op);
   const std::vector<PluginFailure> failures = registry_.failures();
@@ -211,29 +224,56 @@ const KernelSpec& Selector::select(const SelectRequest& request) const {
                                          request.op, device, spec.backend, failed->explain(result, request.call->input)));
       }
     }
-    return spec;
+    return {&spec, SelectionRule::named, {&spec}};
   }
 
   // Rule 3: filter by device and dtype, then choose. A reference kernel
   // can only be forced: it makes no call ambiguous and is never the one
   // usable backend. An opt-in kernel takes part only when its backend is
-  // in the preference order.
+  // in the op's preference or the global order.
+  const std::vector<std::string> preferred = preference(request.op);
+  const auto position = [](const std::vector<std::string>& list, const KernelSpec* s) {
+    return static_cast<size_t>(std::find(list.begin(), list.end(), s->backend) - list.begin());
+  };
   const std::vector<Eligibility> checked = eligibility(request.op, request.device, request.dtype, request.call);
   std::vector<const KernelSpec*> usable;  // references and opt-ins included: what force may pick
   std::vector<const KernelSpec*> eligible;
-  const auto ordered = [&](const KernelSpec* s) {
-    return std::find(options_.backend_order.begin(), options_.backend_order.end(), s->backend) !=
-           options_.backend_order.end();
-  };
   for (const auto& e : checked) {
     if (!e.eligible) continue;
     usable.push_back(e.spec);
-    if (!e.spec->is_reference() && (!e.spec->opt_in || ordered(e.spec))) eligible.push_back(e.spec);
+    const bool listed = position(preferred, e.spec) < preferred.size() ||
+                        position(options_.backend_order, e.spec) < options_.backend_order.size();
+    if (!e.spec->is_reference() && (!e.spec->opt_in || listed)) eligible.push_back(e.spec);
   }
+
+  // The ranking: each rule's key, compared in rule order; the registry's
+  // order (by backend name) is kept among equals.
+  struct Ranked {
+    const KernelSpec* spec;
+    size_t preference;
+    size_t order;
+    int32_t priority;
+  };
+  std::vector<Ranked> ranked;
+  for (const KernelSpec* s : eligible) {
+    ranked.push_back({s, position(preferred, s), position(options_.backend_order, s), s->priority});
+  }
+  std::stable_sort(ranked.begin(), ranked.end(), [](const Ranked& a, const Ranked& b) {
+    if (a.preference != b.preference) return a.preference < b.preference;
+    if (a.order != b.order) return a.order < b.order;
+    return a.priority > b.priority;
+  });
+  Selection selection;
+  for (const Ranked& r : ranked) selection.ranked.push_back(r.spec);
 
   if (!options_.force_backend.empty()) {
     for (const KernelSpec* s : usable) {
-      if (answers_to(*s, options_.force_backend)) return *s;
+      if (!answers_to(*s, options_.force_backend)) continue;
+      selection.ranked.erase(std::remove(selection.ranked.begin(), selection.ranked.end(), s), selection.ranked.end());
+      selection.ranked.insert(selection.ranked.begin(), s);
+      selection.spec = s;
+      selection.rule = SelectionRule::forced;
+      return selection;
     }
     bool first_time;
     {
@@ -246,9 +286,7 @@ const KernelSpec& Selector::select(const SelectRequest& request) const {
     }
   }
 
-  if (eligible.size() == 1) return *eligible.front();
-
-  if (eligible.empty()) {
+  if (ranked.empty()) {
     std::vector<std::string> reasons;
     for (const auto& e : checked) {
       const std::string_view why = !e.eligible              ? std::string_view(e.reason)
@@ -263,22 +301,80 @@ const KernelSpec& Selector::select(const SelectRequest& request) const {
                          reasons);
   }
 
-  for (const auto& preferred : options_.backend_order) {
-    for (const KernelSpec* s : eligible) {
-      if (s->backend == preferred) return *s;
+  selection.spec = ranked.front().spec;
+  if (ranked.size() == 1) {
+    selection.rule = SelectionRule::only;
+    return selection;
+  }
+  const Ranked& first = ranked[0];
+  const Ranked& second = ranked[1];
+  if (first.preference != second.preference) {
+    selection.rule = SelectionRule::preference;
+  } else if (first.order != second.order) {
+    selection.rule = SelectionRule::order;
+  } else if (first.priority != second.priority) {
+    selection.rule = SelectionRule::priority;
+  } else {
+    std::vector<const KernelSpec*> tied;
+    std::vector<std::string_view> names;
+    for (const Ranked& r : ranked) {
+      if (r.preference != first.preference || r.order != first.order || r.priority != first.priority) break;
+      tied.push_back(r.spec);
+      names.push_back(r.spec->backend);
+    }
+    throw SelectionError(
+        ErrorCode::ambiguous_backend,
+        fmt::format("op '{}' has multiple backends usable on device '{}' ({}); pass backend=... to choose one",
+                    request.op, device, backend_list(tied)),
+        {fmt::format("or rank them: a preference for the op (KDISPATCH_PREFERENCE_FILE, kdispatch.set_preference), "
+                     "or KDISPATCH_BACKEND_ORDER={}",
+                     fmt::join(names, ","))});
+  }
+  return selection;
+}
+
+void Selector::set_preference(std::string_view op, std::vector<std::string> backends) {
+  if (backends.empty()) {
+    std::lock_guard lock(preferences_mutex_);
+    if (auto it = options_.preferences.find(op); it != options_.preferences.end()) options_.preferences.erase(it);
+    return;
+  }
+  const std::vector<const KernelSpec*> specs = registry_.get(op);
+  if (specs.empty()) select({op, {}, Device::host_cpu(), std::nullopt});  // words KD-E001, with did-you-mean
+  for (size_t i = 0; i < backends.size(); ++i) {
+    const std::string& name = backends[i];
+    if (std::find(backends.begin(), backends.begin() + static_cast<std::ptrdiff_t>(i), name) !=
+        backends.begin() + static_cast<std::ptrdiff_t>(i)) {
+      throw SelectionError(ErrorCode::backend_not_registered,
+                           fmt::format("preference for op '{}' names backend '{}' twice", op, name));
+    }
+    if (std::none_of(specs.begin(), specs.end(), [&](const KernelSpec* s) { return s->backend == name; })) {
+      throw SelectionError(ErrorCode::backend_not_registered,
+                           fmt::format("No '{}' backend registered for op '{}' (registered: {}); the preference is "
+                                       "unchanged",
+                                       name, op, backend_list(specs)));
     }
   }
-  throw SelectionError(ErrorCode::ambiguous_backend,
-                       fmt::format("op '{}' has multiple backends usable on device '{}' ({}); pass backend=... to "
-                                   "choose one",
-                                   request.op, device, backend_list(eligible)),
-                       {"or set a preference order, e.g. KDISPATCH_BACKEND_ORDER=" +
-                        fmt::format("{}", fmt::join([&] {
-                                      std::vector<std::string_view> n;
-                                      for (const auto* s : eligible) n.push_back(s->backend);
-                                      return n;
-                                    }(),
-                                                    ","))});
+  std::lock_guard lock(preferences_mutex_);
+  options_.preferences.insert_or_assign(std::string(op), std::move(backends));
+}
+
+std::vector<std::string> Selector::preference(std::string_view op) const {
+  std::lock_guard lock(preferences_mutex_);
+  const auto it = options_.preferences.find(op);
+  return it == options_.preferences.end() ? std::vector<std::string>{} : it->second;
+}
+
+std::string_view rule_name(SelectionRule rule) {
+  switch (rule) {
+    case SelectionRule::only: return "only";
+    case SelectionRule::named: return "named";
+    case SelectionRule::forced: return "forced";
+    case SelectionRule::preference: return "preference";
+    case SelectionRule::order: return "order";
+    case SelectionRule::priority: return "priority";
+  }
+  return "?";
 }
 
 }  // namespace kdispatch

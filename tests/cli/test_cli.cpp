@@ -108,6 +108,8 @@ TEST_CASE("select on cpu picks the cpu backend without naming it") {
                     {"backend", "cpu"},
                     {"plugin", "cpu"},
                     {"symbol", "kd_cpu_rmsnorm"},
+                    {"rule", "only"},
+                    {"ranked", {"cpu"}},
                     {"device", "cpu"}});
   const ToolResult human = run_tool({"select", "layernorm.rmsnorm", "--device", "cpu"});
   CHECK(human.exit_code == 0);
@@ -182,6 +184,53 @@ TEST_CASE("several usable backends: KD-E004 until one is named or ordered") {
   auto f32 = json;
   f32.insert(f32.end(), {"--dtype", "float32"});
   CHECK(json_of(run_tool(f32))["backend"] == "cuda");
+  fs::remove_all(dir);
+}
+
+TEST_CASE("KDISPATCH_PREFERENCE_FILE ranks an op's backends; a bad file gets a KD code and changes nothing") {
+  const std::string dir = plugin_dir({kGpuManifests + "/cuda.json", kFixtures + "/cli/triton.json"});
+  const std::vector<std::string> json{"select", "layernorm.rmsnorm", "--device", "cuda:9.0",
+                                      "--plugin-path", dir, "--json"};
+  const fs::path file = fs::path(dir) / "preferences.json";
+  const auto write = [&](const std::string& text) { std::ofstream(file) << text; };
+
+  write(R"({"preferences": {"layernorm.rmsnorm": ["triton", "cuda"]}})");
+  const ToolResult good = run_tool(json, {{"KDISPATCH_PREFERENCE_FILE", file.string()}});
+  CHECK(good.exit_code == 0);
+  const Json doc = json_of(good);
+  CHECK(doc["backend"] == "triton");
+  CHECK(doc["rule"] == "preference");
+  CHECK(doc["ranked"] == Json{"triton", "cuda"});
+  // The op's preference comes before the global order.
+  CHECK(json_of(run_tool(json, {{"KDISPATCH_PREFERENCE_FILE", file.string()},
+                                {"KDISPATCH_BACKEND_ORDER", "cuda"}}))["rule"] == "preference");
+  const Json ordered = json_of(run_tool(json, {{"KDISPATCH_BACKEND_ORDER", "cuda"}}));
+  CHECK(ordered["backend"] == "cuda");
+  CHECK(ordered["rule"] == "order");
+
+  // Each broken file is ignored whole, with its code and where: the call
+  // is then selected as without it (KD-E004 here, a true tie).
+  const std::vector<std::pair<std::string, std::string>> bad{
+      {"{\"preferences\": {\"layernorm.rmsnorm\": [\"triton\"", "KD-E010"},
+      {R"({"preferences": {"layernorm.rmsnorm": "triton"}})", "KD-E011"},
+      {R"({"preferences": {"layernorm.rmsnorm": ["triton"], "Bad Op": ["cuda"]}})", "KD-E011"},
+      {R"({"preferences": {"layernorm.rmsnorm": ["triton", 7]}})", "KD-E011"},
+      {"{\"preferences\": {\"layernorm.rmsnorm\": [\"\xff\"]}}", "KD-E010"},
+      {"[]", "KD-E011"},
+  };
+  for (const auto& [text, code] : bad) {
+    CAPTURE(text);
+    write(text);
+    const ToolResult r = run_tool(json, {{"KDISPATCH_PREFERENCE_FILE", file.string()}});
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find("KDISPATCH_PREFERENCE_FILE: [" + code + "] " + file.string()) != std::string::npos);
+    CHECK(r.err.find("the file is ignored") != std::string::npos);
+    CHECK(json_of(r)["error"]["code"] == "KD-E004");
+  }
+  const ToolResult missing = run_tool(json, {{"KDISPATCH_PREFERENCE_FILE", (fs::path(dir) / "none.json").string()}});
+  CHECK(missing.err.find("[KD-E010]") != std::string::npos);
+  const ToolResult fifo = run_tool(json, {{"KDISPATCH_PREFERENCE_FILE", dir}});
+  CHECK(fifo.err.find("a directory") != std::string::npos);
   fs::remove_all(dir);
 }
 

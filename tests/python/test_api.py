@@ -247,6 +247,54 @@ class Inventory(unittest.TestCase):
         with self.assertRaises(ValueError):
             kdispatch.select(OP, dtype="float8")
 
+    def test_preference_ranks_and_select_says_which_rule(self):
+        """kdispatch.set_preference ranks an op's backends; select() names
+        the rule and the ranked candidates. Two cuda backends (the cuda
+        manifest and a second one) make a tie, read as metadata only."""
+        import shutil
+        import tempfile
+        plugins = pathlib.Path(kdispatch.select(OP, device="cpu")["manifest"]).parent
+        source = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "cli" / "triton.json"
+        with tempfile.TemporaryDirectory() as tmp:
+            # Manifests with stand-in libraries: select() opens none.
+            for manifest in (plugins / "cpu.json", plugins / "cuda.json", source):
+                if manifest.exists():
+                    shutil.copy(manifest, tmp)
+                    library = json.loads(manifest.read_text())["library"]
+                    pathlib.Path(tmp, library).write_text("stand-in")
+            try:
+                kdispatch.configure(plugin_path=[tmp])
+                if "cuda" not in [b["backend"] for b in kdispatch.backends(OP, device="cuda:9.0")]:
+                    self.skipTest("no cuda manifest in the build's plugin folder")
+                with self.assertRaises(kdispatch.SelectionError) as tie:
+                    kdispatch.select(OP, device="cuda:9.0")
+                self.assertEqual(tie.exception.code, "KD-E004")
+                kdispatch.set_preference(OP, ["triton", "cuda"])
+                self.assertEqual(kdispatch.preference(OP), ["triton", "cuda"])
+                chosen = kdispatch.select(OP, device="cuda:9.0")
+                self.assertEqual((chosen["backend"], chosen["rule"], chosen["ranked"]),
+                                 ("triton", "preference", ["triton", "cuda"]))
+                self.assertEqual(kdispatch.select(OP, device="cpu")["rule"], "only")
+                self.assertEqual(kdispatch.select(OP, backend="cuda", device="cuda:9.0")["rule"], "named")
+                # Refused preferences change nothing.
+                with self.assertRaises(kdispatch.SelectionError) as unknown:
+                    kdispatch.set_preference("layernorm.rmsnrom", ["cuda"])
+                self.assertEqual(unknown.exception.code, "KD-E001")
+                with self.assertRaises(kdispatch.SelectionError) as missing:
+                    kdispatch.set_preference(OP, ["cdua"])
+                self.assertEqual(missing.exception.code, "KD-E002")
+                self.assertEqual(kdispatch.preference(OP), ["triton", "cuda"])
+                # The preference outlives configure().
+                kdispatch.configure(plugin_path=[tmp])
+                self.assertEqual(kdispatch.select(OP, device="cuda:9.0")["backend"], "triton")
+                kdispatch.set_preference(OP, None)
+                self.assertEqual(kdispatch.preference(OP), [])
+                with self.assertRaises(kdispatch.SelectionError):
+                    kdispatch.select(OP, device="cuda:9.0")
+            finally:
+                kdispatch.set_preference(OP, None)
+                kdispatch.configure()
+
     def test_doctor_is_the_tools_report(self):
         """One report, made by the core: kdispatch.doctor() is `kdispatch
         doctor --json` as dicts, field for field."""

@@ -613,7 +613,8 @@ TEST_CASE("dispatch: KDISPATCH_TRACE appends one JSON line per call") {
   int lines = 0;
   while (std::getline(in, line)) {
     ++lines;
-    CHECK(line.find("{\"op\":\"layernorm.rmsnorm\",\"backend\":\"cpu\",\"device\":\"cpu:0\","
+    CHECK(line.find("{\"op\":\"layernorm.rmsnorm\",\"backend\":\"cpu\",\"rule\":\"only\",\"ranked\":[\"cpu\"],"
+                    "\"device\":\"cpu:0\","
                     "\"dtypes\":[\"float32\",\"float32\",\"float32\"],\"shapes\":[[3,7],[3,7],[7]],\"us\":") == 0);
   }
   CHECK(lines == 2);

@@ -284,3 +284,23 @@ TEST_CASE("constraint: a call goes to a kernel only when its constraints hold") 
     CHECK(e.eligible);
   }
 }
+
+TEST_CASE("ranking: a preference set at run time redirects calls through handles resolved before") {
+  auto context = constrained_context({}, {});
+  Dispatcher dispatch(*context);
+  const OpHandle op = dispatch.op("layernorm.rmsnorm");
+  Rmsnorm call(16);
+  CHECK(op.resolve(call.tensors).spec().backend == "cpu");  // KDISPATCH_BACKEND_ORDER cpu, reference
+  context->set_preference("layernorm.rmsnorm", {"reference"});
+  CHECK(op.resolve(call.tensors).spec().backend == "reference");
+  call.out.assign(call.out.size(), -7.0f);
+  op(call.tensors);
+  CHECK(call.out[0] == doctest::Approx(1.0f));
+  CHECK(context->choose({"layernorm.rmsnorm", {}, Device::host_cpu(), Dtype::float32}).rule ==
+        SelectionRule::preference);
+  // A refused preference changes nothing.
+  CHECK_THROWS_AS(context->set_preference("layernorm.rmsnorm", {"cdua"}), SelectionError);
+  CHECK(op.resolve(call.tensors).spec().backend == "reference");
+  context->set_preference("layernorm.rmsnorm", {});
+  CHECK(op.resolve(call.tensors).spec().backend == "cpu");
+}

@@ -69,8 +69,8 @@ std::string every_field_manifest() {
       {"op": "every.inherits", "symbol": "kd_inherits", "description": "the manifest's targets"},
       {"op": "every.own", "symbol": "kd_own", "dtypes": ["float32", "bfloat16", "int64", "bool"],
        "targets": [{"device": "cuda", "max_arch": "9.0"}], "description": "\\t is not a tab"},
-      {"op": "every.anywhere", "symbol": "kd_anywhere", "targets": []},
-      {"op": "every.opt_in", "symbol": "kd_opt_in", "role": "backend", "opt_in": true,
+      {"op": "every.anywhere", "symbol": "kd_anywhere", "targets": [], "priority": -7},
+      {"op": "every.opt_in", "symbol": "kd_opt_in", "role": "backend", "opt_in": true, "priority": 1000,
        "constraints": ["H % 8 == 0", "T in [float16, bfloat16] and\tnot (K > 8 || renorm) and H > 0"]}],
     "ops": )" +
          read_text(kSource / "manifests" / "ops" / "layernorm.json") + "}";

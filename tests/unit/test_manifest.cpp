@@ -174,7 +174,7 @@ TEST_CASE("good manifest fixtures parse") {
     CAPTURE(text);
     CHECK(r.warnings.size() == 3);
     CHECK(contains(text, "/color: unknown key"));
-    CHECK(contains(text, "/kernels/0/priority: unknown key"));
+    CHECK(contains(text, "/kernels/0/weight: unknown key"));
     CHECK(contains(text, "/targets/0/vendor: unknown key"));
     CHECK_FALSE(contains(text, "$schema"));
   }
@@ -685,4 +685,23 @@ TEST_CASE("a kernel's own role and opt_in: a plugin ships the reference of its o
   const ManifestResult bad = parse_with(R"("kernels": [{"op": "example.op", "symbol": "kd_x", "role": "oracle"}])");
   REQUIRE_FALSE(bad.ok());
   CHECK(bad.errors[0].message.find("/kernels/0/role") != std::string::npos);
+}
+
+TEST_CASE("a kernel's priority: an integer in [-1000, 1000], else KD-E011 naming the field") {
+  const ManifestResult r = parse_with(R"("kernels": [
+      {"op": "example.op", "symbol": "kd_fast", "priority": 20},
+      {"op": "activation.silu_and_mul", "symbol": "kd_second", "priority": -1000}])");
+  for (const Problem& e : r.errors) INFO(e.message);
+  REQUIRE(r.ok());
+  CHECK(r.manifest->kernels[0].priority == 20);
+  CHECK(r.manifest->kernels[1].priority == -1000);
+  for (const char* value : {"1001", "1.5", "\"high\"", "true", "99999999999999999999"}) {
+    CAPTURE(value);
+    const ManifestResult bad =
+        parse_with(std::string(R"("kernels": [{"op": "example.op", "symbol": "kd_x", "priority": )") + value + "}]");
+    REQUIRE_FALSE(bad.ok());
+    CHECK(bad.errors[0].code == ErrorCode::manifest_bad_field);
+    CHECK(bad.errors[0].message.find("/kernels/0/priority: expected an integer in [-1000, 1000]") !=
+          std::string::npos);
+  }
 }

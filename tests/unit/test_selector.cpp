@@ -336,6 +336,111 @@ TEST_CASE("a preference order breaks ties, and only ties") {
   error_of([&] { sel2.select(req("x.y", "cuda:9.0")); }, ErrorCode::ambiguous_backend);
 }
 
+TEST_CASE("ranking: each rule decides in its turn and says so, with the ranked candidates") {
+  KernelRegistry reg;
+  KernelSpec cuda = spec("x.y", "cuda", {cuda_target("9.0")});
+  KernelSpec triton = spec("x.y", "triton", {cuda_target("8.0")});
+  KernelSpec torch = spec("x.y", "torch", {});
+  cuda.priority = 10;
+  triton.priority = 5;
+  torch.priority = 5;
+  reg.add(cuda);
+  reg.add(triton);
+  reg.add(torch);
+  const auto names = [](const Selection& s) {
+    std::vector<std::string> out;
+    for (const KernelSpec* k : s.ranked) out.push_back(k->backend);
+    return out;
+  };
+
+  // priority: the highest declared priority, when nothing else ranks.
+  Selector sel(reg);
+  Selection s = sel.choose(req("x.y", "cuda:9.0"));
+  CHECK(s.spec->backend == "cuda");
+  CHECK(s.rule == SelectionRule::priority);
+  CHECK(names(s) == std::vector<std::string>{"cuda", "torch", "triton"});  // equal priorities keep backend order
+  CHECK(rule_name(s.rule) == "priority");
+
+  // order: KDISPATCH_BACKEND_ORDER before the priorities.
+  Selector ordered(reg, SelectorOptions{{}, {"torch"}});
+  s = ordered.choose(req("x.y", "cuda:9.0"));
+  CHECK(s.spec->backend == "torch");
+  CHECK(s.rule == SelectionRule::order);
+  CHECK(names(s) == std::vector<std::string>{"torch", "cuda", "triton"});
+
+  // preference: the op's own ranking before the global order.
+  ordered.set_preference("x.y", {"triton"});
+  s = ordered.choose(req("x.y", "cuda:9.0"));
+  CHECK(s.spec->backend == "triton");
+  CHECK(s.rule == SelectionRule::preference);
+  CHECK(names(s) == std::vector<std::string>{"triton", "torch", "cuda"});
+  // A preferred backend that is not eligible on the device ranks nothing.
+  s = ordered.choose(req("x.y", "cpu"));
+  CHECK(s.spec->backend == "torch");
+  CHECK(s.rule == SelectionRule::only);
+  CHECK(ordered.preference("x.y") == std::vector<std::string>{"triton"});
+  ordered.set_preference("x.y", {});
+  CHECK(ordered.preference("x.y").empty());
+  CHECK(ordered.choose(req("x.y", "cuda:9.0")).rule == SelectionRule::order);
+
+  // named and forced.
+  s = sel.choose(req("x.y", "cuda:9.0", "triton"));
+  CHECK(s.rule == SelectionRule::named);
+  CHECK(names(s) == std::vector<std::string>{"triton"});
+  Selector forced(reg, SelectorOptions{"torch", {}});
+  s = forced.choose(req("x.y", "cuda:9.0"));
+  CHECK(s.spec->backend == "torch");
+  CHECK(s.rule == SelectionRule::forced);
+  CHECK(names(s) == std::vector<std::string>{"torch", "cuda", "triton"});
+}
+
+TEST_CASE("ranking: KD-E004 only for a true tie, naming only the tied backends") {
+  KernelRegistry reg;
+  KernelSpec a = spec("x.y", "a", {});
+  KernelSpec b = spec("x.y", "b", {});
+  KernelSpec c = spec("x.y", "c", {});
+  a.priority = 1;
+  b.priority = 1;
+  reg.add(a);
+  reg.add(b);
+  reg.add(c);
+  Selector sel(reg);
+  const std::string message = error_of([&] { sel.select(req("x.y", "cpu")); }, ErrorCode::ambiguous_backend);
+  CHECK(message.find("([a, b])") != std::string::npos);
+  // Any rule that tells the tied ones apart decides.
+  sel.set_preference("x.y", {"b"});
+  CHECK(sel.choose(req("x.y", "cpu")).spec->backend == "b");
+}
+
+TEST_CASE("ranking: a bad preference is refused with a KD code and changes nothing") {
+  KernelRegistry reg;
+  reg.add(spec("x.y", "a", {}));
+  reg.add(spec("x.y", "b", {}));
+  Selector sel(reg);
+  sel.set_preference("x.y", {"b"});
+  error_of([&] { sel.set_preference("x.z", {"a"}); }, ErrorCode::unknown_op);
+  const std::string missing =
+      error_of([&] { sel.set_preference("x.y", {"a", "cdua"}); }, ErrorCode::backend_not_registered);
+  CHECK(missing.find("No 'cdua' backend registered for op 'x.y'") != std::string::npos);
+  error_of([&] { sel.set_preference("x.y", {"a", "a"}); }, ErrorCode::backend_not_registered);
+  CHECK(sel.preference("x.y") == std::vector<std::string>{"b"});
+  CHECK(sel.choose(req("x.y", "cpu")).spec->backend == "b");
+}
+
+TEST_CASE("ranking: an opt-in kernel joins when the op's preference names it") {
+  KernelRegistry reg;
+  KernelSpec fast = spec("x.y", "fast", {});
+  fast.opt_in = true;
+  reg.add(fast);
+  reg.add(spec("x.y", "plain", {}));
+  Selector sel(reg);
+  CHECK(sel.choose(req("x.y", "cpu")).spec->backend == "plain");
+  sel.set_preference("x.y", {"fast"});
+  const Selection s = sel.choose(req("x.y", "cpu"));
+  CHECK(s.spec->backend == "fast");
+  CHECK(s.rule == SelectionRule::preference);
+}
+
 TEST_CASE("re-registration: identical is a no-op and different is KD-E005 and the first stays") {
   KernelRegistry reg;
   KernelSpec a = spec("x.y", "cuda", {cuda_target("9.0")});

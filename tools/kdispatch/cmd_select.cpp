@@ -36,18 +36,24 @@ Runner add_select(CLI::App& app) {
     }
     Context& ctx = make_context(options->common);
     try {
-      const KernelSpec& spec = ctx.select({options->op, options->backend, device.device, dtype});
+      const Selection selection = ctx.choose({options->op, options->backend, device.device, dtype});
+      const KernelSpec& spec = *selection.spec;
+      std::vector<std::string> ranked;
+      for (const KernelSpec* s : selection.ranked) ranked.push_back(s->backend);
       if (options->common.json) {
         Json doc{{"op", spec.op},
                  {"backend", spec.backend},
                  {"plugin", spec.plugin},
                  {"symbol", spec.symbol},
-                 {"device", device.device.str()}};
+                 {"device", device.device.str()},
+                 {"rule", rule_name(selection.rule)},
+                 {"ranked", ranked}};
         if (!spec.constraints.empty()) doc["constraints"] = spec.constraints;
         print_json(doc);
       } else {
         fmt::print("{} on {}: backend '{}' (plugin '{}', symbol '{}', {})\n", spec.op, device.device.str(),
                    spec.backend, spec.plugin, spec.symbol, spec.manifest);
+        fmt::print("  decided by: {}; ranked: {}\n", rule_name(selection.rule), fmt::join(ranked, ", "));
         // The call's sizes and attributes are unknown here: a call for
         // which a constraint is false selects among the other backends.
         for (const std::string& c : spec.constraints) {

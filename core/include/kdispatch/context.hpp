@@ -69,6 +69,10 @@ class Context {
   std::vector<Problem> problems() const;
 
   const KernelSpec& select(const SelectRequest& request) const { return selector_->select(request); }
+  Selection choose(const SelectRequest& request) const { return selector_->choose(request); }
+  // The op's user preference (Selector::set_preference); calls made after
+  // it follow it, including through handles resolved before.
+  void set_preference(std::string_view op, std::vector<std::string> backends);
   // The device tensors on (type, id) live on (ContextOptions::device_of).
   Device device(DeviceType type, int32_t id) const;
 

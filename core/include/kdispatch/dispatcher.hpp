@@ -39,6 +39,7 @@ struct NamedAttr {
 
 class Dispatcher;
 struct OpState;
+struct ResolvedKernel;
 struct ConstraintCall;
 
 // A kernel resolved for one device and dtype: calling it checks nothing.
@@ -65,6 +66,7 @@ class KernelHandle {
  private:
   friend class OpHandle;
   friend class Dispatcher;
+  friend struct ResolvedKernel;
   KernelHandle(kd_kernel_fn fn, const KernelSpec* spec) : fn_(fn), spec_(spec) {}
   [[noreturn]] void raise(kd_status status, char* error) const;
   kd_kernel_fn fn_ = nullptr;
@@ -132,15 +134,15 @@ class Dispatcher {
   OpState* intern(std::string_view op, std::string_view backend);
   // The kernel for a checked call: its tensors and packed attributes are
   // read only when a kernel of the op has constraints.
-  KernelHandle resolve(OpState& state, DLDevice device, Dtype dtype, std::span<const DLTensor> tensors,
-                       std::span<const kd_attr> attrs);
+  const ResolvedKernel& resolve(OpState& state, DLDevice device, Dtype dtype, std::span<const DLTensor> tensors,
+                                std::span<const kd_attr> attrs);
   // `rejected`: the verdicts of the constrained kernels as of registry
   // generation `seen_generation` (with `call` only).
-  KernelHandle resolve_slow(OpState& state, DLDevice device, Dtype dtype, const ConstraintCall* call,
-                            uint64_t rejected, uint64_t seen_generation);
+  const ResolvedKernel& resolve_slow(OpState& state, DLDevice device, Dtype dtype, const ConstraintCall* call,
+                                     uint64_t rejected, uint64_t seen_generation);
   // OpState::constrained, current with the registry's generation.
   void refresh_constraints(OpState& state, uint64_t generation);
-  void trace(const OpState& state, const KernelHandle& kernel, std::span<const DLTensor> tensors, double us);
+  void trace(const OpState& state, const ResolvedKernel& kernel, std::span<const DLTensor> tensors, double us);
 
   Context& context_;
   static constexpr size_t kInternSlots = 512;  // power of two

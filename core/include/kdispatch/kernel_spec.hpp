@@ -36,6 +36,10 @@ struct KernelSpec {
   // dtype and int/bool attributes, all of which must hold for a call to be
   // eligible (docs/manifest.md, Constraints). Empty: every call.
   std::vector<std::string> constraints;
+  // "priority": ranks this kernel among the eligible ones of its op when no
+  // user preference, tuned choice or KDISPATCH_BACKEND_ORDER decides; the
+  // higher wins, and equal priorities are a tie (KD-E004). Default 0.
+  int32_t priority = 0;
 
   bool is_reference() const { return role == KernelRole::reference; }
 

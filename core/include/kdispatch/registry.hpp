@@ -74,6 +74,9 @@ class KernelRegistry {
   std::vector<PluginFailure> failures() const;
 
   uint64_t generation() const noexcept { return generation_.load(std::memory_order_acquire); }
+  // Something selections depend on besides the registry changed (a user
+  // preference): bumps generation(), dropping every cached selection.
+  void invalidate() { bump(); }
 
  private:
   struct Entry {

@@ -4,6 +4,7 @@
 #include <kdispatch/export.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -14,6 +15,7 @@
 
 #include "kdispatch/device.hpp"
 #include "kdispatch/dtype.hpp"
+#include "kdispatch/error.hpp"
 #include "kdispatch/kernel_spec.hpp"
 #include "kdispatch/registry.hpp"
 
@@ -28,11 +30,36 @@ struct SelectorOptions {
   // KDISPATCH_FORCE_BACKEND: wins whenever it is eligible; otherwise a
   // warning (once per op) and the normal rules.
   std::string force_backend;
-  // KDISPATCH_BACKEND_ORDER: breaks a tie between several eligible backends.
-  // There is no built-in ranking: without an order a tie is KD-E004.
+  // KDISPATCH_BACKEND_ORDER: ranks backends for every op, after the
+  // op's preference.
   std::vector<std::string> backend_order;
+  // Per-op user preference, the first ranking rule: op -> backends, the
+  // preferred first. From KDISPATCH_PREFERENCE_FILE, and at run time from
+  // Selector::set_preference (then read it through Selector::preference).
+  std::map<std::string, std::vector<std::string>, std::less<>> preferences;
+  // What was wrong with the environment's settings (a preference file that
+  // could not be used, which is then ignored whole). Context::problems().
+  std::vector<Problem> problems;
 
   static SelectorOptions from_environment();
+};
+
+// Which rule chose the backend of a selection (README.md, Selection).
+enum class SelectionRule : uint8_t {
+  only,        // the one eligible backend
+  named,       // backend=... of the call
+  forced,      // KDISPATCH_FORCE_BACKEND
+  preference,  // the op's user preference
+  order,       // KDISPATCH_BACKEND_ORDER
+  priority,    // the kernels' manifest "priority"
+};
+std::string_view rule_name(SelectionRule rule);
+
+struct Selection {
+  const KernelSpec* spec = nullptr;
+  SelectionRule rule = SelectionRule::only;
+  // The chosen spec, then the other eligible backends in rank order.
+  std::vector<const KernelSpec*> ranked;
 };
 
 struct SelectRequest {
@@ -74,7 +101,18 @@ class Selector {
   // (KD-E001/E002/E003/E004/E006) or CallError KD-E031. Nothing is cached
   // here: the dispatcher keeps the one resolution cache, per op, in front of
   // the selector.
-  const KernelSpec& select(const SelectRequest& request) const;
+  const KernelSpec& select(const SelectRequest& request) const { return *choose(request).spec; }
+  // The same, with the rule that decided and the ranked candidates.
+  Selection choose(const SelectRequest& request) const;
+
+  // The op's user preference: its backends, preferred first, rank ahead of
+  // every other eligible backend; an empty list removes it (for any op).
+  // Otherwise throws
+  // SelectionError KD-E001 for an op with no kernels and KD-E002 for a
+  // backend not registered for it, and then changes nothing. The caller
+  // invalidates cached selections (Context::set_preference does).
+  void set_preference(std::string_view op, std::vector<std::string> backends);
+  std::vector<std::string> preference(std::string_view op) const;
 
   // Every registered backend of `op` checked against the device and dtype.
   // With `call`, a kernel whose constraints (KernelSpec::constraints) do
@@ -88,6 +126,7 @@ class Selector {
  private:
   const KernelRegistry& registry_;
   SelectorOptions options_;
+  mutable std::mutex preferences_mutex_;  // guards options_.preferences
   mutable std::mutex warned_mutex_;
   mutable std::set<std::string, std::less<>> warned_ops_;  // force-backend warnings
 };

@@ -27,6 +27,8 @@ Op = _kdispatch.Op
 ops = _kdispatch.ops
 backends = _kdispatch.backends
 select = _kdispatch.select
+set_preference = _kdispatch.set_preference
+preference = _kdispatch.preference
 schema = _kdispatch.schema
 schemas = _kdispatch.schemas
 doctor = _kdispatch.doctor
@@ -39,7 +41,7 @@ call = _kdispatch.call
 __all__ = [
     "CallError", "Error", "KernelError", "ManifestError", "Op", "PluginError", "RegistrationError",
     "SelectionError", "backends", "call", "configure", "doctor", "error_codes", "explain", "op", "ops",
-    "schema", "schemas", "select", "version",
+    "preference", "schema", "schemas", "select", "set_preference", "version",
 ]
 
 # torch tensors are read from their own attributes rather than through a

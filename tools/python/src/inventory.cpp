@@ -44,6 +44,7 @@ py::dict spec_dict(const KernelSpec& spec) {
   d["targets"] = target_list(spec.targets);
   d["dtypes"] = dtype_list(spec.dtypes);
   d["manifest"] = text(spec.manifest);
+  d["priority"] = spec.priority;
   return d;
 }
 
@@ -183,9 +184,13 @@ py::dict select(const std::string& op, const std::optional<std::string>& backend
   }
   const Device dev = device_or_platform(device);
   const std::string backend_name = backend.value_or("");
-  const KernelSpec& spec = runtime()->context.select({op, backend_name, dev, parsed});
-  py::dict d = spec_dict(spec);
+  const Selection selection = runtime()->context.choose({op, backend_name, dev, parsed});
+  py::dict d = spec_dict(*selection.spec);
   d["device"] = dev.str();
+  d["rule"] = std::string(rule_name(selection.rule));
+  py::list ranked;
+  for (const KernelSpec* s : selection.ranked) ranked.append(text(s->backend));
+  d["ranked"] = ranked;
   return d;
 }
 

@@ -27,7 +27,22 @@ PYBIND11_MODULE(_kdispatch, m) {
         "The registered backends of an op, each checked against a device (default: the detected platform).");
   m.def("select", &kdispatch::python::select, py::arg("op"), py::arg("backend") = py::none(),
         py::arg("device") = py::none(), py::arg("dtype") = py::none(),
-        "The kernel a call would run: backend, plugin, symbol, targets (metadata only; no plugin is opened).");
+        "The kernel a call would run: backend, plugin, symbol, targets, the rule that chose it ('only', 'named', "
+        "'forced', 'preference', 'order', 'priority') and the ranked candidates (metadata only; no plugin is "
+        "opened).");
+  m.def(
+      "set_preference",
+      [](const std::string& op, const std::optional<std::vector<std::string>>& backends) {
+        set_preference(op, backends.value_or(std::vector<std::string>{}));
+      },
+      py::arg("op"), py::arg("backends"),
+      "Ranks backends for an op ahead of every other eligible one, the first preferred (the 'preference' rule); "
+      "None or [] removes the preference. Raises SelectionError (KD-E001, KD-E002) for an unknown op or a "
+      "backend not registered for it, and then changes nothing.");
+  m.def(
+      "preference",
+      [](const std::string& op) { return runtime()->context.selector().preference(op); }, py::arg("op"),
+      "The op's preference: its backends, the first preferred ([] when none).");
   m.def("schemas", &schemas, "Every op schema, as dicts.");
   m.def("schema", &schema, py::arg("op"), "The schema of one op, as a dict.");
   m.def("doctor", &doctor, "The plugin report of `kdispatch doctor --json` (opens every plugin found).");

@@ -1,6 +1,11 @@
 #include "runtime.hpp"
 
+#include <kdispatch/logging.hpp>
+
+#include <fmt/format.h>
+
 #include <atomic>
+#include <map>
 #include <mutex>
 
 namespace kdispatch::python {
@@ -13,6 +18,8 @@ struct State {
   std::mutex mutex;
   ContextOptions options;
   std::shared_ptr<Runtime> current;  // guarded by `mutex`
+  // set_preference()'s, applied again to the runtime made after configure().
+  std::map<std::string, std::vector<std::string>, std::less<>> preferences;
 };
 
 State& state() {
@@ -33,8 +40,34 @@ size_t live_runtimes() { return g_live_runtimes.load(); }
 std::shared_ptr<Runtime> runtime() {
   State& s = state();
   std::lock_guard lock(s.mutex);
-  if (!s.current) s.current = std::make_shared<Runtime>(s.options);
+  if (!s.current) {
+    s.current = std::make_shared<Runtime>(s.options);
+    for (auto it = s.preferences.begin(); it != s.preferences.end();) {
+      try {
+        s.current->context.set_preference(it->first, it->second);
+        ++it;
+      } catch (const Error& e) {
+        if (log_level() >= LogLevel::warn) {
+          fmt::print(stderr, "kdispatch: warn: kdispatch.set_preference('{}', ...) no longer applies after "
+                     "configure(): {}\n", it->first, e.what());
+        }
+        it = s.preferences.erase(it);
+      }
+    }
+  }
   return s.current;
+}
+
+void set_preference(const std::string& op, std::vector<std::string> backends) {
+  std::shared_ptr<Runtime> current = runtime();
+  current->context.set_preference(op, backends);
+  State& s = state();
+  std::lock_guard lock(s.mutex);
+  if (backends.empty()) {
+    s.preferences.erase(op);
+  } else {
+    s.preferences.insert_or_assign(op, std::move(backends));
+  }
 }
 
 void configure(std::vector<std::filesystem::path> replace, std::vector<std::filesystem::path> add) {

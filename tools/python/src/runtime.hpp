@@ -11,6 +11,7 @@
 
 #include <filesystem>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace kdispatch::python {
@@ -29,6 +30,10 @@ struct Runtime {
 // keeps the pointer until done: a configure() meanwhile may drop the
 // module's hold on it.
 std::shared_ptr<Runtime> runtime();
+
+// The op's user preference (Context::set_preference) in the current
+// runtime and in each one made after a configure().
+void set_preference(const std::string& op, std::vector<std::string> backends);
 
 // How many runtimes are alive (kdispatch._live_runtimes, for the tests).
 size_t live_runtimes();
