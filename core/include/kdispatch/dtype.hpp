@@ -37,8 +37,8 @@ size_t dtype_size(Dtype dtype);  // bytes per element
 DLDataType to_dlpack(Dtype dtype);
 std::optional<Dtype> from_dlpack(DLDataType type);  // lanes must be 1
 // Why `type` is no dtype kdispatch handles, in words for an error message
-// ("a DLPack 1.1 8-bit float kdispatch does not handle (code 7, ...)"); empty
-// when from_dlpack accepts it.
+// ("a DLPack 1.1 8-, 6- or 4-bit float kdispatch does not handle (code 11,
+// 8 bits, 1 lanes); ..."); empty when from_dlpack accepts it.
 std::string describe_unknown_dlpack(DLDataType type);
 
 }  // namespace kdispatch
