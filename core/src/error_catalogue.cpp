@@ -148,7 +148,8 @@ constexpr CatalogueEntry kCatalogue[] = {
      "expected and what was found. A preference file with such a field is ignored whole."sv,
      "- A required key is missing: kdispatch_manifest, plugin, backend, library, abi, kernels\n"
      "- A name breaks the rules: plugin/backend must match [a-z0-9_]+, op ids \"<group>.<name>\"\n"
-     "- An unknown dtype (valid: float32, float16, bfloat16, float64, int32, int64, uint8, bool)\n"
+     "- An unknown dtype (valid: float32, float16, bfloat16, float64, int32, int64, uint8, bool, "
+     "float8_e4m3fn, float8_e5m2)\n"
      "- A bad target: device not cpu/cuda/hip, arch not \"major.minor\", min_arch > max_arch\n"
      "- sha256 not 64 hex digits, or a bad shape token in an op schema\n"
      "- A kernel's constraint does not parse, or names what is not a shape symbol, dtype variable or "
@@ -334,6 +335,9 @@ constexpr CatalogueEntry kCatalogue[] = {
      "called."sv,
      "- Wrong number of tensors, or not in schema order\n"
      "- Dtypes that differ where the schema binds one dtype variable (e.g. x float16, weight float32)\n"
+     "- A dtype the schema does not list for the argument (e.g. a float8_e4m3fn tensor where only float32, "
+     "float16 and bfloat16 are allowed), or one kdispatch does not handle (e.g. a DLPack 1.1 float8 other "
+     "than e4m3fn and e5m2)\n"
      "- A shape that breaks the pattern (e.g. weight [H] must match the last dim of x; out of [*, 2*D] input must be [*, D])\n"
      "- Tensors on different devices, or a null data pointer\n"
      "- A non-contiguous tensor where the schema does not allow strides\n"

@@ -40,7 +40,7 @@ namespace {
 using nlohmann::json;
 
 constexpr std::string_view kDtypeNames =
-    "float32, float16, bfloat16, float64, int32, int64, uint8 or bool";
+    "float32, float16, bfloat16, float64, int32, int64, uint8, bool, float8_e4m3fn or float8_e5m2";
 constexpr std::string_view kNameExpected = "a name of [a-z0-9_]+";
 constexpr std::string_view kValuesExpected = "\"uniform\" or \"cos_sin\"";
 constexpr std::string_view kRoleExpected = "\"backend\" or \"reference\"";

@@ -30,7 +30,7 @@ std::string pattern_str(const TensorArg& arg) {
 
 std::string dtype_str(DLDataType t) {
   if (auto d = from_dlpack(t)) return std::string(dtype_name(*d));
-  return fmt::format("<dlpack code {} bits {} lanes {}>", t.code, t.bits, t.lanes);
+  return describe_unknown_dlpack(t);
 }
 
 std::string device_str(DLDevice d) {

@@ -112,6 +112,10 @@ Tolerance default_tolerance(Dtype dtype) {
     case Dtype::float32: return {.ulps = 256, .atol = 1e-6, .mean_ulps = 16};
     case Dtype::float16: return {.ulps = 4, .atol = 1e-5, .mean_ulps = 0.5};
     case Dtype::bfloat16: return {.ulps = 2, .atol = 1e-5, .mean_ulps = 0.5};
+    // One ulp of the 8-bit float: a result rounded once to nearest-even is
+    // within half an ulp, one from a float32 formula can land on the other
+    // side of a tie. Saturated values (448, 57344) are exact either way.
+    case Dtype::float8_e4m3fn: case Dtype::float8_e5m2: return {.ulps = 1, .atol = 0, .mean_ulps = 0.25};
     case Dtype::int32: case Dtype::int64: case Dtype::uint8: case Dtype::bool_: break;
   }
   return {};

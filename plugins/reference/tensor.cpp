@@ -22,6 +22,10 @@ Tensor::Tensor(const DLTensor& t)
     kind_ = Kind::int32;
   else if (code == kDLInt && bits == 64)
     kind_ = Kind::int64;
+  else if (code == KD_DLPACK_FLOAT8_E4M3FN && bits == 8)
+    kind_ = Kind::float8_e4m3fn;
+  else if (code == KD_DLPACK_FLOAT8_E5M2 && bits == 8)
+    kind_ = Kind::float8_e5m2;
   else
     throw std::invalid_argument("dtype code " + std::to_string(code) + " bits " + std::to_string(bits) +
                                 " is not supported");
@@ -82,6 +86,11 @@ double Tensor::get(int64_t i) const {
       std::memcpy(&v, data_ + offset(i) * 8, 8);
       return static_cast<double>(v);
     }
+    case Kind::float8_e4m3fn:
+    case Kind::float8_e5m2: {
+      const auto bits = static_cast<uint8_t>(data_[offset(i)]);
+      return decode(kind_ == Kind::float8_e4m3fn ? Dtype::kFloat8E4M3FN : Dtype::kFloat8E5M2, bits);
+    }
   }
   return 0;
 }
@@ -113,6 +122,11 @@ void Tensor::set(int64_t i, double value) const {
       std::memcpy(data_ + offset(i) * 8, &v, 8);
       return;
     }
+    case Kind::float8_e4m3fn:
+    case Kind::float8_e5m2:
+      data_[offset(i)] = static_cast<char>(
+          encode(kind_ == Kind::float8_e4m3fn ? Dtype::kFloat8E4M3FN : Dtype::kFloat8E5M2, value));
+      return;
   }
 }
 

@@ -31,7 +31,7 @@ class Tensor {
  private:
   int64_t offset(int64_t i) const;  // element offset of row-major index i
 
-  enum class Kind { float32, float16, bfloat16, float64, int32, int64 };
+  enum class Kind { float32, float16, bfloat16, float64, int32, int64, float8_e4m3fn, float8_e5m2 };
   char* data_;
   const int64_t* shape_;
   const int64_t* strides_ = nullptr;  // NULL when dense

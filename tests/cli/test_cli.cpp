@@ -310,8 +310,8 @@ TEST_CASE("an invalid manifest: select, list and doctor name its plugin, backend
   const auto says_for = [&](const std::string& path) {
     return fmt::format(
         "plugin 'cuda' declares backend 'cuda' for this op but its manifest {} is invalid: [KD-E011] "
-        "/kernels/0/dtypes/0: expected a dtype name (float32, float16, bfloat16, float64, int32, int64, uint8 or "
-        "bool), found \"floatt32\" (and {} more problems)",
+        "/kernels/0/dtypes/0: expected a dtype name (float32, float16, bfloat16, float64, int32, int64, uint8, "
+        "bool, float8_e4m3fn or float8_e5m2), found \"floatt32\" (and {} more problems)",
         path, misspelt - 1);
   };
   const std::string says = says_for(manifest);

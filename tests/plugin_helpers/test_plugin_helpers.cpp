@@ -172,6 +172,18 @@ TEST_CASE("Tensor: a view of argument i") {
   CHECK_THROWS_AS(kd_plugin::Tensor(&call.args, 2), std::invalid_argument);
 }
 
+TEST_CASE("dtype_name: the 8-bit floats by their DLPack 1.1 codes") {
+  DLTensor t{};
+  t.dtype = DLDataType{KD_DLPACK_FLOAT8_E4M3FN, 8, 1};
+  CHECK(std::string(kd_plugin::dtype_name(t)) == "float8_e4m3fn");
+  t.dtype = DLDataType{KD_DLPACK_FLOAT8_E5M2, 8, 1};
+  CHECK(std::string(kd_plugin::dtype_name(t)) == "float8_e5m2");
+  t.dtype = DLDataType{11, 8, 1};  // float8_e4m3fnuz
+  CHECK(std::string(kd_plugin::dtype_name(t)) == "other");
+  t.dtype = DLDataType{KD_DLPACK_FLOAT8_E4M3FN, 16, 1};
+  CHECK(std::string(kd_plugin::dtype_name(t)) == "other");
+}
+
 TEST_CASE("attributes by name") {
   Call call;
   CHECK(kd_plugin::float_attr(&call.args, "eps") == 1e-5);

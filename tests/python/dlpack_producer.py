@@ -67,9 +67,12 @@ class Producer:
 
     versioned = True
 
-    def __init__(self, array, read_only=False, major=1):
+    def __init__(self, array, read_only=False, major=1, dtype=None):
+        """`dtype`, a DLPack (code, bits), labels the array's bytes as
+        another dtype (e.g. (10, 8): float8_e4m3fn over uint8)."""
         assert array.flags.c_contiguous
         self.array = array
+        self.dtype = dtype
         self.read_only = read_only
         self.major = major
         self.exports = 0
@@ -81,7 +84,7 @@ class Producer:
         return (1, 0)  # kDLCPU
 
     def _fill(self, t):
-        code, bits = _DTYPES[self.array.dtype]
+        code, bits = self.dtype or _DTYPES[self.array.dtype]
         shape = (ctypes.c_int64 * self.array.ndim)(*self.array.shape)
         strides = (ctypes.c_int64 * self.array.ndim)(*[s // self.array.itemsize for s in self.array.strides])
         self._keep += [shape, strides]

@@ -2,7 +2,8 @@
 """`kdispatch run --save DIR` writes what the kernel read and wrote: the
 saved inputs, run again through the op's reference backend, give the saved
 outputs within the op schema's tolerances (kdispatch.testing). Every op
-`run --all` checks, in every dtype (bfloat16 is saved as float32, exactly).
+`run --all` checks, in every dtype (bfloat16 is saved as float32, exactly;
+the 8-bit floats as their raw bytes).
 Usage: test_saved_files.py KDISPATCH_BINARY"""
 import json
 import pathlib
@@ -23,7 +24,10 @@ import kdispatch.testing as kt
 
 def load(path, dtype):
     """A saved array as a torch tensor of the call's dtype."""
-    return torch.from_numpy(np.load(path)).to(getattr(torch, dtype))
+    array = torch.from_numpy(np.load(path))
+    if dtype.startswith("float8"):
+        return array.view(getattr(torch, dtype))  # the raw bytes (uint8)
+    return array.to(getattr(torch, dtype))
 
 
 def check(binary, save):

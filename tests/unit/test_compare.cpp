@@ -4,7 +4,12 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <random>
+#include <string>
 
 #include "harness.hpp"
 
@@ -19,7 +24,7 @@ OpSchema unary_schema() {
   ShapeToken n;
   n.symbol = "N";
   s.tensors = {TensorArg{"out", {n}, "T", true}, TensorArg{"x", {n}, "T"}};
-  s.dtype_vars = {{"T", {Dtype::float32, Dtype::float16, Dtype::bfloat16}}};
+  s.dtype_vars = {{"T", {Dtype::float32, Dtype::float16, Dtype::bfloat16, Dtype::float8_e4m3fn, Dtype::float8_e5m2}}};
   return s;
 }
 
@@ -60,6 +65,54 @@ TEST_CASE("compare: one-ulp noise passes, 1% off fails, in float32, float16 and 
       CHECK(off.mean_ulps > 0.5);
     }
   }
+}
+
+TEST_CASE("compare: 8-bit float outputs in ulps of their format") {
+  CHECK(harness::ulp(Dtype::float8_e4m3fn, 1.0) == 0.125);
+  CHECK(harness::ulp(Dtype::float8_e4m3fn, -448.0) == 32.0);
+  CHECK(harness::ulp(Dtype::float8_e4m3fn, 0.0) == std::ldexp(1.0, -9));
+  CHECK(harness::ulp(Dtype::float8_e4m3fn, 1e-4) == std::ldexp(1.0, -9));
+  CHECK(harness::ulp(Dtype::float8_e5m2, 1.0) == 0.25);
+  CHECK(harness::ulp(Dtype::float8_e5m2, 57344.0) == 8192.0);
+  CHECK(harness::ulp(Dtype::float8_e5m2, 0.0) == std::ldexp(1.0, -16));
+  for (Dtype dtype : {Dtype::float8_e4m3fn, Dtype::float8_e5m2}) {
+    INFO(dtype_name(dtype));
+    CHECK(default_tolerance(dtype) == Tolerance{1, 0, 0.25});
+    const auto same = compare_with(dtype, 4097, [](double v, size_t) { return v; });
+    CHECK(same.ok);
+    CHECK(same.max_abs_err == 0);
+    const auto noisy =
+        compare_with(dtype, 4097, [&](double v, size_t i) { return i % 7 == 3 ? v + harness::ulp(dtype, v) : v; });
+    CHECK_MESSAGE(noisy.ok, noisy.first_mismatch);
+    CHECK(noisy.max_ulps == 1.0);
+    // Two ulps off in one element fails it.
+    const auto two =
+        compare_with(dtype, 7, [&](double v, size_t i) { return i == 4 ? v + 2 * harness::ulp(dtype, v) : v; });
+    CHECK_FALSE(two.ok);
+    CHECK(two.first_mismatch.find("out[flat 4]") != std::string::npos);
+    // Every element one ulp up: each within the bound, the mean not.
+    const auto biased = compare_with(dtype, 4097, [&](double v, size_t) { return v + harness::ulp(dtype, v); });
+    CHECK_FALSE(biased.ok);
+  }
+}
+
+TEST_CASE("save_npy: an 8-bit float tensor is its raw bytes, as uint8") {
+  const OpSchema schema = unary_schema();
+  const harness::CallData call =
+      harness::make_call(schema, Dtype::float8_e4m3fn, harness::Shapes{{}, {{"N", 5}}}, 7);
+  const harness::Buffer& x = call.tensors[1];
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("kdispatch-test-fp8-" + std::to_string(std::random_device{}()) + ".npy"))
+                               .string();
+  harness::save_npy(path, x);
+  std::ifstream file(path, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  std::remove(path.c_str());
+  CHECK(text.find("'descr': '|u1'") != std::string::npos);
+  CHECK(text.find("'shape': (5,)") != std::string::npos);
+  REQUIRE(text.size() % 64 == 5);  // the header pads to 64 bytes, then 5 one-byte elements
+  const std::string data = text.substr(text.size() - 5);
+  CHECK(std::equal(data.begin(), data.end(), static_cast<const char*>(x.host())));
 }
 
 TEST_CASE("compare: NaN where a number is expected fails, and the first mismatch is named") {

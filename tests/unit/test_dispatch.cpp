@@ -353,6 +353,23 @@ void bad_argument_cases(const OpHandle& op) {
     for (auto& t : call.tensors) t.dtype = DLDataType{kDLFloat, 64, 1};
     expect_bad_call(op, call, {"'out'", "expected dtype T in [float32, float16, bfloat16], got float64"});
   }
+  SUBCASE("an 8-bit float where the schema allows none") {
+    RmsnormCall call;
+    for (auto& t : call.tensors) t.dtype = to_dlpack(Dtype::float8_e4m3fn);
+    expect_bad_call(op, call, {"'out'", "expected dtype T in [float32, float16, bfloat16], got float8_e4m3fn"});
+  }
+  SUBCASE("an 8-bit float weight beside float32") {
+    RmsnormCall call;
+    call.tensors[2].dtype = to_dlpack(Dtype::float8_e5m2);
+    expect_bad_call(op, call, {"argument 2 'weight'", "got float8_e5m2"});
+  }
+  SUBCASE("a DLPack 1.1 8-bit float kdispatch does not handle (float8_e4m3fnuz, code 11)") {
+    RmsnormCall call;
+    for (auto& t : call.tensors) t.dtype = DLDataType{11, 8, 1};
+    expect_bad_call(op, call,
+                    {"'out'", "got a DLPack 1.1 8-, 6- or 4-bit float kdispatch does not handle (code 11, 8 bits, "
+                              "1 lanes)"});
+  }
   SUBCASE("mismatched shapes") {
     RmsnormCall call;
     call.shape1[0] = 8;

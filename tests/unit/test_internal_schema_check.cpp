@@ -296,6 +296,44 @@ TEST_CASE("schema check: rows layout, dtype lists, optional tensors and requirem
   }
 }
 
+TEST_CASE("schema check: 8-bit float tensors where the schema declares them, KD-E030 elsewhere") {
+  SchemaFileResult parsed = parse_op_schemas(R"([
+    {"op": "test.quant",
+     "tensors": [{"name": "out", "shape": ["*", "H"], "dtype": "Q", "written": true},
+                 {"name": "x", "shape": ["*", "H"], "dtype": "T"},
+                 {"name": "scale", "shape": [1], "dtype": "float32"}],
+     "dtypes": {"T": ["float32", "bfloat16"], "Q": ["float8_e4m3fn", "float8_e5m2"]}}])",
+                                             "<test>");
+  REQUIRE(parsed.errors.empty());
+  const CompiledSchema compiled(parsed.schemas.at(0));
+  std::vector<int64_t> shape{3, 8}, one{1};
+  std::array<uint8_t, 24> out{};
+  std::array<float, 24> x{};
+  float scale = 1.0f;
+  const DLDataType e4m3{KD_DLPACK_FLOAT8_E4M3FN, 8, 1}, e5m2{KD_DLPACK_FLOAT8_E5M2, 8, 1}, f32{kDLFloat, 32, 1};
+  std::array<DLTensor, 3> tensors{DLTensor{out.data(), {kDLCPU, 0}, 2, e4m3, shape.data(), nullptr, 0},
+                                  DLTensor{x.data(), {kDLCPU, 0}, 2, f32, shape.data(), nullptr, 0},
+                                  DLTensor{&scale, {kDLCPU, 0}, 1, f32, one.data(), nullptr, 0}};
+  CHECK(refusal(compiled, tensors) == "");
+  tensors[0].dtype = e5m2;
+  CHECK(refusal(compiled, tensors) == "");
+  // The dtype of the first dtype variable's tensor selects the kernel.
+  CHECK(compiled.check(tensors).dtype == Dtype::float8_e5m2);
+  tensors[0].dtype = DLDataType{11, 8, 1};  // float8_e4m3fnuz
+  CHECK(refusal(compiled, tensors).find("'out'") != std::string::npos);
+  CHECK(refusal(compiled, tensors).find("expected dtype Q in [float8_e4m3fn, float8_e5m2], got a DLPack 1.1 8-, "
+                                        "6- or 4-bit float kdispatch does not handle (code 11") != std::string::npos);
+  tensors[0].dtype = e4m3;
+  tensors[1].dtype = e4m3;
+  CHECK(refusal(compiled, tensors).find("'x'") != std::string::npos);
+  CHECK(refusal(compiled, tensors).find("expected dtype T in [float32, bfloat16], got float8_e4m3fn") !=
+        std::string::npos);
+  tensors[1].dtype = f32;
+  tensors[2].dtype = e5m2;
+  CHECK(refusal(compiled, tensors).find("'scale'") != std::string::npos);
+  CHECK(refusal(compiled, tensors).find("float8_e5m2") != std::string::npos);
+}
+
 TEST_CASE("schema check: requirements are conditions of the kernel constraint language") {
   std::string text = kRowsSchemas;
   const std::string from = R"("requires": ["2*R <= D"])";

@@ -33,6 +33,10 @@ double load(const void* data, Dtype dtype, size_t i) {
     case Dtype::int32: return static_cast<const int32_t*>(data)[i];
     case Dtype::int64: return static_cast<double>(static_cast<const int64_t*>(data)[i]);
     case Dtype::uint8: case Dtype::bool_: return static_cast<const uint8_t*>(data)[i];
+    case Dtype::float8_e4m3fn:
+      return reference::decode(reference::Dtype::kFloat8E4M3FN, static_cast<const uint8_t*>(data)[i]);
+    case Dtype::float8_e5m2:
+      return reference::decode(reference::Dtype::kFloat8E5M2, static_cast<const uint8_t*>(data)[i]);
   }
   return 0;
 }
@@ -50,8 +54,15 @@ void store(void* data, Dtype dtype, size_t i, double v) {
     case Dtype::int32: static_cast<int32_t*>(data)[i] = static_cast<int32_t>(v); break;
     case Dtype::int64: static_cast<int64_t*>(data)[i] = static_cast<int64_t>(v); break;
     case Dtype::uint8: case Dtype::bool_: static_cast<uint8_t*>(data)[i] = static_cast<uint8_t>(v); break;
+    case Dtype::float8_e4m3fn:
+      static_cast<uint8_t*>(data)[i] = static_cast<uint8_t>(reference::encode(reference::Dtype::kFloat8E4M3FN, v));
+      break;
+    case Dtype::float8_e5m2:
+      static_cast<uint8_t*>(data)[i] = static_cast<uint8_t>(reference::encode(reference::Dtype::kFloat8E5M2, v));
+      break;
   }
 }
+
 
 // --- shapes ---------------------------------------------------------------------
 
@@ -554,7 +565,7 @@ CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, ui
     if (variant.padded && arg.layout != Layout::contiguous) strides = padded_strides(shape);
     Buffer b(d, std::move(shape), DLDevice{kDLCPU, 0}, nullptr, arg.name, std::move(strides));
     const size_t n = b.numel();
-    const bool is_float = d == Dtype::float32 || d == Dtype::float16 || d == Dtype::bfloat16 || d == Dtype::float64;
+    const bool is_float = is_floating(d);
     if (arg.written && !arg.inplace) {
       for (size_t i = 0; i < n; ++i) b.set(i, is_float ? std::nan("") : -7.0);
     } else if (is_float) {
@@ -818,12 +829,6 @@ CallData make_case(const OpSchema& schema, Dtype dtype, const TestCase& c, uint6
   return data;
 }
 
-namespace {
-bool is_float_dtype(Dtype d) {
-  return d == Dtype::float32 || d == Dtype::float16 || d == Dtype::bfloat16 || d == Dtype::float64;
-}
-}  // namespace
-
 void plant_special(CallData& data, const OpSchema& schema, const SpecialValues& special, uint64_t seed) {
   std::mt19937_64 rng(seed);
   for (const std::string& name : special.tensors) {
@@ -856,10 +861,13 @@ void plant_special(CallData& data, const OpSchema& schema, const SpecialValues& 
       const size_t column = i % width;
       if (column < from || column >= to) continue;
       if (special.every_value) {
-        // Bit pattern k of a 16-bit dtype; in wider floats, bfloat16 pattern k.
+        // Bit pattern k of a 16-bit dtype (of an 8-bit one, k mod 256); in
+        // wider floats, bfloat16 pattern k.
         const auto bits = static_cast<uint16_t>(planted++);
         if (d == Dtype::float16 || d == Dtype::bfloat16) {
           static_cast<uint16_t*>(b.host())[b.offset(i)] = bits;
+        } else if (d == Dtype::float8_e4m3fn || d == Dtype::float8_e5m2) {
+          static_cast<uint8_t*>(b.host())[b.offset(i)] = static_cast<uint8_t>(bits);
         } else {
           b.set(i, reference::decode(reference::Dtype::kBFloat16, bits));
         }
@@ -867,7 +875,7 @@ void plant_special(CallData& data, const OpSchema& schema, const SpecialValues& 
       }
       if (special.fraction < 1.0 && chance(rng) >= special.fraction) continue;
       double v = special.values[pick(rng)];
-      if (special.ulps > 0 && std::isfinite(v) && is_float_dtype(d)) {
+      if (special.ulps > 0 && std::isfinite(v) && is_floating(d)) {
         b.set(i, v);  // rounded to the dtype first, then moved
         v = b.at(i);
         v += static_cast<double>(steps(rng)) * ulp(d, v);
@@ -887,6 +895,8 @@ double ulp(Dtype dtype, double value) {
     case Dtype::float32: precision = 24; min_exponent = -126; break;
     case Dtype::float16: precision = 11; min_exponent = -14; break;
     case Dtype::bfloat16: precision = 8; min_exponent = -126; break;
+    case Dtype::float8_e4m3fn: precision = 4; min_exponent = -6; break;
+    case Dtype::float8_e5m2: precision = 3; min_exponent = -14; break;
     default: return 1.0;  // integers
   }
   const int exponent = value == 0 || !std::isfinite(value) ? min_exponent : std::max(std::ilogb(value), min_exponent);
@@ -929,7 +939,7 @@ class Elements {
   // The bits of element k, for comparisons bit for bit.
   uint64_t bits(size_t k) const {
     const double v = (*this)[k];
-    if (is_float_dtype(*dtype_)) {
+    if (is_floating(*dtype_)) {
       uint64_t b;
       std::memcpy(&b, &v, sizeof b);
       return std::isnan(v) ? 0x7ff8000000000000ull : b;  // any NaN equals any NaN
@@ -973,7 +983,7 @@ Comparison compare(const OpSchema& schema, std::span<const DLTensor> got, std::s
                                               dtype_name(w.dtype())));
     }
     const Dtype dtype = g.dtype();
-    if (!is_float_dtype(dtype) || arg.exact) {
+    if (!is_floating(dtype) || arg.exact) {
       for (size_t k = 0; k < g.size(); ++k) {
         if (g.bits(k) == w.bits(k)) continue;
         const double abs_err = std::fabs(g[k] - w[k]);
@@ -1046,6 +1056,9 @@ void save_npy(const std::string& path, const Buffer& buffer) {
     case Dtype::int64: descr = "<i8"; break;
     case Dtype::uint8: descr = "|u1"; break;
     case Dtype::bool_: descr = "|b1"; break;
+    // NumPy has no 8-bit float: the raw bytes, the dtype in the file name
+    // (<op>.<backend>.<dtype>) or the op's schema.
+    case Dtype::float8_e4m3fn: case Dtype::float8_e5m2: descr = "|u1"; break;
   }
   std::string shape;
   for (int64_t d : buffer.shape()) shape += fmt::format("{}, ", d);

@@ -280,7 +280,9 @@ Comparison compare(const OpSchema& schema, const CallData& got, const CallData& 
                    std::span<const std::string> unchecked = {});
 
 // --- .npy -----------------------------------------------------------------------
-// Writes `buffer` as NumPy .npy; bfloat16 is stored as float32 (exact).
+// Writes `buffer` as NumPy .npy; bfloat16 is stored as float32 (exact),
+// float8_e4m3fn and float8_e5m2 as their raw bytes (uint8), which NumPy
+// has no dtype for.
 void save_npy(const std::string& path, const Buffer& buffer);
 
 }  // namespace kdispatch::harness

@@ -173,7 +173,8 @@ Runner add_run(CLI::App& app) {
                 "Exit 0 although results were not compared with anything (no reference kernel, no written tensor)");
   cmd->add_option("--save", options->sweep.save_dir,
                   "Write every tensor as .npy (DIR/<op>.<backend>.<dtype>.<arg>.{in,out}.npy) and the attributes as "
-                  "DIR/<op>.<backend>.<dtype>.attrs.json")
+                  "DIR/<op>.<backend>.<dtype>.attrs.json (bfloat16 widened to float32; float8_e4m3fn and float8_e5m2 as "
+                  "their raw bytes, uint8)")
       ->type_name("DIR");
   add_common_options(*cmd, options->common);
   cmd->footer(

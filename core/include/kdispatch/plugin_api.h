@@ -68,6 +68,17 @@ extern "C" {
  * without loading the library. */
 #define KDISPATCH_MANIFEST_SECTION ".kdispatch_manifest"
 
+/* DLDataType codes of the 8-bit floats, as DLPack 1.1 numbers them
+ * (DLDataTypeCode kDLFloat8_e4m3fn and kDLFloat8_e5m2; bits 8, lanes 1).
+ * Older dlpack.h headers (Debian 12 ships 0.6) lack them. These are the codes
+ * torch's __dlpack__ gives torch.float8_e4m3fn and torch.float8_e5m2. Codes
+ * 7 to 17 are DLPack 1.1's other 8-, 6- and 4-bit floats, which kdispatch
+ * does not handle. Not part of the ABI version: values fixed by DLPack. */
+#define KD_DLPACK_FLOAT8_E4M3FN 10
+#define KD_DLPACK_FLOAT8_E5M2 12
+#define KD_DLPACK_FIRST_NARROW_FLOAT 7
+#define KD_DLPACK_LAST_NARROW_FLOAT 17
+
 /* Size of a struct up to and including `field`. */
 #define KD_STRUCT_SIZE(type, field) \
   (offsetof(type, field) + sizeof(((type*)0)->field))

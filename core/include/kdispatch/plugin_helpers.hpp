@@ -381,6 +381,10 @@ inline const char* dtype_name(const DLTensor& t) {
       return t.dtype.bits == 32 ? "int32" : t.dtype.bits == 64 ? "int64" : "other";
     case kDLUInt:
       return t.dtype.bits == 8 ? "uint8" : "other";
+    case KD_DLPACK_FLOAT8_E4M3FN:
+      return t.dtype.bits == 8 ? "float8_e4m3fn" : "other";
+    case KD_DLPACK_FLOAT8_E5M2:
+      return t.dtype.bits == 8 ? "float8_e5m2" : "other";
     default:
       return "other";
   }

@@ -11,6 +11,9 @@ _DTYPES = [
     (torch.float32, "float32"), (torch.float16, "float16"), (torch.bfloat16, "bfloat16"),
     (torch.float64, "float64"), (torch.int32, "int32"), (torch.int64, "int64"),
     (torch.uint8, "uint8"), (torch.bool, "bool"),
+] + [
+    # The 8-bit floats, where this torch has them (torch >= 2.1).
+    (getattr(torch, name), name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
 ]
 
 _enabled = False

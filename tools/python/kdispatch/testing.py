@@ -69,16 +69,22 @@ def dtypes(op, backend=None):
 
 
 _TORCH_NAMES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "float64": "float64",
-                "int32": "int32", "int64": "int64", "uint8": "uint8", "bool": "bool"}
+                "int32": "int32", "int64": "int64", "uint8": "uint8", "bool": "bool",
+                "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2"}
 _NUMPY_NAMES = {"float32": "float32", "float16": "float16", "float64": "float64", "int32": "int32",
                 "int64": "int64", "uint8": "uint8", "bool": "bool_"}
 
 
 def _as_torch(data, dtype, shape):
     import torch
-    torch_dtype = getattr(torch, _TORCH_NAMES[dtype])
+    torch_dtype = getattr(torch, _TORCH_NAMES[dtype], None)
+    if torch_dtype is None:
+        raise TypeError(f"this torch ({torch.__version__}) has no {dtype}: float8 needs torch >= 2.1")
     if len(data) == 0:
         return torch.empty(shape, dtype=torch_dtype)
+    if dtype.startswith("float8"):
+        # The raw bytes viewed as the 8-bit float.
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(torch_dtype).reshape(shape)
     return torch.frombuffer(bytearray(data), dtype=torch_dtype).reshape(shape)
 
 

@@ -72,7 +72,7 @@ py::dict tolerance_dict(const OpSchema& s) {
   }
   {
     for (Dtype d : dtypes) {
-      if (d != Dtype::float32 && d != Dtype::float16 && d != Dtype::bfloat16 && d != Dtype::float64) continue;
+      if (!is_floating(d)) continue;
       const Tolerance tol = s.tolerance(d);
       py::dict td;
       td["ulps"] = tol.ulps;
@@ -178,7 +178,7 @@ py::dict select(const std::string& op, const std::optional<std::string>& backend
     if (!parsed) {
       throw py::value_error(
           fmt::format("unknown dtype '{}' (float32, float16, bfloat16, float64, int32, int64, uint8, "
-                      "bool)",
+                      "bool, float8_e4m3fn, float8_e5m2)",
                       *dtype));
     }
   }

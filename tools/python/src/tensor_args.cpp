@@ -571,7 +571,7 @@ void TensorArgs::read_torch(PyObject* object, size_t i) {
   if (found == nullptr) {
     throw_call_error(
         fmt::format("{}: torch dtype {} is not one kdispatch handles (float32, float16, bfloat16, "
-                    "float64, int32, int64, uint8, bool)",
+                    "float64, int32, int64, uint8, bool, float8_e4m3fn, float8_e5m2)",
                     where(i), repr_of(dtype.ptr())));
   }
 
