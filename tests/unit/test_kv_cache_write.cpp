@@ -2,11 +2,13 @@
 // token's key and value land in its slot of the paged caches, slot -1 is
 // skipped, the slots no token names keep their bits; the check compares
 // every cache element, so one token written a slot off fails it; an fp8
-// kv_cache_dtype and a slot beyond the caches are refused.
+// kv_cache_dtype and a slot beyond the caches are refused; generated slots
+// ("values": "distinct") never repeat, so no two tokens race for a slot.
 #include <doctest/doctest.h>
 
 #include <cstdint>
 #include <cstring>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -120,5 +122,30 @@ TEST_CASE("kvcache.reshape_and_cache_flash: an fp8 kv_cache_dtype and a slot bey
                         std::string::npos,
                     e.what());
     }
+  }
+}
+
+TEST_CASE("kvcache.reshape_and_cache_flash: generated slots are distinct, and a range too small for them is refused") {
+  auto ctx = cache_context();
+  Dispatcher dispatch(*ctx);
+  const OpSchema& schema = dispatch.op(kOp, "reference").schema();
+  for (uint64_t seed : {1, 2, 3}) {
+    // 300 tokens, slots drawn from [-1, 300): 301 values, so nearly all.
+    harness::Shapes shapes{{}, {{"N", 300}, {"H", 1}, {"D", 1}, {"NB", 3}, {"BS", 100}, {"S", 300}}};
+    const harness::CallData data = harness::make_call(schema, Dtype::float32, shapes, seed);
+    std::set<double> seen;
+    for (size_t t = 0; t < 300; ++t) {
+      const double s = data.tensors[4].at(t);
+      CHECK(s >= -1);
+      CHECK(s < 300);
+      CHECK(seen.insert(s).second);
+    }
+  }
+  harness::Shapes crowded{{}, {{"N", 302}, {"H", 1}, {"D", 1}, {"NB", 3}, {"BS", 100}, {"S", 300}}};
+  try {
+    (void)harness::make_call(schema, Dtype::float32, crowded, 1);
+    FAIL("302 distinct slots drawn from 301 values");
+  } catch (const std::invalid_argument& e) {
+    CHECK(std::string(e.what()) == "tensor 'slot_mapping': 302 distinct values do not fit its range [-1, 300)");
   }
 }
