@@ -42,7 +42,7 @@ using nlohmann::json;
 constexpr std::string_view kDtypeNames =
     "float32, float16, bfloat16, float64, int32, int64, uint8, bool, float8_e4m3fn or float8_e5m2";
 constexpr std::string_view kNameExpected = "a name of [a-z0-9_]+";
-constexpr std::string_view kValuesExpected = "\"uniform\" or \"cos_sin\"";
+constexpr std::string_view kValuesExpected = "\"uniform\", \"cos_sin\" or \"distinct\"";
 constexpr std::string_view kRoleExpected = "\"backend\" or \"reference\"";
 constexpr std::string_view kVersionExpected = "a string \"major.minor\" (e.g. \"1.0\")";
 constexpr std::string_view kArchExpected = "\"major.minor\" (e.g. \"9.0\")";
@@ -673,6 +673,8 @@ std::optional<TensorArg> read_tensor(Reader& r, const json& j, const std::string
   if (auto values = r.string(j, pointer, "values", false, kValuesExpected)) {
     if (*values == "cos_sin") {
       t.values = TensorValues::cos_sin;
+    } else if (*values == "distinct") {
+      t.values = TensorValues::distinct;
     } else if (*values != "uniform") {
       r.bad(pointer_key(pointer, "values"), kValuesExpected, j.at("values"));
     }

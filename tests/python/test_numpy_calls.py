@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """kdispatch.call and kdispatch.op on NumPy arrays write the right values:
 every op (or the one of --op) in float32 and float16 (NumPy has no
-bfloat16: test_torch_ops.py covers it), at the sizes, attribute values and
+bfloat16: test_torch_ops.py covers it), or int32 and int64 for an op whose
+call dtype is an integer one (moe.align_block_size's ids), at the sizes, attribute values and
 special values of the op schema's "tests", against the op's reference
 backend with the schema's tolerances (kdispatch.testing), outputs poisoned
 first."""
@@ -17,7 +18,7 @@ except ImportError:
 import kdispatch
 import kdispatch.testing as kt
 
-NUMPY_DTYPES = ("float32", "float16")
+NUMPY_DTYPES = ("float32", "float16", "int32", "int64")
 # The Python tests check the bindings, not the kernels at every size (the
 # conformance suite does): cases of more elements than this are left out.
 MAX_ELEMENTS = 1 << 20
@@ -57,7 +58,7 @@ def main():
         checked, failed = check_op(op)
         total += checked
         bad += failed
-    print(f"numpy: {total - bad} passed, {bad} failed ({len(ops)} ops; float32 and float16)")
+    print(f"numpy: {total - bad} passed, {bad} failed ({len(ops)} ops; float32 and float16, or int32 and int64)")
     return 1 if bad or total == 0 else 0
 
 

@@ -450,7 +450,7 @@ TEST_CASE("op schema: input values, bench sizes and conformance cases") {
       R"([{"op": "t.op", "tensors": [{"name": "a", "shape": ["N"], "dtype": "float32", "values": "gaussian"}]}])",
       "inline.json");
   REQUIRE(bad_values.errors.size() == 1);
-  CHECK(contains(bad_values.errors[0].message, "/0/tensors/0/values: expected \"uniform\" or \"cos_sin\""));
+  CHECK(contains(bad_values.errors[0].message, "/0/tensors/0/values: expected \"uniform\", \"cos_sin\" or \"distinct\""));
 }
 
 TEST_CASE("manifest rules beyond the fixtures") {

@@ -10,6 +10,7 @@
 #include <numbers>
 #include <random>
 #include <stdexcept>
+#include <unordered_map>
 
 #include <signal.h>
 #include <sys/mman.h>
@@ -471,6 +472,28 @@ size_t CallData::bytes_moved(const OpSchema& schema) const {
 
 namespace {
 
+// "values": "distinct": element i the i-th value of a random ordering of
+// [lo, hi), drawn by a partial Fisher-Yates shuffle that keeps only the
+// positions it moved, so a wide range costs nothing.
+void fill_distinct(Buffer& b, int64_t lo, int64_t hi, std::mt19937_64& rng) {
+  const auto n = static_cast<int64_t>(b.numel());
+  if (hi - lo < n) {
+    throw std::invalid_argument(fmt::format("tensor '{}': {} distinct values do not fit its range [{}, {})", b.name(),
+                                            n, lo, hi));
+  }
+  std::unordered_map<int64_t, int64_t> moved;  // position -> value, where not lo + position
+  const auto at = [&](int64_t k) {
+    const auto it = moved.find(k);
+    return it != moved.end() ? it->second : lo + k;
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t j = std::uniform_int_distribution<int64_t>(i, hi - lo - 1)(rng);
+    const int64_t vj = at(j);
+    moved[j] = at(i);
+    b.set(static_cast<size_t>(i), static_cast<double>(vj));
+  }
+}
+
 // "values": "cos_sin": each row of the last dim holds cos(phi) in its first
 // half and sin(phi) of the same random angles in its second. Random values
 // there would scale, not rotate, and repeated in-place calls (a benchmark)
@@ -585,8 +608,12 @@ CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, ui
                                                                : shapes.symbols.at(arg.range_max->symbol);
       }
       if (hi <= lo) throw std::invalid_argument(fmt::format("tensor '{}': empty range [{}, {})", arg.name, lo, hi));
-      std::uniform_int_distribution<int64_t> pick(lo, hi - 1);
-      for (size_t i = 0; i < n; ++i) b.set(i, static_cast<double>(pick(rng)));
+      if (arg.values == TensorValues::distinct) {
+        fill_distinct(b, lo, hi, rng);
+      } else {
+        std::uniform_int_distribution<int64_t> pick(lo, hi - 1);
+        for (size_t i = 0; i < n; ++i) b.set(i, static_cast<double>(pick(rng)));
+      }
     }
     data.tensors.push_back(std::move(b));
   }

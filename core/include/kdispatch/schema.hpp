@@ -40,6 +40,7 @@ enum class TensorValues : uint8_t {
   uniform,  // random, uniform in [-2, 2) (integers: in their "range")
   cos_sin,  // each row of the last dim holds cos(phi) in its first half and
             // sin(phi) of the same random angles in its second
+  distinct,  // integers of the "range", no value twice (cache slots)
 };
 
 // The strides a tensor may have ("layout" in docs/op-schema.md).

@@ -1,0 +1,139 @@
+// kvcache.reshape_and_cache_flash with the cache in the activation dtype:
+// token t with slot s >= 0 has its H rows of D values copied to rows
+// s * H .. s * H + H - 1 of the caches seen as [NB * BS * H, D]; a slot
+// s < 0 is skipped, and so is one at or beyond NB * BS (the host backends
+// refuse it; here it is data, so nothing is written out of bounds).
+//
+// One block per token (looping when there are more tokens than a grid
+// holds), its threads moving the token's key and value rows in units of
+// 16, 8, 4, 2 or 1 bytes: the widest that divides a row and every row's
+// start. A copy is exact whatever the dtype, so the kernel moves bytes.
+#include <cstdint>
+#include <cstring>
+
+#include "device_utils.cuh"
+#include "launch_utils.hpp"
+#include "ops.hpp"
+
+namespace kd_gpu {
+namespace {
+
+constexpr const char* kOp = "kvcache.reshape_and_cache_flash";
+constexpr int kThreads = 256;
+
+struct CacheCopy {
+  const char* key;
+  const char* value;
+  char* key_cache;
+  char* value_cache;
+  kd_plugin::RowLayout key_rows, value_rows, key_cache_rows, value_cache_rows;
+  int64_t tokens, heads, cache_slots;
+  int64_t row_units;   // units of the copy in one row of D values
+  int64_t elem_bytes;  // bytes of one value
+};
+
+template <class U, class Slot>
+__global__ void __launch_bounds__(kThreads) copy_kernel(CacheCopy c, const Slot* __restrict__ slots) {
+  start_after_previous_kernel();
+  for (int64_t t = blockIdx.x; t < c.tokens; t += gridDim.x) {
+    const auto s = static_cast<int64_t>(slots[t]);
+    if (s < 0 || s >= c.cache_slots) continue;
+    for (int64_t k = threadIdx.x; k < c.heads * c.row_units; k += blockDim.x) {
+      const int64_t h = k / c.row_units;
+      const int64_t u = k % c.row_units;
+      const int64_t src = t * c.heads + h;
+      const int64_t dst = s * c.heads + h;
+      const U kv = load_streaming(reinterpret_cast<const U*>(c.key + c.key_rows.offset(src) * c.elem_bytes) + u);
+      const U vv = load_streaming(reinterpret_cast<const U*>(c.value + c.value_rows.offset(src) * c.elem_bytes) + u);
+      reinterpret_cast<U*>(c.key_cache + c.key_cache_rows.offset(dst) * c.elem_bytes)[u] = kv;
+      reinterpret_cast<U*>(c.value_cache + c.value_cache_rows.offset(dst) * c.elem_bytes)[u] = vv;
+    }
+  }
+}
+
+kd_status run_cache(const kd_call_args* args) {
+  if (kd_status s = check_call(args, kOp, 7, 1); s != KD_STATUS_OK) return s;
+  const DLTensor& key = args->tensors[0];
+  const DLTensor& value = args->tensors[1];
+  const DLTensor& key_cache = args->tensors[2];
+  const DLTensor& value_cache = args->tensors[3];
+  const DLTensor& slots = args->tensors[4];
+  const kd_attr* cache_dtype = kd_plugin::find_attr(args, "kv_cache_dtype", KD_ATTR_TYPE_STRING);
+  if (cache_dtype == nullptr || cache_dtype->value.s == nullptr || std::strcmp(cache_dtype->value.s, "auto") != 0) {
+    return kd_plugin::fail(args, KD_STATUS_UNSUPPORTED,
+                           "%s: kv_cache_dtype must be \"auto\" (the caches in the activation dtype)", kOp);
+  }
+  if (key.ndim != 3 || value.ndim != 3 || key_cache.ndim != 4 || value_cache.ndim != 4 || slots.ndim != 1) {
+    return invalid_shapes(args, kOp);
+  }
+  const int64_t tokens = dim(key, 0);
+  const int64_t heads = dim(key, 1);
+  const int64_t d = dim(key, 2);
+  if (dim(slots, 0) != tokens || dim(value, 0) != tokens || dim(value, 1) != heads || dim(value, 2) != d ||
+      dim(key_cache, 2) != heads || dim(key_cache, 3) != d || dim(value_cache, 0) != dim(key_cache, 0) ||
+      dim(value_cache, 1) != dim(key_cache, 1) || dim(value_cache, 2) != heads || dim(value_cache, 3) != d) {
+    return invalid_shapes(args, kOp);
+  }
+  const bool slots64 = is_dtype(slots, kDLInt, 64);
+  // The dtypes of its manifest entry: the copy itself would move any.
+  const bool served = is_dtype(key, kDLFloat, 32) || is_dtype(key, kDLFloat, 16) || is_dtype(key, kDLBfloat, 16);
+  if (!served || !(slots64 || is_dtype(slots, kDLInt, 32)) || !same_dtype(key, value) ||
+      !same_dtype(key, key_cache) || !same_dtype(key, value_cache)) {
+    return kd_plugin::fail(args, KD_STATUS_UNSUPPORTED,
+                           "%s: key, value and the caches must share one dtype (float32, float16 or bfloat16), "
+                           "slot_mapping int64 or int32",
+                           kOp);
+  }
+  if (tokens == 0 || heads == 0 || d == 0) return KD_STATUS_OK;
+  CacheCopy c{data_as<const char>(key), data_as<const char>(value), data_as<char>(key_cache),
+              data_as<char>(value_cache), kd_plugin::row_layout(key, 1), kd_plugin::row_layout(value, 1),
+              kd_plugin::row_layout(key_cache, 1), kd_plugin::row_layout(value_cache, 1), tokens, heads,
+              dim(key_cache, 0) * dim(key_cache, 1), 0, key.dtype.bits / 8};
+  const size_t elem = static_cast<size_t>(c.elem_bytes);
+  const size_t row_bytes = static_cast<size_t>(d) * elem;
+  const auto fits = [&](size_t unit) {
+    return row_bytes % unit == 0 && rows_aligned(unit, c.key, c.key_rows, elem) &&
+           rows_aligned(unit, c.value, c.value_rows, elem) && rows_aligned(unit, c.key_cache, c.key_cache_rows, elem) &&
+           rows_aligned(unit, c.value_cache, c.value_cache_rows, elem);
+  };
+  DeviceScope scope;
+  Launch launch;
+  const int device = key.device.device_id;
+  cudaError_t err = scope.enter(device);
+  if (err == cudaSuccess) err = device_limits(device, &launch);
+  if (err != cudaSuccess) {
+    return kd_plugin::fail(args, KD_STATUS_DEVICE_ERROR, "%s: device %d: %s", kOp, device, cudaGetErrorString(err));
+  }
+  launch.stream = static_cast<cudaStream_t>(args->stream);
+  const cudaError_t pending = cudaPeekAtLastError();
+  const auto run = [&](auto unit_tag) {
+    using U = typename decltype(unit_tag)::type;
+    c.row_units = static_cast<int64_t>(row_bytes / sizeof(U));
+    const dim3 grid(row_grid(tokens));
+    if (slots64) {
+      launch_kernel(launch, copy_kernel<U, int64_t>, grid, dim3(kThreads), c, data_as<const int64_t>(slots));
+    } else {
+      launch_kernel(launch, copy_kernel<U, int32_t>, grid, dim3(kThreads), c, data_as<const int32_t>(slots));
+    }
+  };
+  if (fits(16)) {
+    run(kd_plugin::TypeTag<uint4>{});
+  } else if (fits(8)) {
+    run(kd_plugin::TypeTag<uint2>{});
+  } else if (fits(4)) {
+    run(kd_plugin::TypeTag<uint32_t>{});
+  } else if (fits(2)) {
+    run(kd_plugin::TypeTag<uint16_t>{});
+  } else {
+    run(kd_plugin::TypeTag<uint8_t>{});
+  }
+  return launched(args, kOp, pending);
+}
+
+}  // namespace
+
+kd_status reshape_and_cache_flash(const kd_call_args* args) noexcept {
+  return kd_plugin::guarded(args, [&] { return run_cache(args); });
+}
+
+}  // namespace kd_gpu
