@@ -42,6 +42,7 @@
 #else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #define KD_GPU_BACKEND "cuda"
@@ -269,5 +270,92 @@ __device__ __forceinline__ bf16_t from_float<bf16_t>(float v) {
   return __float2bfloat16_rn(v);
 #endif
 }
+
+// 8-bit float storage types: float8_e4m3fn and float8_e5m2 (OCP). float ->
+// 8 bits rounds to nearest even and saturates at the format's largest finite
+// value (448, 57344), infinities included, keeping NaN: cuda_fp8.h's
+// __NV_SATFINITE convert, a single instruction on sm_89 and later. ROCm 5.2
+// has no OCP fp8 type, so HIP gets plain bytes converted by bit operations,
+// the algorithm of <kdispatch/plugin_helpers.hpp>.
+#if defined(__HIP__)
+struct fp8_e4m3_t {
+  uint8_t bits;
+};
+struct fp8_e5m2_t {
+  uint8_t bits;
+};
+
+template <int kMantissa, int kBias, uint32_t kMaxFinite, uint32_t kNaN>
+__device__ __forceinline__ uint8_t encode_fp8(float v) {
+  const uint32_t u = __float_as_uint(v);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t a = u & 0x7fffffffu;
+  constexpr int kDropped = 23 - kMantissa;
+  uint32_t normal = (a - (static_cast<uint32_t>(127 - kBias) << 23) + ((1u << (kDropped - 1)) - 1u) +
+                     ((a >> kDropped) & 1u)) >> kDropped;
+  normal = normal > kMaxFinite ? kMaxFinite : normal;
+  constexpr uint32_t kAlignBits = static_cast<uint32_t>(127 + 1 - kBias - kMantissa + 23) << 23;
+  const uint32_t subnormal = __float_as_uint(__uint_as_float(a) + __uint_as_float(kAlignBits)) - kAlignBits;
+  uint32_t bits = a < (static_cast<uint32_t>(127 + 1 - kBias) << 23) ? subnormal : normal;
+  bits = a > 0x7f800000u ? kNaN : bits;
+  return static_cast<uint8_t>(bits | sign);
+}
+
+template <int kMantissa, int kBias>
+__device__ __forceinline__ float decode_fp8(uint8_t b) {
+  const uint32_t magnitude = b & 0x7fu;
+  uint32_t bits = magnitude < (1u << kMantissa)
+                      ? __float_as_uint(static_cast<float>(magnitude) *
+                                        __uint_as_float(static_cast<uint32_t>(127 + 1 - kBias - kMantissa) << 23))
+                      : (magnitude << (23 - kMantissa)) + (static_cast<uint32_t>(127 - kBias) << 23);
+  if (kMantissa == 3) {
+    bits = magnitude == 0x7fu ? 0x7fc00000u : bits;
+  } else {
+    bits = magnitude >= 0x7cu ? (magnitude == 0x7cu ? 0x7f800000u : 0x7fc00000u) : bits;
+  }
+  return __uint_as_float(bits | (static_cast<uint32_t>(b & 0x80u) << 24));
+}
+
+__device__ __forceinline__ float to_float(fp8_e4m3_t v) { return decode_fp8<3, 7>(v.bits); }
+__device__ __forceinline__ float to_float(fp8_e5m2_t v) { return decode_fp8<2, 15>(v.bits); }
+
+template <>
+__device__ __forceinline__ fp8_e4m3_t from_float<fp8_e4m3_t>(float v) {
+  return fp8_e4m3_t{encode_fp8<3, 7, 0x7eu, 0x7fu>(v)};
+}
+
+template <>
+__device__ __forceinline__ fp8_e5m2_t from_float<fp8_e5m2_t>(float v) {
+  return fp8_e5m2_t{encode_fp8<2, 15, 0x7bu, 0x7eu>(v)};
+}
+#else
+using fp8_e4m3_t = __nv_fp8_e4m3;
+using fp8_e5m2_t = __nv_fp8_e5m2;
+
+__device__ __forceinline__ float to_float(fp8_e4m3_t v) { return static_cast<float>(v); }
+__device__ __forceinline__ float to_float(fp8_e5m2_t v) { return static_cast<float>(v); }
+
+template <>
+__device__ __forceinline__ fp8_e4m3_t from_float<fp8_e4m3_t>(float v) {
+  fp8_e4m3_t r;
+  r.__x = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+  return r;
+}
+
+template <>
+__device__ __forceinline__ fp8_e5m2_t from_float<fp8_e5m2_t>(float v) {
+  fp8_e5m2_t r;
+  r.__x = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2);
+  return r;
+}
+#endif
+
+// The largest finite value of an fp8 storage type.
+template <class T>
+inline constexpr float fp8_max = 0.0f;
+template <>
+inline constexpr float fp8_max<fp8_e4m3_t> = 448.0f;
+template <>
+inline constexpr float fp8_max<fp8_e5m2_t> = 57344.0f;
 
 }  // namespace kd_gpu

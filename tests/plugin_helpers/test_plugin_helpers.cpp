@@ -102,6 +102,75 @@ TEST_CASE("special values and boundaries") {
   CHECK(std::isnan(kd_plugin::to_float(from_float<BFloat16>(std::nanf("")))));
 }
 
+namespace {
+
+// The value of 8-bit pattern `bits` of a format with `mantissa` stored bits
+// and exponent bias `bias`, from the definition (NaN/infinity aside).
+double fp8_value(uint32_t bits, int mantissa, int bias) {
+  const uint32_t magnitude = bits & 0x7fu;
+  const int exponent = static_cast<int>(magnitude >> mantissa);
+  const double fraction = static_cast<double>(magnitude & ((1u << mantissa) - 1));
+  const double v = exponent == 0 ? std::ldexp(fraction, 1 - bias - mantissa)
+                                 : std::ldexp(1.0 + std::ldexp(fraction, -mantissa), exponent - bias);
+  return (bits & 0x80u) != 0 ? -v : v;
+}
+
+// `v` rounded to nearest even among the finite values of the format,
+// saturating at +-max_finite: the peers' float -> fp8 convert.
+double fp8_round(double v, int mantissa, int bias, double max_finite) {
+  if (v == 0.0) return v;
+  const int exponent = std::max(std::ilogb(v), 1 - bias);
+  const double quantum = std::ldexp(1.0, exponent - mantissa);
+  const double r = std::nearbyint(v / quantum) * quantum;
+  return std::fabs(r) > max_finite ? std::copysign(max_finite, v) : r;
+}
+
+template <class T>
+void check_fp8(int mantissa, int bias, double max_finite, uint32_t nan_bits) {
+  // Every pattern decodes to its defined value, and encodes back to itself.
+  for (uint32_t bits = 0; bits < 256; ++bits) {
+    const float f = kd_plugin::to_float(T{static_cast<uint8_t>(bits)});
+    const bool nan = mantissa == 3 ? (bits & 0x7fu) == 0x7fu : (bits & 0x7fu) > 0x7cu;
+    const bool inf = mantissa == 2 && (bits & 0x7fu) == 0x7cu;
+    INFO("bits 0x" << std::hex << bits);
+    CHECK(std::isnan(f) == nan);
+    if (nan) {
+      CHECK((kd_plugin::from_float<T>(f).bits & 0x7fu) == nan_bits);
+    } else if (inf) {
+      CHECK(std::isinf(f));
+      CHECK((kd_plugin::from_float<T>(f).bits & 0x7fu) == (nan_bits == 0x7eu ? 0x7bu : 0x7eu));  // saturates
+    } else {
+      CHECK(f == fp8_value(bits, mantissa, bias));
+      CHECK(kd_plugin::from_float<T>(f).bits == bits);
+    }
+  }
+  // Every float of a wide sweep rounds to nearest even and saturates.
+  int64_t mismatches = 0;
+  for_many_floats([&](float f) {
+    if (std::isnan(f)) return;
+    const double want = std::isinf(f) ? std::copysign(max_finite, f) : fp8_round(f, mantissa, bias, max_finite);
+    const double got = kd_plugin::to_float(kd_plugin::from_float<T>(f));
+    if (got != want || std::signbit(got) != std::signbit(want)) {
+      if (++mismatches <= 5) FAIL_CHECK("float " << f << ": got " << got << ", want " << want);
+    }
+  });
+  CHECK(mismatches == 0);
+}
+
+}  // namespace
+
+TEST_CASE("float8: every pattern decodes exactly; float -> 8 bits rounds to nearest even and saturates") {
+  SUBCASE("float8_e4m3fn") { check_fp8<kd_plugin::Float8E4M3FN>(3, 7, 448.0, 0x7fu); }
+  SUBCASE("float8_e5m2") { check_fp8<kd_plugin::Float8E5M2>(2, 15, 57344.0, 0x7eu); }
+  using kd_plugin::Float8E4M3FN;
+  using kd_plugin::from_float;
+  CHECK(from_float<Float8E4M3FN>(464.0f).bits == 0x7e);          // past the max: saturates, no NaN
+  CHECK(from_float<Float8E4M3FN>(0x1p-10f).bits == 0x00);         // tie between 0 and 2^-9: even
+  CHECK(from_float<Float8E4M3FN>(0x1.8p-9f * 3.0f).bits == 0x04);  // 4.5 units of 2^-9: even, 4
+  CHECK(from_float<Float8E4M3FN>(-0.0f).bits == 0x80);
+  CHECK(kd_plugin::fp8_max<Float8E4M3FN> == 448.0f);
+}
+
 TEST_CASE("from_double rounds once: no double rounding through float") {
   // 1 + 2^-11 + 2^-30: above the tie between 1 and 1 + 2^-10. Through float
   // it becomes the tie itself, which rounds to even (1).

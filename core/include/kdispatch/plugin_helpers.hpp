@@ -5,8 +5,9 @@
 //
 //   status    fail(), warn(), guarded(): the exception wall around a kernel
 //             body, so that nothing C++ crosses the ABI
-//   values    Float16, BFloat16 and their conversions to and from float
-//             (round to nearest even, NaN and infinities kept), from_double()
+//   values    Float16, BFloat16, Float8E4M3FN, Float8E5M2 and their
+//             conversions to and from float (round to nearest even, NaN
+//             kept; fp8 saturates at its largest finite), from_double()
 //             for reference kernels that round a float64 result once
 //   tensors   Tensor, a view of argument i of a call: data pointer, shape,
 //             rows x last dim, dtype checks; dispatch_float_dtype()
@@ -270,11 +271,107 @@ KD_PLUGIN_ALWAYS_INLINE Float16 from_float<Float16>(float v) {
   return Float16{static_cast<uint16_t>(bits | sign)};
 }
 
+// ---------------------------------------------------------------------------
+// float8_e4m3fn and float8_e5m2
+//
+// float -> 8 bits rounds to nearest even and saturates: a finite value or an
+// infinity beyond the format's largest finite value (448, 57344) becomes
+// that value with its sign, as the peers' fp8 quantisers do (cuda_fp8.h's
+// __NV_SATFINITE); NaN stays NaN. Integer bit operations and selects, like
+// the 16-bit conversions above.
+
+// OCP float8 E4M3FN, as its bit pattern: bias 7, no infinity, NaN 0x7f/0xff.
+struct Float8E4M3FN {
+  uint8_t bits;
+};
+
+// OCP float8 E5M2, as its bit pattern: bias 15, IEEE infinities and NaNs.
+struct Float8E5M2 {
+  uint8_t bits;
+};
+
+static_assert(sizeof(Float8E4M3FN) == 1 && sizeof(Float8E5M2) == 1, "8-bit storage types");
+
+namespace detail {
+
+// The 8-bit format with `kMantissa` stored mantissa bits and exponent bias
+// `kBias`; `kMaxFinite` is the bit pattern of its largest finite magnitude,
+// `kNaN` that of its canonical NaN.
+template <int kMantissa, int kBias, uint32_t kMaxFinite, uint32_t kNaN>
+struct Fp8Format {
+  static KD_PLUGIN_ALWAYS_INLINE uint8_t encode(float v) {
+    const uint32_t u = bit_cast<uint32_t>(v);
+    const uint32_t sign = (u >> 24) & 0x80u;
+    const uint32_t a = u & 0x7fffffffu;
+    constexpr int kDropped = 23 - kMantissa;
+    // Normal range: rebias the exponent, round the dropped bits to nearest
+    // even, and clamp at the largest finite value (infinity included).
+    const uint32_t odd = (a >> kDropped) & 1u;
+    uint32_t normal = (a - (static_cast<uint32_t>(127 - kBias) << 23) + ((1u << (kDropped - 1)) - 1u) + odd) >> kDropped;
+    normal = normal > kMaxFinite ? kMaxFinite : normal;
+    // Below the least normal, 2^(1 - bias), the result counts units of
+    // 2^(1 - bias - mantissa): adding 2^(1 - bias - mantissa + 23) makes the
+    // float adder round to a multiple of that unit (nearest even), left in
+    // the low mantissa bits.
+    constexpr uint32_t kAlignBits = static_cast<uint32_t>(127 + 1 - kBias - kMantissa + 23) << 23;
+    const float aligned = bit_cast<float>(a) + bit_cast<float>(kAlignBits);
+    const uint32_t subnormal = bit_cast<uint32_t>(aligned) - kAlignBits;
+    constexpr uint32_t kLeastNormal = static_cast<uint32_t>(127 + 1 - kBias) << 23;
+    uint32_t bits = a < kLeastNormal ? subnormal : normal;
+    bits = a > 0x7f800000u ? kNaN : bits;
+    return static_cast<uint8_t>(bits | sign);
+  }
+
+  static KD_PLUGIN_ALWAYS_INLINE float decode(uint8_t b) {
+    const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24;
+    const uint32_t magnitude = b & 0x7fu;
+    const uint32_t normal = (magnitude << (23 - kMantissa)) + (static_cast<uint32_t>(127 - kBias) << 23);
+    const float subnormal = static_cast<float>(magnitude) * bit_cast<float>(static_cast<uint32_t>(127 + 1 - kBias - kMantissa) << 23);
+    uint32_t bits = magnitude < (1u << kMantissa) ? bit_cast<uint32_t>(subnormal) : normal;
+    // E4M3FN: only 0x7f is NaN (no infinity). E5M2: exponent 31 is
+    // infinity (mantissa 0) or NaN.
+    if (kMantissa == 3) {
+      bits = magnitude == 0x7fu ? 0x7fc00000u : bits;
+    } else {
+      bits = magnitude >= 0x7cu ? (magnitude == 0x7cu ? 0x7f800000u : 0x7fc00000u) : bits;
+    }
+    return bit_cast<float>(bits | sign);
+  }
+};
+
+using E4M3FN = Fp8Format<3, 7, 0x7eu, 0x7fu>;
+using E5M2 = Fp8Format<2, 15, 0x7bu, 0x7eu>;
+
+}  // namespace detail
+
+KD_PLUGIN_ALWAYS_INLINE float to_float(Float8E4M3FN v) { return detail::E4M3FN::decode(v.bits); }
+KD_PLUGIN_ALWAYS_INLINE float to_float(Float8E5M2 v) { return detail::E5M2::decode(v.bits); }
+
+template <>
+KD_PLUGIN_ALWAYS_INLINE Float8E4M3FN from_float<Float8E4M3FN>(float v) {
+  return Float8E4M3FN{detail::E4M3FN::encode(v)};
+}
+
+template <>
+KD_PLUGIN_ALWAYS_INLINE Float8E5M2 from_float<Float8E5M2>(float v) {
+  return Float8E5M2{detail::E5M2::encode(v)};
+}
+
+// The largest finite value of an fp8 storage type (the peers' fp8 max).
+template <class T>
+inline constexpr float fp8_max = 0.0f;
+template <>
+inline constexpr float fp8_max<Float8E4M3FN> = 448.0f;
+template <>
+inline constexpr float fp8_max<Float8E5M2> = 57344.0f;
+
 // The value of a stored element as float64 (exact for every type here).
 inline double to_double(double v) { return v; }
 inline double to_double(float v) { return v; }
 inline double to_double(Float16 v) { return to_float(v); }
 inline double to_double(BFloat16 v) { return to_float(v); }
+inline double to_double(Float8E4M3FN v) { return to_float(v); }
+inline double to_double(Float8E5M2 v) { return to_float(v); }
 
 namespace detail {
 
@@ -343,6 +440,14 @@ struct dtype_of<BFloat16> {
   static constexpr uint8_t code = kDLBfloat, bits = 16;
 };
 template <>
+struct dtype_of<Float8E4M3FN> {
+  static constexpr uint8_t code = KD_DLPACK_FLOAT8_E4M3FN, bits = 8;
+};
+template <>
+struct dtype_of<Float8E5M2> {
+  static constexpr uint8_t code = KD_DLPACK_FLOAT8_E5M2, bits = 8;
+};
+template <>
 struct dtype_of<int32_t> {
   static constexpr uint8_t code = kDLInt, bits = 32;
 };
@@ -408,6 +513,24 @@ kd_status dispatch_float_dtype(const kd_call_args* args, const char* op, const D
               "%s: unsupported dtype (code %u, %u bits, %u lanes); expected float32, float16 or bfloat16", op,
               static_cast<unsigned>(t.dtype.code), static_cast<unsigned>(t.dtype.bits),
               static_cast<unsigned>(t.dtype.lanes));
+}
+
+// Calls fn(TypeTag<S>{}) with S the storage type for the fp8 dtype of `t`:
+// E4M3FN or E5M2 for float8_e4m3fn or float8_e5m2. Any other dtype is
+// KD_STATUS_UNSUPPORTED, with a message naming `op`.
+template <class E4M3FN, class E5M2, class Fn>
+kd_status dispatch_fp8_dtype(const kd_call_args* args, const char* op, const DLTensor& t, Fn&& fn) {
+  if (is_dtype(t, KD_DLPACK_FLOAT8_E4M3FN, 8)) return std::forward<Fn>(fn)(TypeTag<E4M3FN>{});
+  if (is_dtype(t, KD_DLPACK_FLOAT8_E5M2, 8)) return std::forward<Fn>(fn)(TypeTag<E5M2>{});
+  return fail(args, KD_STATUS_UNSUPPORTED,
+              "%s: unsupported dtype (code %u, %u bits, %u lanes); expected float8_e4m3fn or float8_e5m2", op,
+              static_cast<unsigned>(t.dtype.code), static_cast<unsigned>(t.dtype.bits),
+              static_cast<unsigned>(t.dtype.lanes));
+}
+
+template <class Fn>
+kd_status dispatch_fp8_dtype(const kd_call_args* args, const char* op, const DLTensor& t, Fn&& fn) {
+  return dispatch_fp8_dtype<Float8E4M3FN, Float8E5M2>(args, op, t, std::forward<Fn>(fn));
 }
 
 // The same with this header's storage types: float, Float16, BFloat16.
