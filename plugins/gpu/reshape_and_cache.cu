@@ -1,15 +1,19 @@
-// kvcache.reshape_and_cache_flash with the cache in the activation dtype:
-// token t with slot s >= 0 has its H rows of D values copied to rows
-// s * H .. s * H + H - 1 of the caches seen as [NB * BS * H, D]; a slot
-// s < 0 is skipped, and so is one at or beyond NB * BS (the host backends
-// refuse it; here it is data, so nothing is written out of bounds).
+// kvcache.reshape_and_cache_flash: token t with slot s >= 0 has its H rows
+// of D values written to rows s * H .. s * H + H - 1 of the caches seen as
+// [NB * BS * H, D]; a slot s < 0 is skipped, and so is one at or beyond
+// NB * BS (the host backends refuse it; here it is data, so nothing is
+// written out of bounds).
 //
 // One block per token (looping when there are more tokens than a grid
-// holds), its threads moving the token's key and value rows in units of
-// 16, 8, 4, 2 or 1 bytes: the widest that divides a row and every row's
-// start. A copy is exact whatever the dtype, so the kernel moves bytes.
+// holds). With both caches in the activation dtype, its threads copy the
+// token's key and value rows in units of 16, 8, 4, 2 or 1 bytes: the widest
+// that divides a row and every row's start (a copy is exact whatever the
+// dtype, so the kernel moves bytes). A cache in fp8 is written by a second
+// kernel, one launch per cache: each value divided by the cache's scale in
+// float32 and converted once, saturating, as vLLM does.
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "device_utils.cuh"
 #include "launch_utils.hpp"
@@ -51,6 +55,72 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(CacheCopy c, const Slot*
   }
 }
 
+// One cache written value by value: `dst` = C(src / scale), or a plain
+// copy when C is the activation dtype T.
+struct CacheConvert {
+  const char* src;
+  char* dst;
+  kd_plugin::RowLayout src_rows, dst_rows;
+  const float* scale;  // device float32 [1], or nullptr for 1
+  int64_t tokens, heads, d, cache_slots;
+};
+
+template <class T, class C, class Slot>
+__global__ void __launch_bounds__(kThreads) convert_kernel(CacheConvert c, const Slot* __restrict__ slots) {
+  start_after_previous_kernel();
+  const float scale = c.scale != nullptr ? *c.scale : 1.0f;
+  for (int64_t t = blockIdx.x; t < c.tokens; t += gridDim.x) {
+    const auto s = static_cast<int64_t>(slots[t]);
+    if (s < 0 || s >= c.cache_slots) continue;
+    for (int64_t k = threadIdx.x; k < c.heads * c.d; k += blockDim.x) {
+      const int64_t h = k / c.d;
+      const int64_t i = k % c.d;
+      const T x = reinterpret_cast<const T*>(c.src)[c.src_rows.offset(t * c.heads + h) + i];
+      C* out = reinterpret_cast<C*>(c.dst) + c.dst_rows.offset(s * c.heads + h) + i;
+      if constexpr (std::is_same_v<T, C>) {
+        *out = x;
+      } else {
+        *out = from_float<C>(to_float(x) / scale);
+      }
+    }
+  }
+}
+
+// Whether `cache` may hold values of `src`'s dtype under kv_cache_dtype
+// `name`: "auto" takes the cache's own dtype (the activation dtype or
+// fp8); "fp8" and "fp8_e4m3" need float8_e4m3fn, "fp8_e5m2" float8_e5m2.
+bool cache_dtype_fits(const char* name, const DLTensor& src, const DLTensor& cache) {
+  const bool e4m3 = is_dtype(cache, KD_DLPACK_FLOAT8_E4M3FN, 8);
+  const bool e5m2 = is_dtype(cache, KD_DLPACK_FLOAT8_E5M2, 8);
+  if (std::strcmp(name, "auto") == 0) return same_dtype(src, cache) || e4m3 || e5m2;
+  if (std::strcmp(name, "fp8") == 0 || std::strcmp(name, "fp8_e4m3") == 0) return e4m3;
+  return std::strcmp(name, "fp8_e5m2") == 0 && e5m2;
+}
+
+// Launches convert_kernel for one cache: tensors src, cache and scale of
+// the call.
+template <class Slot>
+void launch_convert(const Launch& launch, const kd_call_args* args, int src, int cache, int scale, const Slot* slots) {
+  const DLTensor& x = args->tensors[src];
+  const DLTensor& c = args->tensors[cache];
+  const DLTensor& k = args->tensors[scale];
+  const CacheConvert conv{data_as<const char>(x), data_as<char>(c), kd_plugin::row_layout(x, 1),
+                          kd_plugin::row_layout(c, 1), k.data == nullptr ? nullptr : data_as<const float>(k),
+                          dim(x, 0), dim(x, 1), dim(x, 2), dim(c, 0) * dim(c, 1)};
+  const dim3 grid(row_grid(conv.tokens));
+  kd_plugin::dispatch_float_dtype<float, half_t, bf16_t>(args, kOp, x, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (is_dtype(c, KD_DLPACK_FLOAT8_E4M3FN, 8)) {
+      launch_kernel(launch, convert_kernel<T, fp8_e4m3_t, Slot>, grid, dim3(kThreads), conv, slots);
+    } else if (is_dtype(c, KD_DLPACK_FLOAT8_E5M2, 8)) {
+      launch_kernel(launch, convert_kernel<T, fp8_e5m2_t, Slot>, grid, dim3(kThreads), conv, slots);
+    } else {
+      launch_kernel(launch, convert_kernel<T, T, Slot>, grid, dim3(kThreads), conv, slots);
+    }
+    return KD_STATUS_OK;
+  });
+}
+
 kd_status run_cache(const kd_call_args* args) {
   if (kd_status s = check_call(args, kOp, 7, 1); s != KD_STATUS_OK) return s;
   const DLTensor& key = args->tensors[0];
@@ -59,10 +129,7 @@ kd_status run_cache(const kd_call_args* args) {
   const DLTensor& value_cache = args->tensors[3];
   const DLTensor& slots = args->tensors[4];
   const kd_attr* cache_dtype = kd_plugin::find_attr(args, "kv_cache_dtype", KD_ATTR_TYPE_STRING);
-  if (cache_dtype == nullptr || cache_dtype->value.s == nullptr || std::strcmp(cache_dtype->value.s, "auto") != 0) {
-    return kd_plugin::fail(args, KD_STATUS_UNSUPPORTED,
-                           "%s: kv_cache_dtype must be \"auto\" (the caches in the activation dtype)", kOp);
-  }
+  const char* cache_dtype_name = cache_dtype != nullptr && cache_dtype->value.s != nullptr ? cache_dtype->value.s : "";
   if (key.ndim != 3 || value.ndim != 3 || key_cache.ndim != 4 || value_cache.ndim != 4 || slots.ndim != 1) {
     return invalid_shapes(args, kOp);
   }
@@ -77,12 +144,18 @@ kd_status run_cache(const kd_call_args* args) {
   const bool slots64 = is_dtype(slots, kDLInt, 64);
   // The dtypes of its manifest entry: the copy itself would move any.
   const bool served = is_dtype(key, kDLFloat, 32) || is_dtype(key, kDLFloat, 16) || is_dtype(key, kDLBfloat, 16);
-  if (!served || !(slots64 || is_dtype(slots, kDLInt, 32)) || !same_dtype(key, value) ||
-      !same_dtype(key, key_cache) || !same_dtype(key, value_cache)) {
+  if (!served || !(slots64 || is_dtype(slots, kDLInt, 32)) || !same_dtype(key, value)) {
     return kd_plugin::fail(args, KD_STATUS_UNSUPPORTED,
-                           "%s: key, value and the caches must share one dtype (float32, float16 or bfloat16), "
-                           "slot_mapping int64 or int32",
+                           "%s: key and value must share one dtype (float32, float16 or bfloat16), slot_mapping "
+                           "int64 or int32",
                            kOp);
+  }
+  if (!cache_dtype_fits(cache_dtype_name, key, key_cache) || !cache_dtype_fits(cache_dtype_name, value, value_cache)) {
+    return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT,
+                           "%s: kv_cache_dtype '%s' with key_cache %s and value_cache %s: \"auto\" takes caches in "
+                           "the activation dtype or fp8, \"fp8\" and \"fp8_e4m3\" float8_e4m3fn caches, "
+                           "\"fp8_e5m2\" float8_e5m2 caches",
+                           kOp, cache_dtype_name, kd_plugin::dtype_name(key_cache), kd_plugin::dtype_name(value_cache));
   }
   if (tokens == 0 || heads == 0 || d == 0) return KD_STATUS_OK;
   CacheCopy c{data_as<const char>(key), data_as<const char>(value), data_as<char>(key_cache),
@@ -106,6 +179,16 @@ kd_status run_cache(const kd_call_args* args) {
   }
   launch.stream = static_cast<cudaStream_t>(args->stream);
   const cudaError_t pending = cudaPeekAtLastError();
+  if (!same_dtype(key, key_cache) || !same_dtype(value, value_cache)) {
+    if (slots64) {
+      launch_convert(launch, args, 0, 2, 5, data_as<const int64_t>(slots));
+      launch_convert(launch, args, 1, 3, 6, data_as<const int64_t>(slots));
+    } else {
+      launch_convert(launch, args, 0, 2, 5, data_as<const int32_t>(slots));
+      launch_convert(launch, args, 1, 3, 6, data_as<const int32_t>(slots));
+    }
+    return launched(args, kOp, pending);
+  }
   const auto run = [&](auto unit_tag) {
     using U = typename decltype(unit_tag)::type;
     c.row_units = static_cast<int64_t>(row_bytes / sizeof(U));

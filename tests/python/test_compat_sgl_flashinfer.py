@@ -401,6 +401,21 @@ def test_topk():
         check(torch.equal(tei2, want_tei), f"topk_softmax {dtype}: token_expert_indices=")
 
 
+def test_moe_align():
+    for (t, k, e, b), ids_dtype in itertools.product(((1, 1, 1, 1), (7, 3, 5, 4), (33, 8, 64, 16)),
+                                                    (torch.int32, torch.int64)):
+        ids = torch.randint(0, e, (t, k), dtype=ids_dtype)
+        padded = ids.numel() + e * (b - 1)
+        outs = [torch.full([padded], -7, dtype=torch.int32), torch.full([-(-padded // b)], -7, dtype=torch.int32),
+                torch.full([1], -7, dtype=torch.int32)]
+        cumsum = torch.full([e + 1], -3, dtype=torch.int32)
+        ret = sgl_kernel.moe_align_block_size(ids, e, b, *outs, cumsum, True)
+        want = [torch.empty_like(o) for o in outs]
+        torch_op("moe.align_block_size")(ids, *want, e, b, "reference")
+        check(ret is None and all(torch.equal(a, w) for a, w in zip(outs, want)) and bool((cumsum == -3).all()),
+              f"sgl_kernel.moe_align_block_size [{t}, {k}] of {e}, block {b}, {ids_dtype}: reference")
+
+
 def test_spellings():
     fi = flashinfer
     pairs = [(fi.norm.rmsnorm, fi.rmsnorm), (fi.norm.fused_add_rmsnorm, fi.fused_add_rmsnorm),
@@ -786,7 +801,7 @@ def test_peers():
 
 def main():
     for test in (test_norms, test_flashinfer_3d_norm, test_fused, test_activations, test_layernorm, test_rope,
-                 test_topk, test_spellings, test_refusals, test_peers):
+                 test_topk, test_moe_align, test_spellings, test_refusals, test_peers):
         before = results["failed"]
         test()
         if results["failed"] != before:

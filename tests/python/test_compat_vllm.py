@@ -9,6 +9,10 @@
 - row-strided views (column slices, q and k sliced from a fused QKV output)
   written in place: same storage, the values of a contiguous call, the
   rest of the buffer untouched;
+- moe_align_block_size and reshape_and_cache_flash (the cache halves of
+  one fused buffer, key and value views into a QKV output; an fp8 cache in
+  vLLM's uint8 storage where torch has float8 dtypes) exactly as the
+  reference backend and vLLM's formula;
 - vLLM's signatures (names, order, defaults) and in-place/out conventions
   (what is written, what is only read, None returned);
 - every refusal: kdispatch.CallError KD-E030 naming the function and vLLM's
@@ -353,6 +357,77 @@ def test_topk_softmax():
     check(torch.equal(w, w2) and torch.equal(ids, ids2), "topk_softmax: strided gating_output")
 
 
+def test_moe_align_block_size():
+    for (t, k, e, b), ids_dtype in itertools.product([(1, 1, 1, 1), (7, 3, 5, 4), (33, 8, 64, 16), (64, 8, 256, 64)],
+                                                    [torch.int32, torch.int64]):
+        g = torch.Generator().manual_seed(t * e + b)
+        ids = torch.randint(0, e, (t, k), generator=g).to(ids_dtype)
+        padded = ids.numel() + e * (b - 1)
+        blocks = -(-padded // b)
+        outs = [torch.full([padded], -7, dtype=torch.int32), torch.full([blocks], -7, dtype=torch.int32),
+                torch.full([1], -7, dtype=torch.int32)]
+        check(ops.moe_align_block_size(ids, e, b, *outs) is None, "moe_align_block_size returns None")
+        want = [torch.empty_like(o) for o in outs]
+        KD.moe_align_block_size(ids, *want, e, b, backend="reference")
+        what = f"moe_align_block_size {t}x{k} of {e} experts, block {b}, ids {ids_dtype}"
+        check(all(torch.equal(a, w) for a, w in zip(outs, want)), f"{what}: as the reference backend")
+        # vLLM's test: each expert's indices form the set of its (token, slot) pairs.
+        total = int(outs[2][0])
+        flat = ids.flatten().long()
+        for block in range(total // b):
+            expert = int(outs[1][block])
+            got = outs[0][block * b:(block + 1) * b]
+            check(all(int(i) == ids.numel() or int(flat[int(i)]) == expert for i in got),
+                  f"{what}: block {block} holds only expert {expert}'s pairs")
+    ids = torch.randint(0, 4, (3, 2), dtype=torch.int32)
+    refused(lambda: ops.moe_align_block_size(ids, 4, 2, torch.empty(14, dtype=torch.int32),
+                                             torch.empty(7, dtype=torch.int32), torch.empty(1, dtype=torch.int32),
+                                             expert_map=torch.arange(4)), "moe_align_block_size", "expert_map")
+    refused(lambda: ops.moe_align_block_size(ids, 4, 2, torch.empty(14, dtype=torch.int64),
+                                             torch.empty(7, dtype=torch.int32), torch.empty(1, dtype=torch.int32)),
+            "moe_align_block_size", "sorted_token_ids")
+
+
+def test_reshape_and_cache_flash():
+    for dtype, (n, h, d, nb, bs) in itertools.product(DTYPES, [(1, 1, 1, 1, 1), (7, 3, 7, 5, 3), (33, 2, 64, 9, 16)]):
+        g = torch.Generator().manual_seed(n * d)
+        slots = torch.randperm(nb * bs, generator=g)[:n]
+        slots[::3] = -1
+        # key and value as views into a fused QKV output, the caches two
+        # halves of one [nb, 2, bs, h, d] buffer.
+        qkv = randn([n, 3, h, d], dtype, n + d)
+        key, value = qkv[:, 1], qkv[:, 2]
+        kv = randn([nb, 2, bs, h, d], dtype, nb)
+        before = kv.clone()
+        scale = torch.tensor([1.0])
+        check(ops.reshape_and_cache_flash(key, value, kv[:, 0], kv[:, 1], slots, "auto", scale, scale) is None,
+              "reshape_and_cache_flash returns None")
+        want = before.clone()
+        flat_k, flat_v = want[:, 0].reshape(-1, h, d), want[:, 1].reshape(-1, h, d)
+        keep = slots >= 0
+        flat_k[slots[keep]] = key[keep]
+        flat_v[slots[keep]] = value[keep]
+        want[:, 0], want[:, 1] = flat_k.view(nb, bs, h, d), flat_v.view(nb, bs, h, d)
+        check(torch.equal(kv, want), f"reshape_and_cache_flash {dtype} {n}x{h}x{d} into {nb}x{bs}: tokens in "
+                                     "their slots, slot -1 skipped, the rest untouched")
+    key = randn([2, 1, 4], torch.float32, 30)
+    cache = torch.zeros(2, 2, 1, 4)
+    slots = torch.tensor([0, 3])
+    scale = torch.tensor([1.0])
+    refused(lambda: ops.reshape_and_cache_flash(key, key, cache, cache.clone(), slots, "int8", scale, scale),
+            "reshape_and_cache_flash", "kv_cache_dtype")
+    refused(lambda: ops.reshape_and_cache_flash(key, key.double(), cache, cache.clone(), slots, "auto", scale,
+                                                scale), "reshape_and_cache_flash", "value")
+    if hasattr(torch, "float8_e4m3fn"):  # vLLM's uint8 fp8 cache, viewed as float8_e4m3fn
+        cache8 = torch.zeros(2, 2, 1, 4, dtype=torch.uint8)
+        k_scale = torch.tensor([0.5])
+        ops.reshape_and_cache_flash(key, key, cache8, cache8.clone(), slots, "fp8", k_scale, k_scale)
+        want = (key / 0.5).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        check(torch.equal(cache8.view(-1, 1, 4)[slots], want), "reshape_and_cache_flash fp8 into a uint8 cache")
+    else:
+        print(f"SKIPPED reshape_and_cache_flash into an fp8 cache: torch {torch.__version__} has no float8 dtypes")
+
+
 def test_refusals():
     x = randn([4, 16], torch.bfloat16, 20)
     w = randn([16], torch.bfloat16, 21)
@@ -419,6 +494,10 @@ def test_signatures():
                              "rope_dim_offset=0", "inverse=False"],
         "topk_softmax": ["topk_weights", "topk_ids", "token_expert_indices", "gating_output", "renormalize=False",
                          "e_score_correction_bias=None", "is_padding=None"],
+        "moe_align_block_size": ["topk_ids", "num_experts", "block_size", "sorted_token_ids", "experts_ids",
+                                 "num_tokens_post_pad", "expert_map=None"],
+        "reshape_and_cache_flash": ["key", "value", "key_cache", "value_cache", "slot_mapping", "kv_cache_dtype",
+                                    "k_scale", "v_scale"],
     }
     check(sorted(ops.__all__) == sorted(want), f"functions {ops.__all__}")
     for name, params in want.items():
@@ -667,8 +746,8 @@ def main():
     parser.add_argument("--full", action="store_true", help="run vLLM's largest layernorm and rotary cases at full size")
     parser.add_argument("--verbose", action="store_true", help="print the time of each part")
     args = parser.parse_args()
-    for part in (test_signatures, test_rms_norm, test_fused_add_rms_norm, test_activations, test_rotary_embedding, test_topk_softmax,
-                 test_refusals, lambda: vllm_layernorm_cases(args.full), vllm_activation_cases,
+    for part in (test_signatures, test_rms_norm, test_fused_add_rms_norm, test_activations, test_rotary_embedding,
+                 test_topk_softmax, test_moe_align_block_size, test_reshape_and_cache_flash, test_refusals, lambda: vllm_layernorm_cases(args.full), vllm_activation_cases,
                  lambda: vllm_pos_encoding_cases(args.full), vllm_rotary_embedding_cases, vllm_fused_topk_cases):
         start = time.time()
         part()

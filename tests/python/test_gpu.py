@@ -13,7 +13,10 @@
 - every op alone, at every size of its cases, each dtype and attribute set,
   captured in a CUDA graph (through a kdispatch.op handle and through
   torch.ops.kdispatch) and replayed on new inputs gives, bit for bit, what
-  the same call gives eagerly.
+  the same call gives eagerly;
+- every op alone, at up to three sizes of its cases in each dtype, through
+  torch.ops.kdispatch inside torch.compile(fullgraph=True) gives, bit for
+  bit, what the same call gives eagerly (mutated inputs included).
 Each check that raises counts as failed; the others still run."""
 import argparse
 import sys
@@ -236,6 +239,38 @@ def check_capture_each_op(ops):
                                f"the eager call bit for bit (every dtype; kdispatch.op, torch.ops)")
 
 
+def check_compile_each_op(ops):
+    for op in ops:
+        schema = kdispatch.schema(op)
+        opfn = getattr(torch.ops.kdispatch, kt.registered[op])
+        calls = differing = 0
+        for dtype in ktest.dtypes(op, "cuda"):
+            shapes = set()
+            for case in ktest.cases(op):
+                if case.elements > MAX_ELEMENTS or case.special or len(shapes) == 3:
+                    continue
+                shapes.add(str(case))
+                attrs = [case.attrs.get(a["name"], a["default"]) for a in schema["attrs"]]
+                torch._dynamo.reset()
+                compiled = torch.compile(lambda *ts: opfn(*ts, *attrs), fullgraph=True, dynamic=False)
+                inputs = [t.cuda() for t in ktest.inputs(op, dtype, case, seed=case.index)]
+                eager = [t.clone() for t in inputs]
+                got = compiled(*inputs)
+                want = opfn(*eager, *attrs)
+                torch.cuda.synchronize()
+                calls += 1
+                same = all(torch.equal(a, b) for a, b in zip(inputs, eager))
+                if got is not None or want is not None:
+                    got_list = list(got) if isinstance(got, (tuple, list)) else [got]
+                    want_list = list(want) if isinstance(want, (tuple, list)) else [want]
+                    same = same and all(torch.equal(a, b) for a, b in zip(got_list, want_list))
+                if not same:
+                    differing += 1
+                    print(f"  {case} {dtype}: the compiled call differs from eager")
+        report(differing == 0, f"{op} under torch.compile(fullgraph=True): {calls - differing} of {calls} calls equal "
+                               f"the eager call bit for bit (every dtype, torch.ops, mutated inputs compared)")
+
+
 def run(check, *args):
     """Runs one check; an exception is its failure, and the others still run."""
     try:
@@ -254,6 +289,8 @@ def main():
     run(check_ops, ops)
     if args.op:
         run(check_capture_each_op, ops)
+        if hasattr(torch, "compile"):
+            run(check_compile_each_op, ops)
         print(f"gpu: {sum(results)} passed, {len(results) - sum(results)} failed")
         return 0 if results and all(results) else 1
     run(check_current_stream)
@@ -265,6 +302,8 @@ def main():
         print("SKIPPED torch.compile checks: this torch has no torch.compile")
     run(check_graph)
     run(check_capture_each_op, ops)
+    if hasattr(torch, "compile"):
+        run(check_compile_each_op, ops)
     print(f"gpu: {sum(results)} passed, {len(results) - sum(results)} failed")
     return 0 if results and all(results) else 1
 

@@ -2,10 +2,13 @@
 // token's key and value land in its slot of the paged caches, slot -1 is
 // skipped, the slots no token names keep their bits; the check compares
 // every cache element, so one token written a slot off fails it; an fp8
-// kv_cache_dtype and a slot beyond the caches are refused; generated slots
+// cache holds each value divided by its scale, rounded once, saturating; a
+// kv_cache_dtype that disagrees with the caches and a slot beyond the
+// caches are refused; generated slots
 // ("values": "distinct") never repeat, so no two tokens race for a slot.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <set>
@@ -16,6 +19,7 @@
 #include "kdispatch/context.hpp"
 #include "kdispatch/dispatcher.hpp"
 #include "kdispatch/error.hpp"
+#include "kdispatch/plugin_helpers.hpp"
 
 using namespace kdispatch;
 
@@ -34,9 +38,10 @@ std::unique_ptr<Context> cache_context() {
 // 3 tokens of 2 heads x 4 values into 2 pages of 2 slots, random keys,
 // values and cache contents (make_call fills in-place tensors like
 // inputs); slot_mapping set to `slots`, attributes at their defaults.
-harness::CallData cache_call(const OpSchema& schema, Dtype dtype, std::vector<int64_t> slots) {
+harness::CallData cache_call(const OpSchema& schema, Dtype dtype, std::vector<int64_t> slots,
+                             const harness::Variant& variant = {}) {
   harness::Shapes shapes{{}, {{"N", 3}, {"H", 2}, {"D", 4}, {"NB", 2}, {"BS", 2}, {"S", 4}}};
-  harness::CallData data = harness::make_call(schema, dtype, shapes, 11);
+  harness::CallData data = harness::make_call(schema, dtype, shapes, 11, variant);
   for (size_t t = 0; t < slots.size(); ++t) data.tensors[4].set(t, static_cast<double>(slots[t]));
   return data;
 }
@@ -96,7 +101,56 @@ TEST_CASE("kvcache.reshape_and_cache_flash: the check compares every cache eleme
   }
 }
 
-TEST_CASE("kvcache.reshape_and_cache_flash: an fp8 kv_cache_dtype and a slot beyond the caches are refused") {
+TEST_CASE("kvcache.reshape_and_cache_flash: an fp8 cache holds fp8(float32(x) / scale), rounded once, saturating") {
+  auto ctx = cache_context();
+  Dispatcher dispatch(*ctx);
+  // key_cache in float8_e4m3fn, value_cache in float8_e5m2: each cache as
+  // its dtype says, with its own scale.
+  harness::Variant fp8;
+  fp8.dtypes = {Dtype::bfloat16, Dtype::bfloat16, Dtype::float8_e4m3fn, Dtype::float8_e5m2,
+                Dtype::int64,    Dtype::float32,  Dtype::float32};
+  for (const char* backend : {"cpu", "reference"}) {
+    INFO(backend);
+    const OpHandle op = dispatch.op(kOp, backend);
+    harness::CallData data = cache_call(op.schema(), Dtype::bfloat16, {2, -1, 0}, fp8);
+    const harness::CallData before = cache_call(op.schema(), Dtype::bfloat16, {2, -1, 0}, fp8);
+    data.tensors[5].set(0, 0.0625);  // k_scale: values up to 2 / 0.0625 = 32
+    data.tensors[6].set(0, 1e-5);    // v_scale: most values beyond 57344, so saturated
+    std::vector<DLTensor> tensors = data.dl();
+    op(tensors, data.attrs);
+    int saturated = 0;
+    for (size_t c = 2; c < 4; ++c) {
+      const auto scale = static_cast<float>(data.tensors[c + 3].at(0));
+      for (int64_t j = 0; j < 8; ++j) {
+        const auto x = static_cast<float>(before.tensors[c - 2].at(static_cast<size_t>(j)));  // token 0 -> slot 2
+        const float q = x / scale;
+        const double want = c == 2 ? kd_plugin::to_float(kd_plugin::from_float<kd_plugin::Float8E4M3FN>(q))
+                                   : kd_plugin::to_float(kd_plugin::from_float<kd_plugin::Float8E5M2>(q));
+        saturated += std::fabs(want) == 57344.0;
+        CHECK(data.tensors[c].at(static_cast<size_t>(16 + j)) == want);
+        CHECK(data.tensors[c].at(static_cast<size_t>(8 + j)) == before.tensors[c].at(static_cast<size_t>(8 + j)));
+      }
+    }
+    CHECK(saturated > 0);
+    // Named fp8 kinds: "fp8" and "fp8_e4m3" need float8_e4m3fn caches.
+    harness::CallData e4m3 = cache_call(op.schema(), Dtype::bfloat16, {2, -1, 0}, [&] {
+      harness::Variant v = fp8;
+      v.dtypes[3] = Dtype::float8_e4m3fn;
+      return v;
+    }());
+    std::vector<DLTensor> e4m3_dl = e4m3.dl();
+    for (const char* name : {"fp8", "fp8_e4m3"}) op(e4m3_dl, std::vector<NamedAttr>{{"kv_cache_dtype", std::string(name)}});
+    try {
+      op(e4m3_dl, std::vector<NamedAttr>{{"kv_cache_dtype", std::string("fp8_e5m2")}});
+      FAIL("fp8_e5m2 with float8_e4m3fn caches was accepted");
+    } catch (const Error& e) {
+      CHECK(e.code() == ErrorCode::kernel_failed);
+      CHECK_MESSAGE(std::string(e.what()).find("kv_cache_dtype 'fp8_e5m2'") != std::string::npos, e.what());
+    }
+  }
+}
+
+TEST_CASE("kvcache.reshape_and_cache_flash: a kv_cache_dtype that disagrees with the caches and a slot beyond the caches are refused") {
   auto ctx = cache_context();
   Dispatcher dispatch(*ctx);
   for (const char* backend : {"cpu", "reference"}) {

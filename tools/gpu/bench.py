@@ -317,6 +317,91 @@ def topk_bias_case(dtype, rows, experts, k):
                 {"renormalize": True}, compare, (at["topk_weights"], at["topk_ids"]), rows=rows)
 
 
+def kvcache_case(dtype, tokens, heads, dim, block_size=16, cache_dtype=None):
+    """reshape_and_cache_flash of key and value [tokens, heads, dim] into
+    paged caches [blocks, block_size, heads, dim] of cache_dtype (default:
+    dtype; an fp8 dtype divides by k_scale / v_scale), every slot distinct.
+    The formula: the caches' rows indexed by the slots, assigned."""
+    t = DTYPES[dtype]
+    c = getattr(torch, cache_dtype) if cache_dtype else t
+    blocks = max(1024, 2 * tokens // block_size)
+    es, cs = torch.finfo(t).bits // 8, torch.finfo(c).bits // 8
+    nbytes = 2 * tokens * heads * dim * (es + cs) + 8 * tokens
+    op = "kvcache.reshape_and_cache_flash"
+    key_cache = torch.zeros(blocks, block_size, heads, dim, device=DEVICE, dtype=c)
+    value_cache = torch.zeros_like(key_cache)
+    scales = (torch.tensor([0.05], device=DEVICE), torch.tensor([0.07], device=DEVICE))
+
+    def make():
+        k, v = randn(tokens, heads, dim, dtype=t), randn(tokens, heads, dim, dtype=t)
+        slots = torch.randperm(blocks * block_size, device=DEVICE)[:tokens]
+        kd = in_schema_order(op, key=k, value=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=slots,
+                             k_scale=scales[0], v_scale=scales[1])
+        return (k, v, key_cache, value_cache, slots, *scales), kd
+
+    def fn(k, v, kc, vc, slots, k_scale, v_scale):
+        if c.itemsize == 1:
+            limit = torch.finfo(c).max
+            k = (k.float() / k_scale).clamp(-limit, limit).to(c)
+            v = (v.float() / v_scale).clamp(-limit, limit).to(c)
+        kc.view(-1, heads, dim)[slots] = k
+        vc.view(-1, heads, dim)[slots] = v
+        return kc, vc
+
+    def compare(kd, want):
+        slots = kd[tensor_index(op)["slot_mapping"]]
+        return [(kd[2].view(-1, heads, dim)[slots].float(), want[0].view(-1, heads, dim)[slots].float()),
+                (kd[3].view(-1, heads, dim)[slots].float(), want[1].view(-1, heads, dim)[slots].float())]
+
+    return Case(op, dtype, f"{tokens}x{heads}x{dim}" + (f" {cache_dtype}" if cache_dtype else ""), nbytes, make, fn,
+                {"kv_cache_dtype": "auto"}, compare, (), rows=tokens)
+
+
+def moe_align_case(tokens, k, experts, block_size):
+    """moe.align_block_size of int32 ids [tokens, k]; the formula: the
+    peers' algorithm in torch (counts by scatter_add, padded offsets by
+    cumsum, a stable sort by expert)."""
+    op = "moe.align_block_size"
+    n = tokens * k
+    padded = n + experts * (block_size - 1)
+    blocks = -(-padded // block_size)
+    nbytes = 4 * n + 4 * padded + 4 * blocks + 4
+
+    def make():
+        ids = torch.randint(0, experts, (tokens, k), device=DEVICE, dtype=torch.int32)
+        outs = dict(sorted_token_ids=torch.empty(padded, device=DEVICE, dtype=torch.int32),
+                    expert_ids=torch.empty(blocks, device=DEVICE, dtype=torch.int32),
+                    num_tokens_post_pad=torch.empty(1, device=DEVICE, dtype=torch.int32))
+        return (ids,), in_schema_order(op, topk_ids=ids, **outs)
+
+    def fn(ids):
+        flat = ids.flatten().long()
+        counts = torch.zeros(experts, device=ids.device, dtype=torch.long).scatter_add_(0, flat, torch.ones_like(flat))
+        sizes = (counts + block_size - 1) // block_size * block_size
+        ends = torch.cumsum(sizes, 0)
+        order = torch.sort(flat, stable=True).indices
+        by_expert = flat[order]
+        first = torch.cumsum(counts, 0) - counts  # each expert's first position in `order`
+        dest = (ends - sizes)[by_expert] + torch.arange(n, device=ids.device) - first[by_expert]
+        sorted_ids = torch.full((padded,), n, device=ids.device, dtype=torch.int32)
+        sorted_ids[dest] = order.int()
+        starts = torch.arange(blocks, device=ids.device) * block_size
+        expert_ids = torch.searchsorted(ends, starts, right=True).int()
+        total = ends[-1:].int()
+        expert_ids = torch.where(starts < total, expert_ids, torch.full_like(expert_ids, -1))
+        return sorted_ids, expert_ids, total
+
+    def compare(kd, want):
+        at = tensor_index(op)
+        return [(kd[at["sorted_token_ids"]], want[0]), (kd[at["expert_ids"]], want[1]),
+                (kd[at["num_tokens_post_pad"]], want[2])]
+
+    at = tensor_index(op)
+    return Case(op, "int32", f"{tokens}x{k} of {experts} b{block_size}", nbytes, make, fn,
+                {"num_experts": experts, "block_size": block_size}, compare,
+                (at["sorted_token_ids"], at["expert_ids"], at["num_tokens_post_pad"]), rows=tokens)
+
+
 def cases():
     if DEVICE == "cpu":  # the sizes of kdispatch-bench-kernels (the schemas' "bench")
         return cpu_cases()
@@ -346,6 +431,11 @@ def cases():
                             fused_qkv=fused) for fused in (False, True)]
     out += [topk_bias_case("bfloat16", rows, 256, 8) for rows in (32768, 64)]
     out += [norm_case(False, "bfloat16", rows, hidden, gemma=True) for rows, hidden in ((32768, 8192), (64, 4096))]
+    # The KV-cache write (8 kv heads x 128, 16-token pages) in the
+    # activation dtype and in fp8; the MoE block alignment.
+    for tokens in (4096, 64):
+        out += [kvcache_case("bfloat16", tokens, 8, 128, cache_dtype=c) for c in (None, "float8_e4m3fn")]
+    out += [moe_align_case(tokens, 8, 256, 64) for tokens in (32768, 64)]
     return out
 
 

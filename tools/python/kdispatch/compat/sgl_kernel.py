@@ -2,7 +2,7 @@
 
 ``import kdispatch.compat.sgl_kernel as sgl_kernel`` gives the names,
 signatures and in-place/out conventions of ``sgl_kernel``'s norms,
-activations, rotary embedding and MoE top-k softmax; each call forwards its
+activations, rotary embedding, MoE top-k softmax and block alignment; each call forwards its
 tensors as they are (strides included: a column slice, q and k sliced from
 a fused QKV output) to ``torch.ops.kdispatch.*``, which runs the kernel the
 selection rules choose for the device. Nothing is copied or cast: an
@@ -26,6 +26,7 @@ __all__ = [
     "gelu_tanh_and_mul",
     "gemma_fused_add_rmsnorm",
     "gemma_rmsnorm",
+    "moe_align_block_size",
     "rmsnorm",
     "silu_and_mul",
     "topk_softmax",
@@ -87,3 +88,25 @@ def topk_softmax(topk_weights, topk_ids, gating_output, renormalize=False, moe_s
           "correction_bias": "correction_bias", "token_expert_indices": "token_expert_indices"},
          topk_weights, topk_ids, gating_output, correction_bias, token_expert_indices, renormalize,
          abs(float(moe_softcapping)))
+
+
+def moe_align_block_size(topk_ids, num_experts, block_size, sorted_token_ids, experts_ids, num_tokens_post_pad,
+                         cumsum_buffer=None, pad_sorted_token_ids=False):
+    """Groups the routed (token, slot) pairs of topk_ids by expert, each
+    group padded to a multiple of block_size with topk_ids.numel(), into
+    sorted_token_ids, the expert of each block into experts_ids and the
+    padded total into num_tokens_post_pad[0] (int32, in place; returns
+    None); forwards to moe.align_block_size.
+
+    Within an expert the indices are in ascending order. sorted_token_ids
+    is padded to its end and experts_ids gets -1 past the last block
+    whatever pad_sorted_token_ids says (sgl_kernel leaves them unwritten
+    without it, and its callers read only the first num_tokens_post_pad).
+    cumsum_buffer, sgl_kernel's scratch space, is accepted and left as it is."""
+    function = f"{_MODULE}.moe_align_block_size"
+    if not isinstance(pad_sorted_token_ids, bool):
+        raise unsupported(function, "pad_sorted_token_ids", f"expected a bool, got {pad_sorted_token_ids!r}")
+    call(function, "moe.align_block_size",
+         {"topk_ids": "topk_ids", "sorted_token_ids": "sorted_token_ids", "expert_ids": "experts_ids",
+          "num_tokens_post_pad": "num_tokens_post_pad"},
+         topk_ids, sorted_token_ids, experts_ids, num_tokens_post_pad, int(num_experts), int(block_size))

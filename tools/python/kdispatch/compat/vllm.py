@@ -1,4 +1,5 @@
-"""vLLM's ``vllm._custom_ops`` norm, rotary and MoE routing functions, and
+"""vLLM's ``vllm._custom_ops`` norm, rotary, MoE routing and alignment and
+KV-cache write functions, and
 the activation ops vLLM's activation layers call as
 ``torch.ops._C.<name>(out, input)``, on kdispatch's torch ops:
 
@@ -16,6 +17,11 @@ the function and vLLM's name of the argument:
 
 - ``rms_norm`` and ``fused_add_rms_norm`` with ``weight=None``;
 - ``rotary_embedding`` with ``rope_dim_offset != 0`` or ``inverse=True``;
+- ``reshape_and_cache_flash`` with a ``kv_cache_dtype`` other than
+  ``"auto"``, ``"fp8"``, ``"fp8_e4m3"`` and ``"fp8_e5m2"``, or caches whose
+  dtype disagrees with it (vLLM's uint8 fp8 caches are taken as views of
+  the named float8 dtype: a view, not a copy);
+- ``moe_align_block_size`` with an ``expert_map`` (expert parallelism);
 - ``topk_softmax`` with an ``e_score_correction_bias`` (vLLM adds it to
   the probabilities after the softmax, for the choice of experts only;
   kdispatch's op adds it to the logits before the softmax, as SGLang does)
@@ -38,8 +44,8 @@ import torch as _torch
 from .. import rotary as _rotary
 from ._common import forward as _forward, torch_op, unsupported
 
-__all__ = ["fused_add_rms_norm", "gelu_and_mul", "gelu_tanh_and_mul", "rms_norm", "rotary_embedding",
-           "silu_and_mul", "topk_softmax"]
+__all__ = ["fused_add_rms_norm", "gelu_and_mul", "gelu_tanh_and_mul", "moe_align_block_size",
+           "reshape_and_cache_flash", "rms_norm", "rotary_embedding", "silu_and_mul", "topk_softmax"]
 
 _rmsnorm = torch_op("layernorm.rmsnorm")
 _fused_add_rmsnorm = torch_op("layernorm.fused_add_rmsnorm")
@@ -48,6 +54,8 @@ _gelu_and_mul = torch_op("activation.gelu_and_mul")
 _gelu_tanh_and_mul = torch_op("activation.gelu_tanh_and_mul")
 _rotary_embedding = torch_op("embeddings.rotary_embedding")
 _topk_softmax = torch_op("moe.topk_softmax")
+_moe_align_block_size = torch_op("moe.align_block_size")
+_reshape_and_cache_flash = torch_op("kvcache.reshape_and_cache_flash")
 
 def _need_weight(function, weight):
     if weight is None:
@@ -166,6 +174,55 @@ def topk_softmax(topk_weights, topk_ids, token_expert_indices, gating_output, re
         raise unsupported(function, "is_padding", "a padding mask is not supported; pass None")
     _forward(function, _TOPK_NAMES, _topk_softmax, topk_weights, topk_ids, gating_output, None,
              token_expert_indices, bool(renormalize), 0.0)
+
+
+_ALIGN_NAMES = {"topk_ids": "topk_ids", "sorted_token_ids": "sorted_token_ids", "expert_ids": "experts_ids",
+                "num_tokens_post_pad": "num_tokens_post_pad"}
+
+
+def moe_align_block_size(topk_ids, num_experts, block_size, sorted_token_ids, experts_ids, num_tokens_post_pad,
+                         expert_map=None):
+    """The routed (token, slot) pairs of topk_ids grouped by expert, each
+    expert's group padded to a multiple of block_size with topk_ids.numel():
+    sorted_token_ids, the expert of each block (experts_ids, -1 past the
+    last block) and num_tokens_post_pad[0], all int32, written in place.
+
+    moe.align_block_size. Within an expert the indices are in ascending
+    order (vLLM's kernel leaves their order to its atomics)."""
+    function = "vllm.moe_align_block_size"
+    if expert_map is not None:
+        raise unsupported(function, "expert_map", "expert parallelism's map is not supported; pass None (ids "
+                          "outside [0, num_experts) are skipped, as vLLM skips unmapped experts)")
+    _forward(function, _ALIGN_NAMES, _moe_align_block_size, topk_ids, sorted_token_ids, experts_ids,
+             num_tokens_post_pad, int(num_experts), int(block_size))
+
+
+_CACHE_NAMES = {n: n for n in ("key", "value", "key_cache", "value_cache", "slot_mapping", "k_scale", "v_scale")}
+_FP8_CACHE = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
+    """key_cache[s // block_size, s % block_size] = key[t] and the same for
+    value, for each token t with s = slot_mapping[t] >= 0; caches
+    [num_blocks, block_size, num_heads, head_size], written in place.
+
+    kvcache.reshape_and_cache_flash. With kv_cache_dtype "auto" the caches
+    hold the activation dtype (a copy); with "fp8"/"fp8_e4m3" or "fp8_e5m2"
+    they hold fp8(key / k_scale) and fp8(value / v_scale), saturating,
+    and may be uint8 (vLLM's storage) or the float8 dtype."""
+    function = "vllm.reshape_and_cache_flash"
+    if kv_cache_dtype != "auto":
+        if kv_cache_dtype not in _FP8_CACHE:
+            raise unsupported(function, "kv_cache_dtype", f"{kv_cache_dtype!r}: expected \"auto\", \"fp8\", "
+                              "\"fp8_e4m3\" or \"fp8_e5m2\"")
+        fp8 = getattr(_torch, _FP8_CACHE[kv_cache_dtype], None)
+        if fp8 is None:
+            raise unsupported(function, "kv_cache_dtype", f"{kv_cache_dtype!r}: this torch {_torch.__version__} "
+                              "has no float8 dtypes")
+        key_cache = key_cache.view(fp8) if key_cache.dtype == _torch.uint8 else key_cache
+        value_cache = value_cache.view(fp8) if value_cache.dtype == _torch.uint8 else value_cache
+    _forward(function, _CACHE_NAMES, _reshape_and_cache_flash, key, value, key_cache, value_cache, slot_mapping,
+             k_scale, v_scale, str(kv_cache_dtype))
 
 
 def __getattr__(name):
