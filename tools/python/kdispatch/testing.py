@@ -76,15 +76,15 @@ _NUMPY_NAMES = {"float32": "float32", "float16": "float16", "float64": "float64"
 
 
 def unavailable_dtypes(op, kind="torch"):
-    """The dtype names the op's tensors take in every call (a dtype given by
-    name, not a dtype variable, each tensor's first) that `kind` ("torch" or
-    "numpy") cannot make here: the 8-bit floats of the quantisation ops'
-    outputs with NumPy or a torch before 2.1. inputs() raises TypeError for
+    """The dtype names the op's tensors may take (given by name, not a dtype
+    variable: a tensor's first dtype or its alternatives) that `kind`
+    ("torch" or "numpy") cannot make here: the 8-bit floats of the
+    quantisation ops' outputs with NumPy or a torch before 2.1. inputs() raises TypeError for
     such an op; the tests leave it out."""
     schema = _kdispatch.schema(op)
     missing = []
-    for arg in schema["tensors"]:
-        name = arg["dtype"]
+    names = [n for arg in schema["tensors"] for n in [arg["dtype"]] + list(arg.get("dtype_alternatives", ()))]
+    for name in names:
         if name in schema["dtypes"] or name in missing:
             continue
         if kind == "numpy":
