@@ -25,6 +25,10 @@ MAX_ELEMENTS = 1 << 20
 
 
 def check_op(op):
+    missing = kt.unavailable_dtypes(op, kind="numpy")
+    if missing:
+        print(f"skip {op}: NumPy has no {', '.join(missing)} (test_torch_ops.py covers it)")
+        return 0, 0
     handle = kdispatch.op(op)
     checked = failed = 0
     for dtype in [d for d in kt.dtypes(op) if d in NUMPY_DTYPES]:
@@ -59,6 +63,8 @@ def main():
         total += checked
         bad += failed
     print(f"numpy: {total - bad} passed, {bad} failed ({len(ops)} ops; float32 and float16, or int32 and int64)")
+    if total == 0 and all(kt.unavailable_dtypes(op, kind="numpy") for op in ops):
+        return 77  # skipped
     return 1 if bad or total == 0 else 0
 
 

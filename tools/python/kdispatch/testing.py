@@ -75,6 +75,28 @@ _NUMPY_NAMES = {"float32": "float32", "float16": "float16", "float64": "float64"
                 "int64": "int64", "uint8": "uint8", "bool": "bool_"}
 
 
+def unavailable_dtypes(op, kind="torch"):
+    """The dtype names the op's tensors may take (given by name, not a dtype
+    variable: a tensor's first dtype or its alternatives) that `kind`
+    ("torch" or "numpy") cannot make here: the 8-bit floats of the
+    quantisation ops' outputs with NumPy or a torch before 2.1. inputs() raises TypeError for
+    such an op; the tests leave it out."""
+    schema = _kdispatch.schema(op)
+    missing = []
+    names = [n for arg in schema["tensors"] for n in [arg["dtype"]] + list(arg.get("dtype_alternatives", ()))]
+    for name in names:
+        if name in schema["dtypes"] or name in missing:
+            continue
+        if kind == "numpy":
+            ok = name in _NUMPY_NAMES
+        else:
+            import torch
+            ok = getattr(torch, _TORCH_NAMES.get(name, name), None) is not None
+        if not ok:
+            missing.append(name)
+    return missing
+
+
 def _as_torch(data, dtype, shape):
     import torch
     torch_dtype = getattr(torch, _TORCH_NAMES[dtype], None)
