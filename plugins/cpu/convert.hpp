@@ -22,6 +22,8 @@ namespace kdispatch::cpu {
 
 using kd_plugin::BFloat16;
 using kd_plugin::Float16;
+using kd_plugin::Float8E4M3FN;
+using kd_plugin::Float8E5M2;
 using kd_plugin::from_float;
 using kd_plugin::to_float;
 
@@ -52,6 +54,14 @@ void widen(const BFloat16* src, float* dst, int64_t n) noexcept;
 void narrow(const float* src, Float16* dst, int64_t n, Store store) noexcept;
 void narrow(const float* src, BFloat16* dst, int64_t n, Store store) noexcept;
 void narrow(const float* src, float* dst, int64_t n, Store store) noexcept;
+
+// The same for the 8-bit floats, rounded to nearest even and saturating
+// (from_float); `store` is not used: fp8 outputs are a quarter of a float32
+// row, ordinary stores.
+template <class F8, class = std::enable_if_t<std::is_same_v<F8, Float8E4M3FN> || std::is_same_v<F8, Float8E5M2>>>
+[[gnu::always_inline]] inline void narrow(const float* src, F8* dst, int64_t n, Store) noexcept {
+  for (int64_t i = 0; i < n; ++i) dst[i] = from_float<F8>(src[i]);
+}
 
 // Orders this thread's streaming stores before whatever it does next (in
 // particular before the pool reports its range done). Call once after a run

@@ -1,11 +1,16 @@
 // layernorm.rmsnorm, layernorm.gemma_rmsnorm, layernorm.fused_add_rmsnorm
-// and layernorm.gemma_fused_add_rmsnorm, the last two also as _out.
+// and layernorm.gemma_fused_add_rmsnorm, the last two also as _out, and
+// layernorm.rmsnorm_quant_fp8 and layernorm.fused_add_rmsnorm_quant_fp8.
 //
 //   rmsnorm:            out = T(x * inv_rms(x) * (offset + weight))
 //   fused_add_rmsnorm:  s = x + residual (float32); residual = T(s)
 //                       x = T(s * inv_rms(s) * (offset + weight))
 //   ..._out:            the same into residual_out and out, x and residual
 //                       only read
+//   ..._quant_fp8:      rmsnorm, or fused_add_rmsnorm with x only read and
+//                       the result in out, multiplied by 1 / scale[0] (read
+//                       on the device) and rounded once to out's fp8 type O,
+//                       saturating, as vLLM and FlashInfer do
 // with inv_rms(v) = rsqrt(mean(v^2) + eps), all arithmetic in float32, the
 // fused op normalising the unrounded sum (as FlashInfer and SGLang do), and
 // offset 1 for the Gemma variants, 0 otherwise (FlashInfer's weight_bias).
@@ -60,10 +65,11 @@ struct BlockSum {
 // fused_add_rmsnorm out is x and residual_out is residual (updated in
 // place); for rmsnorm both residuals are null. Every element is read before
 // the thread that read it writes the same position, so outputs may be
-// their inputs.
-template <class T, class W>
+// their inputs. O is T, or the fp8 type of a _quant_fp8 op's out, whose
+// scale is then a device pointer (else null).
+template <class T, class W, class O = T>
 struct NormArgs {
-  T* out;
+  O* out;
   T* residual_out;
   const T* x;
   const T* residual;
@@ -76,7 +82,19 @@ struct NormArgs {
   int hidden;
   float eps;
   float weight_offset;  // 1 for the Gemma variants, else 0
+  const float* scale;
 };
+
+// What a normalised value is multiplied by before its rounding to O: 1 /
+// scale[0] for an fp8 out, else nothing (1).
+template <class T, class W, class O>
+__device__ __forceinline__ float out_multiplier(const NormArgs<T, W, O>& a) {
+  if constexpr (std::is_same_v<T, O>) {
+    return 1.f;
+  } else {
+    return 1.f / *a.scale;
+  }
+}
 
 // The value normalised, element e of vectors x and r: x, or x + r for the
 // fused op.
@@ -95,12 +113,12 @@ __device__ __forceinline__ float normed_value(const Vec<T, N>& x, const Vec<T, N
 // for few rows), and the row and outputs are streamed. The fused op keeps x
 // and the residual as loaded and adds them again for the output, so the sum
 // is normalised unrounded at no register cost.
-template <class T, class W, int N, int VPT, bool kFused, bool kManyRows, class Reduce>
-__device__ __forceinline__ void norm_row_in_registers(const NormArgs<T, W>& a, int64_t row, int first,
+template <class T, class W, class O, int N, int VPT, bool kFused, bool kManyRows, class Reduce>
+__device__ __forceinline__ void norm_row_in_registers(const NormArgs<T, W, O>& a, int64_t row, int first,
                                                       int stride, Reduce reduce) {
   constexpr Access kRow = kManyRows ? Access::kStreaming : Access::kCached;
   const T* x = a.x + a.x_rows.offset(row);
-  T* out = a.out + a.out_rows.offset(row);
+  O* out = a.out + a.out_rows.offset(row);
   const T* residual = kFused ? a.residual + a.residual_rows.offset(row) : nullptr;
   T* residual_out = kFused ? a.residual_out + a.residual_out_rows.offset(row) : nullptr;
   const int nvec = a.hidden / N;
@@ -132,6 +150,7 @@ __device__ __forceinline__ void norm_row_in_registers(const NormArgs<T, W>& a, i
     }
   }
   const float inv_rms = rsqrtf(reduce(sum_sq) / static_cast<float>(a.hidden) + a.eps);
+  const float multiplier = out_multiplier(a);
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
     const int i = first + k * stride;
@@ -142,33 +161,33 @@ __device__ __forceinline__ void norm_row_in_registers(const NormArgs<T, W>& a, i
       } else {
         w = wv[k];
       }
-      Vec<T, N> o;
+      Vec<O, N> o;
 #pragma unroll
       for (int e = 0; e < N; ++e) {
-        o.v[e] = from_float<T>(normed_value<kFused>(xv[k], rv[kFused ? k : 0], e) * inv_rms *
-                               (a.weight_offset + to_float(w.v[e])));
+        o.v[e] = from_float<O>(normed_value<kFused>(xv[k], rv[kFused ? k : 0], e) * inv_rms *
+                               (a.weight_offset + to_float(w.v[e])) * multiplier);
       }
-      store_vec<T, N, true, kRow>(out + static_cast<size_t>(i) * N, o);
+      store_vec<O, N, true, kRow>(out + static_cast<size_t>(i) * N, o);
     }
   }
 }
 
-template <class T, class W, int N, int VPT, bool kFused>
-__global__ void __launch_bounds__(kThreads) norm_warp_per_row(const NormArgs<T, W> a) {
+template <class T, class W, class O, int N, int VPT, bool kFused>
+__global__ void __launch_bounds__(kThreads) norm_warp_per_row(const NormArgs<T, W, O> a) {
   start_after_previous_kernel();
   const int warps = blockDim.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   for (int64_t row = int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize; row < a.rows;
        row += int64_t{gridDim.x} * warps) {
-    norm_row_in_registers<T, W, N, VPT, kFused, false>(a, row, lane, kWarpSize, WarpSum{});
+    norm_row_in_registers<T, W, O, N, VPT, kFused, false>(a, row, lane, kWarpSize, WarpSum{});
   }
 }
 
-template <class T, class W, int N, int VPT, bool kFused, bool kManyRows>
-__global__ void __launch_bounds__(kRowMaxThreads) norm_block_per_row(const NormArgs<T, W> a) {
+template <class T, class W, class O, int N, int VPT, bool kFused, bool kManyRows>
+__global__ void __launch_bounds__(kRowMaxThreads) norm_block_per_row(const NormArgs<T, W, O> a) {
   start_after_previous_kernel();
   const auto one_row = [&](int64_t row) {
-    norm_row_in_registers<T, W, N, VPT, kFused, kManyRows>(a, row, static_cast<int>(threadIdx.x),
+    norm_row_in_registers<T, W, O, N, VPT, kFused, kManyRows>(a, row, static_cast<int>(threadIdx.x),
                                                            static_cast<int>(blockDim.x), BlockSum{});
   };
   if constexpr (kManyRows) {  // a one_block_per_row() grid
@@ -188,12 +207,13 @@ __global__ void __launch_bounds__(kRowMaxThreads) norm_block_per_row(const NormA
 // blocks take 32 registers a thread (four blocks of 512 threads an SM), the
 // fused op's up to 50.
 // The row layouts are linear() (checked by the launcher).
-template <class T, class W, int N, int VPT, bool kFused>
-__global__ void __launch_bounds__(kRowMaxThreads) norm_whole_row(const NormArgs<T, W> a) {
+template <class T, class W, class O, int N, int VPT, bool kFused>
+__global__ void __launch_bounds__(kRowMaxThreads) norm_whole_row(const NormArgs<T, W, O> a) {
   start_after_previous_kernel();
   const RowPolicies policies = row_policies();
   using V = Vec<T, N>;
   using WV = Vec<W, N>;
+  using OV = Vec<O, N>;
   const V* xr = reinterpret_cast<const V*>(a.x + a.x_rows.linear_offset(blockIdx.x));
   const V* rr = kFused ? reinterpret_cast<const V*>(a.residual + a.residual_rows.linear_offset(blockIdx.x)) : nullptr;
   const int first = static_cast<int>(threadIdx.x);
@@ -216,8 +236,9 @@ __global__ void __launch_bounds__(kRowMaxThreads) norm_whole_row(const NormArgs<
   }
   const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(a.hidden) + a.eps);
   // Addressed after the reduction: nothing more is live across it.
+  const float multiplier = out_multiplier(a);
   const WV* wr = reinterpret_cast<const WV*>(a.weight);
-  V* outr = reinterpret_cast<V*>(a.out + a.out_rows.linear_offset(blockIdx.x));
+  OV* outr = reinterpret_cast<OV*>(a.out + a.out_rows.linear_offset(blockIdx.x));
   V* residual_out =
       kFused ? reinterpret_cast<V*>(a.residual_out + a.residual_out_rows.linear_offset(blockIdx.x)) : nullptr;
 #pragma unroll
@@ -225,15 +246,15 @@ __global__ void __launch_bounds__(kRowMaxThreads) norm_whole_row(const NormArgs<
     const int i = first + k * stride;
     const WV w = load_row_vec<RowRead::kFirst, W, N>(wr[i].v, policies);
     [[maybe_unused]] V stored;
-    V o;
+    OV o;
 #pragma unroll
     for (int e = 0; e < N; ++e) {
       const float s = normed_value<kFused>(x[k], r[kFused ? k : 0], e);
       if constexpr (kFused) stored.v[e] = from_float<T>(s);
-      o.v[e] = from_float<T>(s * inv_rms * (a.weight_offset + to_float(w.v[e])));
+      o.v[e] = from_float<O>(s * inv_rms * (a.weight_offset + to_float(w.v[e])) * multiplier);
     }
     if constexpr (kFused) store_vec<T, N>(residual_out[i].v, stored);
-    store_vec<T, N>(outr[i].v, o);
+    store_vec<O, N>(outr[i].v, o);
   }
 }
 
@@ -242,14 +263,15 @@ __global__ void __launch_bounds__(kRowMaxThreads) norm_whole_row(const NormArgs<
 // the fused op, which adds them again, so that the unrounded sum is
 // normalised), writes the residual and streams the output. Each thread
 // reads back only what it wrote itself.
-template <class T, class W, int N, bool kFused>
-__global__ void __launch_bounds__(kThreads, 1) norm_two_pass(const NormArgs<T, W> a) {
+template <class T, class W, class O, int N, bool kFused>
+__global__ void __launch_bounds__(kThreads, 1) norm_two_pass(const NormArgs<T, W, O> a) {
   start_after_previous_kernel();
   const RowPolicies policies = row_policies();
   const int nvec = a.hidden / N;
+  const float multiplier = out_multiplier(a);
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const T* x = a.x + a.x_rows.offset(row);
-    T* out = a.out + a.out_rows.offset(row);
+    O* out = a.out + a.out_rows.offset(row);
     const T* residual = kFused ? a.residual + a.residual_rows.offset(row) : nullptr;
     T* residual_out = kFused ? a.residual_out + a.residual_out_rows.offset(row) : nullptr;
     Vec<T, N> r{};
@@ -271,47 +293,48 @@ __global__ void __launch_bounds__(kThreads, 1) norm_two_pass(const NormArgs<T, W
       if constexpr (kFused) r = load_row_vec<RowRead::kLast, T, N, N != 1>(residual + at, policies);
       const Vec<W, N> w = load_vec<W, N, N != 1>(a.weight + at);
       [[maybe_unused]] Vec<T, N> stored;
-      Vec<T, N> o;
+      Vec<O, N> o;
 #pragma unroll
       for (int e = 0; e < N; ++e) {
         const float s = normed_value<kFused>(v, r, e);
         if constexpr (kFused) stored.v[e] = from_float<T>(s);
-        o.v[e] = from_float<T>(s * inv_rms * (a.weight_offset + to_float(w.v[e])));
+        o.v[e] = from_float<O>(s * inv_rms * (a.weight_offset + to_float(w.v[e])) * multiplier);
       }
       if constexpr (kFused) store_vec<T, N, N != 1>(residual_out + at, stored);
-      store_vec<T, N, N != 1, Access::kStreaming>(out + at, o);
+      store_vec<O, N, N != 1, Access::kStreaming>(out + at, o);
     }
   }
 }
 
-template <class T, class W, int N, bool kFused>
+template <class T, class W, class O, int N, bool kFused>
 struct NormKernels {
   template <int VPT>
-  static void block_per_row(const Launch& launch, bool few_rows, int threads, const NormArgs<T, W>& a) {
+  static void block_per_row(const Launch& launch, bool few_rows, int threads, const NormArgs<T, W, O>& a) {
     if constexpr (sizeof(T) == 4) {  // many 16-bit rows take the two-pass kernel
       if (!few_rows) {
-        launch_kernel(launch, norm_block_per_row<T, W, N, VPT, kFused, true>, one_block_per_row(a.rows), threads,
-                      a);
+        launch_kernel(launch, norm_block_per_row<T, W, O, N, VPT, kFused, true>, one_block_per_row(a.rows),
+                      threads, a);
         return;
       }
     }
-    launch_kernel(launch, norm_block_per_row<T, W, N, VPT, kFused, false>, row_grid(a.rows), threads, a);
+    launch_kernel(launch, norm_block_per_row<T, W, O, N, VPT, kFused, false>, row_grid(a.rows), threads, a);
   }
   template <int VPL>
-  static void warp_per_row(const Launch& launch, const NormArgs<T, W>& a) {
+  static void warp_per_row(const Launch& launch, const NormArgs<T, W, O>& a) {
     const int64_t blocks = ceil_div(a.rows, kThreads / launch.warp_size);
-    launch_kernel(launch, norm_warp_per_row<T, W, N, VPL, kFused>, row_grid(blocks), kThreads, a);
+    launch_kernel(launch, norm_warp_per_row<T, W, O, N, VPL, kFused>, row_grid(blocks), kThreads, a);
   }
 };
 
-template <class T, class W, bool kFused>
-void launch_norm(const Launch& launch, const NormArgs<T, W>& a) {
+template <class T, class W, class O, bool kFused>
+void launch_norm(const Launch& launch, const NormArgs<T, W, O>& a) {
   constexpr int kVec = 16 / sizeof(T);
-  using K = NormKernels<T, W, kVec, kFused>;
+  using K = NormKernels<T, W, O, kVec, kFused>;
   const int hidden = a.hidden;
   const int64_t rows = a.rows;
+  // An fp8 out moves kVec elements as a narrower vector.
   const bool vectorized = hidden % kVec == 0 && all_aligned(16, {a.weight}) &&
-                          rows_aligned(16, a.out, a.out_rows, sizeof(T)) &&
+                          rows_aligned(kVec * sizeof(O), a.out, a.out_rows, sizeof(O)) &&
                           rows_aligned(16, a.x, a.x_rows, sizeof(T)) &&
                           (!kFused || (rows_aligned(16, a.residual, a.residual_rows, sizeof(T)) &&
                                        rows_aligned(16, a.residual_out, a.residual_out_rows, sizeof(T))));
@@ -331,7 +354,7 @@ void launch_norm(const Launch& launch, const NormArgs<T, W>& a) {
                       (!kFused || (a.residual_rows.linear() && a.residual_out_rows.linear()));
   if (vectorized && linear && !few_rows && rows <= INT32_MAX && whole_row_threads <= kRowMaxThreads &&
       nvec % (kWholeRowVecPerThread * launch.warp_size) == 0) {
-    launch_kernel(launch, norm_whole_row<T, W, kVec, kWholeRowVecPerThread, kFused>,
+    launch_kernel(launch, norm_whole_row<T, W, O, kVec, kWholeRowVecPerThread, kFused>,
                   static_cast<unsigned>(rows), whole_row_threads, a);
     return;
   }
@@ -343,110 +366,154 @@ void launch_norm(const Launch& launch, const NormArgs<T, W>& a) {
     return;
   }
   if (vectorized) {
-    launch_kernel(launch, norm_two_pass<T, W, kVec, kFused>, row_grid(rows), kThreads, a);
+    launch_kernel(launch, norm_two_pass<T, W, O, kVec, kFused>, row_grid(rows), kThreads, a);
   } else {
-    launch_kernel(launch, norm_two_pass<T, W, 1, kFused>, row_grid(rows), kThreads, a);
+    launch_kernel(launch, norm_two_pass<T, W, O, 1, kFused>, row_grid(rows), kThreads, a);
   }
 }
 
-// Tensors: rmsnorm (out, x, weight); fused_add_rmsnorm (x, residual,
-// weight); fused_add_rmsnorm_out (out, residual_out, x, residual, weight);
-// the weight float32 or of x's dtype.
-template <bool kFused, bool kOut = false>
+// The tensors of each form of the op.
+enum class Form {
+  kNorm,          // rmsnorm: (out, x, weight)
+  kFusedInPlace,  // fused_add_rmsnorm: (x, residual, weight)
+  kFusedOut,      // fused_add_rmsnorm_out: (out, residual_out, x, residual, weight)
+  kNormQuant,     // rmsnorm_quant_fp8: (out, x, weight, scale), out in fp8
+  kFusedQuant,    // fused_add_rmsnorm_quant_fp8: (out, x, residual, weight, scale), residual in place
+};
+
+// The weight is float32 or of x's dtype, the scale one float32 element.
+template <Form kForm>
 kd_status run_norm(const kd_call_args* args, const char* op, float weight_offset) {
-  constexpr int kTensors = kOut ? 5 : 3;
+  constexpr bool kQuant = kForm == Form::kNormQuant || kForm == Form::kFusedQuant;
+  constexpr bool kFused = kForm != Form::kNorm && kForm != Form::kNormQuant;
+  constexpr int kTensors = kForm == Form::kNorm || kForm == Form::kFusedInPlace ? 3
+                           : kForm == Form::kNormQuant                          ? 4
+                                                                                 : 5;
+  constexpr int kWeightAt = kQuant ? kTensors - 2 : kTensors - 1;
+  // The positions of out, residual_out, x and residual (-1: none).
+  constexpr int kOutAt = 0;
+  constexpr int kResidualOutAt = kForm == Form::kFusedQuant ? 2 : (kFused ? 1 : -1);
+  constexpr int kXAt = kForm == Form::kFusedOut ? 2 : (kForm == Form::kFusedInPlace ? 0 : 1);
+  constexpr int kResidualAt = kForm == Form::kFusedOut ? 3 : (kFused ? kResidualOutAt : -1);
   if (kd_status s = check_call(args, op, kTensors, 1); s != KD_STATUS_OK) return s;
   const DLTensor* t = args->tensors;
   const DLTensor& first = t[0];
-  const DLTensor& weight = t[kTensors - 1];
+  const DLTensor& x = t[kXAt];
+  const DLTensor& weight = t[kWeightAt];
   if (first.ndim < 1 || weight.ndim != 1) return invalid_shapes(args, op);
   const int64_t hidden = dim(first, -1);
   const int64_t rows = leading_rows(first, 1);
   if (weight.shape[0] != hidden) return invalid_shapes(args, op);
-  for (int i = 1; i < kTensors - 1; ++i) {
+  for (int i = 1; i < kWeightAt; ++i) {
     if (t[i].ndim != first.ndim || dim(t[i], -1) != hidden || leading_rows(t[i], 1) != rows) {
       return invalid_shapes(args, op);
     }
-    if (!same_dtype(t[i], first)) {
+  }
+  for (int i = 0; i < kWeightAt; ++i) {
+    if (!(kQuant && i == kOutAt) && !same_dtype(t[i], x)) {
       return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensors differ in dtype", op);
     }
   }
   const bool float_weight = is_dtype<float>(weight);
-  if (!(same_dtype(first, weight) || float_weight)) {
+  if (!(same_dtype(x, weight) || float_weight)) {
     return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: tensors differ in dtype", op);
+  }
+  const float* scale = nullptr;
+  if constexpr (kQuant) {
+    const DLTensor& s = t[kTensors - 1];
+    if (!is_dtype<float>(s) || leading_rows(s, 0) != 1) {
+      return kd_plugin::fail(args, KD_STATUS_INVALID_ARGUMENT, "%s: scale must be one float32 element", op);
+    }
+    scale = data_as<float>(s);
   }
   if (hidden > INT32_MAX) {
     return kd_plugin::fail(args, KD_STATUS_UNSUPPORTED, "%s: rows longer than 2^31-1", op);
   }
   float eps = 0.f;
   if (kd_status s = attr_float(args, op, 0, &eps); s != KD_STATUS_OK) return s;
-  if (rows == 0 || hidden == 0) return KD_STATUS_OK;
-  // The positions of out, residual_out, x and residual (-1: none).
-  constexpr int kOutAt = 0;
-  constexpr int kResidualOutAt = kOut ? 1 : (kFused ? 1 : -1);
-  constexpr int kXAt = kOut ? 2 : (kFused ? 0 : 1);
-  constexpr int kResidualAt = kOut ? 3 : (kFused ? 1 : -1);
-  return launch_for_dtype(args, op, first, [&](auto tag, const Launch& launch) {
-    using T = typename decltype(tag)::type;
-    const auto launch_with = [&](auto weight_tag) {
-      using W = typename decltype(weight_tag)::type;
-      NormArgs<T, W> call{};
-      call.out = data_as<T>(t[kOutAt]);
-      call.out_rows = kd_plugin::row_layout(t[kOutAt], 1);
-      call.x = data_as<T>(t[kXAt]);
-      call.x_rows = kd_plugin::row_layout(t[kXAt], 1);
-      if constexpr (kFused) {
-        call.residual_out = data_as<T>(t[kResidualOutAt]);
-        call.residual_out_rows = kd_plugin::row_layout(t[kResidualOutAt], 1);
-        call.residual = data_as<T>(t[kResidualAt]);
-        call.residual_rows = kd_plugin::row_layout(t[kResidualAt], 1);
+  // out_tag.type: the type of out, for kQuant its fp8 type, else void (x's).
+  const auto launch_all = [&](auto out_tag) -> kd_status {
+    if (rows == 0 || hidden == 0) return KD_STATUS_OK;
+    return launch_for_dtype(args, op, x, [&](auto tag, const Launch& launch) {
+      using T = typename decltype(tag)::type;
+      using O = std::conditional_t<kQuant, typename decltype(out_tag)::type, T>;
+      const auto launch_with = [&](auto weight_tag) {
+        using W = typename decltype(weight_tag)::type;
+        NormArgs<T, W, O> call{};
+        call.out = data_as<O>(t[kOutAt]);
+        call.out_rows = kd_plugin::row_layout(t[kOutAt], 1);
+        call.x = data_as<T>(x);
+        call.x_rows = kd_plugin::row_layout(x, 1);
+        if constexpr (kFused) {
+          call.residual_out = data_as<T>(t[kResidualOutAt]);
+          call.residual_out_rows = kd_plugin::row_layout(t[kResidualOutAt], 1);
+          call.residual = data_as<T>(t[kResidualAt]);
+          call.residual_rows = kd_plugin::row_layout(t[kResidualAt], 1);
+        }
+        call.weight = data_as<W>(weight);
+        call.rows = rows;
+        call.hidden = static_cast<int>(hidden);
+        call.eps = eps;
+        call.weight_offset = weight_offset;
+        call.scale = scale;
+        launch_norm<T, W, O, kFused>(launch, call);
+      };
+      if (float_weight) {
+        launch_with(kd_plugin::TypeTag<float>{});
+      } else {
+        launch_with(kd_plugin::TypeTag<T>{});
       }
-      call.weight = data_as<W>(weight);
-      call.rows = rows;
-      call.hidden = static_cast<int>(hidden);
-      call.eps = eps;
-      call.weight_offset = weight_offset;
-      launch_norm<T, W, kFused>(launch, call);
-    };
-    if (float_weight) {
-      launch_with(kd_plugin::TypeTag<float>{});
-    } else {
-      launch_with(kd_plugin::TypeTag<T>{});
-    }
-  });
+    });
+  };
+  if constexpr (kQuant) {
+    return kd_plugin::dispatch_fp8_dtype<fp8_e4m3_t, fp8_e5m2_t>(args, op, first, launch_all);
+  } else {
+    return launch_all(kd_plugin::TypeTag<void>{});
+  }
 }
 
 }  // namespace
 
 // kd_cuda_rmsnorm, kd_hip_rmsnorm
 kd_status rmsnorm(const kd_call_args* args) noexcept {
-  return kd_plugin::guarded(args, [&] { return run_norm<false>(args, "rmsnorm", 0.0f); });
+  return kd_plugin::guarded(args, [&] { return run_norm<Form::kNorm>(args, "rmsnorm", 0.0f); });
 }
 
 // kd_cuda_gemma_rmsnorm, kd_hip_gemma_rmsnorm
 kd_status gemma_rmsnorm(const kd_call_args* args) noexcept {
-  return kd_plugin::guarded(args, [&] { return run_norm<false>(args, "gemma_rmsnorm", 1.0f); });
+  return kd_plugin::guarded(args, [&] { return run_norm<Form::kNorm>(args, "gemma_rmsnorm", 1.0f); });
 }
 
 // kd_cuda_fused_add_rmsnorm, kd_hip_fused_add_rmsnorm
 kd_status fused_add_rmsnorm(const kd_call_args* args) noexcept {
-  return kd_plugin::guarded(args, [&] { return run_norm<true>(args, "fused_add_rmsnorm", 0.0f); });
+  return kd_plugin::guarded(args, [&] { return run_norm<Form::kFusedInPlace>(args, "fused_add_rmsnorm", 0.0f); });
 }
 
 // kd_cuda_gemma_fused_add_rmsnorm, kd_hip_gemma_fused_add_rmsnorm
 kd_status gemma_fused_add_rmsnorm(const kd_call_args* args) noexcept {
-  return kd_plugin::guarded(args, [&] { return run_norm<true>(args, "gemma_fused_add_rmsnorm", 1.0f); });
+  return kd_plugin::guarded(args, [&] { return run_norm<Form::kFusedInPlace>(args, "gemma_fused_add_rmsnorm", 1.0f); });
 }
 
 // kd_cuda_fused_add_rmsnorm_out, kd_hip_fused_add_rmsnorm_out
 kd_status fused_add_rmsnorm_out(const kd_call_args* args) noexcept {
-  return kd_plugin::guarded(args, [&] { return run_norm<true, true>(args, "fused_add_rmsnorm_out", 0.0f); });
+  return kd_plugin::guarded(args, [&] { return run_norm<Form::kFusedOut>(args, "fused_add_rmsnorm_out", 0.0f); });
 }
 
 // kd_cuda_gemma_fused_add_rmsnorm_out, kd_hip_gemma_fused_add_rmsnorm_out
 kd_status gemma_fused_add_rmsnorm_out(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(args,
-                            [&] { return run_norm<true, true>(args, "gemma_fused_add_rmsnorm_out", 1.0f); });
+                            [&] { return run_norm<Form::kFusedOut>(args, "gemma_fused_add_rmsnorm_out", 1.0f); });
+}
+
+// kd_cuda_rmsnorm_quant_fp8, kd_hip_rmsnorm_quant_fp8
+kd_status rmsnorm_quant_fp8(const kd_call_args* args) noexcept {
+  return kd_plugin::guarded(args, [&] { return run_norm<Form::kNormQuant>(args, "rmsnorm_quant_fp8", 0.0f); });
+}
+
+// kd_cuda_fused_add_rmsnorm_quant_fp8, kd_hip_fused_add_rmsnorm_quant_fp8
+kd_status fused_add_rmsnorm_quant_fp8(const kd_call_args* args) noexcept {
+  return kd_plugin::guarded(
+      args, [&] { return run_norm<Form::kFusedQuant>(args, "fused_add_rmsnorm_quant_fp8", 0.0f); });
 }
 
 }  // namespace kd_gpu

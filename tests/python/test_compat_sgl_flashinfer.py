@@ -263,6 +263,44 @@ def test_fused():
               and torch.equal(rbuf[:, h:], edges[2]), f"{what}: the memory around the views is untouched")
 
 
+def test_quant_norms():
+    # FlashInfer's rmsnorm_quant and fused_add_rmsnorm_quant: out in fp8, the
+    # scale a float, a float32 tensor [1] or a 0-dim one.
+    if not hasattr(torch, "float8_e4m3fn"):
+        print(f"skip flashinfer.rmsnorm_quant, fused_add_rmsnorm_quant: this torch ({torch.__version__}) "
+              "has no float8")
+        return
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    for dtype, odtype, (rows, h) in itertools.product(DTYPES, fp8, SIZES):
+        what = f"{dtype} -> {odtype} [{rows}, {h}]"
+        for scale in (0.05, torch.tensor([0.5]), torch.tensor(2.0)):
+            x, w = randn(rows, h, dtype=dtype), randn(h, dtype=torch.float32)
+            s = scale if isinstance(scale, torch.Tensor) else torch.tensor([scale])
+            op = "layernorm.rmsnorm_quant_fp8"
+            out = torch.full((rows, h), 7.0).to(odtype)
+            want = reference(op, [out, x, w, s.view(1)], 1e-6)
+            ret = flashinfer.norm.rmsnorm_quant(out, x, w, scale, 1e-6, enable_pdl=True)
+            check(ret is None, f"flashinfer.rmsnorm_quant {what}: returns None")
+            matches_reference(op, [out, x, w, s.view(1)], want, f"flashinfer.rmsnorm_quant {what} scale {scale}")
+            xf, top = x.float(), torch.finfo(odtype).max
+            formula = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w * (1 / float(s))
+            # within one step of the fp8 format (a quarter of the value at most)
+            check(close(out.double(), formula.clamp(-top, top).to(odtype).double(), torch.bfloat16, factor=16),
+                  f"flashinfer.rmsnorm_quant {what}: formula")
+            op = "layernorm.fused_add_rmsnorm_quant_fp8"
+            r = randn(rows, h, dtype=dtype)
+            want = reference(op, [out, x, r, w, s.view(1)], 1e-6)
+            xcopy = x.clone()
+            ret = flashinfer.fused_add_rmsnorm_quant(out, x, r, w, scale, eps=1e-6)
+            check(ret is None and torch.equal(x, xcopy), f"flashinfer.fused_add_rmsnorm_quant {what}: x only read")
+            matches_reference(op, [out, x, r, w, s.view(1)], want,
+                              f"flashinfer.fused_add_rmsnorm_quant {what} scale {scale}")
+    x, w = randn(3, 8), randn(8)
+    refused(flashinfer.rmsnorm_quant, "out", "flashinfer.rmsnorm_quant", torch.empty(3, 8), x, w, 1.0)
+    refused(flashinfer.rmsnorm_quant, "scale", "flashinfer.rmsnorm_quant", torch.empty(3, 8).to(fp8[0]), x, w,
+            torch.tensor([1.0, 2.0]))
+
+
 def test_activations():
     for (mname, mod), name, dtype, (rows, d) in itertools.product(MODULES, ACTS, DTYPES, SIZES):
         fn = getattr(mod, name)
@@ -800,8 +838,8 @@ def test_peers():
 
 
 def main():
-    for test in (test_norms, test_flashinfer_3d_norm, test_fused, test_activations, test_layernorm, test_rope,
-                 test_topk, test_moe_align, test_spellings, test_refusals, test_peers):
+    for test in (test_norms, test_flashinfer_3d_norm, test_fused, test_quant_norms, test_activations, test_layernorm,
+                 test_rope, test_topk, test_moe_align, test_spellings, test_refusals, test_peers):
         before = results["failed"]
         test()
         if results["failed"] != before:

@@ -3,7 +3,8 @@
 ``import kdispatch.compat.flashinfer as flashinfer`` gives the names,
 signatures and in-place/out conventions of FlashInfer's ``rmsnorm``,
 ``fused_add_rmsnorm``, ``gemma_rmsnorm``, ``gemma_fused_add_rmsnorm``,
-``layernorm``, ``silu_and_mul``, ``gelu_and_mul``, ``gelu_tanh_and_mul``,
+``layernorm``, ``rmsnorm_quant``, ``fused_add_rmsnorm_quant``,
+``silu_and_mul``, ``gelu_and_mul``, ``gelu_tanh_and_mul``,
 ``apply_rope_with_cos_sin_cache`` and ``apply_rope_with_cos_sin_cache_inplace``,
 at the top level (``flashinfer.rmsnorm``) and in the submodules FlashInfer
 has them in (``flashinfer.norm``, ``flashinfer.activation``,
@@ -24,13 +25,14 @@ import torch as _torch
 
 from . import _forward
 from ._common import unsupported
-from ._forward import call, check_float
+from ._forward import call, check_enable_pdl, check_float
 
 __all__ = [
     "activation",
     "apply_rope_with_cos_sin_cache",
     "apply_rope_with_cos_sin_cache_inplace",
     "fused_add_rmsnorm",
+    "fused_add_rmsnorm_quant",
     "gelu_and_mul",
     "gelu_tanh_and_mul",
     "gemma_fused_add_rmsnorm",
@@ -38,6 +40,7 @@ __all__ = [
     "layernorm",
     "norm",
     "rmsnorm",
+    "rmsnorm_quant",
     "rope",
     "silu_and_mul",
 ]
@@ -62,6 +65,44 @@ def layernorm(input, gemma, beta, eps=1e-6):
     call(function, op, {"x": "input", "weight": "gemma", "bias": "beta", "out": "out"},
          out, input, gemma, beta, float(eps))
     return out
+
+
+def _scale_tensor(scale, input):
+    """FlashInfer's scale, a float or a float32 tensor of one element, as the
+    tensor [1] the op reads on the device: a float becomes one on input's
+    device, a 0-dim tensor a view of it; any other tensor is passed as it is
+    (the op refuses it unless float32 of one element)."""
+    if isinstance(scale, _torch.Tensor):
+        return scale.view(1) if scale.dim() == 0 else scale
+    return _torch.tensor([float(scale)], dtype=_torch.float32, device=input.device)
+
+
+def rmsnorm_quant(out, input, weight, scale, eps=1e-6, enable_pdl=None):
+    """Fills out (float8_e4m3fn or float8_e5m2, input's shape) with
+    input * rsqrt(mean(input^2) + eps) * weight * (1 / scale), accumulated in
+    float32 and rounded once, saturating at the format's largest finite
+    value; returns None. scale is a float or a float32 tensor of one element
+    (read on the device, so a captured CUDA graph follows a changed scale).
+    Forwards to layernorm.rmsnorm_quant_fp8."""
+    function = f"{_MODULE}.rmsnorm_quant"
+    op = "layernorm.rmsnorm_quant_fp8"
+    check_enable_pdl(function, enable_pdl)
+    check_float(function, "input", input, op)
+    call(function, op, {"x": "input", "out": "out", "weight": "weight", "scale": "scale"},
+         out, input, weight, _scale_tensor(scale, input), float(eps))
+
+
+def fused_add_rmsnorm_quant(out, input, residual, weight, scale, eps=1e-6, enable_pdl=None):
+    """residual += input in place (input is only read), and out (float8_e4m3fn
+    or float8_e5m2) the rmsnorm of the float32 sum times weight * (1 / scale),
+    rounded once, saturating; returns None. scale as rmsnorm_quant's.
+    Forwards to layernorm.fused_add_rmsnorm_quant_fp8."""
+    function = f"{_MODULE}.fused_add_rmsnorm_quant"
+    op = "layernorm.fused_add_rmsnorm_quant_fp8"
+    check_enable_pdl(function, enable_pdl)
+    check_float(function, "input", input, op)
+    call(function, op, {"x": "input", "out": "out", "residual": "residual", "weight": "weight", "scale": "scale"},
+         out, input, residual, weight, _scale_tensor(scale, input), float(eps))
 
 
 def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache, is_neox=True):
@@ -106,7 +147,8 @@ def _submodule(name, doc, names):
 
 
 norm = _submodule("norm", "FlashInfer's flashinfer.norm functions on kdispatch's torch ops.",
-                  ["rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm", "layernorm"])
+                  ["rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm", "layernorm",
+                   "rmsnorm_quant", "fused_add_rmsnorm_quant"])
 activation = _submodule("activation", "FlashInfer's flashinfer.activation functions on kdispatch's torch ops.",
                         ["silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul"])
 rope = _submodule("rope", "FlashInfer's flashinfer.rope functions on kdispatch's torch ops.",
