@@ -15,6 +15,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kdispatch/context.hpp"
@@ -316,6 +317,42 @@ TEST_CASE("fallback: every backend demoted leaves KD-E003 naming the demotions, 
     CHECK(e.code() == ErrorCode::no_usable_backend);
     CHECK(contains(e.what(), "fx_fb_broken: demoted for this op on cpu:0 after its kernel failed"));
   }
+}
+
+TEST_CASE("fallback on: threads failing at once all get their results, one demotion, one warning") {
+  CaptureLog log;
+  auto ctx = fixture_context({"fx_fb_broken", "fx_fb_good", "fx_fb_reference"}, /*fallback=*/true);
+  Dispatcher dispatch(*ctx);
+  const OpHandle op = dispatch.op(kOp);
+  std::vector<int> ok(8, 0);
+  std::vector<std::thread> threads;
+  for (size_t t = 0; t < ok.size(); ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 20; ++i) {
+        ScaleCall call(2, 3 + static_cast<int64_t>(t), static_cast<unsigned>(100 * t + i));
+        op(call.tensors);
+        if (call.scaled_by(2.0f)) ++ok[t];
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int n : ok) CHECK(n == 20);
+  CHECK(ctx->demotions().size() == 1);
+  CHECK(log.count("is demoted") == 1);
+}
+
+TEST_CASE("fallback: a KernelHandle runs its one kernel, with no fallback") {
+  auto ctx = fixture_context({"fx_fb_picky", "fx_fb_good", "fx_fb_reference"}, /*fallback=*/true);
+  Dispatcher dispatch(*ctx);
+  ScaleCall odd(2, 3);
+  const KernelHandle kernel = dispatch.op(kOp).resolve(odd.tensors);
+  CHECK(kernel.spec().backend == "fx_fb_picky");
+  kd_attr factor{};
+  factor.name = "factor";
+  factor.type = KD_ATTR_TYPE_FLOAT;
+  factor.value.f = 2.0;
+  CHECK_THROWS_AS(kernel(odd.tensors, std::span<const kd_attr>(&factor, 1)), KernelError);
+  CHECK(odd.untouched());
 }
 
 TEST_CASE("fallback: KDISPATCH_FALLBACK=1 turns it on; another value warns and leaves it off") {
