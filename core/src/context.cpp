@@ -24,6 +24,7 @@ Context::Context(ContextOptions options)
                                                                         : SelectorOptions::from_environment())),
       device_of_(options.device_of ? std::move(options.device_of) : kdispatch::device_of) {
   problems_ = selector_->options().problems;
+  fallback_.store(selector_->options().fallback, std::memory_order_relaxed);
   if (options.builtin_schemas) {
     for (const BuiltinSchemaFile& file : builtin_schema_files()) {
       SchemaFileResult parsed = parse_op_schemas(file.text, file.name);
@@ -105,6 +106,12 @@ std::vector<Problem> Context::add_manifest(const Manifest& manifest) {
   api_manifests_.push_back(manifest);
   for (const auto& p : record.problems) problems_.push_back(p);
   return record.problems;
+}
+
+bool Context::demote(std::string_view op, std::string_view backend, DeviceType type, int32_t id, std::string error) {
+  if (!selector_->demote(op, backend, type, id, std::move(error))) return false;
+  registry_->invalidate();
+  return true;
 }
 
 void Context::set_preference(std::string_view op, std::vector<std::string> backends) {

@@ -4,11 +4,13 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <nlohmann/json.hpp>
 
 #include "constraint.hpp"
 #include "file_check.hpp"
@@ -62,6 +64,19 @@ struct ResolvedKernel {
   std::vector<const KernelSpec*> ranked;  // Selection::ranked
 
   KernelHandle handle() const;
+};
+
+// What a call's fallback did, for its trace line: the kernels that passed
+// the call on, in order, and the one that ran it.
+struct FallbackTrail {
+  struct Step {
+    const KernelSpec* spec;
+    std::string outcome;  // "unsupported", "device_error", "internal", "not_loaded"
+    std::string error;
+    bool demoted;
+  };
+  std::vector<Step> passed;
+  const KernelSpec* ran = nullptr;
 };
 
 // One (op, backend request): its compiled schema and the kernels resolved
@@ -240,14 +255,41 @@ void fill_attr(kd_attr& out, const AttrArg& arg, const AttrValue& value, std::st
 
 }  // namespace
 
+namespace {
+
+ErrorCode failure_code(kd_status status) {
+  return status == KD_STATUS_DEVICE_ERROR ? ErrorCode::device_error : ErrorCode::kernel_failed;
+}
+
+std::string failure_text(const KernelSpec& spec, kd_status status, const char* error) {
+  return fmt::format("kernel '{}' of backend '{}' failed for op '{}' (status {}): {}", spec.symbol, spec.backend,
+                     spec.op, static_cast<int>(status), error[0] != '\0' ? error : "no message");
+}
+
+std::string_view status_name(kd_status status) {
+  switch (status) {
+    case KD_STATUS_OK: return "ok";
+    case KD_STATUS_INVALID_ARGUMENT: return "invalid_argument";
+    case KD_STATUS_UNSUPPORTED: return "unsupported";
+    case KD_STATUS_DEVICE_ERROR: return "device_error";
+    case KD_STATUS_INTERNAL: return "internal";
+    default: break;
+  }
+  return "unknown";
+}
+
+// A JSON string, whatever bytes `text` holds.
+std::string json_string(std::string_view text) {
+  return nlohmann::json(std::string(text)).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+}  // namespace
+
 // --- KernelHandle -------------------------------------------------------------
 
 void KernelHandle::raise(kd_status status, char* error) const {
   error[511] = '\0';
-  throw KernelError(status == KD_STATUS_DEVICE_ERROR ? ErrorCode::device_error : ErrorCode::kernel_failed,
-                    fmt::format("kernel '{}' of backend '{}' failed for op '{}' (status {}): {}", spec_->symbol,
-                                spec_->backend, spec_->op, static_cast<int>(status),
-                                error[0] != '\0' ? error : "no message"));
+  throw KernelError(failure_code(status), failure_text(*spec_, status, error));
 }
 
 // --- OpHandle -----------------------------------------------------------------
@@ -307,6 +349,21 @@ KernelHandle OpHandle::resolve(std::span<const DLTensor> tensors) const {
   return state_->dispatcher->resolve(*state_, info.device, info.dtype, tensors, state_->defaults).handle();
 }
 
+// The same work as KernelHandle::operator() when the kernel returns OK.
+[[gnu::always_inline]] inline void OpHandle::run(const OpState& state, const ResolvedKernel& kernel, DLDevice device,
+                                                 std::span<DLTensor> tensors, std::span<const kd_attr> attrs,
+                                                 void* stream, FallbackTrail* trail) {
+  char error[512];
+  error[0] = '\0';
+  const kd_call_args args{sizeof(kd_call_args), tensors.data(), static_cast<int32_t>(tensors.size()),
+                          static_cast<int32_t>(attrs.size()), attrs.data(), stream, error, sizeof error};
+  const kd_status status = kernel.fn(&args);
+  if (status != KD_STATUS_OK) [[unlikely]] {
+    error[sizeof error - 1] = '\0';
+    state.dispatcher->recover(kernel, device, tensors, attrs, stream, status, error, trail);
+  }
+}
+
 void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream) const {
   // A call with attributes leaves before anything is loaded, so that its
   // path takes no registers or stack from the common call below.
@@ -323,7 +380,7 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
   if (state.plain_calls) [[likely]] {
     if (state.compiled->matches_remembered(tensors, &info)) [[likely]] {
       if (const OpState::Resolved* r = state.find_cached(device_word(info.device), info.dtype)) [[likely]] {
-        KernelHandle(r->fn, r->spec)(tensors, state.plain_attrs, stream);
+        run(state, *r, info.device, tensors, state.plain_attrs, stream, nullptr);
         return;
       }
     } else {
@@ -350,7 +407,8 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
   if (state.compiled->matches_remembered(tensors, &info)) [[likely]] {
     if (packed && state.trace_file == nullptr) [[likely]] {
       if (const OpState::Resolved* r = state.find_cached(device_word(info.device), info.dtype)) [[likely]] {
-        KernelHandle(r->fn, r->spec)(tensors, std::span<const kd_attr>(storage.data(), state.defaults.size()), stream);
+        run(state, *r, info.device, tensors, std::span<const kd_attr>(storage.data(), state.defaults.size()), stream,
+            nullptr);
         return;
       }
     }
@@ -366,15 +424,15 @@ void OpHandle::call_checked(std::span<DLTensor> tensors, std::span<const NamedAt
   std::array<kd_attr, kMaxSchemaAttrs> storage;
   const std::span<const kd_attr> packed = pack_attrs(attrs, storage);
   const ResolvedKernel& resolved = state.dispatcher->resolve(state, device, dtype, tensors, packed);
-  const KernelHandle kernel = resolved.handle();
   if (state.trace_file == nullptr) {
-    kernel(tensors, packed, stream);
+    run(state, resolved, device, tensors, packed, stream, nullptr);
     return;
   }
+  FallbackTrail trail;
   const auto start = std::chrono::steady_clock::now();
-  kernel(tensors, packed, stream);
+  run(state, resolved, device, tensors, packed, stream, &trail);
   const std::chrono::duration<double, std::micro> us = std::chrono::steady_clock::now() - start;
-  state.dispatcher->trace(state, resolved, tensors, us.count());
+  state.dispatcher->trace(state, resolved, tensors, us.count(), &trail);
 }
 
 void OpHandle::operator()(std::initializer_list<DLTensor> tensors, std::initializer_list<NamedAttr> attrs,
@@ -575,7 +633,7 @@ const ResolvedKernel& Dispatcher::resolve_slow(OpState& state, DLDevice device, 
   }
   const uint64_t generation = context_.registry().generation();
   Selection selection =
-      context_.choose({state.op, state.backend, context_.device(*type, device.device_id), dtype, call});
+      context_.choose({state.op, state.backend, context_.device(*type, device.device_id), dtype, call, device.device_id});
   const kd_kernel_fn fn = context_.kernel(*selection.spec);
   std::lock_guard lock(mutex_);
   auto resolved = std::make_unique<OpState::Resolved>(OpState::Resolved{
@@ -608,8 +666,101 @@ void Dispatcher::call(std::string_view op, std::span<DLTensor> tensors, std::spa
   OpHandle(intern(op, backend))(tensors, attrs, stream);
 }
 
+void Dispatcher::recover(const ResolvedKernel& first, DLDevice device,
+                         std::span<DLTensor> tensors, std::span<const kd_attr> attrs, void* stream, kd_status status,
+                         const char* error, FallbackTrail* trail) {
+  FallbackTrail local;
+  FallbackTrail& t = trail != nullptr ? *trail : local;
+  const DeviceType type = from_dlpack_device_type(device.device_type).value_or(DeviceType::cpu);
+  const bool fallback = context_.fallback();
+  // Whether the failure of `spec` passes the call on; records it either way.
+  const auto passes_on = [&](const KernelSpec& spec, kd_status s, const char* message) {
+    t.passed.push_back({&spec, std::string(status_name(s)), message, false});
+    if (s == KD_STATUS_UNSUPPORTED) {
+      const std::string key = fmt::format("{}\n{}", spec.op, spec.backend);
+      bool first_time;
+      {
+        std::lock_guard lock(mutex_);
+        first_time = reported_unsupported_.insert(key).second;
+      }
+      if (first_time) {
+        log(LogLevel::warn,
+            "op '{}': backend '{}' returned unsupported for a call ({}); such calls go to the next ranked backend "
+            "(reported once per op and backend)",
+            spec.op, spec.backend, message[0] != '\0' ? message : "no message");
+      }
+      return true;
+    }
+    if (fallback && (s == KD_STATUS_DEVICE_ERROR || s == KD_STATUS_INTERNAL)) {
+      const std::string text = failure_text(spec, s, message);
+      t.passed.back().demoted = true;
+      if (context_.demote(spec.op, spec.backend, type, device.device_id, fmt::format("[{}] {}", code_string(failure_code(s)), text))) {
+        log(LogLevel::warn,
+            "{}: {}; backend '{}' is demoted for op '{}' on {}:{} for the rest of the process (fallback is on)",
+            code_string(failure_code(s)), text, spec.backend, spec.op, device_type_name(type), device.device_id);
+      }
+      return true;
+    }
+    return false;
+  };
+  // The steps before the last, for an error's message.
+  const auto before = [&]() -> std::string {
+    if (t.passed.size() < 2) return {};
+    std::vector<std::string> steps;
+    for (size_t i = 0; i + 1 < t.passed.size(); ++i) {
+      steps.push_back(fmt::format("'{}' {}{}", t.passed[i].spec->backend, t.passed[i].outcome,
+                                  t.passed[i].demoted ? " (demoted)" : ""));
+    }
+    return fmt::format(" (after {} passed the call on)", fmt::join(steps, ", "));
+  };
+  if (!passes_on(*first.spec, status, error)) {
+    throw KernelError(failure_code(status), failure_text(*first.spec, status, error));
+  }
+  for (const KernelSpec* next : first.ranked) {
+    // Never onto a reference kernel; each backend once; never onto one
+    // demoted for the op on this device.
+    if (next->is_reference()) continue;
+    if (std::any_of(t.passed.begin(), t.passed.end(), [&](const FallbackTrail::Step& p) { return p.spec == next; })) {
+      continue;
+    }
+    if (context_.selector().demotion(next->op, next->backend, type, device.device_id)) continue;
+    kd_kernel_fn fn = nullptr;
+    try {
+      fn = context_.kernel(*next);
+    } catch (const Error& e) {
+      t.passed.push_back({next, "not_loaded", fmt::format("[{}] {}", e.code_string(), e.message()), false});
+      continue;
+    }
+    char next_error[512];
+    next_error[0] = '\0';
+    const kd_call_args args{sizeof(kd_call_args), tensors.data(), static_cast<int32_t>(tensors.size()),
+                            static_cast<int32_t>(attrs.size()), attrs.data(), stream, next_error, sizeof next_error};
+    const kd_status s = fn(&args);
+    if (s == KD_STATUS_OK) {
+      t.ran = next;
+      return;
+    }
+    next_error[sizeof next_error - 1] = '\0';
+    if (!passes_on(*next, s, next_error)) {
+      throw KernelError(failure_code(s), failure_text(*next, s, next_error) + before());
+    }
+  }
+  // No backend left: the first kernel's error, naming every one tried.
+  std::vector<std::string> tried;
+  for (const auto& p : t.passed) {
+    tried.push_back(fmt::format("'{}' {}{}: {}", p.spec->backend, p.outcome, p.demoted ? " (demoted)" : "",
+                                p.error.empty() ? "no message" : p.error));
+  }
+  throw KernelError(failure_code(status),
+                    fmt::format("{}; no other backend could run the call (the reference is never a fallback{}); "
+                                "tried: {}",
+                                failure_text(*first.spec, status, error),
+                                fallback ? "" : "; KDISPATCH_FALLBACK=1 passes device and internal errors on",
+                                fmt::join(tried, "; ")));
+}
+
 void Dispatcher::trace(const OpState& state, const ResolvedKernel& kernel, std::span<const DLTensor> tensors,
-                       double us) {
+                       double us, const FallbackTrail* trail) {
   std::vector<std::string> dtypes;
   std::vector<std::string> shapes;
   for (const DLTensor& t : tensors) {
@@ -618,13 +769,33 @@ void Dispatcher::trace(const OpState& state, const ResolvedKernel& kernel, std::
     shapes.push_back(fmt::format("[{}]", fmt::join(std::span<const int64_t>(t.shape, static_cast<size_t>(t.ndim)), ",")));
   }
   const auto type = from_dlpack_device_type(tensors.empty() ? kDLCPU : tensors[0].device.device_type);
+  const int32_t device_id = tensors.empty() ? 0 : tensors[0].device.device_id;
   std::vector<std::string> ranked;
   for (const KernelSpec* s : kernel.ranked) ranked.push_back(fmt::format("\"{}\"", s->backend));
+  const KernelSpec* ran = trail != nullptr && trail->ran != nullptr ? trail->ran : kernel.spec;
+  std::string extra;
+  if (trail != nullptr && !trail->passed.empty()) {
+    std::vector<std::string> steps;
+    for (const auto& p : trail->passed) {
+      steps.push_back(fmt::format("{{\"backend\":\"{}\",\"status\":\"{}\",\"demoted\":{},\"error\":{}}}",
+                                  p.spec->backend, p.outcome, p.demoted, json_string(p.error)));
+    }
+    extra += fmt::format(",\"fallback\":[{}]", fmt::join(steps, ","));
+  }
+  if (type) {
+    std::vector<std::string> demoted;
+    for (const Demotion& d : context_.demotions()) {
+      if (d.op == state.op && d.device_type == *type && d.device_id == device_id) {
+        demoted.push_back(fmt::format("{{\"backend\":\"{}\",\"error\":{}}}", d.backend, json_string(d.error)));
+      }
+    }
+    if (!demoted.empty()) extra += fmt::format(",\"demoted\":[{}]", fmt::join(demoted, ","));
+  }
   const std::string line = fmt::format(
       "{{\"op\":\"{}\",\"backend\":\"{}\",\"rule\":\"{}\",\"ranked\":[{}],\"device\":\"{}:{}\",\"dtypes\":[{}],"
-      "\"shapes\":[{}],\"us\":{:.3f}}}\n",
-      state.op, kernel.spec->backend, rule_name(kernel.rule), fmt::join(ranked, ","), type ? device_type_name(*type) : "?",
-      tensors.empty() ? 0 : tensors[0].device.device_id, fmt::join(dtypes, ","), fmt::join(shapes, ","), us);
+      "\"shapes\":[{}],\"us\":{:.3f}{}}}\n",
+      state.op, ran->backend, rule_name(kernel.rule), fmt::join(ranked, ","), type ? device_type_name(*type) : "?",
+      device_id, fmt::join(dtypes, ","), fmt::join(shapes, ","), us, extra);
   std::lock_guard lock(mutex_);
   std::fputs(line.c_str(), trace_file_);
   std::fflush(trace_file_);

@@ -49,6 +49,7 @@ DoctorReport doctor_report(Context& context, bool open_plugins) {
   for (const std::string& op : context.registry().ops()) {
     if (context.registry().reference(op) == nullptr) report.ops_without_reference.push_back(op);
   }
+  report.demotions = context.demotions();
   return report;
 }
 

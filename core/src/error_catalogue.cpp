@@ -362,14 +362,16 @@ constexpr CatalogueEntry kCatalogue[] = {
     {ErrorCode::kernel_failed,
      "Kernel reported a failure"sv,
      "The selected kernel ran and returned an error status. The message is the "
-     "plugin's own text."sv,
-     "- The kernel does not handle this shape, size or attribute value (unsupported case)\n"
+     "plugin's own text. A kernel's 'unsupported' passes the call to the next ranked "
+     "backend first; this error then lists every backend tried."sv,
+     "- No eligible backend handles this shape, size or attribute value (unsupported case)\n"
      "- An internal error in the plugin (e.g. a caught exception)\n"
      "- A plugin bug"sv,
      "- Read the plugin's message; rerun with KDISPATCH_LOG=debug to see which plugin and symbol ran\n"
      "- Compare with the reference: KDISPATCH_FORCE_BACKEND=cpu, or `kdispatch run OP --backend cpu`\n"
      "- Check what was selected: `kdispatch select OP --backend B --device D`\n"
-     "- Report it to the plugin's authors with `kdispatch run OP --save DIR` output"sv},
+     "- Report it to the plugin's authors with `kdispatch run OP --save DIR` output\n"
+     "- KDISPATCH_FALLBACK=1 demotes a backend whose kernel fails with an internal error and passes the call on"sv},
 
     {ErrorCode::device_error,
      "Device runtime error"sv,
@@ -382,7 +384,8 @@ constexpr CatalogueEntry kCatalogue[] = {
      "- Check the driver and GPU: `nvidia-smi` / `rocm-smi`; `kdispatch doctor`\n"
      "- Free device memory or use smaller inputs\n"
      "- Make sure tensors really live on the device passed in; rerun with CUDA_LAUNCH_BLOCKING=1 (or compute-sanitizer) to find the failing launch\n"
-     "- Compare with the reference: KDISPATCH_FORCE_BACKEND=cpu"sv},
+     "- Compare with the reference: KDISPATCH_FORCE_BACKEND=cpu\n"
+     "- KDISPATCH_FALLBACK=1 demotes the failing backend for the op on that device and passes the call on"sv},
 
     // ---------------------------------------------------------------- output files
     {ErrorCode::file_not_writable,

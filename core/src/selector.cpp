@@ -88,6 +88,13 @@ SelectorOptions SelectorOptions::from_environment() {
   SelectorOptions options;
   if (auto force = get_env("KDISPATCH_FORCE_BACKEND")) options.force_backend = *force;
   if (auto order = get_env("KDISPATCH_BACKEND_ORDER")) options.backend_order = split_list(*order, ',');
+  if (auto fallback = get_env("KDISPATCH_FALLBACK"); fallback && !fallback->empty()) {
+    if (*fallback == "1") {
+      options.fallback = true;
+    } else if (*fallback != "0") {
+      log(LogLevel::warn, "KDISPATCH_FALLBACK={}: expected 1 (on) or 0 (off); fallback stays off", *fallback);
+    }
+  }
   if (auto file = get_env("KDISPATCH_PREFERENCE_FILE"); file && !file->empty()) {
     PreferenceFileResult read = read_preference_file(*file);
     for (Problem& p : read.warnings) {
@@ -138,7 +145,7 @@ Selector::Selector(const KernelRegistry& registry, SelectorOptions options)
 Selector::~Selector() = default;
 
 std::vector<Eligibility> Selector::eligibility(std::string_view op, const Device& device, std::optional<Dtype> dtype,
-                                               const ConstraintCall* call) const {
+                                               const ConstraintCall* call, int32_t device_id) const {
   std::vector<Eligibility> out;
   for (const KernelSpec* spec : registry_.get(op)) {
     Eligibility e{spec, true, {}};
@@ -155,6 +162,12 @@ std::vector<Eligibility> Selector::eligibility(std::string_view op, const Device
       if (const Constraint* failed = set.first_failing(call->input, &result)) {
         e.eligible = false;
         e.reason = failed->explain(result, call->input);
+      }
+    }
+    if (e.eligible) {
+      if (const auto d = demotion(op, spec->backend, device.type, device_id)) {
+        e.eligible = false;
+        e.reason = fmt::format("demoted for this op on {} after its kernel failed: {}", d->device(), d->error);
       }
     }
     out.push_back(std::move(e));
@@ -235,7 +248,8 @@ Selection Selector::choose(const SelectRequest& request) const {
   const auto position = [](const std::vector<std::string>& list, const KernelSpec* s) {
     return static_cast<size_t>(std::find(list.begin(), list.end(), s->backend) - list.begin());
   };
-  const std::vector<Eligibility> checked = eligibility(request.op, request.device, request.dtype, request.call);
+  const std::vector<Eligibility> checked =
+      eligibility(request.op, request.device, request.dtype, request.call, request.device_id);
   std::vector<const KernelSpec*> usable;  // references and opt-ins included: what force may pick
   std::vector<const KernelSpec*> eligible;
   for (const auto& e : checked) {
@@ -363,6 +377,33 @@ std::vector<std::string> Selector::preference(std::string_view op) const {
   std::lock_guard lock(preferences_mutex_);
   const auto it = options_.preferences.find(op);
   return it == options_.preferences.end() ? std::vector<std::string>{} : it->second;
+}
+
+std::string Demotion::device() const { return fmt::format("{}:{}", device_type_name(device_type), device_id); }
+
+bool Selector::demote(std::string_view op, std::string_view backend, DeviceType type, int32_t id, std::string error) {
+  std::lock_guard lock(demoted_mutex_);
+  for (const Demotion& d : demoted_) {
+    if (d.op == op && d.backend == backend && d.device_type == type && d.device_id == id) return false;
+  }
+  demoted_.push_back({std::string(op), std::string(backend), type, id, std::move(error)});
+  demoted_count_.store(demoted_.size(), std::memory_order_release);
+  return true;
+}
+
+std::optional<Demotion> Selector::demotion(std::string_view op, std::string_view backend, DeviceType type,
+                                           int32_t id) const {
+  if (demoted_count_.load(std::memory_order_acquire) == 0) return std::nullopt;
+  std::lock_guard lock(demoted_mutex_);
+  for (const Demotion& d : demoted_) {
+    if (d.op == op && d.backend == backend && d.device_type == type && d.device_id == id) return d;
+  }
+  return std::nullopt;
+}
+
+std::vector<Demotion> Selector::demotions() const {
+  std::lock_guard lock(demoted_mutex_);
+  return demoted_;
 }
 
 std::string_view rule_name(SelectionRule rule) {

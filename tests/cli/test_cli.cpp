@@ -863,6 +863,9 @@ TEST_CASE("doctor --json over the broken fixture plugins: each with its code, th
     }
   }
   CHECK(seen == expected.size());
+  // Demotions happen in a process that calls kernels: a fresh doctor has none.
+  REQUIRE(doc["demotions"].is_array());
+  CHECK(doc["demotions"].empty());
 }
 
 TEST_CASE("broken manifests beside a good one do not stop it from loading") {

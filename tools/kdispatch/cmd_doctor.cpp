@@ -1,7 +1,8 @@
 // kdispatch doctor: the search path, every plugin found, whether it loads,
 // its ABI and the devices its probe reports, every problem with its code,
 // what the plugins together leave unchecked, library files no manifest
-// names, and the ops that have no reference kernel.
+// names, the ops that have no reference kernel, and the backends fallback
+// demoted (in a report made in-process; a fresh `kdispatch doctor` has none).
 // Unlike list and select, doctor opens each plugin: that is what it checks.
 #include <fmt/format.h>
 
@@ -42,6 +43,11 @@ Runner add_doctor(CLI::App& app) {
       doc["plugins"] = plugins;
       doc["problems"] = problems;
       doc["ops_without_reference"] = without_reference;
+      Json demotions = Json::array();
+      for (const Demotion& d : report.demotions) {
+        demotions.push_back({{"op", d.op}, {"backend", d.backend}, {"device", d.device()}, {"error", d.error}});
+      }
+      doc["demotions"] = demotions;
       print_json(doc);
       return any_error ? kDispatchError : kOk;
     }
@@ -91,6 +97,12 @@ Runner add_doctor(CLI::App& app) {
     } else {
       fmt::print("\nops without a reference kernel (run and bench report them unchecked): {}\n",
                  fmt::join(without_reference, ", "));
+    }
+    if (!report.demotions.empty()) {
+      fmt::print("\nbackends demoted by fallback in this process:\n");
+      for (const Demotion& d : report.demotions) {
+        fmt::print("  {} for {} on {}: {}\n", d.backend, d.op, d.device(), d.error);
+      }
     }
     const size_t warnings = report.warnings();
     if (any_error) {

@@ -8,6 +8,7 @@
 
 #include <kdispatch/plugin_api.h>
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -73,6 +74,16 @@ class Context {
   // The op's user preference (Selector::set_preference); calls made after
   // it follow it, including through handles resolved before.
   void set_preference(std::string_view op, std::vector<std::string> backends);
+  // Fallback on device and internal errors (docs/internals.md, Fallback):
+  // with it on, a kernel that fails with KD_STATUS_DEVICE_ERROR or
+  // KD_STATUS_INTERNAL is demoted for its op on that device and the call goes
+  // to the next ranked backend; off, the failure is the call's error.
+  // Starts as KDISPATCH_FALLBACK says (SelectorOptions::fallback).
+  void set_fallback(bool on) { fallback_.store(on, std::memory_order_relaxed); }
+  bool fallback() const { return fallback_.load(std::memory_order_relaxed); }
+  // Selector::demote, dropping every cached selection the first time.
+  bool demote(std::string_view op, std::string_view backend, DeviceType type, int32_t id, std::string error);
+  std::vector<Demotion> demotions() const { return selector_->demotions(); }
   // The device tensors on (type, id) live on (ContextOptions::device_of).
   Device device(DeviceType type, int32_t id) const;
 
@@ -99,6 +110,7 @@ class Context {
   DiscoveryResult discovery_;
   std::vector<Manifest> api_manifests_;
   std::function<Device(DeviceType, int32_t)> device_of_;
+  std::atomic<bool> fallback_{false};
   std::vector<Problem> problems_;  // registration problems (guarded by load_mutex_)
 
   mutable std::mutex load_mutex_;

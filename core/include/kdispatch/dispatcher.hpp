@@ -9,7 +9,11 @@
 // A checked call validates the tensors against the op schema, takes the
 // device from the tensors, finds the kernel in a lock-free per-op resolution
 // cache keyed by (device type, device id, dtype), opens the plugin on first
-// use and turns a failing status into KernelError (KD-E040/E041).
+// use and turns a failing status into KernelError (KD-E040/E041). A kernel
+// that returns KD_STATUS_UNSUPPORTED passes the call to the next ranked
+// backend, and with fallback on (Context::set_fallback) so does one that
+// fails with a device or internal error, which is then demoted
+// (docs/internals.md, Fallback).
 #pragma once
 
 #include <kdispatch/export.h>
@@ -21,6 +25,7 @@
 #include <initializer_list>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -41,9 +46,11 @@ class Dispatcher;
 struct OpState;
 struct ResolvedKernel;
 struct ConstraintCall;
+struct FallbackTrail;
 
 // A kernel resolved for one device and dtype: calling it checks nothing.
-// For callers that validated their arguments already.
+// For callers that validated their arguments already. It runs that kernel
+// only: no fallback to another backend.
 class KernelHandle {
  public:
   KernelHandle() = default;
@@ -106,6 +113,9 @@ class OpHandle {
                     Dtype dtype) const;
   // operator() for a call that gives attributes.
   void call_with_attrs(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream) const;
+  // Runs `kernel`; a status other than OK goes to Dispatcher::recover.
+  static void run(const OpState& state, const ResolvedKernel& kernel, DLDevice device, std::span<DLTensor> tensors,
+                  std::span<const kd_attr> attrs, void* stream, FallbackTrail* trail);
   OpState* state_;
 };
 
@@ -142,7 +152,15 @@ class Dispatcher {
                                      uint64_t rejected, uint64_t seen_generation);
   // OpState::constrained, current with the registry's generation.
   void refresh_constraints(OpState& state, uint64_t generation);
-  void trace(const OpState& state, const ResolvedKernel& kernel, std::span<const DLTensor> tensors, double us);
+  // A call whose kernel `first` returned `status` (its message in `error`):
+  // passes it to the next ranked backends as fallback allows, returning
+  // when one of them ran it; otherwise throws the call's KernelError. What
+  // happened goes to `trail` when given.
+  [[gnu::noinline, gnu::cold]] void recover(const ResolvedKernel& first, DLDevice device, std::span<DLTensor> tensors,
+                                            std::span<const kd_attr> attrs, void* stream, kd_status status,
+                                            const char* error, FallbackTrail* trail);
+  void trace(const OpState& state, const ResolvedKernel& kernel, std::span<const DLTensor> tensors, double us,
+             const FallbackTrail* trail);
 
   Context& context_;
   static constexpr size_t kInternSlots = 512;  // power of two
@@ -154,6 +172,8 @@ class Dispatcher {
   // The states that did not fit in the table, by op and backend (guarded by mutex_).
   std::unordered_map<std::string, OpState*> overflow_;
   std::FILE* trace_file_ = nullptr;  // KDISPATCH_TRACE
+  // (op, backend) pairs whose KD_STATUS_UNSUPPORTED was reported (guarded by mutex_).
+  std::set<std::string, std::less<>> reported_unsupported_;
 };
 
 }  // namespace kdispatch

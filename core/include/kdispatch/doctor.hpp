@@ -1,8 +1,8 @@
 // The report of `kdispatch doctor` and kdispatch.doctor(): where plugins
 // were looked for, every plugin found, whether it loads (its version, ABI
 // and the devices its probe reports), every problem with its code, what the
-// plugins together leave unchecked (coverage.hpp), and the ops no reference
-// kernel can check. Made here once; the tool prints it as
+// plugins together leave unchecked (coverage.hpp), the ops no reference
+// kernel can check, and the backends demoted so far by fallback. Made here once; the tool prints it as
 // text or JSON and the Python module returns it as dicts, with the same
 // fields.
 #pragma once
@@ -42,6 +42,10 @@ struct DoctorReport {
   // Ops that have kernels but no reference: run and bench report them
   // unchecked, and the conformance suite cannot check them.
   std::vector<std::string> ops_without_reference;
+  // Backends demoted in this process (Context::demote): each op's, on one
+  // device, with the error that demoted it. A report made in a fresh
+  // process (`kdispatch doctor`) has none.
+  std::vector<Demotion> demotions;
   // The verdict: a plugin in error, a problem that is not a warning, or a
   // search-path problem.
   bool any_error = false;

@@ -3,6 +3,7 @@
 
 #include <kdispatch/export.h>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -37,6 +38,10 @@ struct SelectorOptions {
   // preferred first. From KDISPATCH_PREFERENCE_FILE, and at run time from
   // Selector::set_preference (then read it through Selector::preference).
   std::map<std::string, std::vector<std::string>, std::less<>> preferences;
+  // KDISPATCH_FALLBACK=1: a kernel that fails with a device or internal
+  // error is demoted for its op on that device and the call goes to the
+  // next ranked backend (Context::set_fallback changes it at run time).
+  bool fallback = false;
   // What was wrong with the environment's settings (a preference file that
   // could not be used, which is then ignored whole). Context::problems().
   std::vector<Problem> problems;
@@ -71,6 +76,21 @@ struct SelectRequest {
   // constraints read; null: constraints are not evaluated (every kernel
   // with constraints counts as eligible).
   const ConstraintCall* call = nullptr;
+  // Which device of `device`'s type the call runs on: a backend demoted for
+  // the op on that device (Selector::demote) is not eligible.
+  int32_t device_id = 0;
+};
+
+// A backend taken out of an op's ranking on one device for the rest of the
+// process, after its kernel failed with a device or internal error while
+// fallback was on (Context::set_fallback, KDISPATCH_FALLBACK).
+struct Demotion {
+  std::string op;
+  std::string backend;
+  DeviceType device_type = DeviceType::cpu;
+  int32_t device_id = 0;
+  std::string error;  // the kernel's error, as KernelError words it
+  std::string device() const;  // "cuda:0", as the trace names devices
 };
 
 // Why one registered backend was or was not eligible (for `list`, KD-E003).
@@ -117,8 +137,22 @@ class Selector {
   // Every registered backend of `op` checked against the device and dtype.
   // With `call`, a kernel whose constraints (KernelSpec::constraints) do
   // not hold for it is not eligible, the failed one's text in the reason.
+  // A backend demoted for the op on device `device_id` of the device's
+  // type is not eligible, its error in the reason.
   std::vector<Eligibility> eligibility(std::string_view op, const Device& device, std::optional<Dtype> dtype,
-                                       const ConstraintCall* call = nullptr) const;
+                                       const ConstraintCall* call = nullptr, int32_t device_id = 0) const;
+
+  // Takes `backend` out of the ranking of `op` on device (type, id) for the
+  // rest of the process: it stays registered and still runs when named.
+  // True the first time; the caller invalidates cached selections
+  // (Context::demote does).
+  bool demote(std::string_view op, std::string_view backend, DeviceType type, int32_t id, std::string error);
+  // The demotion of `backend` for `op` on (type, id), if any. Takes no lock
+  // while nothing is demoted.
+  std::optional<Demotion> demotion(std::string_view op, std::string_view backend, DeviceType type,
+                                   int32_t id) const;
+  // Every demotion so far, in the order they happened.
+  std::vector<Demotion> demotions() const;
 
   const SelectorOptions& options() const { return options_; }
   const KernelRegistry& registry() const { return registry_; }
@@ -129,6 +163,9 @@ class Selector {
   mutable std::mutex preferences_mutex_;  // guards options_.preferences
   mutable std::mutex warned_mutex_;
   mutable std::set<std::string, std::less<>> warned_ops_;  // force-backend warnings
+  mutable std::mutex demoted_mutex_;
+  std::vector<Demotion> demoted_;          // guarded by demoted_mutex_
+  std::atomic<size_t> demoted_count_{0};   // demoted_.size(), read without the lock
 };
 
 // Closest op ids to `op` (edit distance), for "did you mean".

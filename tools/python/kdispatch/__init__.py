@@ -28,6 +28,8 @@ ops = _kdispatch.ops
 backends = _kdispatch.backends
 select = _kdispatch.select
 set_preference = _kdispatch.set_preference
+set_fallback = _kdispatch.set_fallback
+fallback = _kdispatch.fallback
 preference = _kdispatch.preference
 schema = _kdispatch.schema
 schemas = _kdispatch.schemas
@@ -40,8 +42,8 @@ call = _kdispatch.call
 
 __all__ = [
     "CallError", "Error", "KernelError", "ManifestError", "Op", "PluginError", "RegistrationError",
-    "SelectionError", "backends", "call", "configure", "doctor", "error_codes", "explain", "op", "ops",
-    "preference", "schema", "schemas", "select", "set_preference", "version",
+    "SelectionError", "backends", "call", "configure", "doctor", "error_codes", "explain", "fallback",
+    "op", "ops", "preference", "schema", "schemas", "select", "set_fallback", "set_preference", "version",
 ]
 
 # torch tensors are read from their own attributes rather than through a

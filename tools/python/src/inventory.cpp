@@ -252,6 +252,16 @@ py::dict doctor() {
   out["plugins"] = plugins;
   out["problems"] = problems;
   out["ops_without_reference"] = without_reference;
+  py::list demotions;
+  for (const kdispatch::Demotion& d : report.demotions) {
+    py::dict item;
+    item["op"] = text(d.op);
+    item["backend"] = text(d.backend);
+    item["device"] = text(d.device());
+    item["error"] = text(d.error);
+    demotions.append(item);
+  }
+  out["demotions"] = demotions;
   return out;
 }
 

@@ -43,6 +43,12 @@ PYBIND11_MODULE(_kdispatch, m) {
       "preference",
       [](const std::string& op) { return runtime()->context.selector().preference(op); }, py::arg("op"),
       "The op's preference: its backends, the first preferred ([] when none).");
+  m.def("set_fallback", &set_fallback, py::arg("on"),
+        "Fallback on device and internal errors: with it on, a kernel that fails with one is demoted for its op on "
+        "that device for the rest of the process and the call goes to the next ranked backend (never the "
+        "reference); off (the default, unless KDISPATCH_FALLBACK=1), the failure is the call's error. A kernel that "
+        "returns 'unsupported' passes the call on either way.");
+  m.def("fallback", &fallback, "Whether fallback on device and internal errors is on (set_fallback).");
   m.def("schemas", &schemas, "Every op schema, as dicts.");
   m.def("schema", &schema, py::arg("op"), "The schema of one op, as a dict.");
   m.def("doctor", &doctor, "The plugin report of `kdispatch doctor --json` (opens every plugin found).");

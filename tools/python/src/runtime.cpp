@@ -7,6 +7,7 @@
 #include <atomic>
 #include <map>
 #include <mutex>
+#include <optional>
 
 namespace kdispatch::python {
 
@@ -20,6 +21,8 @@ struct State {
   std::shared_ptr<Runtime> current;  // guarded by `mutex`
   // set_preference()'s, applied again to the runtime made after configure().
   std::map<std::string, std::vector<std::string>, std::less<>> preferences;
+  // set_fallback()'s, applied again to the runtime made after configure().
+  std::optional<bool> fallback;
 };
 
 State& state() {
@@ -42,6 +45,7 @@ std::shared_ptr<Runtime> runtime() {
   std::lock_guard lock(s.mutex);
   if (!s.current) {
     s.current = std::make_shared<Runtime>(s.options);
+    if (s.fallback) s.current->context.set_fallback(*s.fallback);
     for (auto it = s.preferences.begin(); it != s.preferences.end();) {
       try {
         s.current->context.set_preference(it->first, it->second);
@@ -69,6 +73,16 @@ void set_preference(const std::string& op, std::vector<std::string> backends) {
     s.preferences.insert_or_assign(op, std::move(backends));
   }
 }
+
+void set_fallback(bool on) {
+  std::shared_ptr<Runtime> current = runtime();
+  current->context.set_fallback(on);
+  State& s = state();
+  std::lock_guard lock(s.mutex);
+  s.fallback = on;
+}
+
+bool fallback() { return runtime()->context.fallback(); }
 
 void configure(std::vector<std::filesystem::path> replace, std::vector<std::filesystem::path> add) {
   State& s = state();

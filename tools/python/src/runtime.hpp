@@ -35,6 +35,11 @@ std::shared_ptr<Runtime> runtime();
 // runtime and in each one made after a configure().
 void set_preference(const std::string& op, std::vector<std::string> backends);
 
+// Context::set_fallback in the current runtime and in each one made after a
+// configure(); fallback() reads the current runtime's.
+void set_fallback(bool on);
+bool fallback();
+
 // How many runtimes are alive (kdispatch._live_runtimes, for the tests).
 size_t live_runtimes();
 
