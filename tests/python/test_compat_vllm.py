@@ -402,12 +402,11 @@ def test_reshape_and_cache_flash():
         scale = torch.tensor([1.0])
         check(ops.reshape_and_cache_flash(key, value, kv[:, 0], kv[:, 1], slots, "auto", scale, scale) is None,
               "reshape_and_cache_flash returns None")
-        want = before.clone()
-        flat_k, flat_v = want[:, 0].reshape(-1, h, d), want[:, 1].reshape(-1, h, d)
+        flat_k, flat_v = before[:, 0].reshape(-1, h, d).clone(), before[:, 1].reshape(-1, h, d).clone()
         keep = slots >= 0
         flat_k[slots[keep]] = key[keep]
         flat_v[slots[keep]] = value[keep]
-        want[:, 0], want[:, 1] = flat_k.view(nb, bs, h, d), flat_v.view(nb, bs, h, d)
+        want = torch.stack((flat_k.view(nb, bs, h, d), flat_v.view(nb, bs, h, d)), dim=1)
         check(torch.equal(kv, want), f"reshape_and_cache_flash {dtype} {n}x{h}x{d} into {nb}x{bs}: tokens in "
                                      "their slots, slot -1 skipped, the rest untouched")
     key = randn([2, 1, 4], torch.float32, 30)

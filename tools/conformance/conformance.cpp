@@ -150,9 +150,10 @@ void conform(const OpSchema& schema) {
     for (Dtype dtype : dtypes) {
       // The plain variant (dense rows, primary dtypes, every tensor present)
       // runs every case; the others share the cases in turn, each running
-      // every (variants - 1)-th, so that each runs on cases of every kind
-      // while the suite's time grows by one call per case, not by the
-      // product of the variants.
+      // every (variants - 1)-th (one case each, in turn, when there are
+      // fewer cases than variants), so that each runs on cases of every
+      // kind while the suite's time grows by about one call per case, not by
+      // the product of the variants.
       const std::vector<harness::Variant> variants = harness::variants(schema, dtype);
       const size_t others = variants.size() - 1;
       for (size_t vi = 0; vi < variants.size(); ++vi) {
@@ -164,7 +165,7 @@ void conform(const OpSchema& schema) {
         }
         const bool leaves_out = std::find(v.absent.begin(), v.absent.end(), true) != v.absent.end();
         for (size_t ci = 0; ci < cases.size(); ++ci) {
-          if (vi != 0 && cases.size() >= others && ci % others != vi - 1) continue;
+          if (vi != 0 && (cases.size() >= others ? ci % others != vi - 1 : ci != (vi - 1) % cases.size())) continue;
           const harness::TestCase& c = cases[ci];
           INFO(op << " on " << b.name << " " << dtype_name(dtype) << " " << harness::describe(c) << " ("
                   << harness::describe(schema, v) << ")");
