@@ -139,12 +139,13 @@ class Case:
     changes values but not the work)."""
 
     def __init__(self, op, dtype, shape, nbytes, make, torch_fn, attrs, compare, outputs=(0,), rows=None,
-                 baseline=None):
+                 baseline=None, tol=None):
         self.op, self.dtype, self.shape, self.nbytes = op, dtype, shape, nbytes
         self.make, self.torch_fn, self.attrs, self.compare = make, torch_fn, attrs, compare
         self.outputs = outputs  # kd_args written only: one buffer for every input set
         self.rows = rows  # rows (tokens) of the call
         self.baseline = baseline  # the shape of the same op's contiguous case, timed beside a strided one
+        self.tol = tol  # agree()'s bound, where the dtype's default does not fit (fp8 outputs: one step)
 
     @property
     def decode(self):
@@ -402,6 +403,101 @@ def moe_align_case(tokens, k, experts, block_size):
                 (at["sorted_token_ids"], at["expert_ids"], at["num_tokens_post_pad"]), rows=tokens)
 
 
+FP8 = "float8_e4m3fn"
+
+
+def to_fp8(v):
+    """float32 -> float8_e4m3fn, saturating at 448 as the peers' quantisers."""
+    return v.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def quant_formula(kind, group=128):
+    """The fp8 quantiser `kind` as torch code: (input[, scale]) -> (q, scales)."""
+    def per_tensor_static(x, s):
+        return to_fp8(x.float() / s), s
+
+    def per_tensor_dynamic(x, s):
+        scale = (x.abs().amax().float() / 448.0).reshape(1)
+        return to_fp8(x.float() / scale), scale
+
+    def per_token(x, s):
+        scale = x.abs().amax(-1).float() / 448.0
+        return to_fp8(x.float() / scale[:, None]), scale
+
+    def per_token_group(x, s):
+        g = x.float().reshape(x.shape[0], -1, group)
+        scale = g.abs().amax(-1).clamp(min=1e-10) / 448.0
+        return to_fp8(g / scale[..., None]).reshape(x.shape), scale
+
+    return {"static": per_tensor_static, "dynamic": per_tensor_dynamic, "token": per_token,
+            "group": per_token_group}[kind]
+
+
+def quant_case(kind, dtype, rows, n, group=128):
+    """quantization.* of a [rows, n] activation into float8_e4m3fn:
+    per-tensor with a given (static) or computed (dynamic) scale, per
+    token, per group of `group` values."""
+    t = DTYPES[dtype]
+    op = {"static": "quantization.per_tensor_quant_fp8", "dynamic": "quantization.per_tensor_quant_fp8",
+          "token": "quantization.per_token_quant_fp8", "group": "quantization.per_token_group_quant_fp8"}[kind]
+    scales = {"static": 1, "dynamic": 1, "token": rows, "group": rows * (n // group)}[kind]
+    nbytes = rows * n * (torch.finfo(t).bits // 8 + 1) + 4 * scales
+    at = tensor_index(op)
+
+    def make():
+        x = randn(rows, n, dtype=t)
+        s = torch.full([1], 0.05, device=DEVICE) if kind in ("static", "dynamic") else \
+            torch.empty(rows, device=DEVICE) if kind == "token" else torch.empty(rows, n // group, device=DEVICE)
+        q = torch.empty(rows, n, device=DEVICE, dtype=torch.float8_e4m3fn)
+        return (x, s), in_schema_order(op, input=x, output_q=q, output_s=s)
+
+    def compare(kd, want):
+        return [(kd[at["output_q"]].float(), want[0].float()), (kd[at["output_s"]], want[1])]
+
+    attrs = {"static": {"is_static": True}, "dynamic": {"is_static": False}, "token": {},
+             "group": {"group_size": group, "eps": 1e-10}}[kind]
+    outputs = (at["output_q"],) if kind == "static" else (at["output_q"], at["output_s"])
+    return Case(op, dtype, f"{rows}x{n}" + ("" if kind == "token" else f" {kind}"), nbytes, make,
+                quant_formula(kind, group), attrs, compare, outputs, rows=rows, tol=0.13)
+
+
+def norm_quant_case(fused, dtype, rows, hidden):
+    """layernorm.rmsnorm_quant_fp8 / fused_add_rmsnorm_quant_fp8 with a
+    static scale, float8_e4m3fn out."""
+    t = DTYPES[dtype]
+    size = torch.finfo(t).bits // 8
+    nbytes = rows * hidden * (size * (3 if fused else 1) + 1) + size * hidden
+    op = "layernorm.fused_add_rmsnorm_quant_fp8" if fused else "layernorm.rmsnorm_quant_fp8"
+    at = tensor_index(op)
+
+    def make():
+        x, w = randn(rows, hidden, dtype=t), (1 + 0.25 * torch.randn(hidden, device=DEVICE)).to(t)
+        scale = torch.full([1], 0.02, device=DEVICE)
+        out = torch.empty(rows, hidden, device=DEVICE, dtype=torch.float8_e4m3fn)
+        if fused:
+            r = randn(rows, hidden, dtype=t)
+            return (x, r, w, scale), in_schema_order(op, out=out, x=x, residual=r, weight=w, scale=scale)
+        return (x, w, scale), in_schema_order(op, out=out, x=x, weight=w, scale=scale)
+
+    def normed(v, w):  # float32 throughout: quantised from the unrounded value
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + EPS) * w.float()
+
+    def fn(*a):
+        if fused:
+            x, r, w, scale = a
+            total = x.float() + r.float()
+            return to_fp8(normed(total, w) * (1.0 / scale)), total.to(x.dtype)
+        x, w, scale = a
+        return to_fp8(normed(x.float(), w) * (1.0 / scale))
+
+    def compare(kd, want):
+        out = want[0] if fused else want
+        return [(kd[at["out"]].float(), out.float())]
+
+    return Case(op, dtype, f"{rows}x{hidden}", nbytes, make, fn, {"eps": EPS}, compare, (at["out"],), rows=rows,
+                tol=0.13)
+
+
 def cases():
     if DEVICE == "cpu":  # the sizes of kdispatch-bench-kernels (the schemas' "bench")
         return cpu_cases()
@@ -436,6 +532,10 @@ def cases():
     for tokens in (4096, 64):
         out += [kvcache_case("bfloat16", tokens, 8, 128, cache_dtype=c) for c in (None, "float8_e4m3fn")]
     out += [moe_align_case(tokens, 8, 256, 64) for tokens in (32768, 64)]
+    # The fp8 quantisers and the norms fused with one, bf16 in, e4m3 out.
+    for rows in (16384, 1, 64):
+        out += [quant_case(kind, "bfloat16", rows, 8192) for kind in ("static", "dynamic", "token", "group")]
+        out += [norm_quant_case(fused, "bfloat16", rows, 8192) for fused in (False, True)]
     return out
 
 
@@ -580,7 +680,7 @@ def agree(case, kd_args, torch_args):
         torch.cuda.synchronize()
     worst = 0.0
     for got, expect in case.compare(kd, want):
-        tol = 1e-4 if got.dtype == torch.float32 else 2e-2
+        tol = case.tol or (1e-4 if got.dtype == torch.float32 else 2e-2)
         err = ((got.double() - expect.double()).abs() / (1 + expect.double().abs())).max().item()
         worst = max(worst, err)
         if not err <= tol:
