@@ -249,7 +249,7 @@ def main():
     args = parser.parse_args()
     offers, what, check = MODES[args.mode]
     # Ops whose tensors this torch cannot make (8-bit floats before torch 2.1) are left out.
-    ops = [op for op in ops_with(offers, what) if not kt.unavailable_dtypes(op)]
+    ops = [op for op in ops_with(offers, what) if not kt.unavailable_dtypes(op, alternatives=True)]
     if not ops:
         return 77
     checked = failed = 0

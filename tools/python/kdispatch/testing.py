@@ -75,15 +75,17 @@ _NUMPY_NAMES = {"float32": "float32", "float16": "float16", "float64": "float64"
                 "int64": "int64", "uint8": "uint8", "bool": "bool_"}
 
 
-def unavailable_dtypes(op, kind="torch"):
-    """The dtype names the op's tensors may take (given by name, not a dtype
-    variable: a tensor's first dtype or its alternatives) that `kind`
-    ("torch" or "numpy") cannot make here: the 8-bit floats of the
-    quantisation ops' outputs with NumPy or a torch before 2.1. inputs() raises TypeError for
-    such an op; the tests leave it out."""
+def unavailable_dtypes(op, kind="torch", alternatives=False):
+    """The dtype names the op's tensors take (given by name, not a dtype
+    variable: a tensor's first dtype, and with `alternatives` the others it
+    may take instead) that `kind` ("torch" or "numpy") cannot make here: the
+    8-bit floats of the quantisation ops' outputs (and of the KV cache's
+    alternatives) with NumPy or a torch before 2.1. inputs() raises TypeError
+    for a call that needs one; the tests leave such calls out."""
     schema = _kdispatch.schema(op)
     missing = []
-    names = [n for arg in schema["tensors"] for n in [arg["dtype"]] + list(arg.get("dtype_alternatives", ()))]
+    names = [n for arg in schema["tensors"]
+             for n in [arg["dtype"]] + (list(arg.get("dtype_alternatives", ())) if alternatives else [])]
     for name in names:
         if name in schema["dtypes"] or name in missing:
             continue
