@@ -16,7 +16,11 @@
 // offset 1 for the Gemma variants, 0 otherwise (FlashInfer's weight_bias).
 // The weight is float32 or T (template W). Rows are addressed through
 // kd_plugin::RowLayout, so every leading dim may have any stride; the
-// 16-byte paths need every row start and the weight 16-byte aligned.
+// 16-byte paths need every row start and the weight 16-byte aligned. Rows
+// one stride apart (contiguous, a column slice) go to the register-held
+// kernels with their layouts as kd_plugin::LinearRows (a graph copies a
+// kernel's arguments at each launch: 88 bytes of them rather than 648 take
+// a tenth off a 64-row call); other views take the two-pass kernel.
 //
 // Both ops are memory bound, so the row is read from memory once. Many
 // rows too long for a warp, of up to 2048 16-byte vectors and a multiple
@@ -27,14 +31,15 @@
 // when many, take two passes in blocks of 256 threads: the first sums the
 // squares and keeps the row (x and residual) in L1 and L2, the second reads
 // it back from there, lets it go, and streams the output (and the residual);
-// few
-// registers, so many rows are in flight. float32 rows, and 16-bit rows when
-// few (as in decode), are held in registers instead: each thread keeps its
-// share of the row, as stored (16-byte vectors, up to 8 per thread), across
-// the reduction. With many rows it reads the weight only after the
+// few registers, so many rows are in flight. float32 rows, and 16-bit rows
+// when few (as in decode), are held in registers instead: each thread keeps
+// its share of the row, as stored (16-byte vectors, up to 8 per thread),
+// across the reduction. With many rows it reads the weight only after the
 // reduction (fewer registers, more blocks per SM) and streams the row and
 // the outputs (touched once); with few it reads the weight with the row (one
-// wait on memory). Short rows (up to 4 vectors per lane) get one warp each,
+// wait on memory) and takes one vector a thread, up to 1024 threads (the
+// fused op at 64 rows of 4096: 2.25 us a call against 2.84 with two vectors
+// a thread). Short rows (up to 4 vectors per lane) get one warp each,
 // several rows per block and no barrier; longer ones one block each. The
 // grid covers every row: more loads are in flight than when a resident grid
 // loops over rows. With many rows a block takes its row and exits, its loads
@@ -49,6 +54,7 @@
 namespace kd_gpu {
 namespace {
 
+using kd_plugin::LinearRows;
 using kd_plugin::RowLayout;
 
 constexpr int kThreads = 256;      // threads per block of the warp-per-row and two-pass kernels
@@ -66,18 +72,19 @@ struct BlockSum {
 // place); for rmsnorm both residuals are null. Every element is read before
 // the thread that read it writes the same position, so outputs may be
 // their inputs. O is T, or the fp8 type of a _quant_fp8 op's out, whose
-// scale is then a device pointer (else null).
-template <class T, class W, class O = T>
+// scale is then a device pointer (else null). Rows: RowLayout, or
+// LinearRows where every tensor's rows are one stride apart.
+template <class T, class W, class O = T, class Rows = RowLayout>
 struct NormArgs {
   O* out;
   T* residual_out;
   const T* x;
   const T* residual;
   const W* weight;
-  RowLayout out_rows;
-  RowLayout residual_out_rows;
-  RowLayout x_rows;
-  RowLayout residual_rows;
+  Rows out_rows;
+  Rows residual_out_rows;
+  Rows x_rows;
+  Rows residual_rows;
   int64_t rows;
   int hidden;
   float eps;
@@ -87,8 +94,8 @@ struct NormArgs {
 
 // What a normalised value is multiplied by before its rounding to O: 1 /
 // scale[0] for an fp8 out, else nothing (1).
-template <class T, class W, class O>
-__device__ __forceinline__ float out_multiplier(const NormArgs<T, W, O>& a) {
+template <class T, class W, class O, class Rows>
+__device__ __forceinline__ float out_multiplier(const NormArgs<T, W, O, Rows>& a) {
   if constexpr (std::is_same_v<T, O>) {
     return 1.f;
   } else {
@@ -114,7 +121,7 @@ __device__ __forceinline__ float normed_value(const Vec<T, N>& x, const Vec<T, N
 // and the residual as loaded and adds them again for the output, so the sum
 // is normalised unrounded at no register cost.
 template <class T, class W, class O, int N, int VPT, bool kFused, bool kManyRows, class Reduce>
-__device__ __forceinline__ void norm_row_in_registers(const NormArgs<T, W, O>& a, int64_t row, int first,
+__device__ __forceinline__ void norm_row_in_registers(const NormArgs<T, W, O, LinearRows>& a, int64_t row, int first,
                                                       int stride, Reduce reduce) {
   constexpr Access kRow = kManyRows ? Access::kStreaming : Access::kCached;
   const T* x = a.x + a.x_rows.offset(row);
@@ -173,7 +180,7 @@ __device__ __forceinline__ void norm_row_in_registers(const NormArgs<T, W, O>& a
 }
 
 template <class T, class W, class O, int N, int VPT, bool kFused>
-__global__ void __launch_bounds__(kThreads) norm_warp_per_row(const NormArgs<T, W, O> a) {
+__global__ void __launch_bounds__(kThreads) norm_warp_per_row(const NormArgs<T, W, O, LinearRows> a) {
   start_after_previous_kernel();
   const int warps = blockDim.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
@@ -184,7 +191,7 @@ __global__ void __launch_bounds__(kThreads) norm_warp_per_row(const NormArgs<T, 
 }
 
 template <class T, class W, class O, int N, int VPT, bool kFused, bool kManyRows>
-__global__ void __launch_bounds__(kRowMaxThreads) norm_block_per_row(const NormArgs<T, W, O> a) {
+__global__ void __launch_bounds__(kRowMaxThreads) norm_block_per_row(const NormArgs<T, W, O, LinearRows> a) {
   start_after_previous_kernel();
   const auto one_row = [&](int64_t row) {
     norm_row_in_registers<T, W, O, N, VPT, kFused, kManyRows>(a, row, static_cast<int>(threadIdx.x),
@@ -206,16 +213,15 @@ __global__ void __launch_bounds__(kRowMaxThreads) norm_block_per_row(const NormA
 // read before it is overwritten). Nothing is bounds checked; rmsnorm's
 // blocks take 32 registers a thread (four blocks of 512 threads an SM), the
 // fused op's up to 50.
-// The row layouts are linear() (checked by the launcher).
 template <class T, class W, class O, int N, int VPT, bool kFused>
-__global__ void __launch_bounds__(kRowMaxThreads) norm_whole_row(const NormArgs<T, W, O> a) {
+__global__ void __launch_bounds__(kRowMaxThreads) norm_whole_row(const NormArgs<T, W, O, LinearRows> a) {
   start_after_previous_kernel();
   const RowPolicies policies = row_policies();
   using V = Vec<T, N>;
   using WV = Vec<W, N>;
   using OV = Vec<O, N>;
-  const V* xr = reinterpret_cast<const V*>(a.x + a.x_rows.linear_offset(blockIdx.x));
-  const V* rr = kFused ? reinterpret_cast<const V*>(a.residual + a.residual_rows.linear_offset(blockIdx.x)) : nullptr;
+  const V* xr = reinterpret_cast<const V*>(a.x + a.x_rows.offset(blockIdx.x));
+  const V* rr = kFused ? reinterpret_cast<const V*>(a.residual + a.residual_rows.offset(blockIdx.x)) : nullptr;
   const int first = static_cast<int>(threadIdx.x);
   const int stride = static_cast<int>(blockDim.x);
   V x[VPT];
@@ -238,9 +244,9 @@ __global__ void __launch_bounds__(kRowMaxThreads) norm_whole_row(const NormArgs<
   // Addressed after the reduction: nothing more is live across it.
   const float multiplier = out_multiplier(a);
   const WV* wr = reinterpret_cast<const WV*>(a.weight);
-  OV* outr = reinterpret_cast<OV*>(a.out + a.out_rows.linear_offset(blockIdx.x));
+  OV* outr = reinterpret_cast<OV*>(a.out + a.out_rows.offset(blockIdx.x));
   V* residual_out =
-      kFused ? reinterpret_cast<V*>(a.residual_out + a.residual_out_rows.linear_offset(blockIdx.x)) : nullptr;
+      kFused ? reinterpret_cast<V*>(a.residual_out + a.residual_out_rows.offset(blockIdx.x)) : nullptr;
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
     const int i = first + k * stride;
@@ -308,8 +314,9 @@ __global__ void __launch_bounds__(kThreads, 1) norm_two_pass(const NormArgs<T, W
 
 template <class T, class W, class O, int N, bool kFused>
 struct NormKernels {
+  using Linear = NormArgs<T, W, O, LinearRows>;
   template <int VPT>
-  static void block_per_row(const Launch& launch, bool few_rows, int threads, const NormArgs<T, W, O>& a) {
+  static void block_per_row(const Launch& launch, bool few_rows, int threads, const Linear& a) {
     if constexpr (sizeof(T) == 4) {  // many 16-bit rows take the two-pass kernel
       if (!few_rows) {
         launch_kernel(launch, norm_block_per_row<T, W, O, N, VPT, kFused, true>, one_block_per_row(a.rows),
@@ -320,55 +327,81 @@ struct NormKernels {
     launch_kernel(launch, norm_block_per_row<T, W, O, N, VPT, kFused, false>, row_grid(a.rows), threads, a);
   }
   template <int VPL>
-  static void warp_per_row(const Launch& launch, const NormArgs<T, W, O>& a) {
+  static void warp_per_row(const Launch& launch, const Linear& a) {
     const int64_t blocks = ceil_div(a.rows, kThreads / launch.warp_size);
     launch_kernel(launch, norm_warp_per_row<T, W, O, N, VPL, kFused>, row_grid(blocks), kThreads, a);
   }
 };
 
+// Launches a register-held kernel for rows of nvec 16-byte vectors one
+// stride apart, or returns false when the rows are too long for registers.
+template <class T, class W, class O, bool kFused>
+bool launch_in_registers(const Launch& launch, const NormArgs<T, W, O, LinearRows>& a, int nvec) {
+  constexpr int kVec = 16 / sizeof(T);
+  using K = NormKernels<T, W, O, kVec, kFused>;
+  const int64_t rows = a.rows;
+  if (nvec <= launch.warp_size * kMaxVecPerLane) {
+    with_vectors_per_thread<kMaxVecPerLane>(ceil_div(nvec, launch.warp_size), [&](auto vpl) {
+      K::template warp_per_row<decltype(vpl)::value>(launch, a);
+    });
+    return true;
+  }
+  // Fewer rows than the SMs hold blocks: each block had better wait on
+  // memory once, with one vector a thread where the block allows.
+  const bool few_rows = rows < int64_t{launch.sm_count} * 4;
+  constexpr int kWholeRowVecPerThread = 2;
+  const int whole_row_threads = nvec / kWholeRowVecPerThread;
+  if (!few_rows && rows <= INT32_MAX && whole_row_threads <= kRowMaxThreads &&
+      nvec % (kWholeRowVecPerThread * launch.warp_size) == 0) {
+    launch_kernel(launch, norm_whole_row<T, W, O, kVec, kWholeRowVecPerThread, kFused>,
+                  static_cast<unsigned>(rows), whole_row_threads, a);
+    return true;
+  }
+  if (nvec <= kRowMaxThreads * kRowMaxVecPerThread && (sizeof(T) == 4 || few_rows)) {
+    const int threads = few_rows ? static_cast<int>(std::min<int64_t>(kRowMaxThreads,
+                                                                      ceil_div(nvec, launch.warp_size) * launch.warp_size))
+                                 : row_block_threads(nvec, launch.warp_size);
+    with_vectors_per_thread<kRowMaxVecPerThread>(ceil_div(nvec, threads), [&](auto vpt) {
+      K::template block_per_row<decltype(vpt)::value>(launch, few_rows, threads, a);
+    });
+    return true;
+  }
+  return false;
+}
+
 template <class T, class W, class O, bool kFused>
 void launch_norm(const Launch& launch, const NormArgs<T, W, O>& a) {
   constexpr int kVec = 16 / sizeof(T);
-  using K = NormKernels<T, W, O, kVec, kFused>;
   const int hidden = a.hidden;
-  const int64_t rows = a.rows;
   // An fp8 out moves kVec elements as a narrower vector.
   const bool vectorized = hidden % kVec == 0 && all_aligned(16, {a.weight}) &&
                           rows_aligned(kVec * sizeof(O), a.out, a.out_rows, sizeof(O)) &&
                           rows_aligned(16, a.x, a.x_rows, sizeof(T)) &&
                           (!kFused || (rows_aligned(16, a.residual, a.residual_rows, sizeof(T)) &&
                                        rows_aligned(16, a.residual_out, a.residual_out_rows, sizeof(T))));
-  const int nvec = vectorized ? hidden / kVec : hidden;
-  if (vectorized && nvec <= launch.warp_size * kMaxVecPerLane) {
-    with_vectors_per_thread<kMaxVecPerLane>(ceil_div(nvec, launch.warp_size), [&](auto vpl) {
-      K::template warp_per_row<decltype(vpl)::value>(launch, a);
-    });
-    return;
-  }
-  // Fewer rows than the SMs hold blocks: each block had better wait on
-  // memory once.
-  const bool few_rows = rows < int64_t{launch.sm_count} * 4;
-  constexpr int kWholeRowVecPerThread = 2;
-  const int whole_row_threads = nvec / kWholeRowVecPerThread;
   const bool linear = a.x_rows.linear() && a.out_rows.linear() &&
                       (!kFused || (a.residual_rows.linear() && a.residual_out_rows.linear()));
-  if (vectorized && linear && !few_rows && rows <= INT32_MAX && whole_row_threads <= kRowMaxThreads &&
-      nvec % (kWholeRowVecPerThread * launch.warp_size) == 0) {
-    launch_kernel(launch, norm_whole_row<T, W, O, kVec, kWholeRowVecPerThread, kFused>,
-                  static_cast<unsigned>(rows), whole_row_threads, a);
-    return;
-  }
-  if (vectorized && nvec <= kRowMaxThreads * kRowMaxVecPerThread && (sizeof(T) == 4 || few_rows)) {
-    const int threads = row_block_threads(nvec, launch.warp_size);
-    with_vectors_per_thread<kRowMaxVecPerThread>(ceil_div(nvec, threads), [&](auto vpt) {
-      K::template block_per_row<decltype(vpt)::value>(launch, few_rows, threads, a);
-    });
-    return;
+  if (vectorized && linear) {
+    NormArgs<T, W, O, LinearRows> l{a.out,
+                                    a.residual_out,
+                                    a.x,
+                                    a.residual,
+                                    a.weight,
+                                    kd_plugin::linear_rows(a.out_rows),
+                                    kFused ? kd_plugin::linear_rows(a.residual_out_rows) : LinearRows{},
+                                    kd_plugin::linear_rows(a.x_rows),
+                                    kFused ? kd_plugin::linear_rows(a.residual_rows) : LinearRows{},
+                                    a.rows,
+                                    a.hidden,
+                                    a.eps,
+                                    a.weight_offset,
+                                    a.scale};
+    if (launch_in_registers<T, W, O, kFused>(launch, l, hidden / kVec)) return;
   }
   if (vectorized) {
-    launch_kernel(launch, norm_two_pass<T, W, O, kVec, kFused>, row_grid(rows), kThreads, a);
+    launch_kernel(launch, norm_two_pass<T, W, O, kVec, kFused>, row_grid(a.rows), kThreads, a);
   } else {
-    launch_kernel(launch, norm_two_pass<T, W, O, 1, kFused>, row_grid(rows), kThreads, a);
+    launch_kernel(launch, norm_two_pass<T, W, O, 1, kFused>, row_grid(a.rows), kThreads, a);
   }
 }
 

@@ -45,16 +45,25 @@ struct RowLayout {
   }
   // True when the rows are one stride apart (at most one leading dim left
   // after merging: a contiguous tensor, a column slice of a matrix), so
-  // that linear_offset() addresses them.
+  // that a LinearRows addresses them.
   KD_PLUGIN_HOST_DEVICE bool linear() const { return ndim <= 1; }
-  // offset(row) of a linear() layout: one multiply, no branch, for kernels
-  // that have checked linear() on the host.
-  KD_PLUGIN_HOST_DEVICE int64_t linear_offset(int64_t row) const { return row * stride[0]; }
   // True when row r starts at r * row_elems: the rows lie back to back.
   KD_PLUGIN_HOST_DEVICE bool dense(int64_t row_elems) const {
     return ndim == 0 || (ndim == 1 && stride[0] == row_elems);
   }
 };
+
+// The rows of a linear() RowLayout: one stride. It takes 8 bytes of a
+// kernel's arguments where a RowLayout takes 144, and a graph's launch of a
+// kernel copies its arguments every time: kernels that run for a couple of
+// microseconds take these.
+struct LinearRows {
+  int64_t stride = 0;  // in elements
+  KD_PLUGIN_HOST_DEVICE int64_t offset(int64_t row) const { return row * stride; }
+};
+
+// `rows` as LinearRows; rows.linear() must hold.
+inline LinearRows linear_rows(const RowLayout& rows) { return LinearRows{rows.ndim == 0 ? 0 : rows.stride[0]}; }
 
 // Element strides of `t`, computed for a tensor without strides.
 inline int64_t element_stride(const DLTensor& t, int dim) {
