@@ -4,13 +4,15 @@
 // NB * BS (the host backends refuse it; here it is data, so nothing is
 // written out of bounds).
 //
-// One block per token (looping when there are more tokens than a grid
+// Blocks of kThreads threads take blockDim.y tokens each, a token's units
+// across blockDim.x threads (looping when there are more tokens than a grid
 // holds). With both caches in the activation dtype, its threads copy the
 // token's key and value rows in units of 16, 8, 4, 2 or 1 bytes: the widest
 // that divides a row and every row's start (a copy is exact whatever the
 // dtype, so the kernel moves bytes). A cache in fp8 is written by a second
-// kernel, one launch per cache: each value divided by the cache's scale in
-// float32 and converted once, saturating, as vLLM does.
+// kernel, one launch per cache, N values a thread (16 bytes of the
+// activations where the rows allow): each value divided by the cache's
+// scale in float32 and converted once, saturating, as vLLM does.
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -36,10 +38,20 @@ struct CacheCopy {
   int64_t elem_bytes;  // bytes of one value
 };
 
+// The block for tokens of `units` units of work each: blockDim.x threads a
+// token, a whole number of warps up to kThreads, and as many tokens as fill
+// kThreads.
+dim3 token_block(int64_t units, int warp_size) {
+  const int x = static_cast<int>(std::min<int64_t>(kThreads, ceil_div(units, warp_size) * warp_size));
+  return dim3(x, kThreads / x);
+}
+
+dim3 token_grid(int64_t tokens, const dim3& block) { return dim3(row_grid(ceil_div(tokens, block.y))); }
+
 template <class U, class Slot>
 __global__ void __launch_bounds__(kThreads) copy_kernel(CacheCopy c, const Slot* __restrict__ slots) {
   start_after_previous_kernel();
-  for (int64_t t = blockIdx.x; t < c.tokens; t += gridDim.x) {
+  for (int64_t t = int64_t{blockIdx.x} * blockDim.y + threadIdx.y; t < c.tokens; t += int64_t{gridDim.x} * blockDim.y) {
     const auto s = static_cast<int64_t>(slots[t]);
     if (s < 0 || s >= c.cache_slots) continue;
     for (int64_t k = threadIdx.x; k < c.heads * c.row_units; k += blockDim.x) {
@@ -55,7 +67,7 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(CacheCopy c, const Slot*
   }
 }
 
-// One cache written value by value: `dst` = C(src / scale), or a plain
+// One cache written N values at a time: `dst` = C(src / scale), or a plain
 // copy when C is the activation dtype T.
 struct CacheConvert {
   const char* src;
@@ -65,23 +77,29 @@ struct CacheConvert {
   int64_t tokens, heads, d, cache_slots;
 };
 
-template <class T, class C, class Slot>
+template <class T, class C, int N, class Slot>
 __global__ void __launch_bounds__(kThreads) convert_kernel(CacheConvert c, const Slot* __restrict__ slots) {
   start_after_previous_kernel();
   const float scale = c.scale != nullptr ? *c.scale : 1.0f;
-  for (int64_t t = blockIdx.x; t < c.tokens; t += gridDim.x) {
+  const int64_t row_units = c.d / N;
+  for (int64_t t = int64_t{blockIdx.x} * blockDim.y + threadIdx.y; t < c.tokens; t += int64_t{gridDim.x} * blockDim.y) {
     const auto s = static_cast<int64_t>(slots[t]);
     if (s < 0 || s >= c.cache_slots) continue;
-    for (int64_t k = threadIdx.x; k < c.heads * c.d; k += blockDim.x) {
-      const int64_t h = k / c.d;
-      const int64_t i = k % c.d;
-      const T x = reinterpret_cast<const T*>(c.src)[c.src_rows.offset(t * c.heads + h) + i];
-      C* out = reinterpret_cast<C*>(c.dst) + c.dst_rows.offset(s * c.heads + h) + i;
-      if constexpr (std::is_same_v<T, C>) {
-        *out = x;
-      } else {
-        *out = from_float<C>(to_float(x) / scale);
+    for (int64_t k = threadIdx.x; k < c.heads * row_units; k += blockDim.x) {
+      const int64_t h = k / row_units;
+      const int64_t i = (k % row_units) * N;
+      const Vec<T, N> x = load_vec<T, N, (N > 1), Access::kStreaming>(
+          reinterpret_cast<const T*>(c.src) + c.src_rows.offset(t * c.heads + h) + i);
+      Vec<C, N> out;
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        if constexpr (std::is_same_v<T, C>) {
+          out.v[e] = x.v[e];
+        } else {
+          out.v[e] = from_float<C>(to_float(x.v[e]) / scale);
+        }
       }
+      store_vec<C, N, (N > 1)>(reinterpret_cast<C*>(c.dst) + c.dst_rows.offset(s * c.heads + h) + i, out);
     }
   }
 }
@@ -107,15 +125,28 @@ void launch_convert(const Launch& launch, const kd_call_args* args, int src, int
   const CacheConvert conv{data_as<const char>(x), data_as<char>(c), kd_plugin::row_layout(x, 1),
                           kd_plugin::row_layout(c, 1), k.data == nullptr ? nullptr : data_as<const float>(k),
                           dim(x, 0), dim(x, 1), dim(x, 2), dim(c, 0) * dim(c, 1)};
-  const dim3 grid(row_grid(conv.tokens));
   kd_plugin::dispatch_float_dtype<float, half_t, bf16_t>(args, kOp, x, [&](auto tag) {
     using T = typename decltype(tag)::type;
+    const auto go = [&](auto cache_tag) {
+      using C = typename decltype(cache_tag)::type;
+      constexpr int kVec = 16 / sizeof(T);
+      const bool vec = conv.d % kVec == 0 && rows_aligned(16, conv.src, conv.src_rows, sizeof(T)) &&
+                       rows_aligned(kVec * sizeof(C), conv.dst, conv.dst_rows, sizeof(C));
+      const int n = vec ? kVec : 1;
+      const dim3 block = token_block(conv.heads * (conv.d / n), launch.warp_size);
+      const dim3 grid = token_grid(conv.tokens, block);
+      if (vec) {
+        launch_kernel(launch, convert_kernel<T, C, kVec, Slot>, grid, block, conv, slots);
+      } else {
+        launch_kernel(launch, convert_kernel<T, C, 1, Slot>, grid, block, conv, slots);
+      }
+    };
     if (is_dtype(c, KD_DLPACK_FLOAT8_E4M3FN, 8)) {
-      launch_kernel(launch, convert_kernel<T, fp8_e4m3_t, Slot>, grid, dim3(kThreads), conv, slots);
+      go(kd_plugin::TypeTag<fp8_e4m3_t>{});
     } else if (is_dtype(c, KD_DLPACK_FLOAT8_E5M2, 8)) {
-      launch_kernel(launch, convert_kernel<T, fp8_e5m2_t, Slot>, grid, dim3(kThreads), conv, slots);
+      go(kd_plugin::TypeTag<fp8_e5m2_t>{});
     } else {
-      launch_kernel(launch, convert_kernel<T, T, Slot>, grid, dim3(kThreads), conv, slots);
+      go(kd_plugin::TypeTag<T>{});
     }
     return KD_STATUS_OK;
   });
@@ -192,11 +223,12 @@ kd_status run_cache(const kd_call_args* args) {
   const auto run = [&](auto unit_tag) {
     using U = typename decltype(unit_tag)::type;
     c.row_units = static_cast<int64_t>(row_bytes / sizeof(U));
-    const dim3 grid(row_grid(tokens));
+    const dim3 block = token_block(heads * c.row_units, launch.warp_size);
+    const dim3 grid = token_grid(tokens, block);
     if (slots64) {
-      launch_kernel(launch, copy_kernel<U, int64_t>, grid, dim3(kThreads), c, data_as<const int64_t>(slots));
+      launch_kernel(launch, copy_kernel<U, int64_t>, grid, block, c, data_as<const int64_t>(slots));
     } else {
-      launch_kernel(launch, copy_kernel<U, int32_t>, grid, dim3(kThreads), c, data_as<const int32_t>(slots));
+      launch_kernel(launch, copy_kernel<U, int32_t>, grid, block, c, data_as<const int32_t>(slots));
     }
   };
   if (fits(16)) {
