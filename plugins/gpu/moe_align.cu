@@ -10,8 +10,10 @@
 // the chunks before w, where chunk w's pairs of expert e start. Each warp
 // then walks its chunk kWarpSize pairs at a time: a lane's position is its
 // chunk's next position for its expert plus the number of lower lanes with
-// the same expert, which keeps the order of i within every expert without
-// atomics. Shared memory holds (E + 1) + warps * E counters; fewer warps
+// the same expert (one match instruction on CUDA), which keeps the order of
+// i within every expert without atomics. Both walks load kAhead steps of
+// ids at once: a step waits on the one before it through the counters, not
+// on memory. Shared memory holds (E + 1) + warps * E counters; fewer warps
 // count and place when E is large, and an E beyond kSharedBytes for one
 // warp is refused.
 #include <cstdint>
@@ -28,12 +30,34 @@ constexpr const char* kOp = "moe.align_block_size";
 constexpr int kThreads = 1024;
 constexpr int kSharedBytes = 48 * 1024;  // the dynamic shared memory a launch may take without opting in
 
+constexpr int kAhead = 8;  // steps of a warp's walk whose ids are loaded at once
+
 __device__ __forceinline__ void sync_warp() {
 #if defined(__HIP__)
   __builtin_amdgcn_wave_barrier();
 #else
   __syncwarp();
 #endif
+}
+
+// The lanes of the warp whose key equals this lane's, as a bit mask.
+__device__ __forceinline__ uint64_t lanes_with_key(int key) {
+#if defined(__HIP__)
+  uint64_t same = 0;
+  for (int src = 0; src < kWarpSize; ++src) {
+    if (shfl(key, src) == key) same |= uint64_t{1} << src;
+  }
+  return same;
+#else
+  return __match_any_sync(0xffffffffu, key);
+#endif
+}
+
+// ids[i] where it names an expert, else -1.
+template <class IdT>
+__device__ __forceinline__ int expert_at(const IdT* ids, int64_t i, int64_t end, int32_t experts) {
+  const int64_t id = i < end ? static_cast<int64_t>(ids[i]) : -1;
+  return id >= 0 && id < experts ? static_cast<int>(id) : -1;
 }
 
 template <class IdT>
@@ -53,9 +77,14 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int64_t k = threadIdx.x; k < static_cast<int64_t>(warps) * experts; k += blockDim.x) cnt[k] = 0;
   __syncthreads();
-  for (int64_t i = begin + lane; i < end; i += kWarpSize) {
-    const int64_t id = static_cast<int64_t>(ids[i]);
-    if (id >= 0 && id < experts) atomicAdd(&cnt[static_cast<int64_t>(warp) * experts + id], 1);
+  for (int64_t base = begin; base < end; base += kAhead * kWarpSize) {
+    int key[kAhead];
+#pragma unroll
+    for (int k = 0; k < kAhead; ++k) key[k] = expert_at(ids, base + k * kWarpSize + lane, end, experts);
+#pragma unroll
+    for (int k = 0; k < kAhead; ++k) {
+      if (key[k] >= 0) atomicAdd(&cnt[static_cast<int64_t>(warp) * experts + key[k]], 1);
+    }
   }
   __syncthreads();
   // Each expert's count, and each chunk's start relative to the expert's.
@@ -105,21 +134,20 @@ __global__ void __launch_bounds__(kThreads)
   for (int32_t p = threadIdx.x; p < sorted_size; p += blockDim.x) sorted[p] = n;
   __syncthreads();  // the padding is written before the pairs overwrite part of it
   if (warp >= warps) return;
-  for (int64_t base = begin; base < end; base += kWarpSize) {
-    const int64_t i = base + lane;
-    int64_t id = i < end ? static_cast<int64_t>(ids[i]) : -1;
-    if (id < 0 || id >= experts) id = -1;
-    const int key = static_cast<int>(id);
-    uint64_t same = 0;
-    for (int src = 0; src < kWarpSize; ++src) {
-      if (shfl(key, src) == key) same |= uint64_t{1} << src;
+  for (int64_t base = begin; base < end; base += kAhead * kWarpSize) {
+    int key[kAhead];
+#pragma unroll
+    for (int k = 0; k < kAhead; ++k) key[k] = expert_at(ids, base + k * kWarpSize + lane, end, experts);
+#pragma unroll
+    for (int k = 0; k < kAhead; ++k) {
+      const uint64_t same = lanes_with_key(key[k]);
+      const int below = __popcll(same & ((uint64_t{1} << lane) - 1));
+      int32_t* next = key[k] >= 0 ? &cnt[static_cast<int64_t>(warp) * experts + key[k]] : nullptr;
+      if (next != nullptr) sorted[*next + below] = static_cast<int32_t>(base + k * kWarpSize + lane);
+      sync_warp();
+      if (next != nullptr && below == 0) *next += __popcll(same);
+      sync_warp();
     }
-    const int below = __popcll(same & ((uint64_t{1} << lane) - 1));
-    int32_t* next = key >= 0 ? &cnt[static_cast<int64_t>(warp) * experts + key] : nullptr;
-    if (next != nullptr) sorted[*next + below] = static_cast<int32_t>(i);
-    sync_warp();
-    if (next != nullptr && below == 0) *next += __popcll(same);
-    sync_warp();
   }
 }
 
