@@ -667,6 +667,19 @@ def copy_tbs(calls):
     return nbytes / (graph_us(graph, calls, 3) * 1e-6) / 1e12, nbytes / (b2b_us(call, [()], calls, 3) * 1e-6) / 1e12
 
 
+def same_bytes_copy_tbs(nbytes, nsets, calls, repeats):
+    """TB/s of a device-to-device copy_ moving `nbytes` a call (read plus
+    written), rotating among `nsets` source/destination pairs as the cases
+    rotate their inputs: the copy a memory-bound op of that size is held
+    to, launch and tail included."""
+    n = max(1, nbytes // 8)  # bytes: half read, half written, as float32
+    pairs = [(torch.randn(n, device="cuda"), torch.empty(n, device="cuda")) for _ in range(nsets)]
+    graph = capture(lambda p: p[1].copy_(p[0]), pairs, calls)
+    us = graph_us(graph, calls, repeats)
+    del graph, pairs
+    return 8 * n / (us * 1e-6) / 1e12
+
+
 def agree(case, kd_args, torch_args):
     """kdispatch's result on set 0 against torch eager's, within a loose
     bound (the exact checks are the conformance suite's); ids of topk may
@@ -810,6 +823,8 @@ def main():
             result[f"{name}_gemm_graph_us"] = m
         kd = result["kdispatch_graph_us"]
         result["kd_tbs"] = case.nbytes / (kd * 1e-6) / 1e12
+        result["copy_same_bytes_tbs"] = (float("nan") if case.decode else
+                                         same_bytes_copy_tbs(case.nbytes, nsets, args.calls, args.repeats))
         rows.append(result)
         print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()),
               flush=True)
@@ -826,7 +841,8 @@ def main():
         if not math.isnan(r["gemm_us"]):
             gemm_times.setdefault(r["rows"], []).append(r["gemm_us"])
     print(f"\nGPU us per call under CUDA-graph replay ({args.calls} calls per graph); ratio = {peer} / "
-          f"kdispatch (>= 1: kdispatch as fast or faster); copy_ {copy:.2f} TB/s, peak {PEAK_TBS} TB/s")
+          f"kdispatch (>= 1: kdispatch as fast or faster); copy_ {copy:.2f} TB/s, peak {PEAK_TBS} TB/s; "
+          f"copy: TB/s of a copy_ of the case's bytes, inputs rotated alike (not at decode sizes)")
     print(f"+mm (decode sizes): the same with a bf16 [rows x {GEMM_K}] @ [{GEMM_K} x {GEMM_N}] matmul before each "
           f"call in the graph, minus the matmul's own time (" +
           ", ".join(f"median {statistics.median(t):.2f} us at rows={n}" for n, t in sorted(gemm_times.items())) +
@@ -836,7 +852,7 @@ def main():
         return f"{'-':>{width}}" if math.isnan(value) else f"{value:{width}.2f}"
 
     print(f"{'op':30} {'dtype':9} {'shape':22} {'kdispatch':>9} {'kd +mm':>8} {peer:>9} {peer + ' +mm':>11} "
-          f"{'ratio':>6} {'+mm':>6} {'TB/s':>5} {'eager':>9} {'kd b2b':>8} {'kd sync':>8} {'check':>6}")
+          f"{'ratio':>6} {'+mm':>6} {'TB/s':>5} {'copy':>5} {'eager':>9} {'kd b2b':>8} {'kd sync':>8} {'check':>6}")
     slower = slower_mm = 0
     for r in rows:
         ratio = r[f"{peer}_graph_us"] / r["kdispatch_graph_us"]
@@ -847,7 +863,8 @@ def main():
         ratio_mm_text = "-" if math.isnan(ratio_mm) else f"{ratio_mm:.3f}"
         print(f"{r['op'].split('.')[1]:30} {r['dtype']:9} {r['shape']:22} {r['kdispatch_graph_us']:9.2f} "
               f"{us(kd_mm, 8)} {r[f'{peer}_graph_us']:9.2f} {us(r[f'{peer}_gemm_graph_us'], 11)} "
-              f"{ratio:6.3f} {ratio_mm_text:>6} {r['kd_tbs']:5.2f} {r['eager_graph_us']:9.2f} "
+              f"{ratio:6.3f} {ratio_mm_text:>6} {r['kd_tbs']:5.2f} {us(r['copy_same_bytes_tbs'], 5)} "
+              f"{r['eager_graph_us']:9.2f} "
               f"{r['kdispatch_b2b_us']:8.2f} {r['kdispatch_sync_us']:8.2f} {'ok' if r['agrees'] else 'FAIL':>6}")
     # Strided calls against the same call on contiguous tensors, when both ran.
     by_shape = {(r["op"], r["dtype"], r["shape"]): r for r in rows}
