@@ -3,19 +3,23 @@
 // block_size B; ids outside [0, E) skipped; the rest of sorted_token_ids N,
 // of expert_ids -1.
 //
-// One block of kThreads threads does it all, so that no scratch memory is
-// needed between kernels. Its warps split topk_ids into contiguous chunks,
-// one a warp, and count each chunk's pairs per expert in shared memory
-// (cnt[w][e]); the counts give each expert's padded offset and, summed over
-// the chunks before w, where chunk w's pairs of expert e start. Each warp
-// then walks its chunk kWarpSize pairs at a time: a lane's position is its
-// chunk's next position for its expert plus the number of lower lanes with
-// the same expert (one match instruction on CUDA), which keeps the order of
-// i within every expert without atomics. Both walks load kAhead steps of
-// ids at once: a step waits on the one before it through the counters, not
-// on memory. Shared memory holds (E + 1) + warps * E counters; fewer warps
-// count and place when E is large, and an E beyond kSharedBytes for one
-// warp is refused.
+// One kernel, no scratch memory between kernels: a grid of blocks, each
+// taking a contiguous chunk of the pairs to place. Every block counts all N
+// pairs per expert in shared memory (those before its chunk apart from the
+// rest), so each knows every expert's padded offset and where its own
+// chunk's pairs of each expert start, without hearing from the others: the
+// ids are read once from memory and then from L2 by each block. Within a
+// block, warps split the chunk into contiguous parts and count each part's
+// pairs per expert (cnt[w][e]); each warp then walks its part kWarpSize
+// pairs at a time: a lane's position is its part's next position for its
+// expert plus the number of lower lanes with the same expert (one match
+// instruction on CUDA), which keeps the order of i within every expert
+// without atomics. The walks load kAhead steps of ids at once. The padding
+// (each expert's tail, and everything past the last expert) and expert_ids
+// are written by the blocks in turn; the pairs' positions are never padding,
+// so no write meets another. Shared memory holds 3 E + 1 + warps * E
+// counters; fewer warps count and place when E is large, and an E beyond
+// kSharedBytes for one warp is refused.
 #include <cstdint>
 #include <type_traits>
 
@@ -30,7 +34,8 @@ constexpr const char* kOp = "moe.align_block_size";
 constexpr int kThreads = 1024;
 constexpr int kSharedBytes = 48 * 1024;  // the dynamic shared memory a launch may take without opting in
 
-constexpr int kAhead = 8;  // steps of a warp's walk whose ids are loaded at once
+constexpr int kAhead = 8;          // steps of a walk whose ids are loaded at once
+constexpr int64_t kMinChunk = 4096;  // pairs a block places, at least
 
 __device__ __forceinline__ void sync_warp() {
 #if defined(__HIP__)
@@ -64,19 +69,32 @@ template <class IdT>
 __global__ void __launch_bounds__(kThreads)
     align_kernel(const IdT* __restrict__ ids, int32_t n, int32_t experts, int32_t block, int32_t* __restrict__ sorted,
                  int32_t sorted_size, int32_t* __restrict__ expert_ids, int32_t expert_ids_size,
-                 int32_t* __restrict__ post_pad, int warps) {
+                 int32_t* __restrict__ post_pad, int warps, int32_t chunk) {
   extern __shared__ int32_t shared[];
-  int32_t* offset = shared;                // [E + 1]: the experts' padded starts
-  int32_t* cnt = shared + experts + 1;     // [warps][E]: counts, then next positions
+  int32_t* offset = shared;              // [E + 1]: the experts' padded starts
+  int32_t* before = offset + experts + 1;  // [E]: pairs ahead of this block's chunk
+  int32_t* count = before + experts;     // [E]: the rest, then all pairs
+  int32_t* cnt = count + experts;        // [warps][E]: counts, then next positions
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
-  const int64_t chunk = (static_cast<int64_t>(n) + warps - 1) / warps;
-  const int64_t begin = static_cast<int64_t>(warp) * chunk;
-  const int64_t end = warp < warps ? (begin + chunk < n ? begin + chunk : n) : begin;
+  const int64_t chunk_begin = static_cast<int64_t>(blockIdx.x) * chunk;
+  const int64_t chunk_end = chunk_begin + chunk < n ? chunk_begin + chunk : n;
+  const int64_t part = (chunk_end - chunk_begin + warps - 1) / warps;
+  const int64_t begin = warp < warps && chunk_begin + warp * part < chunk_end ? chunk_begin + warp * part : chunk_end;
+  const int64_t end = warp < warps && begin + part < chunk_end ? begin + part : chunk_end;
   start_after_previous_kernel();
 
-  for (int64_t k = threadIdx.x; k < static_cast<int64_t>(warps) * experts; k += blockDim.x) cnt[k] = 0;
+  for (int64_t k = threadIdx.x; k < static_cast<int64_t>(warps + 2) * experts; k += blockDim.x) before[k] = 0;
   __syncthreads();
+  for (int64_t base = threadIdx.x; base < n; base += int64_t{kAhead} * blockDim.x) {
+    int key[kAhead];
+#pragma unroll
+    for (int k = 0; k < kAhead; ++k) key[k] = expert_at(ids, base + int64_t{k} * blockDim.x, n, experts);
+#pragma unroll
+    for (int k = 0; k < kAhead; ++k) {
+      if (key[k] >= 0) atomicAdd(base + int64_t{k} * blockDim.x < chunk_begin ? &before[key[k]] : &count[key[k]], 1);
+    }
+  }
   for (int64_t base = begin; base < end; base += kAhead * kWarpSize) {
     int key[kAhead];
 #pragma unroll
@@ -87,41 +105,53 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
-  // Each expert's count, and each chunk's start relative to the expert's.
+  // Each expert's count, and where each part's pairs of it start relative
+  // to the expert's start.
   for (int e = threadIdx.x; e < experts; e += blockDim.x) {
-    int32_t running = 0;
+    int32_t running = before[e];
     for (int w = 0; w < warps; ++w) {
       const int32_t c = cnt[static_cast<int64_t>(w) * experts + e];
       cnt[static_cast<int64_t>(w) * experts + e] = running;
       running += c;
     }
-    offset[e] = (running + block - 1) / block * block;
+    count[e] += before[e];
+    offset[e] = (count[e] + block - 1) / block * block;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int32_t total = 0;
-    for (int e = 0; e < experts; ++e) {
-      const int32_t padded = offset[e];
-      offset[e] = total;
-      total += padded;
+  // The padded counts' exclusive sum, by the first warp.
+  if (warp == 0) {
+    int32_t carry = 0;
+    for (int base = 0; base < experts; base += kWarpSize) {
+      const int32_t padded = base + lane < experts ? offset[base + lane] : 0;
+      int32_t sum = padded;
+      for (int d = 1; d < kWarpSize; d *= 2) {
+        const int32_t up = shfl_up(sum, d);
+        if (lane >= d) sum += up;
+      }
+      if (base + lane < experts) offset[base + lane] = carry + sum - padded;
+      carry += shfl(sum, kWarpSize - 1);
     }
-    offset[experts] = total;
-    *post_pad = total;
+    if (lane == 0) {
+      offset[experts] = carry;
+      if (blockIdx.x == 0) *post_pad = carry;
+    }
   }
   __syncthreads();
   const int32_t total = offset[experts];
   for (int64_t k = threadIdx.x; k < static_cast<int64_t>(warps) * experts; k += blockDim.x) {
     cnt[k] += offset[k % experts];
   }
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   // Block j belongs to the last expert whose start is at most j B (the
   // experts before it with no pairs start at the same place).
-  for (int32_t j = threadIdx.x; j < expert_ids_size; j += blockDim.x) {
+  for (int64_t j = first; j < expert_ids_size; j += step) {
     int32_t value = -1;
-    if (static_cast<int64_t>(j) * block < total) {
+    if (j * block < total) {
       int lo = 0, hi = experts - 1;
       while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
-        if (offset[mid] <= static_cast<int64_t>(j) * block) {
+        if (offset[mid] <= j * block) {
           lo = mid;
         } else {
           hi = mid - 1;
@@ -131,8 +161,14 @@ __global__ void __launch_bounds__(kThreads)
     }
     expert_ids[j] = value;
   }
-  for (int32_t p = threadIdx.x; p < sorted_size; p += blockDim.x) sorted[p] = n;
-  __syncthreads();  // the padding is written before the pairs overwrite part of it
+  // Padding: each expert's positions past its pairs, then the rest.
+  for (int64_t k = first; k < static_cast<int64_t>(experts) * block; k += step) {
+    const int64_t e = k / block;
+    const int64_t q = offset[e] + count[e] + k % block;
+    if (q < offset[e + 1]) sorted[q] = n;
+  }
+  for (int64_t q = total + first; q < sorted_size; q += step) sorted[q] = n;
+  __syncthreads();  // every counter final before the walks move them
   if (warp >= warps) return;
   for (int64_t base = begin; base < end; base += kAhead * kWarpSize) {
     int key[kAhead];
@@ -198,22 +234,26 @@ kd_status run_align(const kd_call_args* args) {
   if (err != cudaSuccess) {
     return kd_plugin::fail(args, KD_STATUS_DEVICE_ERROR, "%s: device %d: %s", kOp, device, cudaGetErrorString(err));
   }
-  const int64_t counters = kSharedBytes / static_cast<int64_t>(sizeof(int32_t)) - (num_experts + 1);
+  const int64_t counters = kSharedBytes / static_cast<int64_t>(sizeof(int32_t)) - (3 * num_experts + 1);
   const int64_t fit = counters > 0 ? counters / num_experts : 0;
   const int warps = static_cast<int>(fit < kThreads / launch.warp_size ? fit : kThreads / launch.warp_size);
   if (warps < 1) {
     return kd_plugin::fail(args, KD_STATUS_UNSUPPORTED, "%s: num_experts = %lld: its counters exceed %d bytes of shared memory",
                            kOp, static_cast<long long>(num_experts), kSharedBytes);
   }
-  const size_t shared_bytes = static_cast<size_t>(num_experts + 1 + warps * num_experts) * sizeof(int32_t);
+  const size_t shared_bytes = static_cast<size_t>(3 * num_experts + 1 + warps * num_experts) * sizeof(int32_t);
+  // Chunks of at least kMinChunk pairs, at most a block an SM: each block
+  // reads all N ids to count them.
+  const int64_t chunk = std::max<int64_t>(kMinChunk, ceil_div(n, launch.sm_count));
+  const auto blocks = static_cast<unsigned>(std::max<int64_t>(1, ceil_div(n, chunk)));
   const auto stream = static_cast<cudaStream_t>(args->stream);
   const cudaError_t pending = cudaPeekAtLastError();
   const auto launch_for = [&](auto* id_data) {
     using IdT = std::remove_const_t<std::remove_pointer_t<decltype(id_data)>>;
-    align_kernel<IdT><<<1, kThreads, shared_bytes, stream>>>(
+    align_kernel<IdT><<<blocks, kThreads, shared_bytes, stream>>>(
         id_data, static_cast<int32_t>(n), static_cast<int32_t>(num_experts), static_cast<int32_t>(block),
         data_as<int32_t>(sorted), static_cast<int32_t>(p), data_as<int32_t>(experts), static_cast<int32_t>(m),
-        data_as<int32_t>(post_pad), warps);
+        data_as<int32_t>(post_pad), warps, static_cast<int32_t>(chunk));
   };
   if (ids64) {
     launch_for(data_as<const int64_t>(ids));
