@@ -1,18 +1,22 @@
 // kvcache.reshape_and_cache_flash: token t with slot s >= 0 has its H rows
-// of D values written to rows s * H .. s * H + H - 1 of the caches seen as
-// [NB * BS * H, D]; a slot s < 0 is skipped, and so is one at or beyond
-// NB * BS (the host backends refuse it; here it is data, so nothing is
-// written out of bounds).
+// of D values written to rows (s / BS, s % BS, h) of the caches [NB, BS, H,
+// D]; a slot s < 0 is skipped, and so is one at or beyond NB * BS (the host
+// backends refuse it; here it is data, so nothing is written out of
+// bounds).
 //
-// Blocks of kThreads threads take blockDim.y tokens each, a token's units
-// across blockDim.x threads (looping when there are more tokens than a grid
-// holds). With both caches in the activation dtype, its threads copy the
-// token's key and value rows in units of 16, 8, 4, 2 or 1 bytes: the widest
-// that divides a row and every row's start (a copy is exact whatever the
-// dtype, so the kernel moves bytes). A cache in fp8 is written by a second
-// kernel, one launch per cache, N values a thread (16 bytes of the
-// activations where the rows allow): each value divided by the cache's
-// scale in float32 and converted once, saturating, as vLLM does.
+// Rows are addressed by their dims' strides (key and value may be views of
+// a fused QKV output, the caches views of a joint KV cache): a few int64
+// arguments, not a general row layout, since a graph copies a kernel's
+// arguments at every launch. Blocks of kThreads threads take blockDim.y
+// tokens each, a token's units across blockDim.x threads (looping when there
+// are more tokens than a grid holds); each thread moves its unit of the key
+// and of the value. With both caches in the activation dtype the units are
+// 16, 8, 4, 2 or 1 bytes: the widest that divides a row and every row's
+// start (a copy is exact whatever the dtype, so the kernel moves bytes).
+// With fp8 caches a unit is N values (16 bytes of the activations where the
+// rows allow), each divided by its cache's scale in float32 and converted
+// once, saturating, as vLLM does; caches of two different dtypes take a
+// launch each.
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -27,15 +31,57 @@ namespace {
 constexpr const char* kOp = "kvcache.reshape_and_cache_flash";
 constexpr int kThreads = 256;
 
-struct CacheCopy {
-  const char* key;
-  const char* value;
-  char* key_cache;
-  char* value_cache;
-  kd_plugin::RowLayout key_rows, value_rows, key_cache_rows, value_cache_rows;
+// Element offsets of the rows of key or value [T, H, D].
+struct TokenRows {
+  int64_t token, head;
+  __device__ int64_t offset(int64_t t, int64_t h) const { return t * token + h * head; }
+};
+
+// Element offsets of the rows of a cache [NB, BS, H, D], by slot.
+struct SlotRows {
+  int64_t block, slot, head, block_size;
+  bool merged;  // block == BS * slot: slot s at s * slot
+  __device__ int64_t offset(int64_t s, int64_t h) const {
+    const int64_t at = merged ? s * slot : (s / block_size) * block + (s % block_size) * slot;
+    return at + h * head;
+  }
+};
+
+// The stride of dim d, 0 for a dim of size 1 (its index is always 0).
+int64_t stride_of(const DLTensor& t, int d) { return t.shape[d] > 1 ? kd_plugin::element_stride(t, d) : 0; }
+
+TokenRows token_rows(const DLTensor& t) { return TokenRows{stride_of(t, 0), stride_of(t, 1)}; }
+
+SlotRows slot_rows(const DLTensor& c) {
+  SlotRows r{stride_of(c, 0), stride_of(c, 1), stride_of(c, 2), dim(c, 1), false};
+  r.merged = dim(c, 0) == 1 || r.block == r.block_size * r.slot;
+  return r;
+}
+
+// True when every row of [T, H, D] `t` (or of a cache) starts at a multiple
+// of `bytes`.
+bool rows_start_aligned(size_t bytes, const DLTensor& t, int leading) {
+  if ((reinterpret_cast<uintptr_t>(t.data) + t.byte_offset) % bytes != 0) return false;
+  for (int d = 0; d < leading; ++d) {
+    if (t.shape[d] > 1 && static_cast<uint64_t>(kd_plugin::element_stride(t, d)) * (t.dtype.bits / 8) % bytes != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// One launch's tensors: key and value (src), their caches (dst), each cache's
+// scale (device float32 [1], or null for 1). `caches`: 2, or 1 for the key's
+// pair alone.
+struct CacheWrite {
+  const char* src[2];
+  char* dst[2];
+  TokenRows src_rows[2];
+  SlotRows dst_rows[2];
+  const float* scale[2];
   int64_t tokens, heads, cache_slots;
-  int64_t row_units;   // units of the copy in one row of D values
-  int64_t elem_bytes;  // bytes of one value
+  int64_t row_units;  // units in one row of D values
+  int caches;
 };
 
 // The block for tokens of `units` units of work each: blockDim.x threads a
@@ -48,8 +94,9 @@ dim3 token_block(int64_t units, int warp_size) {
 
 dim3 token_grid(int64_t tokens, const dim3& block) { return dim3(row_grid(ceil_div(tokens, block.y))); }
 
+// Both caches in the activation dtype: units U of bytes.
 template <class U, class Slot>
-__global__ void __launch_bounds__(kThreads) copy_kernel(CacheCopy c, const Slot* __restrict__ slots) {
+__global__ void __launch_bounds__(kThreads) copy_kernel(CacheWrite c, const Slot* __restrict__ slots) {
   start_after_previous_kernel();
   for (int64_t t = int64_t{blockIdx.x} * blockDim.y + threadIdx.y; t < c.tokens; t += int64_t{gridDim.x} * blockDim.y) {
     const auto s = static_cast<int64_t>(slots[t]);
@@ -57,49 +104,50 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(CacheCopy c, const Slot*
     for (int64_t k = threadIdx.x; k < c.heads * c.row_units; k += blockDim.x) {
       const int64_t h = k / c.row_units;
       const int64_t u = k % c.row_units;
-      const int64_t src = t * c.heads + h;
-      const int64_t dst = s * c.heads + h;
-      const U kv = load_streaming(reinterpret_cast<const U*>(c.key + c.key_rows.offset(src) * c.elem_bytes) + u);
-      const U vv = load_streaming(reinterpret_cast<const U*>(c.value + c.value_rows.offset(src) * c.elem_bytes) + u);
-      reinterpret_cast<U*>(c.key_cache + c.key_cache_rows.offset(dst) * c.elem_bytes)[u] = kv;
-      reinterpret_cast<U*>(c.value_cache + c.value_cache_rows.offset(dst) * c.elem_bytes)[u] = vv;
+      U v[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) v[i] = load_streaming(reinterpret_cast<const U*>(c.src[i]) + c.src_rows[i].offset(t, h) + u);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) reinterpret_cast<U*>(c.dst[i])[c.dst_rows[i].offset(s, h) + u] = v[i];
     }
   }
 }
 
-// One cache written N values at a time: `dst` = C(src / scale), or a plain
-// copy when C is the activation dtype T.
-struct CacheConvert {
-  const char* src;
-  char* dst;
-  kd_plugin::RowLayout src_rows, dst_rows;
-  const float* scale;  // device float32 [1], or nullptr for 1
-  int64_t tokens, heads, d, cache_slots;
-};
-
+// Caches of type C (fp8, or T for a plain copy), N values a unit.
 template <class T, class C, int N, class Slot>
-__global__ void __launch_bounds__(kThreads) convert_kernel(CacheConvert c, const Slot* __restrict__ slots) {
+__global__ void __launch_bounds__(kThreads) convert_kernel(CacheWrite c, const Slot* __restrict__ slots) {
   start_after_previous_kernel();
-  const float scale = c.scale != nullptr ? *c.scale : 1.0f;
-  const int64_t row_units = c.d / N;
+  float scale[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) scale[i] = i < c.caches && c.scale[i] != nullptr ? *c.scale[i] : 1.0f;
   for (int64_t t = int64_t{blockIdx.x} * blockDim.y + threadIdx.y; t < c.tokens; t += int64_t{gridDim.x} * blockDim.y) {
     const auto s = static_cast<int64_t>(slots[t]);
     if (s < 0 || s >= c.cache_slots) continue;
-    for (int64_t k = threadIdx.x; k < c.heads * row_units; k += blockDim.x) {
-      const int64_t h = k / row_units;
-      const int64_t i = (k % row_units) * N;
-      const Vec<T, N> x = load_vec<T, N, (N > 1), Access::kStreaming>(
-          reinterpret_cast<const T*>(c.src) + c.src_rows.offset(t * c.heads + h) + i);
-      Vec<C, N> out;
+    for (int64_t k = threadIdx.x; k < c.heads * c.row_units; k += blockDim.x) {
+      const int64_t h = k / c.row_units;
+      const int64_t at = (k % c.row_units) * N;
+      Vec<T, N> x[2];
 #pragma unroll
-      for (int e = 0; e < N; ++e) {
-        if constexpr (std::is_same_v<T, C>) {
-          out.v[e] = x.v[e];
-        } else {
-          out.v[e] = from_float<C>(to_float(x.v[e]) / scale);
+      for (int i = 0; i < 2; ++i) {
+        if (i < c.caches) {
+          x[i] = load_vec<T, N, (N > 1), Access::kStreaming>(reinterpret_cast<const T*>(c.src[i]) +
+                                                             c.src_rows[i].offset(t, h) + at);
         }
       }
-      store_vec<C, N, (N > 1)>(reinterpret_cast<C*>(c.dst) + c.dst_rows.offset(s * c.heads + h) + i, out);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        if (i >= c.caches) continue;
+        Vec<C, N> out;
+#pragma unroll
+        for (int e = 0; e < N; ++e) {
+          if constexpr (std::is_same_v<T, C>) {
+            out.v[e] = x[i].v[e];
+          } else {
+            out.v[e] = from_float<C>(to_float(x[i].v[e]) / scale[i]);
+          }
+        }
+        store_vec<C, N, (N > 1)>(reinterpret_cast<C*>(c.dst[i]) + c.dst_rows[i].offset(s, h) + at, out);
+      }
     }
   }
 }
@@ -115,41 +163,111 @@ bool cache_dtype_fits(const char* name, const DLTensor& src, const DLTensor& cac
   return std::strcmp(name, "fp8_e5m2") == 0 && e5m2;
 }
 
-// Launches convert_kernel for one cache: tensors src, cache and scale of
-// the call.
+// A CacheWrite of key and value into their caches (first: the key's
+// tensors, 0 and 2, or the value's, 1 and 3; caches: 2 for both).
+CacheWrite cache_write(const kd_call_args* args, int first, int caches) {
+  const DLTensor* t = args->tensors;
+  CacheWrite c{};
+  for (int i = 0; i < caches; ++i) {
+    const DLTensor& src = t[first + i];
+    const DLTensor& dst = t[first + i + 2];
+    const DLTensor& scale = t[first + i + 5];
+    c.src[i] = data_as<const char>(src);
+    c.dst[i] = data_as<char>(dst);
+    c.src_rows[i] = token_rows(src);
+    c.dst_rows[i] = slot_rows(dst);
+    c.scale[i] = scale.data == nullptr ? nullptr : data_as<const float>(scale);
+  }
+  c.tokens = dim(t[0], 0);
+  c.heads = dim(t[0], 1);
+  c.cache_slots = dim(t[2], 0) * dim(t[2], 1);
+  c.caches = caches;
+  return c;
+}
+
+// Launches convert_kernel for `caches` caches from tensor `first` on, all
+// of the dtype of cache `first + 2`.
 template <class Slot>
-void launch_convert(const Launch& launch, const kd_call_args* args, int src, int cache, int scale, const Slot* slots) {
-  const DLTensor& x = args->tensors[src];
-  const DLTensor& c = args->tensors[cache];
-  const DLTensor& k = args->tensors[scale];
-  const CacheConvert conv{data_as<const char>(x), data_as<char>(c), kd_plugin::row_layout(x, 1),
-                          kd_plugin::row_layout(c, 1), k.data == nullptr ? nullptr : data_as<const float>(k),
-                          dim(x, 0), dim(x, 1), dim(x, 2), dim(c, 0) * dim(c, 1)};
+void launch_convert(const Launch& launch, const kd_call_args* args, int first, int caches, const Slot* slots) {
+  const DLTensor& x = args->tensors[first];
+  const DLTensor& cache = args->tensors[first + 2];
+  CacheWrite c = cache_write(args, first, caches);
+  const int64_t d = dim(x, 2);
   kd_plugin::dispatch_float_dtype<float, half_t, bf16_t>(args, kOp, x, [&](auto tag) {
     using T = typename decltype(tag)::type;
     const auto go = [&](auto cache_tag) {
       using C = typename decltype(cache_tag)::type;
       constexpr int kVec = 16 / sizeof(T);
-      const bool vec = conv.d % kVec == 0 && rows_aligned(16, conv.src, conv.src_rows, sizeof(T)) &&
-                       rows_aligned(kVec * sizeof(C), conv.dst, conv.dst_rows, sizeof(C));
-      const int n = vec ? kVec : 1;
-      const dim3 block = token_block(conv.heads * (conv.d / n), launch.warp_size);
-      const dim3 grid = token_grid(conv.tokens, block);
+      bool vec = d % kVec == 0;
+      for (int i = 0; i < caches; ++i) {
+        vec = vec && rows_start_aligned(16, args->tensors[first + i], 2) &&
+              rows_start_aligned(kVec * sizeof(C), args->tensors[first + i + 2], 3);
+      }
+      c.row_units = vec ? d / kVec : d;
+      const dim3 block = token_block(c.heads * c.row_units, launch.warp_size);
+      const dim3 grid = token_grid(c.tokens, block);
       if (vec) {
-        launch_kernel(launch, convert_kernel<T, C, kVec, Slot>, grid, block, conv, slots);
+        launch_kernel(launch, convert_kernel<T, C, kVec, Slot>, grid, block, c, slots);
       } else {
-        launch_kernel(launch, convert_kernel<T, C, 1, Slot>, grid, block, conv, slots);
+        launch_kernel(launch, convert_kernel<T, C, 1, Slot>, grid, block, c, slots);
       }
     };
-    if (is_dtype(c, KD_DLPACK_FLOAT8_E4M3FN, 8)) {
+    if (is_dtype(cache, KD_DLPACK_FLOAT8_E4M3FN, 8)) {
       go(kd_plugin::TypeTag<fp8_e4m3_t>{});
-    } else if (is_dtype(c, KD_DLPACK_FLOAT8_E5M2, 8)) {
+    } else if (is_dtype(cache, KD_DLPACK_FLOAT8_E5M2, 8)) {
       go(kd_plugin::TypeTag<fp8_e5m2_t>{});
     } else {
       go(kd_plugin::TypeTag<T>{});
     }
     return KD_STATUS_OK;
   });
+}
+
+template <class Slot>
+void launch_write(const Launch& launch, const kd_call_args* args, const Slot* slots) {
+  const DLTensor* t = args->tensors;
+  const DLTensor& key = t[0];
+  if (!same_dtype(key, t[2]) || !same_dtype(t[1], t[3])) {
+    if (same_dtype(t[2], t[3])) {
+      launch_convert(launch, args, 0, 2, slots);
+    } else {
+      launch_convert(launch, args, 0, 1, slots);
+      launch_convert(launch, args, 1, 1, slots);
+    }
+    return;
+  }
+  CacheWrite c = cache_write(args, 0, 2);
+  const size_t row_bytes = static_cast<size_t>(dim(key, 2)) * (key.dtype.bits / 8);
+  const auto fits = [&](size_t unit) {
+    return row_bytes % unit == 0 && rows_start_aligned(unit, t[0], 2) && rows_start_aligned(unit, t[1], 2) &&
+           rows_start_aligned(unit, t[2], 3) && rows_start_aligned(unit, t[3], 3);
+  };
+  const auto run = [&](auto unit_tag) {
+    using U = typename decltype(unit_tag)::type;
+    // Offsets in units: every stride is a whole number of them (fits()).
+    const int64_t per = static_cast<int64_t>(sizeof(U)) / (key.dtype.bits / 8);
+    for (int i = 0; i < 2; ++i) {
+      c.src_rows[i].token /= per;
+      c.src_rows[i].head /= per;
+      c.dst_rows[i].block /= per;
+      c.dst_rows[i].slot /= per;
+      c.dst_rows[i].head /= per;
+    }
+    c.row_units = static_cast<int64_t>(row_bytes / sizeof(U));
+    const dim3 block = token_block(c.heads * c.row_units, launch.warp_size);
+    launch_kernel(launch, copy_kernel<U, Slot>, token_grid(c.tokens, block), block, c, slots);
+  };
+  if (fits(16)) {
+    run(kd_plugin::TypeTag<uint4>{});
+  } else if (fits(8)) {
+    run(kd_plugin::TypeTag<uint2>{});
+  } else if (fits(4)) {
+    run(kd_plugin::TypeTag<uint32_t>{});
+  } else if (fits(2)) {
+    run(kd_plugin::TypeTag<uint16_t>{});
+  } else {
+    run(kd_plugin::TypeTag<uint8_t>{});
+  }
 }
 
 kd_status run_cache(const kd_call_args* args) {
@@ -189,17 +307,6 @@ kd_status run_cache(const kd_call_args* args) {
                            kOp, cache_dtype_name, kd_plugin::dtype_name(key_cache), kd_plugin::dtype_name(value_cache));
   }
   if (tokens == 0 || heads == 0 || d == 0) return KD_STATUS_OK;
-  CacheCopy c{data_as<const char>(key), data_as<const char>(value), data_as<char>(key_cache),
-              data_as<char>(value_cache), kd_plugin::row_layout(key, 1), kd_plugin::row_layout(value, 1),
-              kd_plugin::row_layout(key_cache, 1), kd_plugin::row_layout(value_cache, 1), tokens, heads,
-              dim(key_cache, 0) * dim(key_cache, 1), 0, key.dtype.bits / 8};
-  const size_t elem = static_cast<size_t>(c.elem_bytes);
-  const size_t row_bytes = static_cast<size_t>(d) * elem;
-  const auto fits = [&](size_t unit) {
-    return row_bytes % unit == 0 && rows_aligned(unit, c.key, c.key_rows, elem) &&
-           rows_aligned(unit, c.value, c.value_rows, elem) && rows_aligned(unit, c.key_cache, c.key_cache_rows, elem) &&
-           rows_aligned(unit, c.value_cache, c.value_cache_rows, elem);
-  };
   DeviceScope scope;
   Launch launch;
   const int device = key.device.device_id;
@@ -210,37 +317,10 @@ kd_status run_cache(const kd_call_args* args) {
   }
   launch.stream = static_cast<cudaStream_t>(args->stream);
   const cudaError_t pending = cudaPeekAtLastError();
-  if (!same_dtype(key, key_cache) || !same_dtype(value, value_cache)) {
-    if (slots64) {
-      launch_convert(launch, args, 0, 2, 5, data_as<const int64_t>(slots));
-      launch_convert(launch, args, 1, 3, 6, data_as<const int64_t>(slots));
-    } else {
-      launch_convert(launch, args, 0, 2, 5, data_as<const int32_t>(slots));
-      launch_convert(launch, args, 1, 3, 6, data_as<const int32_t>(slots));
-    }
-    return launched(args, kOp, pending);
-  }
-  const auto run = [&](auto unit_tag) {
-    using U = typename decltype(unit_tag)::type;
-    c.row_units = static_cast<int64_t>(row_bytes / sizeof(U));
-    const dim3 block = token_block(heads * c.row_units, launch.warp_size);
-    const dim3 grid = token_grid(tokens, block);
-    if (slots64) {
-      launch_kernel(launch, copy_kernel<U, int64_t>, grid, block, c, data_as<const int64_t>(slots));
-    } else {
-      launch_kernel(launch, copy_kernel<U, int32_t>, grid, block, c, data_as<const int32_t>(slots));
-    }
-  };
-  if (fits(16)) {
-    run(kd_plugin::TypeTag<uint4>{});
-  } else if (fits(8)) {
-    run(kd_plugin::TypeTag<uint2>{});
-  } else if (fits(4)) {
-    run(kd_plugin::TypeTag<uint32_t>{});
-  } else if (fits(2)) {
-    run(kd_plugin::TypeTag<uint16_t>{});
+  if (slots64) {
+    launch_write(launch, args, data_as<const int64_t>(slots));
   } else {
-    run(kd_plugin::TypeTag<uint8_t>{});
+    launch_write(launch, args, data_as<const int32_t>(slots));
   }
   return launched(args, kOp, pending);
 }
