@@ -1,16 +1,14 @@
 // quantization.per_tensor_quant_fp8, quantization.per_token_quant_fp8 and
-// quantization.per_token_group_quant_fp8: output_q = fp8(x / s) with s a
+// quantization.per_token_group_quant_fp8: output_q = fp8(x * inv) with s a
 // float32 scale, computed as absmax / fp8_max in float32 (exactly the
-// float64 quotient rounded to float32) where the op computes it.
+// float64 quotient rounded to float32) where the op computes it, and inv =
+// 1.0f / s, the float32 reciprocal rounded to nearest (0 for s == 0).
 //
-// The quotient x / s is rounded once to fp8, as the reference does: mostly
-// from x times the reciprocal of s (quantise() says when that is exact),
-// else taken in double (its error, 2^-53 relative, is far below the
-// distance of a quotient of two floats from any fp8 rounding boundary it
-// does not hit exactly), rounded to odd in float (24 bits, at least the
-// fp8 mantissa's 4 + 2, so the next rounding is not a double one) and
-// converted with from_float (nearest even, saturating). A scale of 0 gives
-// 0.
+// The product x * inv is rounded once to fp8, as the reference does: it is
+// exact in double (24 bits times 24 bits), rounded to odd in float (24
+// bits, at least the fp8 mantissa's 4 + 2, so the next rounding is not a
+// double one) and converted with from_float (nearest even, saturating,
+// NaN kept). No division per value.
 //
 // Rows are addressed through kd_plugin::RowLayout (any stride before the
 // last dim); per-group scales through their strides (SGLang's column-major
@@ -19,7 +17,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include <kdispatch/plugin_helpers.hpp>
@@ -34,20 +31,24 @@ namespace {
 
 using kd_plugin::RowLayout;
 
-template <class Q>
-inline Q quotient(float x, float s) {
-  if (s == 0.0f) return from_float<Q>(0.0f);
-  const double d = static_cast<double>(x) / static_cast<double>(s);
-  float f = static_cast<float>(d);
-  if (std::isfinite(f) && static_cast<double>(f) != d) {
-    uint32_t bits = 0;
-    std::memcpy(&bits, &f, sizeof bits);
-    if ((bits & 1u) == 0) {  // the odd neighbour on d's side
-      bits = std::fabs(d) > std::fabs(static_cast<double>(f)) ? bits + 1 : bits - 1;
-      std::memcpy(&f, &bits, sizeof f);
-    }
-  }
-  return from_float<Q>(f);
+// The float32 reciprocal of a scale, 0 for s == 0.
+inline float reciprocal_of(float s) { return s == 0.0f ? 0.0f : 1.0f / s; }
+
+// x * inv rounded to odd in float: the float nearest the exact product,
+// moved one ulp towards it when inexact and even (finite only: an
+// overflow to infinity, or a NaN, stays as it is).
+inline float product_to_odd(float x, float inv) {
+  const double d = static_cast<double>(x) * static_cast<double>(inv);  // exact
+  const float p = static_cast<float>(d);
+  uint32_t bits = 0;
+  std::memcpy(&bits, &p, sizeof bits);
+  const double pd = static_cast<double>(p);
+  const bool inexact = pd != d && (bits & 0x7f800000u) != 0x7f800000u;
+  const uint32_t step = std::fabs(d) > std::fabs(pd) ? 1u : ~0u;  // away from zero, or towards it
+  bits += (inexact && (bits & 1u) == 0) ? step : 0u;
+  float f = 0.0f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
 // Values widened to float at a time (convert.hpp's block conversions).
@@ -65,37 +66,15 @@ inline float absmax(const T* x, int64_t n) {
   return m;
 }
 
-// q = fp8(x / s), rounded once, mostly from p = x * (1 / s) alone: p is
-// within 1.5 ulps of x / s, so where p lies more than 4 ulps from the
-// midpoint between two fp8 values, in fp8's normal range, the exact
-// quotient rounds to the fp8 value p rounds to. The other values (about 1
-// in 10^5 of random inputs, and fp8's subnormals) take quotient().
+// q = fp8(x * (1 / s)), rounded once.
 template <class T, class Q>
 inline void quantise(Q* q, const T* x, int64_t n, float s) {
-  constexpr bool kE4M3 = std::is_same_v<Q, kd_plugin::Float8E4M3FN>;
-  constexpr int kDropped = 23 - (kE4M3 ? 3 : 2);  // float mantissa bits below fp8's
-  constexpr uint32_t kHalf = 1u << (kDropped - 1);
-  constexpr uint32_t kMask = (1u << kDropped) - 1;
-  constexpr float kLeastNormal = kE4M3 ? 0x1p-6f : 0x1p-14f;
-  const float inv = 1.0f / s;
+  const float inv = reciprocal_of(s);
   float buf[kBlock];
-  uint8_t exact[kBlock];
   for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
     const int64_t len = std::min(kBlock, n - j0);
     const float* xf = as_float(x + j0, buf, len);
-    for (int64_t k = 0; k < len; ++k) {
-      const float p = xf[k] * inv;
-      uint32_t bits = 0;
-      std::memcpy(&bits, &p, sizeof bits);
-      const uint32_t dropped = bits & kMask;
-      const uint32_t from_tie = dropped > kHalf ? dropped - kHalf : kHalf - dropped;
-      const float a = std::fabs(p);
-      exact[k] = static_cast<uint8_t>(!(from_tie > 4u && a >= kLeastNormal && a <= 3.0e38f));
-      q[j0 + k] = from_float<Q>(p);
-    }
-    for (int64_t k = 0; k < len; ++k) {
-      if (exact[k] != 0) q[j0 + k] = quotient<Q>(xf[k], s);
-    }
+    for (int64_t k = 0; k < len; ++k) q[j0 + k] = from_float<Q>(product_to_odd(xf[k], inv));
   }
 }
 

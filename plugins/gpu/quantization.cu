@@ -1,31 +1,48 @@
 // quantization.per_tensor_quant_fp8, quantization.per_token_quant_fp8 and
-// quantization.per_token_group_quant_fp8: output_q = fp8(x / s) with s a
+// quantization.per_token_group_quant_fp8: output_q = fp8(x * inv) with s a
 // float32 scale, absmax / fp8_max where the op computes it (a float32
 // division, exactly the float64 quotient rounded once, as the reference
-// stores it).
+// stores it), and inv = 1 / s rounded to nearest in float32 (__fdiv_rn, once
+// per scale; 0 for s == 0).
 //
-// The quotient is rounded once to fp8, as the reference does: q = x / s in
-// float32, within one ulp (x times the rounded reciprocal of s, corrected
-// once by the remainder), its exact remainder x - q * s (one fma) tells
-// which side of q the true quotient lies, and q is moved to the odd
-// neighbour on that side when inexact and even (rounding to odd: 24 bits,
-// at least the fp8 mantissa's 4 + 2, so converting to fp8 after it is not
-// a double rounding). from_float then rounds to nearest even and saturates. A scale
-// of 0 gives 0.
+// The product x * inv is rounded once to fp8, as the reference does: p = x *
+// inv in float32, its exact residual e = fma(x, inv, -p), and p moved one
+// ulp towards the exact product when e is nonzero (and finite: with x or p
+// infinite, e is NaN or infinite and p is left as it is) and p even:
+// rounding to odd, 24 bits, at least the fp8 mantissa's 4 + 2, so
+// converting to fp8 after it (from_float: nearest even, saturating, NaN
+// kept) is not a double rounding. Branch-free, no division per value.
 //
 // All three are memory bound. Rows are addressed through kd_plugin::RowLayout
-// (any stride before the last dim); where the rows' length and starts allow,
-// x is read in 16-byte vectors and output_q written in vectors of as many
-// fp8 values. Per token: one block a row, its absmax reduced across the
-// block, the row read a second time (from L1/L2) to quantise it. Per group:
-// one block a row, a group to as many lanes of a warp as it has vectors
-// (up to the warp). Per tensor: rows and chunks of rows over the grid;
-// dynamic: a one-thread kernel zeroes output_s, a grid of blocks takes
-// each block's absmax / fp8_max into it with an atomic max on its bits (the
-// values are >= 0, so the bits order as the floats; dividing by fp8_max
-// commutes with the max), and the quantising grid reads it; all three on
-// the call's stream, no host synchronisation, so the call can be captured
-// in a graph.
+// (any stride before the last dim); where the rows' length (the group's,
+// per group) and starts allow, x is read in 16-byte vectors and output_q
+// written in vectors of as many fp8 values; dense tensors are taken as one
+// row.
+//
+// Per token: one block a row, which holds its share of the row in
+// registers (up to kMaxVecPerThread vectors a thread) across the block's
+// absmax, so the row is read once; with rows fewer than a few times the SM
+// count, up to 1024 threads a row, so that a single row finishes fast.
+// Longer rows, and rows without 16-byte vectors, read the row a second time
+// (from L1/L2) to quantise it.
+//
+// Per group: the grid runs over the flat (row, group) pairs, a group to each
+// `lanes` lanes of a warp (the least power of two, up to the warp, that
+// gives a lane at most kMaxVecPerThread vectors), so a warp takes several
+// short groups at once and one row of many groups spreads over blocks. Each
+// lane holds its vectors of the group in registers, the group's absmax is
+// reduced by shuffles, and the group quantised from the registers. Groups too
+// long for that, or without 16-byte vectors, are read twice instead.
+//
+// Per tensor: a grid-stride elementwise kernel over rows and chunks of rows,
+// kAhead vectors in flight a thread. Dynamic, small tensors (up to
+// kSmallTensor values): one block takes the absmax and writes the scale,
+// then the quantising grid reads it. Larger ones: a one-thread kernel zeroes
+// output_s, a grid of blocks takes each block's absmax / fp8_max into it with
+// an atomic max on its bits (the values are >= 0, so the bits order as the
+// floats; dividing by fp8_max commutes with the max), and the quantising grid
+// reads it. All on the call's stream, no host synchronisation, so the call
+// can be captured in a graph.
 #include "device_utils.cuh"
 #include "launch_utils.hpp"
 #include "ops.hpp"
@@ -36,45 +53,24 @@ namespace {
 using kd_plugin::RowLayout;
 
 constexpr int kThreads = 256;
+constexpr int kMaxThreads = 1024;
+constexpr int kMaxVecPerThread = 8;    // vectors a thread (lane) holds in registers
+constexpr int64_t kSmallTensor = 65536;  // values of a dynamic per-tensor call taken by one block
 
-// fp8(x / s), rounded once; inv is 1 / s rounded to nearest (__frcp_rn).
-template <class Q>
-__device__ __forceinline__ Q quantise_exact(float x, float s, float inv) {
-  if (s == 0.f) return from_float<Q>(0.f);
-  float q = x * inv;  // within 1.5 ulps of x / s
-  if (isfinite(q)) {
-    q = __fmaf_rn(__fmaf_rn(-q, s, x), inv, q);  // one correction: within one ulp
-  } else {
-    q = __fdiv_rn(x, s);  // x / s beyond float's range, or 1 / s not finite
-  }
-  if (isfinite(q)) {
-    const float r = __fmaf_rn(-q, s, x);
-    unsigned bits = __float_as_uint(q);
-    if (r != 0.f && (bits & 1u) == 0) {
-      const bool above = (r > 0.f) == (s > 0.f);           // the exact quotient lies above q
-      const bool away = above != static_cast<bool>(signbit(q));  // ... and so further from zero
-      q = __uint_as_float(away ? bits + 1 : bits - 1);
-    }
-  }
-  return from_float<Q>(q);
-}
+// The float32 reciprocal of a scale, rounded to nearest; 0 for s == 0.
+__device__ __forceinline__ float reciprocal_of(float s) { return s == 0.f ? 0.f : __fdiv_rn(1.f, s); }
 
-// fp8(x / s), rounded once, usually from p = x * inv alone: p is within
-// 1.5 ulps of x / s, so where p lies more than 4 ulps from the midpoint
-// between two fp8 values, in fp8's normal range, the exact quotient rounds
-// to the fp8 value p rounds to. Otherwise (about 1 value in 10^5 of random
-// inputs, and fp8's subnormals) quantise_exact.
+// fp8(x * inv), the exact product rounded once (see the top of the file).
 template <class Q>
-__device__ __forceinline__ Q quantise(float x, float s, float inv) {
-  constexpr bool kE4M3 = fp8_max<Q> == 448.0f;
-  constexpr int kDropped = 23 - (kE4M3 ? 3 : 2);      // float mantissa bits below fp8's
-  constexpr float kLeastNormal = kE4M3 ? 0x1p-6f : 0x1p-14f;
-  const float p = x * inv;
-  const unsigned dropped = __float_as_uint(p) & ((1u << kDropped) - 1);
-  constexpr unsigned kHalf = 1u << (kDropped - 1);
-  const unsigned from_tie = dropped > kHalf ? dropped - kHalf : kHalf - dropped;
-  if (from_tie > 4u && fabsf(p) >= kLeastNormal && fabsf(p) <= 3.0e38f) return from_float<Q>(p);
-  return quantise_exact<Q>(x, s, inv);
+__device__ __forceinline__ Q quantise(float x, float inv) {
+  const float p = __fmul_rn(x, inv);
+  const float e = __fmaf_rn(x, inv, -p);  // x * inv - p, exactly
+  const unsigned pb = __float_as_uint(p);
+  const unsigned eb = __float_as_uint(e);
+  const bool inexact = (eb & 0x7fffffffu) != 0u && (eb & 0x7f800000u) != 0x7f800000u;
+  // +1 (away from zero) when e has p's sign, else -1 (towards zero).
+  const unsigned step = 1u | static_cast<unsigned>(static_cast<int>(eb ^ pb) >> 31);
+  return from_float<Q>(__uint_as_float(pb + (inexact && (pb & 1u) == 0u ? step : 0u)));
 }
 
 // The arguments of one call.
@@ -99,6 +95,13 @@ struct QuantArgs {
 // that several loads are in flight at once.
 constexpr int kAhead = 4;
 
+template <class T, int N>
+__device__ __forceinline__ float vec_absmax(float m, const Vec<T, N>& v) {
+#pragma unroll
+  for (int e = 0; e < N; ++e) m = fmaxf(m, fabsf(to_float(v.v[e])));
+  return m;
+}
+
 // max |x[i]| over [first, n) of the row in steps of `step` vectors of N.
 template <class T, int N>
 __device__ __forceinline__ float partial_absmax(const T* x, int64_t n, int64_t first, int64_t step) {
@@ -110,30 +113,22 @@ __device__ __forceinline__ float partial_absmax(const T* x, int64_t n, int64_t f
 #pragma unroll
     for (int k = 0; k < kAhead; ++k) v[k] = load_vec<T, N, (N > 1)>(x + (i + k * step) * N);
 #pragma unroll
-    for (int k = 0; k < kAhead; ++k) {
-#pragma unroll
-      for (int e = 0; e < N; ++e) m = fmaxf(m, fabsf(to_float(v[k].v[e])));
-    }
+    for (int k = 0; k < kAhead; ++k) m = vec_absmax(m, v[k]);
   }
-  for (; i < units; i += step) {
-    const Vec<T, N> v = load_vec<T, N, (N > 1)>(x + i * N);
-#pragma unroll
-    for (int e = 0; e < N; ++e) m = fmaxf(m, fabsf(to_float(v.v[e])));
-  }
+  for (; i < units; i += step) m = vec_absmax(m, load_vec<T, N, (N > 1)>(x + i * N));
   return m;
 }
 
 template <class T, class Q, int N>
-__device__ __forceinline__ void quantise_vec(Q* q, const Vec<T, N>& v, float s, float inv) {
+__device__ __forceinline__ void quantise_vec(Q* q, const Vec<T, N>& v, float inv) {
   Vec<Q, N> o;
 #pragma unroll
-  for (int e = 0; e < N; ++e) o.v[e] = quantise<Q>(to_float(v.v[e]), s, inv);
+  for (int e = 0; e < N; ++e) o.v[e] = quantise<Q>(to_float(v.v[e]), inv);
   store_vec<Q, N, (N > 1)>(q, o);
 }
 
 template <class T, class Q, int N>
-__device__ __forceinline__ void quantise_span(Q* q, const T* x, int64_t n, float s, int64_t first, int64_t step) {
-  const float inv = __frcp_rn(s);
+__device__ __forceinline__ void quantise_span(Q* q, const T* x, int64_t n, float inv, int64_t first, int64_t step) {
   const int64_t units = n / N;
   int64_t i = first;
   for (; i + (kAhead - 1) * step < units; i += kAhead * step) {
@@ -141,9 +136,17 @@ __device__ __forceinline__ void quantise_span(Q* q, const T* x, int64_t n, float
 #pragma unroll
     for (int k = 0; k < kAhead; ++k) v[k] = load_vec<T, N, (N > 1)>(x + (i + k * step) * N);
 #pragma unroll
-    for (int k = 0; k < kAhead; ++k) quantise_vec<T, Q, N>(q + (i + k * step) * N, v[k], s, inv);
+    for (int k = 0; k < kAhead; ++k) quantise_vec<T, Q, N>(q + (i + k * step) * N, v[k], inv);
   }
-  for (; i < units; i += step) quantise_vec<T, Q, N>(q + i * N, load_vec<T, N, (N > 1)>(x + i * N), s, inv);
+  for (; i < units; i += step) quantise_vec<T, Q, N>(q + i * N, load_vec<T, N, (N > 1)>(x + i * N), inv);
+}
+
+// 2^ceil(log2 s) for a finite s > 0: the exponent, one up unless the
+// mantissa is zero.
+__device__ __forceinline__ float pow2_ceil(float s) {
+  const unsigned bits = __float_as_uint(s);
+  const int e = static_cast<int>(bits >> 23) - 127 + ((bits & 0x7fffffu) != 0 ? 1 : 0);
+  return ldexpf(1.f, e);
 }
 
 __global__ void zero_scale_kernel(float* scale) {
@@ -151,7 +154,23 @@ __global__ void zero_scale_kernel(float* scale) {
   *scale = 0.f;
 }
 
-// Per tensor, dynamic: the blocks' absmax / fp8_max, maxed into *scale.
+// Per tensor, dynamic, small: one block takes the absmax over the flat
+// (row, vector) index and writes absmax / fp8_max.
+template <class T, class Q, int N>
+__global__ void __launch_bounds__(kMaxThreads) tensor_scale_kernel(QuantArgs<T, Q> a) {
+  start_after_previous_kernel();
+  const int64_t units = a.n / N;
+  float m = 0.f;
+  for (int64_t i = threadIdx.x; i < a.rows * units; i += blockDim.x) {
+    const int64_t row = i / units;
+    m = vec_absmax(m, load_vec<T, N, (N > 1)>(a.x + a.x_rows.offset(row) + (i - row * units) * N));
+  }
+  m = block_max(m);
+  if (threadIdx.x == 0) *a.scale = m / fp8_max<Q>;
+}
+
+// Per tensor, dynamic: the blocks' absmax / fp8_max, maxed into *scale
+// (zeroed before).
 template <class T, class Q, int N>
 __global__ void __launch_bounds__(kThreads) tensor_absmax_kernel(QuantArgs<T, Q> a) {
   start_after_previous_kernel();
@@ -165,102 +184,195 @@ __global__ void __launch_bounds__(kThreads) tensor_absmax_kernel(QuantArgs<T, Q>
   if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned*>(a.scale), __float_as_uint(m / fp8_max<Q>));
 }
 
-// Per tensor: every row quantised with *scale.
+// Per tensor: every row quantised with *scale, rows in x, each row's
+// vectors over the blocks in y.
 template <class T, class Q, int N>
 __global__ void __launch_bounds__(kThreads) tensor_quant_kernel(QuantArgs<T, Q> a) {
   start_after_previous_kernel();
-  const float s = *a.scale;
+  const float inv = reciprocal_of(*a.scale);
   const int64_t first = int64_t{blockIdx.y} * blockDim.x + threadIdx.x;
   const int64_t step = int64_t{gridDim.y} * blockDim.x;
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    quantise_span<T, Q, N>(a.q + a.q_rows.offset(row), a.x + a.x_rows.offset(row), a.n, s, first, step);
+    quantise_span<T, Q, N>(a.q + a.q_rows.offset(row), a.x + a.x_rows.offset(row), a.n, inv, first, step);
   }
 }
 
-// Per token: one block a row.
-template <class T, class Q, int N>
-__global__ void __launch_bounds__(kThreads) token_quant_kernel(QuantArgs<T, Q> a) {
+// Per token, the row held in registers: one block a row, V vectors of N a
+// thread (thread t holds vectors t, t + blockDim.x, ...).
+template <class T, class Q, int N, int V>
+__global__ void __launch_bounds__(kMaxThreads) token_quant_regs_kernel(QuantArgs<T, Q> a) {
   start_after_previous_kernel();
   const int64_t row = block_row();
   if (row >= a.rows) return;
   const T* x = a.x + a.x_rows.offset(row);
-  const float m = block_max(partial_absmax<T, N>(x, a.n, threadIdx.x, blockDim.x));
-  const float s = m / fp8_max<Q>;
+  const int units = static_cast<int>(a.n / N);
+  Vec<T, N> v[V];
+  float m = 0.f;
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const int i = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
+    if (i < units) {
+      v[k] = load_once<T, N>(x + int64_t{i} * N);
+      m = vec_absmax(m, v[k]);
+    }
+  }
+  const float s = block_max(m) / fp8_max<Q>;
   if (threadIdx.x == 0) a.scale[row] = s;
-  quantise_span<T, Q, N>(a.q + a.q_rows.offset(row), x, a.n, s, threadIdx.x, blockDim.x);
+  const float inv = reciprocal_of(s);
+  Q* q = a.q + a.q_rows.offset(row);
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const int i = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
+    if (i < units) quantise_vec<T, Q, N>(q + int64_t{i} * N, v[k], inv);
+  }
 }
 
-// Per group: one block a row; a group to each `lanes` lanes of a warp, the
-// group's vectors up to a warp's width (a power of two), so that a warp
-// takes several short groups at once.
+// Per token, rows too long for the registers (or without 16-byte vectors):
+// one block a row, its absmax reduced across the block, the row read a
+// second time to quantise it.
 template <class T, class Q, int N>
-__global__ void __launch_bounds__(kThreads) group_quant_kernel(QuantArgs<T, Q> a, int lanes) {
+__global__ void __launch_bounds__(kMaxThreads) token_quant_kernel(QuantArgs<T, Q> a) {
   start_after_previous_kernel();
   const int64_t row = block_row();
   if (row >= a.rows) return;
   const T* x = a.x + a.x_rows.offset(row);
-  Q* q = a.q + a.q_rows.offset(row);
-  float* scale = a.scale + a.s_rows.offset(row);
-  const int lane = threadIdx.x % kWarpSize;
-  const int per_warp = kWarpSize / lanes;
-  const int64_t step = int64_t{blockDim.x / kWarpSize} * per_warp;
-  // Every lane of a warp runs the same iterations: the shuffles need them.
-  for (int64_t g0 = int64_t{threadIdx.x / kWarpSize} * per_warp; g0 < a.groups; g0 += step) {
-    const int64_t g = g0 + lane / lanes;
-    const bool in = g < a.groups;
-    const T* xg = x + g * a.group_size;
-    float m = in ? partial_absmax<T, N>(xg, a.group_size, lane % lanes, lanes) : 0.f;
-    for (int d = lanes / 2; d > 0; d >>= 1) m = fmaxf(m, shfl_xor(m, d));
-    float s = fmaxf(m, a.min_absmax) / fp8_max<Q>;
-    if (a.pow2 && s > 0.f && isfinite(s)) {
-      // 2^ceil(log2 s): the exponent, one up unless the mantissa is zero.
-      const unsigned bits = __float_as_uint(s);
-      const int e = static_cast<int>(bits >> 23) - 127 + ((bits & 0x7fffffu) != 0 ? 1 : 0);
-      s = ldexpf(1.f, e);
+  const float s = block_max(partial_absmax<T, N>(x, a.n, threadIdx.x, blockDim.x)) / fp8_max<Q>;
+  if (threadIdx.x == 0) a.scale[row] = s;
+  quantise_span<T, Q, N>(a.q + a.q_rows.offset(row), x, a.n, reciprocal_of(s), threadIdx.x, blockDim.x);
+}
+
+// Per group: a group to each `lanes` lanes (a power of two dividing the
+// warp), over the flat (row, group) pairs of the grid. V > 0: lane l holds
+// the group's vectors l, l + lanes, ... (at most V) in registers; V == 0:
+// any number, read twice. Every lane of a warp runs the shuffles, those past
+// the last group too.
+template <class T, class Q, int N, int V>
+__global__ void __launch_bounds__(kThreads) group_quant_kernel(QuantArgs<T, Q> a, int lanes) {
+  start_after_previous_kernel();
+  const int64_t pair = (block_row() * blockDim.x + threadIdx.x) / lanes;
+  const int lane = static_cast<int>(threadIdx.x) % lanes;
+  const bool in = pair < a.rows * a.groups;
+  const int64_t row = in ? pair / a.groups : 0;
+  const int64_t g = in ? pair - row * a.groups : 0;
+  const T* xg = a.x + a.x_rows.offset(row) + g * a.group_size;
+  const int units = static_cast<int>(a.group_size / N);
+  Vec<T, N> v[V > 0 ? V : 1];
+  float m = 0.f;
+  if constexpr (V > 0) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const int i = lane + k * lanes;
+      if (in && i < units) {
+        v[k] = load_once<T, N>(xg + int64_t{i} * N);
+        m = vec_absmax(m, v[k]);
+      }
     }
-    if (!in) continue;
-    if (lane % lanes == 0) scale[g * a.s_col] = s;
-    quantise_span<T, Q, N>(q + g * a.group_size, xg, a.group_size, s, lane % lanes, lanes);
+  } else {
+    if (in) m = partial_absmax<T, N>(xg, a.group_size, lane, lanes);
+  }
+  for (int d = lanes / 2; d > 0; d >>= 1) m = fmaxf(m, shfl_xor(m, d));
+  if (!in) return;
+  float s = fmaxf(m, a.min_absmax) / fp8_max<Q>;
+  if (a.pow2 && s > 0.f && isfinite(s)) s = pow2_ceil(s);
+  if (lane == 0) a.scale[a.s_rows.offset(row) + g * a.s_col] = s;
+  const float inv = reciprocal_of(s);
+  Q* qg = a.q + a.q_rows.offset(row) + g * a.group_size;
+  if constexpr (V > 0) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const int i = lane + k * lanes;
+      if (i < units) quantise_vec<T, Q, N>(qg + int64_t{i} * N, v[k], inv);
+    }
+  } else {
+    quantise_span<T, Q, N>(qg, xg, a.group_size, inv, lane, lanes);
   }
 }
 
 enum class Kind { kTensor, kToken, kGroup };
 
 // Threads a block for rows of `units` vectors: a whole number of warps, up
-// to kThreads.
-int threads_for(int64_t units, int warp_size) {
-  return static_cast<int>(std::min<int64_t>(kThreads, std::max<int64_t>(warp_size, ceil_div(units, warp_size) * warp_size)));
+// to `most`.
+int threads_for(int64_t units, int warp_size, int most = kThreads) {
+  return static_cast<int>(std::min<int64_t>(most, std::max<int64_t>(warp_size, ceil_div(units, warp_size) * warp_size)));
+}
+
+template <class T, class Q, int N>
+void launch_tensor(const Launch& launch, bool is_static, const QuantArgs<T, Q>& a) {
+  const int64_t numel = a.rows * a.n;
+  if (!is_static && numel <= kSmallTensor) {
+    const int threads = threads_for(ceil_div(numel, N), launch.warp_size, kMaxThreads);
+    launch_kernel(launch, tensor_scale_kernel<T, Q, N>, dim3(1), dim3(threads), a);
+  } else if (!is_static) {
+    launch_kernel(launch, zero_scale_kernel, dim3(1), dim3(1), a.scale);
+  }
+  if (a.rows == 0 || a.n == 0) return;
+  // Rows in x; with fewer rows than fill the device, each row's vectors cut
+  // into chunks in y, so that a few rows (a dense tensor is one) still do:
+  // kAhead vectors a thread when there are many, else one, for more blocks.
+  const int64_t units = std::max<int64_t>(1, a.n / N);
+  const int64_t fill = int64_t{launch.sm_count} * 8;
+  const bool few = a.rows < fill;
+  const int threads = threads_for(few ? std::min<int64_t>(units, 128) : units, launch.warp_size);
+  const int per_thread = units * a.rows >= int64_t{threads} * kAhead * fill ? kAhead : 1;
+  const auto chunks = few ? static_cast<unsigned>(std::min<int64_t>(ceil_div(units, int64_t{threads} * per_thread), 65535)) : 1u;
+  if (!is_static && numel > kSmallTensor) {
+    const int64_t absmax_rows = std::min<int64_t>(a.rows, fill);
+    const auto absmax_chunks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(chunks, fill / absmax_rows)));
+    launch_kernel(launch, tensor_absmax_kernel<T, Q, N>, dim3(row_grid(absmax_rows), absmax_chunks), dim3(threads), a);
+  }
+  launch_kernel(launch, tensor_quant_kernel<T, Q, N>, dim3(row_grid(a.rows), chunks), dim3(threads), a);
+}
+
+template <class T, class Q, int N>
+void launch_token(const Launch& launch, const QuantArgs<T, Q>& a) {
+  const int64_t units = a.n / N;
+  // Many rows: about kRowVecPerThread vectors a thread; few: one, up to
+  // kMaxThreads threads a row.
+  const bool few = a.rows < int64_t{launch.sm_count} * 4;
+  if constexpr (N > 1) {
+    if (units <= int64_t{kMaxThreads} * kMaxVecPerThread) {
+      const int threads = threads_for(few ? units : ceil_div(units, kRowVecPerThread), launch.warp_size, kMaxThreads);
+      with_vectors_per_thread<kMaxVecPerThread>(ceil_div(units, threads), [&](auto vpt) {
+        launch_kernel(launch, token_quant_regs_kernel<T, Q, N, decltype(vpt)::value>, one_block_per_row(a.rows),
+                      dim3(threads), a);
+      });
+      return;
+    }
+  }
+  launch_kernel(launch, token_quant_kernel<T, Q, N>, one_block_per_row(a.rows),
+                dim3(threads_for(units, launch.warp_size, few ? kMaxThreads : kThreads)), a);
+}
+
+template <class T, class Q, int N>
+void launch_group(const Launch& launch, const QuantArgs<T, Q>& a) {
+  const int64_t units = a.group_size / N;
+  // A lane a vector: the least power of two of lanes, up to the warp, that
+  // covers the group's vectors.
+  int lanes = 1;
+  while (lanes < launch.warp_size && lanes < units) lanes *= 2;
+  const int64_t threads_needed = a.rows * a.groups * lanes;
+  // Blocks of kThreads, smaller (down to a warp) while they would not fill
+  // the SMs.
+  int threads = kThreads;
+  while (threads > launch.warp_size && ceil_div(threads_needed, threads) < launch.sm_count) threads /= 2;
+  const dim3 grid = one_block_per_row(ceil_div(threads_needed, threads));
+  if constexpr (N > 1) {
+    if (units <= int64_t{lanes} * kMaxVecPerThread) {
+      with_vectors_per_thread<kMaxVecPerThread>(ceil_div(units, lanes), [&](auto vpl) {
+        launch_kernel(launch, group_quant_kernel<T, Q, N, decltype(vpl)::value>, grid, dim3(threads), a, lanes);
+      });
+      return;
+    }
+  }
+  launch_kernel(launch, group_quant_kernel<T, Q, N, 0>, grid, dim3(threads), a, lanes);
 }
 
 template <class T, class Q, int N>
 void launch_quant(const Launch& launch, Kind kind, bool is_static, const QuantArgs<T, Q>& a) {
   switch (kind) {
-    case Kind::kTensor: {
-      // Rows in x; with fewer rows than fill the device, each row's vectors
-      // cut into chunks of a block in y, so that a few rows still do.
-      const int64_t units = std::max<int64_t>(1, a.n / N);
-      const bool few = a.rows < int64_t{launch.sm_count} * 8;
-      const int threads = threads_for(few ? std::min<int64_t>(units, 128) : units, launch.warp_size);
-      const auto chunks = few ? static_cast<unsigned>(std::min<int64_t>(ceil_div(units, threads), 65535)) : 1u;
-      const dim3 absmax_grid(row_grid(std::min<int64_t>(a.rows, int64_t{launch.sm_count} * 8)), chunks);
-      if (!is_static) launch_kernel(launch, zero_scale_kernel, dim3(1), dim3(1), a.scale);
-      if (a.rows == 0 || a.n == 0) break;
-      if (!is_static) launch_kernel(launch, tensor_absmax_kernel<T, Q, N>, absmax_grid, dim3(threads), a);
-      launch_kernel(launch, tensor_quant_kernel<T, Q, N>, dim3(row_grid(a.rows), chunks), dim3(threads), a);
-      break;
-    }
-    case Kind::kToken:
-      launch_kernel(launch, token_quant_kernel<T, Q, N>, one_block_per_row(a.rows),
-                    dim3(threads_for(a.n / N, launch.warp_size)), a);
-      break;
-    case Kind::kGroup: {
-      int lanes = launch.warp_size;  // a power of two
-      while (lanes > 1 && lanes / 2 >= a.group_size / N) lanes /= 2;
-      const int64_t warps = ceil_div(a.groups, launch.warp_size / lanes);
-      launch_kernel(launch, group_quant_kernel<T, Q, N>, one_block_per_row(a.rows),
-                    dim3(threads_for(warps * launch.warp_size, launch.warp_size)), a, lanes);
-      break;
-    }
+    case Kind::kTensor: launch_tensor<T, Q, N>(launch, is_static, a); break;
+    case Kind::kToken: launch_token<T, Q, N>(launch, a); break;
+    case Kind::kGroup: launch_group<T, Q, N>(launch, a); break;
   }
 }
 
@@ -292,8 +404,14 @@ kd_status run_quant(const kd_call_args* args, const char* op, Kind kind, bool is
                         rows, n, group_size, kind == Kind::kGroup ? dim(s, -1) : 0,
                         kind == Kind::kGroup ? kd_plugin::element_stride(s, s.ndim - 1) : 0,
                         min_absmax, pow2};
+      if (kind == Kind::kTensor && rows > 0 && a.x_rows.dense(n) && a.q_rows.dense(n)) {
+        a.rows = 1;  // a dense tensor is one row
+        a.n = rows * n;
+        a.x_rows = RowLayout{};
+        a.q_rows = RowLayout{};
+      }
       constexpr int kVec = 16 / sizeof(T);
-      const int64_t span = kind == Kind::kGroup ? group_size : n;  // 0 takes the vector path: no loads
+      const int64_t span = kind == Kind::kGroup ? group_size : a.n;  // 0 takes the vector path: no loads
       const bool vec = span % kVec == 0 && rows_aligned(16, a.x, a.x_rows, sizeof(T)) &&
                        rows_aligned(kVec, a.q, a.q_rows, 1);
       if (vec) {

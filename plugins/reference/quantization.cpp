@@ -1,9 +1,14 @@
-// The fp8 quantisers: output_q = fp8(x / s) with s a float32 scale, per
-// tensor, per row or per group of a row, in float64 from the stored inputs.
-// A computed scale is absmax / fp8_max rounded once to float32 (the value
-// output_s stores), and the quotient is taken with that stored scale and
-// rounded once to the fp8 format (Tensor::set: nearest even, saturating at
-// the largest finite value). A scale of 0 gives 0.
+// The fp8 quantisers: output_q = fp8(x * inv) with s a float32 scale and
+// inv its float32 reciprocal, per tensor, per row or per group of a row, in
+// float64 from the stored inputs. A computed scale is absmax / fp8_max
+// rounded once to float32 (the value output_s stores); inv is 1 / s rounded
+// once to float32 (the float64 quotient rounded again to float32: a double
+// rounding of a quotient from 53 to 24 bits gives the correctly rounded
+// one), or 0 for s == 0. The product x * inv is exact in float64 (two
+// values of at most 24 significant bits) and rounded once to the fp8 format
+// (Tensor::set: nearest even, saturating at the largest finite value,
+// infinities included, NaN kept). So s == 0 gives 0 for finite x, and NaN
+// for NaN or infinite x, as does x * 0.
 #include <algorithm>
 #include <cmath>
 
@@ -23,9 +28,14 @@ double fp8_max_of(const DLTensor& q) {
 // The scale of a block whose largest magnitude is `absmax`, as float32.
 double scale_of(double absmax, double fp8_max) { return static_cast<float>(absmax / fp8_max); }
 
-// Writes fp8(x[i] / s) for i in [begin, end) of the flat index.
+// The float32 reciprocal of the scale s, 0 for s == 0.
+double reciprocal_of(double s) { return s == 0.0 ? 0.0 : static_cast<float>(1.0 / s); }
+
+// Writes fp8(x[i] * inv) for i in [begin, end) of the flat index, with inv
+// the float32 reciprocal of s.
 void quantise(const Tensor& q, const Tensor& x, int64_t begin, int64_t end, double s) {
-  for (int64_t i = begin; i < end; ++i) q.set(i, s == 0.0 ? 0.0 : x.get(i) / s);
+  const double inv = reciprocal_of(s);
+  for (int64_t i = begin; i < end; ++i) q.set(i, x.get(i) * inv);
 }
 
 double absmax(const Tensor& x, int64_t begin, int64_t end) {

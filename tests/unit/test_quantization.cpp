@@ -1,14 +1,19 @@
 // The fp8 quantisers on the cpu and reference backends: a worked example of
-// per-token quantisation (scale absmax / 448, values divided by the stored
-// scale and rounded once, an all-zero row scale 0 and output 0), per-tensor
-// static and dynamic scales, per-group scales written through the strides
-// of a column-major scale tensor (SGLang's column_major_scales) with the
-// padding untouched, and the group refusals: N not a multiple of G is
-// KD-E030, a group_size other than N / G leaves no backend (KD-E003).
+// per-token quantisation (scale absmax / 448, values multiplied by the
+// float32 reciprocal of the stored scale and rounded once, an all-zero row
+// scale 0 and output 0), per-tensor static and dynamic scales, the exact
+// product x * (1.0f / s) rounded once on values planted where it differs
+// from the float32 product rounded again (a tie of the peers) and from the
+// exact quotient x / s, NaN and infinities, per-group scales written through
+// the strides of a column-major scale tensor (SGLang's column_major_scales)
+// with the padding untouched, and the group refusals: N not a multiple of G
+// is KD-E030, a group_size other than N / G leaves no backend (KD-E003).
 #include <doctest/doctest.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -62,9 +67,84 @@ std::vector<float> ramp(size_t n) {
   return v;
 }
 
+// v rounded to float8_e4m3fn by search over the codes: nearest, ties to the
+// even code, saturating at 448, NaN kept, the sign of v kept on 0.
+uint8_t round_e4m3(double v) {
+  if (std::isnan(v)) return 0x7f;
+  const uint8_t sign = std::signbit(v) ? 0x80 : 0x00;
+  const double a = std::fabs(v);
+  uint8_t best = 0;
+  for (uint8_t c = 1; c <= 0x7e; ++c) {
+    const double d = std::fabs(e4m3(c) - a);
+    const double bd = std::fabs(e4m3(best) - a);
+    if (d < bd || (d == bd && (c & 1) == 0)) best = c;
+  }
+  return static_cast<uint8_t>(best | sign);
+}
+
+// What every backend stores for x with scale s: the exact product of x and
+// the float32 reciprocal of s, rounded once.
+uint8_t expected_q(float x, float s) {
+  const double inv = s == 0.0f ? 0.0 : static_cast<double>(1.0f / s);
+  return round_e4m3(static_cast<double>(x) * inv);
+}
+
+// Values x whose float32 product p = x * (1.0f / s) lies exactly on the
+// midpoint m of two float8_e4m3fn values while the exact product does not:
+// the exact product rounds to the side of m it lies on, the peers' second
+// rounding of p ties to even. `above`/`below` count the exact products on
+// either side of m (the sign of the residual), `tie_differs` those where the
+// tie goes the other way, `quotient_differs` those where the exact quotient
+// x / s lies on the other side of m than the product.
+struct Planted {
+  std::mt19937 rng{20261203};
+  int above = 0, below = 0, tie_differs = 0, quotient_differs = 0;
+
+  float next(float s) {
+    const float inv = 1.0f / s;
+    for (;;) {
+      const auto code = static_cast<uint8_t>(std::uniform_int_distribution<int>(0, 0x7d)(rng));
+      const double lower = e4m3(code), upper = e4m3(static_cast<uint8_t>(code + 1));
+      const double m = (lower + upper) / 2;
+      float x = static_cast<float>(m / inv);
+      uint32_t bits = 0;
+      std::memcpy(&bits, &x, sizeof bits);
+      bits += static_cast<uint32_t>(std::uniform_int_distribution<int>(-3, 3)(rng));
+      std::memcpy(&x, &bits, sizeof x);
+      const double d = static_cast<double>(x) * inv;  // exact
+      if (static_cast<float>(d) != static_cast<float>(m) || d == m) continue;
+      const bool up = d > m;
+      (up ? above : below) += 1;
+      if (((code & 1) == 0) == up) ++tie_differs;          // the tie goes to the even code
+      if ((static_cast<double>(x) > m * s) != up) ++quotient_differs;  // m * s is exact
+      return std::uniform_int_distribution<int>(0, 1)(rng) != 0 ? -x : x;
+    }
+  }
+};
+
+// Segments of `len` values: a random absmax a (so the computed scale is
+// a / 448 in float32) then len - 1 values planted for that scale.
+std::vector<float> planted_segments(Planted& planted, int segments, int len) {
+  std::vector<float> x;
+  std::uniform_real_distribution<float> absmax(0.3f, 40.0f);
+  for (int k = 0; k < segments; ++k) {
+    const float a = absmax(planted.rng);
+    x.push_back(k % 2 == 0 ? a : -a);
+    const float s = a / 448.0f;
+    for (int i = 1; i < len; ++i) x.push_back(planted.next(s));
+  }
+  return x;
+}
+
+float f32(double v) { return static_cast<float>(v); }
+
+// The same float8_e4m3fn value (any NaN equal to any NaN), the sign of 0
+// included.
+bool same_q(uint8_t a, uint8_t b) { return (a & 0x7f) == 0x7f ? (b & 0x7f) == 0x7f : a == b; }
+
 }  // namespace
 
-TEST_CASE("quantization.per_token_quant_fp8: scale absmax / 448, x / scale rounded once, a zero row 0") {
+TEST_CASE("quantization.per_token_quant_fp8: scale absmax / 448, x * (1 / scale) rounded once, a zero row 0") {
   auto ctx = quant_context();
   Dispatcher dispatch(*ctx);
   for (const char* backend : {"cpu", "reference"}) {
@@ -74,8 +154,8 @@ TEST_CASE("quantization.per_token_quant_fp8: scale absmax / 448, x / scale round
     const float s = 4.0f / 448.0f;
     CHECK(call.s[0] == s);
     CHECK(call.s[1] == 0.0f);
-    // 1 / s, 2 / s, 0.5 / s and 4 / s lie within a float32 step of 112,
-    // 224, 56 and 448, all exact in float8_e4m3fn.
+    // 1, 2, 0.5 and 4 times 1 / s lie within a float32 step of 112, 224, 56
+    // and 448, all exact in float8_e4m3fn.
     const std::vector<double> want{112, -224, 56, 448, 0, 0, 0, 0};
     for (size_t i = 0; i < want.size(); ++i) CHECK(e4m3(call.q[i]) == want[i]);
   }
@@ -98,6 +178,80 @@ TEST_CASE("quantization.per_tensor_quant_fp8: a static scale is read and kept, a
     CHECK(dynamic.s[0] == 7.0f / 448.0f);
     CHECK(e4m3(dynamic.q[2]) == 448);
     CHECK(e4m3(dynamic.q[0]) == 64);
+  }
+}
+
+TEST_CASE("quantization: the exact product x * (1.0f / s) rounded once, on values planted on fp8 midpoints") {
+  auto ctx = quant_context();
+  Dispatcher dispatch(*ctx);
+  Planted planted;
+  constexpr int kLen = 64;
+  const std::vector<float> one = planted_segments(planted, 1, 8 * kLen);  // one segment: the whole tensor
+  const std::vector<float> rows = planted_segments(planted, 6, kLen);     // a segment a row, or a group
+  // The planted values tell the three roundings apart, with residuals of
+  // both signs.
+  CHECK(planted.above > 20);
+  CHECK(planted.below > 20);
+  CHECK(planted.tie_differs > 20);
+  CHECK(planted.quotient_differs > 0);
+  const float s_one = one[0] / 448.0f;
+  for (const char* backend : {"cpu", "reference"}) {
+    INFO(backend);
+    for (const bool is_static : {true, false}) {
+      QuantCall t(one, 8, {1}, 1);
+      t.s[0] = s_one;
+      dispatch.op("quantization.per_tensor_quant_fp8", backend)(t.tensors, std::vector<NamedAttr>{{"is_static", is_static}});
+      CHECK(t.s[0] == s_one);
+      int wrong = 0;
+      for (size_t i = 0; i < one.size(); ++i) wrong += !same_q(t.q[i], expected_q(one[i], s_one));
+      CHECK(wrong == 0);
+    }
+    QuantCall token(rows, 6, {6}, 6);
+    dispatch.op("quantization.per_token_quant_fp8", backend)(token.tensors, std::vector<NamedAttr>{});
+    QuantCall group(rows, 3, {3, 2}, 6);
+    dispatch.op("quantization.per_token_group_quant_fp8", backend)(group.tensors, std::vector<NamedAttr>{});
+    int wrong = 0;
+    for (int k = 0; k < 6; ++k) {
+      const float s = std::fabs(rows[static_cast<size_t>(k * kLen)]) / 448.0f;
+      CHECK(token.s[static_cast<size_t>(k)] == s);
+      CHECK(group.s[static_cast<size_t>(k)] == s);
+      for (int i = 0; i < kLen; ++i) {
+        const size_t j = static_cast<size_t>(k * kLen + i);
+        wrong += !same_q(token.q[j], expected_q(rows[j], s));
+        wrong += !same_q(group.q[j], expected_q(rows[j], s));
+      }
+    }
+    CHECK(wrong == 0);
+  }
+}
+
+TEST_CASE("quantization.per_tensor_quant_fp8: NaN kept, infinities saturate, a scale of 0 gives 0") {
+  auto ctx = quant_context();
+  Dispatcher dispatch(*ctx);
+  const float inf = INFINITY;
+  const std::vector<float> x{f32(NAN), inf, -inf, 3.0f, -5.5f, 0.0f, 1e-30f, -1e30f};
+  for (const char* backend : {"cpu", "reference"}) {
+    INFO(backend);
+    // s = 0.5, 0 (x * 0: 0 for finite x, NaN for NaN and infinities) and
+    // 1e-40 (a subnormal whose float32 reciprocal overflows to infinity:
+    // nonzero values saturate, 0 * inf is NaN).
+    for (const float s : {0.5f, 0.0f, 1e-40f}) {
+      INFO(s);
+      QuantCall call(x, 2, {1}, 1);
+      call.s[0] = s;
+      dispatch.op("quantization.per_tensor_quant_fp8", backend)(call.tensors, std::vector<NamedAttr>{{"is_static", true}});
+      for (size_t i = 0; i < x.size(); ++i) {
+        INFO(i);
+        CHECK(same_q(call.q[i], expected_q(x[i], s)));
+      }
+    }
+    QuantCall half(x, 2, {1}, 1);
+    half.s[0] = 0.5f;
+    dispatch.op("quantization.per_tensor_quant_fp8", backend)(half.tensors, std::vector<NamedAttr>{{"is_static", true}});
+    CHECK((half.q[0] & 0x7f) == 0x7f);  // NaN
+    CHECK(half.q[1] == 0x7e);           // 448
+    CHECK(half.q[2] == 0xfe);           // -448
+    CHECK(e4m3(half.q[4]) == -11.0);
   }
 }
 
