@@ -15,9 +15,11 @@
 //
 // All three are memory bound. Rows are addressed through kd_plugin::RowLayout
 // (any stride before the last dim); where the rows' length (the group's,
-// per group) and starts allow, x is read in 16-byte vectors and output_q
-// written in vectors of as many fp8 values; dense tensors are taken as one
-// row.
+// per group) and starts allow, and the rows are one stride apart, x is read
+// in 16-byte vectors and output_q written in vectors of as many fp8 values,
+// the rows addressed as kd_plugin::LinearRows (8 bytes of kernel arguments
+// each, not 144: a graph copies them at every launch); dense tensors are
+// taken as one row. Other views take one value at a time.
 //
 // Per token: one block a row, which holds its share of the row in
 // registers (up to kMaxVecPerThread vectors a thread) across the block's
@@ -50,6 +52,7 @@
 namespace kd_gpu {
 namespace {
 
+using kd_plugin::LinearRows;
 using kd_plugin::RowLayout;
 
 constexpr int kThreads = 256;
@@ -74,14 +77,14 @@ __device__ __forceinline__ Q quantise(float x, float inv) {
 }
 
 // The arguments of one call.
-template <class T, class Q>
+template <class T, class Q, class Rows = RowLayout>
 struct QuantArgs {
   const T* x;
   Q* q;
   float* scale;
-  RowLayout x_rows;
-  RowLayout q_rows;
-  RowLayout s_rows;  // per group: the leading dims of output_s
+  Rows x_rows;
+  Rows q_rows;
+  Rows s_rows;  // per group: the leading dims of output_s
   int64_t rows;
   int64_t n;
   int64_t group_size;  // per group
@@ -156,8 +159,8 @@ __global__ void zero_scale_kernel(float* scale) {
 
 // Per tensor, dynamic, small: one block takes the absmax over the flat
 // (row, vector) index and writes absmax / fp8_max.
-template <class T, class Q, int N>
-__global__ void __launch_bounds__(kMaxThreads) tensor_scale_kernel(QuantArgs<T, Q> a) {
+template <class T, class Q, int N, class Rows>
+__global__ void __launch_bounds__(kMaxThreads) tensor_scale_kernel(QuantArgs<T, Q, Rows> a) {
   start_after_previous_kernel();
   const int64_t units = a.n / N;
   float m = 0.f;
@@ -171,8 +174,8 @@ __global__ void __launch_bounds__(kMaxThreads) tensor_scale_kernel(QuantArgs<T, 
 
 // Per tensor, dynamic: the blocks' absmax / fp8_max, maxed into *scale
 // (zeroed before).
-template <class T, class Q, int N>
-__global__ void __launch_bounds__(kThreads) tensor_absmax_kernel(QuantArgs<T, Q> a) {
+template <class T, class Q, int N, class Rows>
+__global__ void __launch_bounds__(kThreads) tensor_absmax_kernel(QuantArgs<T, Q, Rows> a) {
   start_after_previous_kernel();
   float m = 0.f;
   const int64_t first = int64_t{blockIdx.y} * blockDim.x + threadIdx.x;
@@ -186,8 +189,8 @@ __global__ void __launch_bounds__(kThreads) tensor_absmax_kernel(QuantArgs<T, Q>
 
 // Per tensor: every row quantised with *scale, rows in x, each row's
 // vectors over the blocks in y.
-template <class T, class Q, int N>
-__global__ void __launch_bounds__(kThreads) tensor_quant_kernel(QuantArgs<T, Q> a) {
+template <class T, class Q, int N, class Rows>
+__global__ void __launch_bounds__(kThreads) tensor_quant_kernel(QuantArgs<T, Q, Rows> a) {
   start_after_previous_kernel();
   const float inv = reciprocal_of(*a.scale);
   const int64_t first = int64_t{blockIdx.y} * blockDim.x + threadIdx.x;
@@ -199,8 +202,8 @@ __global__ void __launch_bounds__(kThreads) tensor_quant_kernel(QuantArgs<T, Q> 
 
 // Per token, the row held in registers: one block a row, V vectors of N a
 // thread (thread t holds vectors t, t + blockDim.x, ...).
-template <class T, class Q, int N, int V>
-__global__ void __launch_bounds__(kMaxThreads) token_quant_regs_kernel(QuantArgs<T, Q> a) {
+template <class T, class Q, int N, int V, class Rows>
+__global__ void __launch_bounds__(kMaxThreads) token_quant_regs_kernel(QuantArgs<T, Q, Rows> a) {
   start_after_previous_kernel();
   const int64_t row = block_row();
   if (row >= a.rows) return;
@@ -230,8 +233,8 @@ __global__ void __launch_bounds__(kMaxThreads) token_quant_regs_kernel(QuantArgs
 // Per token, rows too long for the registers (or without 16-byte vectors):
 // one block a row, its absmax reduced across the block, the row read a
 // second time to quantise it.
-template <class T, class Q, int N>
-__global__ void __launch_bounds__(kMaxThreads) token_quant_kernel(QuantArgs<T, Q> a) {
+template <class T, class Q, int N, class Rows>
+__global__ void __launch_bounds__(kMaxThreads) token_quant_kernel(QuantArgs<T, Q, Rows> a) {
   start_after_previous_kernel();
   const int64_t row = block_row();
   if (row >= a.rows) return;
@@ -246,8 +249,8 @@ __global__ void __launch_bounds__(kMaxThreads) token_quant_kernel(QuantArgs<T, Q
 // the group's vectors l, l + lanes, ... (at most V) in registers; V == 0:
 // any number, read twice. Every lane of a warp runs the shuffles, those past
 // the last group too.
-template <class T, class Q, int N, int V>
-__global__ void __launch_bounds__(kThreads) group_quant_kernel(QuantArgs<T, Q> a, int lanes) {
+template <class T, class Q, int N, int V, class Rows>
+__global__ void __launch_bounds__(kThreads) group_quant_kernel(QuantArgs<T, Q, Rows> a, int lanes) {
   start_after_previous_kernel();
   const int64_t pair = (block_row() * blockDim.x + threadIdx.x) / lanes;
   const int lane = static_cast<int>(threadIdx.x) % lanes;
@@ -296,12 +299,12 @@ int threads_for(int64_t units, int warp_size, int most = kThreads) {
   return static_cast<int>(std::min<int64_t>(most, std::max<int64_t>(warp_size, ceil_div(units, warp_size) * warp_size)));
 }
 
-template <class T, class Q, int N>
-void launch_tensor(const Launch& launch, bool is_static, const QuantArgs<T, Q>& a) {
+template <class T, class Q, int N, class Rows>
+void launch_tensor(const Launch& launch, bool is_static, const QuantArgs<T, Q, Rows>& a) {
   const int64_t numel = a.rows * a.n;
   if (!is_static && numel <= kSmallTensor) {
     const int threads = threads_for(ceil_div(numel, N), launch.warp_size, kMaxThreads);
-    launch_kernel(launch, tensor_scale_kernel<T, Q, N>, dim3(1), dim3(threads), a);
+    launch_kernel(launch, tensor_scale_kernel<T, Q, N, Rows>, dim3(1), dim3(threads), a);
   } else if (!is_static) {
     launch_kernel(launch, zero_scale_kernel, dim3(1), dim3(1), a.scale);
   }
@@ -318,13 +321,13 @@ void launch_tensor(const Launch& launch, bool is_static, const QuantArgs<T, Q>& 
   if (!is_static && numel > kSmallTensor) {
     const int64_t absmax_rows = std::min<int64_t>(a.rows, fill);
     const auto absmax_chunks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(chunks, fill / absmax_rows)));
-    launch_kernel(launch, tensor_absmax_kernel<T, Q, N>, dim3(row_grid(absmax_rows), absmax_chunks), dim3(threads), a);
+    launch_kernel(launch, tensor_absmax_kernel<T, Q, N, Rows>, dim3(row_grid(absmax_rows), absmax_chunks), dim3(threads), a);
   }
-  launch_kernel(launch, tensor_quant_kernel<T, Q, N>, dim3(row_grid(a.rows), chunks), dim3(threads), a);
+  launch_kernel(launch, tensor_quant_kernel<T, Q, N, Rows>, dim3(row_grid(a.rows), chunks), dim3(threads), a);
 }
 
-template <class T, class Q, int N>
-void launch_token(const Launch& launch, const QuantArgs<T, Q>& a) {
+template <class T, class Q, int N, class Rows>
+void launch_token(const Launch& launch, const QuantArgs<T, Q, Rows>& a) {
   const int64_t units = a.n / N;
   // Many rows: about kRowVecPerThread vectors a thread; few: one, up to
   // kMaxThreads threads a row.
@@ -333,18 +336,18 @@ void launch_token(const Launch& launch, const QuantArgs<T, Q>& a) {
     if (units <= int64_t{kMaxThreads} * kMaxVecPerThread) {
       const int threads = threads_for(few ? units : ceil_div(units, kRowVecPerThread), launch.warp_size, kMaxThreads);
       with_vectors_per_thread<kMaxVecPerThread>(ceil_div(units, threads), [&](auto vpt) {
-        launch_kernel(launch, token_quant_regs_kernel<T, Q, N, decltype(vpt)::value>, one_block_per_row(a.rows),
+        launch_kernel(launch, token_quant_regs_kernel<T, Q, N, decltype(vpt)::value, Rows>, one_block_per_row(a.rows),
                       dim3(threads), a);
       });
       return;
     }
   }
-  launch_kernel(launch, token_quant_kernel<T, Q, N>, one_block_per_row(a.rows),
+  launch_kernel(launch, token_quant_kernel<T, Q, N, Rows>, one_block_per_row(a.rows),
                 dim3(threads_for(units, launch.warp_size, few ? kMaxThreads : kThreads)), a);
 }
 
-template <class T, class Q, int N>
-void launch_group(const Launch& launch, const QuantArgs<T, Q>& a) {
+template <class T, class Q, int N, class Rows>
+void launch_group(const Launch& launch, const QuantArgs<T, Q, Rows>& a) {
   const int64_t units = a.group_size / N;
   // A lane a vector: the least power of two of lanes, up to the warp, that
   // covers the group's vectors.
@@ -359,20 +362,20 @@ void launch_group(const Launch& launch, const QuantArgs<T, Q>& a) {
   if constexpr (N > 1) {
     if (units <= int64_t{lanes} * kMaxVecPerThread) {
       with_vectors_per_thread<kMaxVecPerThread>(ceil_div(units, lanes), [&](auto vpl) {
-        launch_kernel(launch, group_quant_kernel<T, Q, N, decltype(vpl)::value>, grid, dim3(threads), a, lanes);
+        launch_kernel(launch, group_quant_kernel<T, Q, N, decltype(vpl)::value, Rows>, grid, dim3(threads), a, lanes);
       });
       return;
     }
   }
-  launch_kernel(launch, group_quant_kernel<T, Q, N, 0>, grid, dim3(threads), a, lanes);
+  launch_kernel(launch, group_quant_kernel<T, Q, N, 0, Rows>, grid, dim3(threads), a, lanes);
 }
 
-template <class T, class Q, int N>
-void launch_quant(const Launch& launch, Kind kind, bool is_static, const QuantArgs<T, Q>& a) {
+template <class T, class Q, int N, class Rows>
+void launch_quant(const Launch& launch, Kind kind, bool is_static, const QuantArgs<T, Q, Rows>& a) {
   switch (kind) {
-    case Kind::kTensor: launch_tensor<T, Q, N>(launch, is_static, a); break;
-    case Kind::kToken: launch_token<T, Q, N>(launch, a); break;
-    case Kind::kGroup: launch_group<T, Q, N>(launch, a); break;
+    case Kind::kTensor: launch_tensor<T, Q, N, Rows>(launch, is_static, a); break;
+    case Kind::kToken: launch_token<T, Q, N, Rows>(launch, a); break;
+    case Kind::kGroup: launch_group<T, Q, N, Rows>(launch, a); break;
   }
 }
 
@@ -414,10 +417,15 @@ kd_status run_quant(const kd_call_args* args, const char* op, Kind kind, bool is
       const int64_t span = kind == Kind::kGroup ? group_size : a.n;  // 0 takes the vector path: no loads
       const bool vec = span % kVec == 0 && rows_aligned(16, a.x, a.x_rows, sizeof(T)) &&
                        rows_aligned(kVec, a.q, a.q_rows, 1);
-      if (vec) {
-        launch_quant<T, Q, kVec>(launch, kind, is_static, a);
+      const bool linear = a.x_rows.linear() && a.q_rows.linear() && (kind != Kind::kGroup || a.s_rows.linear());
+      if (vec && linear) {
+        const QuantArgs<T, Q, LinearRows> l{a.x, a.q, a.scale,
+                                            kd_plugin::linear_rows(a.x_rows), kd_plugin::linear_rows(a.q_rows),
+                                            kd_plugin::linear_rows(a.s_rows), a.rows, a.n, a.group_size, a.groups,
+                                            a.s_col, a.min_absmax, a.pow2};
+        launch_quant<T, Q, kVec, LinearRows>(launch, kind, is_static, l);
       } else {
-        launch_quant<T, Q, 1>(launch, kind, is_static, a);
+        launch_quant<T, Q, 1, RowLayout>(launch, kind, is_static, a);
       }
     };
     if (e4m3) {
