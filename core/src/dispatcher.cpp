@@ -344,6 +344,25 @@ void OpHandle::check(std::span<const DLTensor> tensors, CheckScope scope) const 
   }
 }
 
+void OpHandle::check(std::span<const DLTensor> tensors, std::span<const NamedAttr> attrs, CheckScope scope) const {
+  std::array<kd_attr, kMaxSchemaAttrs> storage;
+  const std::span<const kd_attr> packed = pack_attrs(attrs, storage);
+  const CompiledSchema& compiled = *state_->compiled;
+  if (!compiled.has_flattened()) {
+    check(tensors, scope);
+    return;
+  }
+  // unflatten() only reads the tensors it is given and writes `call`.
+  std::span<DLTensor> given(const_cast<DLTensor*>(tensors.data()), tensors.size());
+  UnflattenedCall call;
+  const std::span<DLTensor> seen = compiled.unflatten(given, packed, &call);
+  if (scope == CheckScope::layout) {
+    compiled.check_layout(seen, tensors);
+  } else {
+    compiled.check_plan(seen, tensors);
+  }
+}
+
 KernelHandle OpHandle::resolve(std::span<const DLTensor> tensors) const {
   const CompiledSchema::CallInfo info = state_->compiled->check(tensors);
   return state_->dispatcher->resolve(*state_, info.device, info.dtype, tensors, state_->defaults).handle();
@@ -401,6 +420,10 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
 [[gnu::noinline]] void OpHandle::call_with_attrs(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs,
                                                  void* stream) const {
   const OpState& state = *state_;
+  if (state.compiled->has_flattened()) [[unlikely]] {
+    call_flattened(tensors, attrs, stream);
+    return;
+  }
   std::array<kd_attr, kMaxSchemaAttrs> storage;
   const bool packed = state.pack_given(attrs, storage.data());
   CompiledSchema::CallInfo info;
@@ -418,11 +441,41 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
   call_checked(tensors, attrs, stream, info.device, info.dtype);
 }
 
-void OpHandle::call_checked(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream,
-                            DLDevice device, Dtype dtype) const {
-  OpState& state = *state_;
+// The call with attributes of an op whose schema has "flattened" tensors:
+// the attributes are packed first, since they say how the tensors are
+// split (CompiledSchema::unflatten), then the call goes as in
+// call_with_attrs() on the tensors as the schema sees them. The split
+// tensors' shapes and strides live on this function's stack.
+[[gnu::noinline]] void OpHandle::call_flattened(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs,
+                                                void* stream) const {
+  const OpState& state = *state_;
   std::array<kd_attr, kMaxSchemaAttrs> storage;
   const std::span<const kd_attr> packed = pack_attrs(attrs, storage);
+  UnflattenedCall call;
+  const std::span<DLTensor> seen = state.compiled->unflatten(tensors, packed, &call);
+  CompiledSchema::CallInfo info;
+  if (state.compiled->matches_remembered(seen, &info)) [[likely]] {
+    if (state.trace_file == nullptr) [[likely]] {
+      if (const OpState::Resolved* r = state.find_cached(device_word(info.device), info.dtype)) [[likely]] {
+        run(state, *r, info.device, seen, packed, stream, nullptr);
+        return;
+      }
+    }
+  } else {
+    info = state.compiled->check_plan(seen, tensors);
+  }
+  call_packed(seen, packed, stream, info.device, info.dtype);
+}
+
+void OpHandle::call_checked(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream,
+                            DLDevice device, Dtype dtype) const {
+  std::array<kd_attr, kMaxSchemaAttrs> storage;
+  call_packed(tensors, pack_attrs(attrs, storage), stream, device, dtype);
+}
+
+void OpHandle::call_packed(std::span<DLTensor> tensors, std::span<const kd_attr> packed, void* stream,
+                           DLDevice device, Dtype dtype) const {
+  OpState& state = *state_;
   const ResolvedKernel& resolved = state.dispatcher->resolve(state, device, dtype, tensors, packed);
   if (state.trace_file == nullptr) {
     run(state, resolved, device, tensors, packed, stream, nullptr);
