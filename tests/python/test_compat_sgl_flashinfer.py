@@ -85,7 +85,7 @@ def matches_reference(op, got, want, what):
 def reference(op, tensors, *attrs):
     """Runs `op` on the reference backend over clones of `tensors` (schema order); returns the clones."""
     copies = [None if t is None else t.clone() for t in tensors]
-    torch_op(op)(*copies, *attrs, "reference")
+    torch_op(op)(*copies, *attrs, backend="reference")
     return copies
 
 
