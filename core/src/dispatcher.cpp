@@ -107,7 +107,9 @@ struct OpState {
   std::vector<AttrName> attr_names;          // the schema's, in schema order
   uint64_t all_attrs = 0;                    // bit per attribute
   uint64_t required_attrs = 0;               // bit per attribute without a default
-  bool plain_calls = false;  // defaults_complete and no trace file: a call without attributes packs nothing
+  // defaults_complete, no trace file and no "flattened" tensor: a call
+  // without attributes packs nothing
+  bool plain_calls = false;
   std::span<const kd_attr> plain_attrs;  // `defaults`, for plain calls
   std::array<std::atomic<const Resolved*>, kSlots> cache{};
   std::vector<std::unique_ptr<Resolved>> owned;  // guarded by the dispatcher's mutex
@@ -357,9 +359,9 @@ void OpHandle::check(std::span<const DLTensor> tensors, std::span<const NamedAtt
   UnflattenedCall call;
   const std::span<DLTensor> seen = compiled.unflatten(given, packed, &call);
   if (scope == CheckScope::layout) {
-    compiled.check_layout(seen, tensors);
+    compiled.check_layout(seen, tensors, packed);
   } else {
-    compiled.check_plan(seen, tensors);
+    compiled.check_plan(seen, tensors, packed);
   }
 }
 
@@ -408,8 +410,7 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
     call_checked(tensors, attrs, stream, info.device, info.dtype);
     return;
   }
-  info = state.compiled->check(tensors);
-  call_checked(tensors, attrs, stream, info.device, info.dtype);
+  call_with_attrs(tensors, attrs, stream);
 }
 
 // The call with attributes, as operator() without them: when pack_given()
@@ -462,7 +463,7 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
       }
     }
   } else {
-    info = state.compiled->check_plan(seen, tensors);
+    info = state.compiled->check_plan(seen, tensors, packed);
   }
   call_packed(seen, packed, stream, info.device, info.dtype);
 }
@@ -594,7 +595,8 @@ OpState* Dispatcher::intern(std::string_view op, std::string_view backend) {
     state->defaults.push_back(a);
     state->attr_names.emplace_back(arg.name);
   }
-  state->plain_calls = state->defaults_complete && state->trace_file == nullptr;
+  state->plain_calls =
+      state->defaults_complete && state->trace_file == nullptr && !state->compiled->has_flattened();
   state->plain_attrs = state->defaults;
   OpState* raw = state.get();
   states_.push_back(std::move(state));

@@ -836,34 +836,53 @@ std::span<DLTensor> CompiledSchema::unflatten(std::span<DLTensor> tensors, std::
   return copied ? std::span<DLTensor>(storage->tensors.data(), tensors.size()) : tensors;
 }
 
-std::string CompiledSchema::unflattened_note(std::span<const DLTensor> seen, std::span<const DLTensor> given) const {
+std::string CompiledSchema::unflattened_note(std::span<const DLTensor> seen, std::span<const DLTensor> given,
+                                             std::span<const kd_attr> attrs) const {
+  if (seen.size() != num_tensors_ || given.size() != num_tensors_ || attrs.size() != schema_.attrs.size()) return {};
   std::vector<std::string> split;
+  std::vector<std::string> notes;
   for (const Flattened& f : flattened_) {
-    if (f.tensor >= seen.size() || f.tensor >= given.size() || seen[f.tensor].shape == given[f.tensor].shape) continue;
+    const TensorArg& arg = schema_.tensors[f.tensor];
     const DLTensor& s = seen[f.tensor];
-    split.push_back(fmt::format("'{}' {} split by {} = {} into {}", schema_.tensors[f.tensor].name,
-                                shape_str(given[f.tensor]), schema_.tensors[f.tensor].flattened,
-                                s.shape[s.ndim - 1], shape_str(s)));
+    const DLTensor& g = given[f.tensor];
+    if (s.shape != g.shape && s.ndim > 0) {
+      split.push_back(fmt::format("'{}' {} split by {} = {} into {}", arg.name, shape_str(g), arg.flattened,
+                                  s.shape[s.ndim - 1], shape_str(s)));
+      continue;
+    }
+    // Passed flattened without the attribute: one dim less than the pattern.
+    if (attrs[f.attr].type != KD_ATTR_TYPE_INT || attrs[f.attr].value.i != 0 || g.ndim <= 0 || g.shape == nullptr) {
+      continue;
+    }
+    int64_t rank = f.num_dims;
+    if (f.leading) {
+      const DLTensor& owner = given[leading_owner_];
+      rank += int64_t{owner.ndim} - plan_[leading_owner_].num_dims;
+    }
+    if (g.ndim == rank - 1) {
+      notes.push_back(fmt::format("'{}' {} has one dim less than its pattern {}: given flattened, it needs {}",
+                                  arg.name, shape_str(g), pattern_str(arg), arg.flattened));
+    }
   }
-  return split.empty() ? std::string() : fmt::format(" (given flattened: {})", fmt::join(split, "; "));
+  if (!split.empty()) notes.insert(notes.begin(), fmt::format("given flattened: {}", fmt::join(split, "; ")));
+  return notes.empty() ? std::string() : fmt::format(" ({})", fmt::join(notes, "; "));
 }
 
-CompiledSchema::CallInfo CompiledSchema::check_plan(std::span<const DLTensor> seen,
-                                                    std::span<const DLTensor> given) const {
-  if (seen.data() == given.data()) return check_plan(seen);
+CompiledSchema::CallInfo CompiledSchema::check_plan(std::span<const DLTensor> seen, std::span<const DLTensor> given,
+                                                    std::span<const kd_attr> attrs) const {
   try {
     return check_plan(seen);
   } catch (const CallError& e) {
-    throw CallError(e.code(), e.message() + unflattened_note(seen, given));
+    throw CallError(e.code(), e.message() + unflattened_note(seen, given, attrs));
   }
 }
 
-void CompiledSchema::check_layout(std::span<const DLTensor> seen, std::span<const DLTensor> given) const {
-  if (seen.data() == given.data()) return check_layout(seen);
+void CompiledSchema::check_layout(std::span<const DLTensor> seen, std::span<const DLTensor> given,
+                                  std::span<const kd_attr> attrs) const {
   try {
     check_layout(seen);
   } catch (const CallError& e) {
-    throw CallError(e.code(), e.message() + unflattened_note(seen, given));
+    throw CallError(e.code(), e.message() + unflattened_note(seen, given, attrs));
   }
 }
 

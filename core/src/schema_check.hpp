@@ -88,9 +88,12 @@ class CompiledSchema {
   std::span<DLTensor> unflatten(std::span<DLTensor> tensors, std::span<const kd_attr> attrs,
                                 UnflattenedCall* storage) const;
   // check_plan() / check_layout() of the tensors `seen` that unflatten()
-  // made of `given`: a refusal also says how the flattened ones were split.
-  CallInfo check_plan(std::span<const DLTensor> seen, std::span<const DLTensor> given) const;
-  void check_layout(std::span<const DLTensor> seen, std::span<const DLTensor> given) const;
+  // made of `given` with `attrs`: a refusal also says how the flattened
+  // ones were split, or that one passed flattened lacks its attribute.
+  CallInfo check_plan(std::span<const DLTensor> seen, std::span<const DLTensor> given,
+                      std::span<const kd_attr> attrs) const;
+  void check_layout(std::span<const DLTensor> seen, std::span<const DLTensor> given,
+                    std::span<const kd_attr> attrs) const;
 
   const OpSchema& schema() const { return schema_; }
   // The shape symbols by slot, and the dtype variable that selects the
@@ -213,9 +216,10 @@ class CompiledSchema {
     uint8_t num_dims;  // dims after "*"
     bool leading;      // the pattern starts with "*"
   };
-  // " (given flattened: 'query' [7, 42] with head_size = 14, checked as
-  // [7, 3, 14])": what a refusal of an unflattened call adds.
-  std::string unflattened_note(std::span<const DLTensor> seen, std::span<const DLTensor> given) const;
+  // " (given flattened: 'query' [7, 42] split by head_size = 14 into
+  // [7, 3, 14])": what a refusal of a call with flattened tensors adds.
+  std::string unflattened_note(std::span<const DLTensor> seen, std::span<const DLTensor> given,
+                               std::span<const kd_attr> attrs) const;
 
   OpSchema schema_;
   std::vector<Tensor> plan_;

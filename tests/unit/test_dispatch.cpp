@@ -756,8 +756,26 @@ TEST_CASE("dispatch: bad flattened rotary calls are KD-E030 naming the argument 
   has(m, "argument 1 'query': must have a contiguous last dim");
   has(m, "got strides [48, 16, 2] for shape [3, 3, 8] (given flattened: 'query' [3, 24] split by head_size = 8 into "
          "[3, 3, 8]; 'key' [3, 16] split by head_size = 8 into [3, 2, 8])");
-  // head_size is an int.
+  // Flattened without head_size, with other attributes or none.
+  call.q.resize(call.q.size() / 2);
   call.qstrides.clear();
+  for (const bool with_attrs : {true, false}) {
+    std::vector<DLTensor> given = call.tensors();
+    try {
+      if (with_attrs) {
+        op(given, std::vector<NamedAttr>{{"is_neox", false}});
+      } else {
+        op(given);
+      }
+      FAIL("accepted");
+    } catch (const CallError& e) {
+      has(e.message(), "argument 1 'query'");
+      has(e.message(), "('query' [3, 24] has one dim less than its pattern [*, HQ, D]: given flattened, it needs "
+                       "head_size; 'key' [3, 16] has one dim less than its pattern [*, HK, D]: given flattened, it "
+                       "needs head_size)");
+    }
+  }
+  // head_size is an int.
   std::vector<DLTensor> tensors = call.tensors();
   CHECK_THROWS_WITH_AS(op(tensors, std::vector<NamedAttr>{{"head_size", 8.0}}),
                        doctest::Contains("attribute 'head_size': expected int, got float"), CallError);

@@ -431,13 +431,13 @@ TEST_CASE("schema check: unflatten splits [*, L] into [*, L/N, N] and leaves eve
   CHECK(std::vector<int64_t>(seen[2].shape, seen[2].shape + seen[2].ndim) == std::vector<int64_t>{2, 1, 4});
   CHECK(seen[2].strides == nullptr);
   CHECK(call[1].ndim == 2);  // the given tensors are left alone
-  CHECK_NOTHROW(compiled.check_plan(seen, call));
+  CHECK_NOTHROW(compiled.check_plan(seen, call, a4));
   // An absent optional tensor stays absent.
   call[2] = DLTensor{nullptr, {kDLCPU, 0}, 0, {0, 0, 0}, nullptr, nullptr, 0};
   const std::span<DLTensor> without_k = compiled.unflatten(call, a4, &storage);
   CHECK(without_k[2].data == nullptr);
   CHECK(without_k[2].ndim == 0);
-  CHECK_NOTHROW(compiled.check_plan(without_k, call));
+  CHECK_NOTHROW(compiled.check_plan(without_k, call, a4));
   // The plain form with hs = D is left as it is.
   std::vector<int64_t> plain{2, 3, 4}, plain_strides{20, 4, 1};
   call[1].ndim = 3;

@@ -564,7 +564,7 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
                 r.ok = true;
                 r.checked_against = "not checked: it is the op's reference";
               } else {
-                harness::CallData ref = harness::plain_copy(schema, host);
+                harness::CallData ref = harness::clone_to(host, DLDevice{kDLCPU, 0}, nullptr);
                 std::vector<DLTensor> t = ref.dl();
                 const std::string reference_kernel =
                     fmt::format("the reference kernel '{}' of backend '{}'", reference->symbol, reference->backend);
