@@ -107,7 +107,9 @@ struct OpState {
   std::vector<AttrName> attr_names;          // the schema's, in schema order
   uint64_t all_attrs = 0;                    // bit per attribute
   uint64_t required_attrs = 0;               // bit per attribute without a default
-  bool plain_calls = false;  // defaults_complete and no trace file: a call without attributes packs nothing
+  // defaults_complete, no trace file and no "flattened" tensor: a call
+  // without attributes packs nothing
+  bool plain_calls = false;
   std::span<const kd_attr> plain_attrs;  // `defaults`, for plain calls
   std::array<std::atomic<const Resolved*>, kSlots> cache{};
   std::vector<std::unique_ptr<Resolved>> owned;  // guarded by the dispatcher's mutex
@@ -344,6 +346,25 @@ void OpHandle::check(std::span<const DLTensor> tensors, CheckScope scope) const 
   }
 }
 
+void OpHandle::check(std::span<const DLTensor> tensors, std::span<const NamedAttr> attrs, CheckScope scope) const {
+  std::array<kd_attr, kMaxSchemaAttrs> storage;
+  const std::span<const kd_attr> packed = pack_attrs(attrs, storage);
+  const CompiledSchema& compiled = *state_->compiled;
+  if (!compiled.has_flattened()) {
+    check(tensors, scope);
+    return;
+  }
+  // unflatten() only reads the tensors it is given and writes `call`.
+  std::span<DLTensor> given(const_cast<DLTensor*>(tensors.data()), tensors.size());
+  UnflattenedCall call;
+  const std::span<DLTensor> seen = compiled.unflatten(given, packed, &call);
+  if (scope == CheckScope::layout) {
+    compiled.check_layout(seen, tensors, packed);
+  } else {
+    compiled.check_plan(seen, tensors, packed);
+  }
+}
+
 KernelHandle OpHandle::resolve(std::span<const DLTensor> tensors) const {
   const CompiledSchema::CallInfo info = state_->compiled->check(tensors);
   return state_->dispatcher->resolve(*state_, info.device, info.dtype, tensors, state_->defaults).handle();
@@ -389,8 +410,7 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
     call_checked(tensors, attrs, stream, info.device, info.dtype);
     return;
   }
-  info = state.compiled->check(tensors);
-  call_checked(tensors, attrs, stream, info.device, info.dtype);
+  call_with_attrs(tensors, attrs, stream);
 }
 
 // The call with attributes, as operator() without them: when pack_given()
@@ -401,6 +421,10 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
 [[gnu::noinline]] void OpHandle::call_with_attrs(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs,
                                                  void* stream) const {
   const OpState& state = *state_;
+  if (state.compiled->has_flattened()) [[unlikely]] {
+    call_flattened(tensors, attrs, stream);
+    return;
+  }
   std::array<kd_attr, kMaxSchemaAttrs> storage;
   const bool packed = state.pack_given(attrs, storage.data());
   CompiledSchema::CallInfo info;
@@ -418,11 +442,41 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
   call_checked(tensors, attrs, stream, info.device, info.dtype);
 }
 
-void OpHandle::call_checked(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream,
-                            DLDevice device, Dtype dtype) const {
-  OpState& state = *state_;
+// The call with attributes of an op whose schema has "flattened" tensors:
+// the attributes are packed first, since they say how the tensors are
+// split (CompiledSchema::unflatten), then the call goes as in
+// call_with_attrs() on the tensors as the schema sees them. The split
+// tensors' shapes and strides live on this function's stack.
+[[gnu::noinline]] void OpHandle::call_flattened(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs,
+                                                void* stream) const {
+  const OpState& state = *state_;
   std::array<kd_attr, kMaxSchemaAttrs> storage;
   const std::span<const kd_attr> packed = pack_attrs(attrs, storage);
+  UnflattenedCall call;
+  const std::span<DLTensor> seen = state.compiled->unflatten(tensors, packed, &call);
+  CompiledSchema::CallInfo info;
+  if (state.compiled->matches_remembered(seen, &info)) [[likely]] {
+    if (state.trace_file == nullptr) [[likely]] {
+      if (const OpState::Resolved* r = state.find_cached(device_word(info.device), info.dtype)) [[likely]] {
+        run(state, *r, info.device, seen, packed, stream, nullptr);
+        return;
+      }
+    }
+  } else {
+    info = state.compiled->check_plan(seen, tensors, packed);
+  }
+  call_packed(seen, packed, stream, info.device, info.dtype);
+}
+
+void OpHandle::call_checked(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream,
+                            DLDevice device, Dtype dtype) const {
+  std::array<kd_attr, kMaxSchemaAttrs> storage;
+  call_packed(tensors, pack_attrs(attrs, storage), stream, device, dtype);
+}
+
+void OpHandle::call_packed(std::span<DLTensor> tensors, std::span<const kd_attr> packed, void* stream,
+                           DLDevice device, Dtype dtype) const {
+  OpState& state = *state_;
   const ResolvedKernel& resolved = state.dispatcher->resolve(state, device, dtype, tensors, packed);
   if (state.trace_file == nullptr) {
     run(state, resolved, device, tensors, packed, stream, nullptr);
@@ -541,7 +595,8 @@ OpState* Dispatcher::intern(std::string_view op, std::string_view backend) {
     state->defaults.push_back(a);
     state->attr_names.emplace_back(arg.name);
   }
-  state->plain_calls = state->defaults_complete && state->trace_file == nullptr;
+  state->plain_calls =
+      state->defaults_complete && state->trace_file == nullptr && !state->compiled->has_flattened();
   state->plain_attrs = state->defaults;
   OpState* raw = state.get();
   states_.push_back(std::move(state));

@@ -595,7 +595,7 @@ std::optional<TensorArg> read_tensor(Reader& r, const json& j, const std::string
   const size_t before = r.error_count();
   r.unknown_keys(j, pointer,
                  {"name", "shape", "dtype", "written", "inplace", "layout", "strided", "optional", "exact", "range",
-                  "values"});
+                  "values", "flattened"});
   TensorArg t;
   t.name = r.checked_string(j, pointer, "name", true, kIdentifierExpected, is_identifier).value_or("");
   if (const json* shape = r.array(j, pointer, "shape", true, "a list of shape tokens (e.g. [\"*\", \"H\"])")) {
@@ -656,6 +656,10 @@ std::optional<TensorArg> read_tensor(Reader& r, const json& j, const std::string
   }
   t.optional = r.boolean(j, pointer, "optional").value_or(false);
   t.exact = r.boolean(j, pointer, "exact").value_or(false);
+  // "flattened": an int attribute; whether the op has it, with default 0, is
+  // the call checker's to say (CompiledSchema).
+  t.flattened = r.checked_string(j, pointer, "flattened", false, "the name of an int attribute of the op",
+                                 is_identifier).value_or("");
   // "range": [min, max) of an integer input, max a constant or a symbol.
   if (const json* range = r.get(j, pointer, "range", false, ""); range != nullptr) {
     constexpr std::string_view range_expected = "[min, max) as [integer, integer or shape symbol], e.g. [0, \"P\"]";

@@ -434,6 +434,35 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
   }
   num_tensors_ = plan_.size();
   for (const std::string& text : schema.requirements) compile_requirement(text, bound_symbols);
+  // "flattened": the attribute that lets a call pass the tensor with its
+  // last two dims as one.
+  for (size_t i = 0; i < schema.tensors.size(); ++i) {
+    const TensorArg& arg = schema.tensors[i];
+    if (arg.flattened.empty()) continue;
+    const auto refuse_schema = [&](const std::string& why) {
+      throw ManifestError(ErrorCode::manifest_bad_field,
+                          fmt::format("{}: op '{}', tensor '{}', \"flattened\": {}", schema.source, schema.op,
+                                      arg.name, why));
+    };
+    const auto attr = std::find_if(schema.attrs.begin(), schema.attrs.end(),
+                                   [&](const AttrArg& a) { return a.name == arg.flattened; });
+    if (attr == schema.attrs.end()) refuse_schema(fmt::format("the op has no attribute '{}'", arg.flattened));
+    const AttrValue zero = int64_t{0};
+    if (attr->type != AttrType::int_ || attr->default_value != zero) {
+      refuse_schema(fmt::format("attribute '{}' must be an int with default 0 (0: the tensor has its pattern's "
+                                "shape)",
+                                arg.flattened));
+    }
+    const Tensor& t = plan_[i];
+    if (t.num_dims < 2) refuse_schema("the shape pattern needs two dims after \"*\" to flatten into one");
+    if ((t.flags & kBindsLeading) != 0) {
+      refuse_schema("the first tensor with \"*\" cannot be flattened: its rank gives the leading dims that tell "
+                    "the flattened form of the others from the plain one");
+    }
+    if (flattened_.size() == kMaxFlattened) refuse_schema(fmt::format("at most {} tensors of an op", kMaxFlattened));
+    flattened_.push_back({static_cast<uint8_t>(i), static_cast<uint8_t>(attr - schema.attrs.begin()), t.num_dims,
+                          (t.flags & kLeading) != 0});
+  }
 }
 
 // "2*R <= D": a condition over shape symbols that tensors other than
@@ -721,6 +750,140 @@ std::string CompiledSchema::dim_problem(size_t i, const DLTensor& t, size_t k, i
   const std::string token = d.factor == 1 ? symbol : fmt::format("{}*{}", d.factor, symbol);
   return fmt::format("dim {} is {} = {} (from '{}'), got {} (shape {})", at, token, expected,
                      schema_.tensors[symbol_owner_[d.match]].name, size, shape_str(t));
+}
+
+std::span<DLTensor> CompiledSchema::unflatten(std::span<DLTensor> tensors, std::span<const kd_attr> attrs,
+                                              UnflattenedCall* storage) const {
+  // A call with the wrong number of tensors or attributes is check()'s and
+  // pack_attrs()'s to refuse.
+  if (flattened_.empty() || tensors.size() != num_tensors_ || attrs.size() != schema_.attrs.size()) return tensors;
+  bool copied = false;
+  for (size_t k = 0; k < flattened_.size(); ++k) {
+    const Flattened& f = flattened_[k];
+    const kd_attr& attr = attrs[f.attr];
+    if (attr.type != KD_ATTR_TYPE_INT || attr.value.i == 0) continue;
+    const int64_t n = attr.value.i;
+    const TensorArg& arg = schema_.tensors[f.tensor];
+    if (n < 0) {
+      throw CallError(ErrorCode::bad_arguments,
+                      fmt::format("op '{}', attribute '{}': must be >= 0 (0: '{}' has the shape {}; N > 0: it may "
+                                  "also be given with its last two dims as one, split into heads of N), got {}",
+                                  schema_.op, arg.flattened, arg.name, pattern_str(arg), n));
+    }
+    const DLTensor& t = tensors[f.tensor];
+    if ((plan_[f.tensor].flags & kOptional) && is_absent(t)) continue;
+    if (t.ndim <= 0 || t.shape == nullptr) continue;  // the walk words it
+    // The rank of the plain form, with "*" as the tensor that binds it has it.
+    int64_t rank = f.num_dims;
+    std::string leading_words;
+    if (f.leading) {
+      const DLTensor& owner = tensors[leading_owner_];
+      const int64_t lead = int64_t{owner.ndim} - plan_[leading_owner_].num_dims;
+      if (lead < 0 || (owner.shape == nullptr && owner.ndim != 0)) continue;  // the walk refuses the owner first
+      rank += lead;
+      leading_words = fmt::format(", * being the {} leading dims of '{}' {}", lead,
+                                  schema_.tensors[leading_owner_].name, shape_str(owner));
+    }
+    const int64_t last = t.shape[t.ndim - 1];
+    const std::string& split = pattern_str(arg);
+    if (t.ndim == rank) {
+      if (last == n) continue;  // the plain form, its last dim the attribute's size
+      fail(f.tensor, fmt::format("has the shape {} of its pattern {}, so its last dim must be {} = {}, got {} (or "
+                                 "pass it flattened, with one dim less{})",
+                                 shape_str(t), split, arg.flattened, n, last, leading_words));
+    }
+    if (t.ndim != rank - 1) {
+      const ShapeToken& heads = arg.shape[arg.shape.size() - 2];
+      const ShapeToken& values = arg.shape.back();
+      std::vector<std::string> flat;
+      for (size_t d = 0; d + 2 < arg.shape.size(); ++d) flat.push_back(arg.shape[d].str());
+      flat.push_back(fmt::format("{}*{}", heads.str(), values.str()));
+      fail(f.tensor, fmt::format("with {} = {}, expected [{}] (flattened) or {}{}, got shape {}", arg.flattened, n,
+                                 fmt::join(flat, ", "), split, leading_words, shape_str(t)));
+    }
+    if (last < 0) continue;  // the walk words a negative dim
+    if (last % n != 0) {
+      fail(f.tensor, fmt::format("is given flattened, shape {}: its last dim {} must be a multiple of {} = {}",
+                                 shape_str(t), last, arg.flattened, n));
+    }
+    if (t.ndim + 1 > static_cast<int64_t>(kMaxFlattenedDims)) {
+      fail(f.tensor, fmt::format("is given flattened with {} dims, at most {} are supported", t.ndim,
+                                 kMaxFlattenedDims - 1));
+    }
+    int64_t head_stride = 0;
+    if (t.strides != nullptr && __builtin_mul_overflow(t.strides[t.ndim - 1], n, &head_stride)) {
+      fail(f.tensor, fmt::format("is given flattened with strides whose split overflows 64 bits"));
+    }
+    if (!copied) {
+      std::copy(tensors.begin(), tensors.end(), storage->tensors.begin());
+      copied = true;
+    }
+    int64_t* shape = storage->shapes[k].data();
+    std::copy(t.shape, t.shape + t.ndim - 1, shape);
+    shape[t.ndim - 1] = last / n;
+    shape[t.ndim] = n;
+    DLTensor& seen = storage->tensors[f.tensor];
+    seen.ndim = t.ndim + 1;
+    seen.shape = shape;
+    if (t.strides != nullptr) {
+      int64_t* strides = storage->strides[k].data();
+      std::copy(t.strides, t.strides + t.ndim - 1, strides);
+      strides[t.ndim - 1] = head_stride;
+      strides[t.ndim] = t.strides[t.ndim - 1];
+      seen.strides = strides;
+    }
+  }
+  return copied ? std::span<DLTensor>(storage->tensors.data(), tensors.size()) : tensors;
+}
+
+std::string CompiledSchema::unflattened_note(std::span<const DLTensor> seen, std::span<const DLTensor> given,
+                                             std::span<const kd_attr> attrs) const {
+  if (seen.size() != num_tensors_ || given.size() != num_tensors_ || attrs.size() != schema_.attrs.size()) return {};
+  std::vector<std::string> split;
+  std::vector<std::string> notes;
+  for (const Flattened& f : flattened_) {
+    const TensorArg& arg = schema_.tensors[f.tensor];
+    const DLTensor& s = seen[f.tensor];
+    const DLTensor& g = given[f.tensor];
+    if (s.shape != g.shape && s.ndim > 0) {
+      split.push_back(fmt::format("'{}' {} split by {} = {} into {}", arg.name, shape_str(g), arg.flattened,
+                                  s.shape[s.ndim - 1], shape_str(s)));
+      continue;
+    }
+    // Passed flattened without the attribute: one dim less than the pattern.
+    if (attrs[f.attr].type != KD_ATTR_TYPE_INT || attrs[f.attr].value.i != 0 || g.ndim <= 0 || g.shape == nullptr) {
+      continue;
+    }
+    int64_t rank = f.num_dims;
+    if (f.leading) {
+      const DLTensor& owner = given[leading_owner_];
+      rank += int64_t{owner.ndim} - plan_[leading_owner_].num_dims;
+    }
+    if (g.ndim == rank - 1) {
+      notes.push_back(fmt::format("'{}' {} has one dim less than its pattern {}: given flattened, it needs {}",
+                                  arg.name, shape_str(g), pattern_str(arg), arg.flattened));
+    }
+  }
+  if (!split.empty()) notes.insert(notes.begin(), fmt::format("given flattened: {}", fmt::join(split, "; ")));
+  return notes.empty() ? std::string() : fmt::format(" ({})", fmt::join(notes, "; "));
+}
+
+CompiledSchema::CallInfo CompiledSchema::check_plan(std::span<const DLTensor> seen, std::span<const DLTensor> given,
+                                                    std::span<const kd_attr> attrs) const {
+  try {
+    return check_plan(seen);
+  } catch (const CallError& e) {
+    throw CallError(e.code(), e.message() + unflattened_note(seen, given, attrs));
+  }
+}
+
+void CompiledSchema::check_layout(std::span<const DLTensor> seen, std::span<const DLTensor> given,
+                                  std::span<const kd_attr> attrs) const {
+  try {
+    check_layout(seen);
+  } catch (const CallError& e) {
+    throw CallError(e.code(), e.message() + unflattened_note(seen, given, attrs));
+  }
 }
 
 CompiledSchema::CallInfo CompiledSchema::check_plan(std::span<const DLTensor> tensors) const {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <dlpack/dlpack.h>
+#include <kdispatch/plugin_api.h>
 
 #include <array>
 #include <atomic>
@@ -26,6 +27,18 @@ namespace kdispatch {
 inline constexpr size_t kMaxSchemaSymbols = 16;
 inline constexpr size_t kMaxSchemaDims = 8;  // dims after "*" in one pattern
 inline constexpr size_t kMaxSchemaDtypeVars = 8;
+inline constexpr size_t kMaxFlattened = 4;       // tensors with "flattened" in one schema
+inline constexpr size_t kMaxFlattenedDims = 16;  // dims of such a tensor once split
+
+// The tensors of a call as the schema's patterns see them, where the call
+// passes some "flattened" (CompiledSchema::unflatten): a copy of the call's
+// DLTensors whose split ones point at the shapes and strides held here.
+// Lives on the caller's stack for the call: no allocation.
+struct UnflattenedCall {
+  std::array<DLTensor, kMaxSchemaTensors> tensors;
+  std::array<std::array<int64_t, kMaxFlattenedDims>, kMaxFlattened> shapes;
+  std::array<std::array<int64_t, kMaxFlattenedDims>, kMaxFlattened> strides;
+};
 
 class CompiledSchema {
  public:
@@ -57,6 +70,30 @@ class CompiledSchema {
   // strides; data pointers and byte offsets are not read. For tensors that
   // have no data (torch's meta and fake tensors). Same words as check().
   void check_layout(std::span<const DLTensor> tensors) const;
+
+  // Whether a tensor of the schema is "flattened": then unflatten() must
+  // see a call's attributes before its tensors are checked.
+  bool has_flattened() const { return !flattened_.empty(); }
+  // The call's tensors as the patterns see them (docs/op-schema.md,
+  // "flattened"). `attrs` are every attribute in schema order
+  // (OpHandle::pack_attrs). Where the attribute a tensor is flattened by is
+  // N > 0 and the tensor is given with one dim less than its pattern has (the
+  // leading dims counted as the tensor that binds "*" has them), its last dim
+  // L is split into [L/N, N]: heads at stride N times the last dim's stride,
+  // values as they were. Returns `tensors` itself when nothing is split,
+  // else `storage->tensors`, which then point into `storage`. Throws
+  // CallError KD-E030 for N < 0, an L that N does not divide, and a tensor
+  // given in its pattern's rank whose last dim is not N; anything else
+  // wrong (a rank that is neither) is left to check().
+  std::span<DLTensor> unflatten(std::span<DLTensor> tensors, std::span<const kd_attr> attrs,
+                                UnflattenedCall* storage) const;
+  // check_plan() / check_layout() of the tensors `seen` that unflatten()
+  // made of `given` with `attrs`: a refusal also says how the flattened
+  // ones were split, or that one passed flattened lacks its attribute.
+  CallInfo check_plan(std::span<const DLTensor> seen, std::span<const DLTensor> given,
+                      std::span<const kd_attr> attrs) const;
+  void check_layout(std::span<const DLTensor> seen, std::span<const DLTensor> given,
+                    std::span<const kd_attr> attrs) const;
 
   const OpSchema& schema() const { return schema_; }
   // The shape symbols by slot, and the dtype variable that selects the
@@ -172,8 +209,21 @@ class CompiledSchema {
   std::string header_problem(size_t i, std::span<const DLTensor> tensors) const;
   std::string dim_problem(size_t i, const DLTensor& t, size_t k, int64_t lead, int64_t expected) const;
 
+  // A tensor with "flattened": its attribute, and its pattern's dims.
+  struct Flattened {
+    uint8_t tensor;
+    uint8_t attr;      // index among the schema's attributes
+    uint8_t num_dims;  // dims after "*"
+    bool leading;      // the pattern starts with "*"
+  };
+  // " (given flattened: 'query' [7, 42] split by head_size = 14 into
+  // [7, 3, 14])": what a refusal of a call with flattened tensors adds.
+  std::string unflattened_note(std::span<const DLTensor> seen, std::span<const DLTensor> given,
+                               std::span<const kd_attr> attrs) const;
+
   OpSchema schema_;
   std::vector<Tensor> plan_;
+  std::vector<Flattened> flattened_;
   size_t num_tensors_ = 0;  // plan_.size()
   std::vector<Dim> dims_;
   std::vector<Constraint> requirements_;

@@ -166,11 +166,12 @@ kd_status run(const kd_call_args* args, const P* pos, const DLTensor& query, con
 
 // kd_cpu_rotary_embedding
 // Tensors (positions [*] int32 or int64, query [*, HQ, D], key [*, HK, D] or
-// absent, cos_sin_cache [P, 2*R] float32 or T, 2*R <= D), attribute is_neox.
+// absent, cos_sin_cache [P, 2*R] float32 or T, 2*R <= D), attributes is_neox
+// and head_size (the core has split flattened query and key already).
 kd_status rotary_embedding(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(args, [&]() -> kd_status {
     constexpr int kMinNdim[] = {1, 3, 0, 2};  // key: optional
-    if (kd_status s = check_arguments(args, kOp, 1, kMinNdim); s != KD_STATUS_OK) return s;
+    if (kd_status s = check_arguments(args, kOp, 2, kMinNdim); s != KD_STATUS_OK) return s;
     const DLTensor& positions = args->tensors[0];
     const DLTensor& query = args->tensors[1];
     const DLTensor& key = args->tensors[2];

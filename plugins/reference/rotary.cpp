@@ -33,11 +33,12 @@ void rotate(const Tensor& x, int64_t t, int64_t h, const Tensor& cos_sin, int64_
 
 // kd_ref_rotary_embedding
 // Tensors (positions [*] int32 or int64, query [*, HQ, D], key [*, HK, D] or
-// absent, cos_sin_cache [P, 2*R] float32 or the dtype of query), attribute
-// is_neox. A position outside [0, P) is refused before anything is written.
+// absent, cos_sin_cache [P, 2*R] float32 or the dtype of query), attributes
+// is_neox and head_size (the core has split flattened query and key
+// already). A position outside [0, P) is refused before anything is written.
 kd_status rotary_embedding(const kd_call_args* args) noexcept {
   return kd_plugin::guarded(args, [&] {
-    expect_arity(args, 4, 1, "embeddings.rotary_embedding");
+    expect_arity(args, 4, 2, "embeddings.rotary_embedding");
     const DLTensor& key_arg = args->tensors[2];
     const bool has_key = !(key_arg.data == nullptr && key_arg.ndim == 0);
     const Tensor positions(args->tensors[0]), query(args->tensors[1]), cache(args->tensors[3]);

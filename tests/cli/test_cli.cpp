@@ -653,6 +653,31 @@ TEST_CASE("run: a call that breaks the schema's requirements fails its result wi
   CHECK(result.at("error").get<std::string>().find("requirement K <= E: K = 17") != std::string::npos);
 }
 
+TEST_CASE("run --attr head_size=D: rotary's query and key flattened, checked against the reference") {
+  const std::string dir = make_temp_dir();
+  const ToolResult r = run_tool({"run", "embeddings.rotary_embedding", "--backend", "cpu", "--dtype", "float32",
+                                 "--shape", "*=3,5", "--shape", "D=24", "--shape", "R=8", "--shape", "HQ=3", "--shape",
+                                 "HK=2", "--iters", "1", "--attr", "head_size=24", "--save", dir, "--json"});
+  INFO("stdout: " << r.out << "\nstderr: " << r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(json_of(r).at("results")[0].at("status") == "passed");
+  CHECK(json_of(r).at("results")[0].at("checked_against").get<std::string>().find("reference") != std::string::npos);
+  // The tensors were given flattened: query [3, 5, 3*24].
+  std::ifstream npy(dir + "/embeddings.rotary_embedding.cpu.float32.query.in.npy", std::ios::binary);
+  const std::string header((std::istreambuf_iterator<char>(npy)), std::istreambuf_iterator<char>());
+  CHECK(header.find("'shape': (3, 5, 72)") != std::string::npos);
+  // A head_size that does not divide the flattened query: KD-E030 naming it.
+  const ToolResult bad = run_tool({"run", "embeddings.rotary_embedding", "--backend", "cpu", "--dtype", "float32",
+                                   "--shape", "D=24", "--shape", "R=8", "--shape", "HQ=3", "--attr", "head_size=7",
+                                   "--json"});
+  INFO("stdout: " << bad.out << "\nstderr: " << bad.err);
+  CHECK(bad.exit_code == 3);
+  const std::string error = json_of(bad).at("results")[0].at("error").get<std::string>();
+  CHECK(error.find("KD-E030") != std::string::npos);
+  CHECK(error.find("argument 1 'query': is given flattened") != std::string::npos);
+  CHECK(error.find("must be a multiple of head_size = 7") != std::string::npos);
+}
+
 TEST_CASE("KDISPATCH_CPU_THREADS that is not a thread count is ignored with a warning") {
   const std::vector<std::string> args{"run", "layernorm.rmsnorm", "--backend", "cpu", "--dtype", "float32", "--iters", "1"};
   for (const std::string value : {"abc", "0", "4x", "100000"}) {

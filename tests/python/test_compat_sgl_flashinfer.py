@@ -85,7 +85,7 @@ def matches_reference(op, got, want, what):
 def reference(op, tensors, *attrs):
     """Runs `op` on the reference backend over clones of `tensors` (schema order); returns the clones."""
     copies = [None if t is None else t.clone() for t in tensors]
-    torch_op(op)(*copies, *attrs, "reference")
+    torch_op(op)(*copies, *attrs, backend="reference")
     return copies
 
 
@@ -375,8 +375,8 @@ def test_rope():
             w = f"{mname}.apply_rope_with_cos_sin_cache_inplace {what}"
             check(ret is None and (qr.data_ptr(), kr.data_ptr()) == ptrs and spy.reached(positions),
                   f"{w}: in place, returns None, positions as given")
-            check(any(c[1][0] == ptrs[0] and c[1][1][-2:] == (d, 1) for c in spy.calls),
-                  f"{w}: q reaches the op as an [n, H, D] view of the QKV buffer")
+            check(spy.reached(qr) and spy.reached(kr) and any(c[-1] == d for c in spy.calls),
+                  f"{w}: q and k reach the op as the flattened slices of the QKV buffer, with head_size")
             matches_reference("embeddings.rotary_embedding",
                               [positions, qr.view(n, hq, d), kr.view(n, hk, d), cache], want, w)
             check(close(qr, fq, dtype) and close(kr, fk, dtype), f"{w}: formula")
@@ -504,6 +504,9 @@ def test_refusals():
         refused(fn, "cos_sin_cache", f, pos, randn(3, 16), randn(3, 8), 8, cache.double())
         refused(fn, "positions", f, pos.float(), randn(3, 16), randn(3, 8), 8, cache)
         refused(fn, "query", f, pos, randn(3, 32)[:, ::2], randn(3, 8), 8, cache)  # strided within a head
+        refused(fn, "head_size", f, pos, randn(3, 16), randn(3, 8), 0, cache)
+        refused(fn, "query", f, pos, randn(3, 2, 16), randn(3, 8), 8, cache)      # [*, H, D] with D != 8
+        refused(fn, "key", f, pos, randn(3, 16), randn(3, 12), 8, cache)          # 12 is not H * 8
     refused(sgl_kernel.apply_rope_with_cos_sin_cache_inplace, "fused_set_kv_buffer_arg",
             "sgl_kernel.apply_rope_with_cos_sin_cache_inplace", torch.arange(3), randn(3, 16), randn(3, 8), 8,
             kdispatch.rotary.cos_sin_cache(8, 4), True, object())

@@ -90,10 +90,10 @@ class Overlap(unittest.TestCase):
         cache = torch.randn(16, 8)
         q = qkv[:, :32].view(6, 4, 8)
         k = qkv[:, 32:48].view(6, 2, 8)
-        torch.ops.kdispatch.embeddings_rotary_embedding(pos, q, k, cache, True, "reference")
+        torch.ops.kdispatch.embeddings_rotary_embedding(pos, q, k, cache, True, backend="reference")
         eq = expect[:, :32].clone().view(6, 4, 8)
         ek = expect[:, 32:48].clone().view(6, 2, 8)
-        torch.ops.kdispatch.embeddings_rotary_embedding(pos, eq, ek, cache, True, "reference")
+        torch.ops.kdispatch.embeddings_rotary_embedding(pos, eq, ek, cache, True, backend="reference")
         self.assertTrue(torch.equal(q, eq) and torch.equal(k, ek))
         self.assertTrue(torch.equal(qkv[:, 48:], expect[:, 48:]), "v untouched")
 

@@ -111,7 +111,7 @@ class VersionCounter(unittest.TestCase):
         rope = "embeddings.rotary_embedding"
         calls = {
             "torch.ops.kdispatch": lambda p, q, k, c: torch.ops.kdispatch.embeddings_rotary_embedding(
-                p, q, k, c, True, "cpu"),
+                p, q, k, c, True, backend="cpu"),
             "kdispatch.call": lambda p, q, k, c: kdispatch.call(rope, p, q, k, c, backend="cpu"),
             "kdispatch.op": lambda p, q, k, c: kdispatch.op(rope, backend="cpu")(p, q, k, c),
         }

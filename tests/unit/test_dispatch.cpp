@@ -112,6 +112,9 @@ struct RotaryCase {
   bool heads_outer = false;
   int64_t token_pad = 3;
   bool neox = true;
+  // q and k passed flattened, [T, HQ*D] and [T, HK*D] with head_size D
+  // (column slices of the fused buffer; needs heads at stride D).
+  bool flattened = false;
 };
 
 double read(const std::vector<uint16_t>& b16, const std::vector<float>& f32, bool bf16, int64_t i) {
@@ -153,20 +156,31 @@ void run_case(const OpHandle& op, const RotaryCase& c) {
   const uint64_t elem = c.bf16 ? 2 : 4;
   std::vector<int64_t> pshape{c.tokens}, qshape{c.tokens, c.hq, c.d}, kshape{c.tokens, c.hk, c.d}, cshape{c.p, 2 * c.r},
       qkstrides{token_stride, head_stride, 1};
+  if (c.flattened) {
+    REQUIRE(head_stride == c.d);
+    qshape = {c.tokens, c.hq * c.d};
+    kshape = {c.tokens, c.hk * c.d};
+    qkstrides = {token_stride, 1};
+  }
+  const auto rank = static_cast<int32_t>(qshape.size());
   std::vector<DLTensor> tensors{
       DLTensor{c.positions32 ? static_cast<void*>(pos32.data()) : static_cast<void*>(pos64.data()), kCpu, 1,
                DLDataType{kDLInt, static_cast<uint8_t>(c.positions32 ? 32 : 64), 1}, pshape.data(), nullptr, 0},
-      DLTensor{base, kCpu, 3, dtype, qshape.data(), qkstrides.data(), 0},
-      DLTensor{base, kCpu, 3, dtype, kshape.data(), qkstrides.data(), static_cast<uint64_t>(c.hq * head_stride) * elem},
+      DLTensor{base, kCpu, rank, dtype, qshape.data(), qkstrides.data(), 0},
+      DLTensor{base, kCpu, rank, dtype, kshape.data(), qkstrides.data(),
+               static_cast<uint64_t>(c.hq * head_stride) * elem},
       DLTensor{cache.data(), kCpu, 2, DLDataType{kDLFloat, 32, 1}, cshape.data(), nullptr, 0}};
   if (!c.with_key) tensors[2] = DLTensor{nullptr, kCpu, 0, DLDataType{0, 0, 0}, nullptr, nullptr, 0};
-  op(tensors, std::vector<NamedAttr>{{"is_neox", c.neox}});
+  op(tensors, std::vector<NamedAttr>{{"is_neox", c.neox}, {"head_size", c.flattened ? c.d : int64_t{0}}});
+  // The caller's tensors are as they were given: the split is the core's own copy.
+  CHECK(tensors[1].ndim == rank);
+  CHECK(tensors[1].shape == qshape.data());
 
   const std::string what = std::string(op.backend()) + (c.bf16 ? " bf16" : " f32") + (c.neox ? " neox" : " gptj") +
                            " T=" + std::to_string(c.tokens) + " HQ=" + std::to_string(c.hq) +
                            " HK=" + std::to_string(c.hk) + " D=" + std::to_string(c.d) + " R=" + std::to_string(c.r) +
                            (c.with_key ? "" : " no key") + (c.heads_outer ? " heads outer" : "") +
-                           (c.positions32 ? " int32" : " int64");
+                           (c.positions32 ? " int32" : " int64") + (c.flattened ? " flattened" : "");
   INFO(what);
   std::vector<bool> rotated(static_cast<size_t>(size), false);
   const double tol = c.bf16 ? 1.0 / 128 : 1e-5;
@@ -588,9 +602,198 @@ TEST_CASE(
                       .neox = neox});
         run_case(op,
                  {.tokens = 1, .hq = 1, .hk = 1, .d = 2, .r = 1, .p = 2, .bf16 = bf16, .token_pad = 0, .neox = neox});
+        // Flattened, as SGLang, FlashInfer and vLLM pass them: column slices
+        // [T, H*D] of the fused buffer with head_size D.
+        run_case(op, {.tokens = 5, .hq = 4, .hk = 2, .d = 128, .r = 32, .p = 40, .bf16 = bf16, .neox = neox,
+                      .flattened = true});
+        run_case(op, {.tokens = 7, .hq = 3, .hk = 1, .d = 19, .r = 7, .p = 11, .bf16 = bf16, .positions32 = true,
+                      .token_pad = 5, .neox = neox, .flattened = true});
+        run_case(op, {.tokens = 4, .hq = 2, .hk = 2, .d = 64, .r = 32, .p = 9, .bf16 = bf16, .with_key = false,
+                      .neox = neox, .flattened = true});
+        run_case(op, {.tokens = 1, .hq = 1, .hk = 1, .d = 2, .r = 1, .p = 2, .bf16 = bf16, .token_pad = 0,
+                      .neox = neox, .flattened = true});
       }
     }
   }
+}
+
+namespace {
+
+// A float32 rotary call on random values: positions [T], query and key
+// given as `qshape` / `kshape` with `qstrides` (empty: dense), a cache
+// [P, 2R]. Keeps the tensors' storage.
+struct FlatRotary {
+  int64_t tokens = 3, hq = 3, hk = 2, d = 8, r = 2, p = 7;
+  std::vector<int64_t> positions, pshape, qshape, kshape, cshape, qstrides, kstrides;
+  std::vector<float> q, k, cache;
+
+  FlatRotary() {
+    positions = {4, 0, 6};
+    pshape = {tokens};
+    cshape = {p, 2 * r};
+    q.resize(static_cast<size_t>(tokens * hq * d));
+    k.resize(static_cast<size_t>(tokens * hk * d));
+    cache.resize(static_cast<size_t>(p * 2 * r));
+    uint64_t state = 12345;
+    const auto next = [&] {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      return static_cast<float>(static_cast<double>(state >> 11) / 9007199254740992.0 * 4.0 - 2.0);
+    };
+    for (float& v : q) v = next();
+    for (float& v : k) v = next();
+    for (float& v : cache) v = next();
+    flat();
+  }
+  void flat() {
+    qshape = {tokens, hq * d};
+    kshape = {tokens, hk * d};
+  }
+  void plain() {
+    qshape = {tokens, hq, d};
+    kshape = {tokens, hk, d};
+  }
+  std::vector<DLTensor> tensors() {
+    const DLDataType f32{kDLFloat, 32, 1};
+    return {DLTensor{positions.data(), kCpu, 1, {kDLInt, 64, 1}, pshape.data(), nullptr, 0},
+            DLTensor{q.data(), kCpu, static_cast<int32_t>(qshape.size()), f32, qshape.data(),
+                     qstrides.empty() ? nullptr : qstrides.data(), 0},
+            DLTensor{k.data(), kCpu, static_cast<int32_t>(kshape.size()), f32, kshape.data(),
+                     kstrides.empty() ? nullptr : kstrides.data(), 0},
+            DLTensor{cache.data(), kCpu, 2, f32, cshape.data(), nullptr, 0}};
+  }
+};
+
+// The KD-E030 words of a refused call, and that the kernel did not run.
+std::string rotary_refusal(const OpHandle& op, FlatRotary& call, int64_t head_size) {
+  const std::vector<float> q = call.q;
+  const std::vector<float> k = call.k;
+  std::vector<DLTensor> tensors = call.tensors();
+  try {
+    op(tensors, std::vector<NamedAttr>{{"head_size", head_size}});
+  } catch (const CallError& e) {
+    CHECK(e.code() == ErrorCode::bad_arguments);
+    CHECK(std::memcmp(q.data(), call.q.data(), q.size() * 4) == 0);
+    CHECK(std::memcmp(k.data(), call.k.data(), k.size() * 4) == 0);
+    return e.message();
+  }
+  FAIL("accepted");
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("dispatch: rotary flattened [T, H*D] with head_size gives the results of [T, H, D]") {
+  auto ctx = cpu_context();
+  Dispatcher dispatch(*ctx);
+  for (const char* backend : {"cpu", "reference"}) {
+    const OpHandle op = dispatch.op("embeddings.rotary_embedding", backend);
+    for (const bool neox : {true, false}) {
+      FlatRotary flat;
+      FlatRotary plain;
+      FlatRotary plain_sized;  // [T, H, D] with head_size D: the same call
+      plain.plain();
+      plain_sized.plain();
+      std::vector<DLTensor> a = flat.tensors();
+      std::vector<DLTensor> b = plain.tensors();
+      std::vector<DLTensor> c = plain_sized.tensors();
+      op(a, std::vector<NamedAttr>{{"is_neox", neox}, {"head_size", flat.d}});
+      op(b, std::vector<NamedAttr>{{"is_neox", neox}});
+      op(c, std::vector<NamedAttr>{{"head_size", plain.d}, {"is_neox", neox}});
+      INFO(backend << (neox ? " neox" : " gptj"));
+      CHECK(flat.q != FlatRotary().q);  // rotated
+      CHECK(std::memcmp(flat.q.data(), plain.q.data(), flat.q.size() * 4) == 0);
+      CHECK(std::memcmp(flat.k.data(), plain.k.data(), flat.k.size() * 4) == 0);
+      CHECK(std::memcmp(plain_sized.q.data(), plain.q.data(), flat.q.size() * 4) == 0);
+      CHECK(std::memcmp(plain_sized.k.data(), plain.k.data(), flat.k.size() * 4) == 0);
+      // The same split call again takes the remembered signature.
+      FlatRotary again;
+      std::vector<DLTensor> d = again.tensors();
+      op(d, std::vector<NamedAttr>{{"is_neox", neox}, {"head_size", flat.d}});
+      CHECK(again.q == flat.q);
+    }
+  }
+}
+
+TEST_CASE("dispatch: bad flattened rotary calls are KD-E030 naming the argument and the numbers") {
+  auto ctx = cpu_context();
+  Dispatcher dispatch(*ctx);
+  const OpHandle op = dispatch.op("embeddings.rotary_embedding", "cpu");
+  FlatRotary call;
+  const auto has = [](const std::string& message, const std::string& part) {
+    CHECK_MESSAGE(message.find(part) != std::string::npos, message << "\n  lacks: " << part);
+  };
+  // A negative head_size.
+  has(rotary_refusal(op, call, -8), "op 'embeddings.rotary_embedding', attribute 'head_size': must be >= 0");
+  has(rotary_refusal(op, call, -8), "got -8");
+  // A flattened last dim that head_size does not divide: 24 and 5.
+  std::string m = rotary_refusal(op, call, 5);
+  has(m, "argument 1 'query': is given flattened, shape [3, 24]: its last dim 24 must be a multiple of head_size = 5");
+  // Divides query's 24 but not key's 16.
+  m = rotary_refusal(op, call, 12);
+  has(m, "argument 2 'key': is given flattened, shape [3, 16]: its last dim 16 must be a multiple of head_size = 12");
+  // [T, H, D] with a head_size other than D.
+  call.plain();
+  m = rotary_refusal(op, call, 4);
+  has(m, "argument 1 'query': has the shape [3, 3, 8] of its pattern [*, HQ, D], so its last dim must be head_size "
+         "= 4, got 8");
+  // Splits into heads of 2, narrower than the cache's 2*R = 4.
+  call.flat();
+  m = rotary_refusal(op, call, 2);
+  has(m, "the call breaks the schema's requirement 2*R <= D: R = 2 (from 'cos_sin_cache'), D = 2 (from 'query')");
+  has(m, "(given flattened: 'query' [3, 24] split by head_size = 2 into [3, 12, 2]; 'key' [3, 16] split by "
+         "head_size = 2 into [3, 8, 2])");
+  // A rank that is neither form.
+  call.qshape = {3, 1, 3, 8};
+  m = rotary_refusal(op, call, 8);
+  has(m, "argument 1 'query': with head_size = 8, expected [*, HQ*D] (flattened) or [*, HQ, D], * being the 1 "
+         "leading dims of 'positions' [3], got shape [3, 1, 3, 8]");
+  // Values not contiguous: the split keeps the last dim's stride.
+  call.flat();
+  call.q.resize(call.q.size() * 2);
+  call.qshape = {3, 24};
+  call.qstrides = {48, 2};
+  m = rotary_refusal(op, call, 8);
+  has(m, "argument 1 'query': must have a contiguous last dim");
+  has(m, "got strides [48, 16, 2] for shape [3, 3, 8] (given flattened: 'query' [3, 24] split by head_size = 8 into "
+         "[3, 3, 8]; 'key' [3, 16] split by head_size = 8 into [3, 2, 8])");
+  // Flattened without head_size, with other attributes or none.
+  call.q.resize(call.q.size() / 2);
+  call.qstrides.clear();
+  for (const bool with_attrs : {true, false}) {
+    std::vector<DLTensor> given = call.tensors();
+    try {
+      if (with_attrs) {
+        op(given, std::vector<NamedAttr>{{"is_neox", false}});
+      } else {
+        op(given);
+      }
+      FAIL("accepted");
+    } catch (const CallError& e) {
+      has(e.message(), "argument 1 'query'");
+      has(e.message(), "('query' [3, 24] has one dim less than its pattern [*, HQ, D]: given flattened, it needs "
+                       "head_size; 'key' [3, 16] has one dim less than its pattern [*, HK, D]: given flattened, it "
+                       "needs head_size)");
+    }
+  }
+  // head_size is an int.
+  std::vector<DLTensor> tensors = call.tensors();
+  CHECK_THROWS_WITH_AS(op(tensors, std::vector<NamedAttr>{{"head_size", 8.0}}),
+                       doctest::Contains("attribute 'head_size': expected int, got float"), CallError);
+}
+
+TEST_CASE("dispatch: OpHandle::check with attributes sees flattened tensors as a call does") {
+  auto ctx = cpu_context();
+  Dispatcher dispatch(*ctx);
+  const OpHandle op = dispatch.op("embeddings.rotary_embedding");
+  FlatRotary call;
+  const std::vector<DLTensor> tensors = call.tensors();
+  const std::vector<NamedAttr> attrs{{"head_size", call.d}};
+  CHECK_NOTHROW(op.check(tensors, attrs));
+  CHECK_NOTHROW(op.check(tensors, attrs, OpHandle::CheckScope::layout));
+  // Without head_size the flattened query has one dim too few for its pattern.
+  CHECK_THROWS_AS(op.check(tensors), CallError);
+  CHECK_THROWS_WITH_AS(op.check(tensors, std::vector<NamedAttr>{{"head_size", int64_t{5}}}),
+                       doctest::Contains("must be a multiple of head_size = 5"), CallError);
 }
 
 TEST_CASE("dispatch: a rotary cache wider than the head is KD-E030 naming it") {

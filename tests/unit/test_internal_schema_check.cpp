@@ -375,4 +375,83 @@ TEST_CASE("schema check: bad uses of the new schema keys are KD-E011") {
                       R"({"name": "z", "shape": ["E"], "dtype": "T"})",
                   "")
             .find("which only the optional tensor 'y' binds") != std::string::npos);
+  // "flattened": an int attribute with default 0, a pattern of two dims
+  // after "*", not the tensor that binds "*".
+  const std::string ids = R"({"name": "ids", "shape": ["*"], "dtype": "int32"}, )";
+  const std::string q = R"({"name": "q", "shape": ["*", "H", "D"], "dtype": "T", "flattened": "hs"})";
+  const std::string hs0 = R"(, "attrs": [{"name": "hs", "type": "int", "default": 0}])";
+  CHECK(errors_of(ids + q, hs0).empty());
+  CHECK(errors_of(ids + q, "").find("\"flattened\": the op has no attribute 'hs'") != std::string::npos);
+  CHECK(errors_of(ids + q, R"(, "attrs": [{"name": "hs", "type": "float", "default": 0.0}])")
+            .find("attribute 'hs' must be an int with default 0") != std::string::npos);
+  CHECK(errors_of(ids + q, R"(, "attrs": [{"name": "hs", "type": "int", "default": 64}])")
+            .find("attribute 'hs' must be an int with default 0") != std::string::npos);
+  CHECK(errors_of(ids + q, R"(, "attrs": [{"name": "hs", "type": "int"}])")
+            .find("attribute 'hs' must be an int with default 0") != std::string::npos);
+  CHECK(errors_of(ids + R"({"name": "q", "shape": ["*", "D"], "dtype": "T", "flattened": "hs"})", hs0)
+            .find("needs two dims after \"*\"") != std::string::npos);
+  CHECK(errors_of(q, hs0).find("the first tensor with \"*\" cannot be flattened") != std::string::npos);
+  CHECK(errors_of(ids + R"({"name": "q", "shape": ["*", "H", "D"], "dtype": "T", "flattened": 3})", hs0)
+            .find("the name of an int attribute of the op") != std::string::npos);
+}
+
+TEST_CASE("schema check: unflatten splits [*, L] into [*, L/N, N] and leaves every other call as it is") {
+  SchemaFileResult parsed = parse_op_schemas(R"([{"op": "test.flat", "tensors": [
+      {"name": "ids", "shape": ["*"], "dtype": "int32"},
+      {"name": "q", "shape": ["*", "H", "D"], "dtype": "T", "layout": "rows", "flattened": "hs"},
+      {"name": "k", "shape": ["*", "G", "D"], "dtype": "T", "layout": "rows", "optional": true, "flattened": "hs"}],
+    "attrs": [{"name": "eps", "type": "float", "default": 0.5}, {"name": "hs", "type": "int", "default": 0}],
+    "dtypes": {"T": ["float32"]}}])",
+                                             "<test>");
+  REQUIRE(parsed.errors.empty());
+  const CompiledSchema compiled(parsed.schemas[0]);
+  CHECK(compiled.has_flattened());
+  std::array<float, 64> data{};
+  std::array<int32_t, 2> ids{};
+  std::vector<int64_t> ishape{2}, qshape{2, 12}, qstrides{20, 1}, kshape{2, 4};
+  const DLDataType f32{kDLFloat, 32, 1};
+  std::array<DLTensor, 3> call{DLTensor{ids.data(), {kDLCPU, 0}, 1, {kDLInt, 32, 1}, ishape.data(), nullptr, 0},
+                               DLTensor{data.data(), {kDLCPU, 0}, 2, f32, qshape.data(), qstrides.data(), 0},
+                               DLTensor{data.data() + 40, {kDLCPU, 0}, 2, f32, kshape.data(), nullptr, 0}};
+  const auto attrs = [](int64_t hs) {
+    return std::array<kd_attr, 2>{kd_attr{"eps", KD_ATTR_TYPE_FLOAT, 0, {.f = 0.5}},
+                                  kd_attr{"hs", KD_ATTR_TYPE_INT, 0, {.i = hs}}};
+  };
+  UnflattenedCall storage;
+  // hs 0: nothing split, the call as it is.
+  CHECK(compiled.unflatten(call, attrs(0), &storage).data() == call.data());
+  // hs 4: q [2, 12] strides [20, 1] -> [2, 3, 4] strides [20, 4, 1]; k dense [2, 4] -> [2, 1, 4] dense.
+  const auto a4 = attrs(4);
+  const std::span<DLTensor> seen = compiled.unflatten(call, a4, &storage);
+  REQUIRE(seen.data() == storage.tensors.data());
+  CHECK(seen[0].shape == call[0].shape);
+  CHECK(std::vector<int64_t>(seen[1].shape, seen[1].shape + seen[1].ndim) == std::vector<int64_t>{2, 3, 4});
+  CHECK(std::vector<int64_t>(seen[1].strides, seen[1].strides + seen[1].ndim) == std::vector<int64_t>{20, 4, 1});
+  CHECK(seen[1].data == call[1].data);
+  CHECK(std::vector<int64_t>(seen[2].shape, seen[2].shape + seen[2].ndim) == std::vector<int64_t>{2, 1, 4});
+  CHECK(seen[2].strides == nullptr);
+  CHECK(call[1].ndim == 2);  // the given tensors are left alone
+  CHECK_NOTHROW(compiled.check_plan(seen, call, a4));
+  // An absent optional tensor stays absent.
+  call[2] = DLTensor{nullptr, {kDLCPU, 0}, 0, {0, 0, 0}, nullptr, nullptr, 0};
+  const std::span<DLTensor> without_k = compiled.unflatten(call, a4, &storage);
+  CHECK(without_k[2].data == nullptr);
+  CHECK(without_k[2].ndim == 0);
+  CHECK_NOTHROW(compiled.check_plan(without_k, call, a4));
+  // The plain form with hs = D is left as it is.
+  std::vector<int64_t> plain{2, 3, 4}, plain_strides{20, 4, 1};
+  call[1].ndim = 3;
+  call[1].shape = plain.data();
+  call[1].strides = plain_strides.data();
+  CHECK(compiled.unflatten(call, a4, &storage).data() == call.data());
+  // Every split dim of a flattened tensor with leading dims [2, 1].
+  std::vector<int64_t> ishape2{2, 1}, qshape2{2, 1, 12};
+  call[0].ndim = 2;
+  call[0].shape = ishape2.data();
+  call[1].ndim = 3;
+  call[1].shape = qshape2.data();
+  call[1].strides = nullptr;
+  const auto a3 = attrs(3);
+  const std::span<DLTensor> split = compiled.unflatten(call, a3, &storage);
+  CHECK(std::vector<int64_t>(split[1].shape, split[1].shape + split[1].ndim) == std::vector<int64_t>{2, 1, 4, 3});
 }

@@ -2,7 +2,8 @@
 // its kernel serves (the schema's, for a kernel that declares none), with
 // every dtype alternative of its tensors, each optional tensor present and
 // absent, dense and (for tensors of layout "rows" or "any") with padded
-// rows whose padding is poisoned and must stay untouched, at
+// rows whose padding is poisoned and must stay untouched, tensors that may
+// be given "flattened" given so, at
 // the sizes and attribute values of the op schema's "tests", on random
 // inputs and again with each set of the schema's special values planted
 // (NaN, infinities, ties, far tails, every 16-bit value), against the op's
@@ -53,8 +54,9 @@ void synchronize(const Backend& b) {
 
 // The call `c` of the op on backend `b`, in the layout and with the dtypes
 // and tensors of `variant`, checked against the reference run on the same
-// inputs in dense rows (and, for padded rows, the reference run on padded
-// rows against its own dense result).
+// inputs as the plain call: dense rows, nothing flattened (and, for padded
+// rows or flattened tensors, the reference run on the variant's layout
+// against its own plain result).
 harness::Comparison run_case(const OpSchema& schema, const OpHandle& handle, const OpHandle& reference,
                              const Backend& b, Dtype dtype, const harness::TestCase& c, uint64_t seed,
                              const harness::Variant& variant) {
@@ -69,25 +71,30 @@ harness::Comparison run_case(const OpSchema& schema, const OpHandle& handle, con
     synchronize(b);
   }
   harness::download_all(data);
-  harness::CallData want = harness::clone_to(host, DLDevice{kDLCPU, 0}, nullptr, /*dense=*/true);
+  harness::CallData want = harness::plain_copy(schema, host);
   std::vector<DLTensor> want_tensors = want.dl();
   {
     harness::GuardWatch watch("the reference kernel");
     watch.watch(want);
     REQUIRE_NOTHROW(reference(want_tensors, want.attrs));
   }
+  // The reference on the variant's own layout: the core's split of
+  // flattened tensors and the reference's strides, against the plain call.
+  const std::string layout = variant.padded && variant.flattened ? "padded rows, flattened"
+                             : variant.padded                     ? "padded rows"
+                                                                  : "flattened tensors";
   std::optional<harness::CallData> want_padded;
-  if (variant.padded) {
+  if (variant.padded || variant.flattened) {
     want_padded.emplace(harness::clone_to(host, DLDevice{kDLCPU, 0}, nullptr));
     std::vector<DLTensor> padded_tensors = want_padded->dl();
-    harness::GuardWatch watch("the reference kernel on padded rows");
+    harness::GuardWatch watch("the reference kernel on " + layout);
     watch.watch(*want_padded);
     try {
       reference(padded_tensors, want_padded->attrs);
     } catch (const Error& e) {
       harness::Comparison refused;
       refused.ok = false;
-      refused.first_mismatch = std::string("the reference kernel refused padded rows: ") + e.what();
+      refused.first_mismatch = "the reference kernel refused " + layout + ": " + e.what();
       return refused;
     }
   }
@@ -96,7 +103,7 @@ harness::Comparison run_case(const OpSchema& schema, const OpHandle& handle, con
   try {
     harness::check_guards(data, kernel);
     harness::check_guards(want, "the reference kernel");
-    if (want_padded) harness::check_guards(*want_padded, "the reference kernel on padded rows");
+    if (want_padded) harness::check_guards(*want_padded, "the reference kernel on " + layout);
   } catch (const harness::GuardViolation& e) {
     harness::Comparison outside;
     outside.ok = false;
@@ -108,7 +115,8 @@ harness::Comparison run_case(const OpSchema& schema, const OpHandle& handle, con
   if (want_padded) {
     harness::Comparison self = harness::compare(schema, *want_padded, want, unchecked);
     if (!self.ok) {
-      self.first_mismatch = "the reference kernel on padded rows against itself on dense rows: " + self.first_mismatch;
+      self.first_mismatch = "the reference kernel on " + layout + " against itself on the plain call: " +
+                            self.first_mismatch;
       return self;
     }
   }
@@ -147,6 +155,7 @@ void conform(const OpSchema& schema) {
     int padded = 0;        // with padded rows
     int alternatives = 0;  // with a tensor in a dtype other than its primary one
     int absent = 0;        // with an optional tensor left out
+    int flattened = 0;     // with tensors given flattened
     for (Dtype dtype : dtypes) {
       // The plain variant (dense rows, primary dtypes, every tensor present)
       // runs every case; the others share the cases in turn, each running
@@ -177,11 +186,14 @@ void conform(const OpSchema& schema) {
           padded += v.padded;
           alternatives += alternative;
           absent += leaves_out;
+          flattened += v.flattened;
         }
       }
     }
     MESSAGE(op << " on " << b.name << ": " << runs << " calls checked (" << padded << " with padded rows, "
-               << alternatives << " with a dtype alternative, " << absent << " with an optional tensor absent)");
+               << alternatives << " with a dtype alternative, " << absent << " with an optional tensor absent"
+               << (harness::has_flattened(schema) ? fmt::format(", {} with tensors flattened", flattened) : "")
+               << ")");
   }
 }
 
@@ -213,8 +225,9 @@ void conform_threads(const OpSchema& schema) {
       std::string error;
     };
     std::vector<std::unique_ptr<Job>> jobs;
-    // Padded rows where the schema allows them: the layout real callers pass.
-    const harness::Variant variant{harness::has_rows(schema), {}, {}};
+    // Padded rows where the schema allows them, and tensors flattened where
+    // it allows that: the layouts real callers pass.
+    const harness::Variant variant{harness::has_rows(schema), {}, {}, harness::has_flattened(schema)};
     for (uint64_t t = 0; t < 4; ++t) {
       harness::CallData host = harness::make_case(schema, dtypes.back(), *largest, 77 + t, variant);
       harness::CallData data = harness::clone_to(host, b.dl, b.memory);
@@ -247,7 +260,7 @@ void conform_threads(const OpSchema& schema) {
       REQUIRE_MESSAGE(job->ok, job->error);
       harness::download_all(job->data);
       CHECK_NOTHROW(harness::check_guards(job->data, kernel));
-      harness::CallData want = harness::clone_to(job->host, DLDevice{kDLCPU, 0}, nullptr, /*dense=*/true);
+      harness::CallData want = harness::plain_copy(schema, job->host);
       std::vector<DLTensor> want_tensors = want.dl();
       REQUIRE_NOTHROW(reference(want_tensors, want.attrs));
       const harness::Comparison cmp = harness::compare(schema, job->data, want);

@@ -521,6 +521,22 @@ bool has_rows(const OpSchema& schema) {
                      [](const TensorArg& t) { return t.layout != Layout::contiguous; });
 }
 
+bool has_flattened(const OpSchema& schema) {
+  return std::any_of(schema.tensors.begin(), schema.tensors.end(),
+                     [](const TensorArg& t) { return !t.flattened.empty(); });
+}
+
+bool flattens(const OpSchema& schema, std::span<const NamedAttr> attrs) {
+  for (const NamedAttr& a : attrs) {
+    const int64_t* value = std::get_if<int64_t>(&a.value);
+    if (value == nullptr || *value == 0) continue;
+    for (const TensorArg& t : schema.tensors) {
+      if (t.flattened == a.name) return true;
+    }
+  }
+  return false;
+}
+
 std::vector<Variant> variants(const OpSchema& schema, Dtype dtype) {
   const size_t n = schema.tensors.size();
   // Every combination of dtype alternatives, then of optional tensors left out.
@@ -547,10 +563,14 @@ std::vector<Variant> variants(const OpSchema& schema, Dtype dtype) {
   }
   std::vector<bool> layouts{false};
   if (has_rows(schema)) layouts.push_back(true);
+  std::vector<bool> forms{false};
+  if (has_flattened(schema)) forms.push_back(true);
   std::vector<Variant> out;
-  for (bool padded : layouts) {
-    for (const auto& absent : absent_sets) {
-      for (const auto& dtypes : dtype_sets) out.push_back(Variant{padded, dtypes, absent});
+  for (bool flattened : forms) {
+    for (bool padded : layouts) {
+      for (const auto& absent : absent_sets) {
+        for (const auto& dtypes : dtype_sets) out.push_back(Variant{padded, dtypes, absent, flattened});
+      }
     }
   }
   return out;
@@ -558,6 +578,11 @@ std::vector<Variant> variants(const OpSchema& schema, Dtype dtype) {
 
 std::string describe(const OpSchema& schema, const Variant& v) {
   std::vector<std::string> parts{v.padded ? "padded rows" : "dense"};
+  if (v.flattened) {
+    for (const TensorArg& arg : schema.tensors) {
+      if (!arg.flattened.empty()) parts.push_back(fmt::format("{} flattened", arg.name));
+    }
+  }
   for (size_t i = 0; i < schema.tensors.size(); ++i) {
     const TensorArg& arg = schema.tensors[i];
     if (i < v.absent.size() && v.absent[i]) {
@@ -574,6 +599,7 @@ std::string describe(const OpSchema& schema, const Variant& v) {
 CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, uint64_t seed,
                    const Variant& variant) {
   CallData data{{}, {}, dtype, shapes};
+  std::vector<std::pair<std::string, int64_t>> flattened_by;  // attribute, the size it splits by
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<double> uniform(-2.0, 2.0);
   for (size_t t = 0; t < schema.tensors.size(); ++t) {
@@ -584,6 +610,15 @@ CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, ui
       continue;
     }
     std::vector<int64_t> shape = tensor_shape(arg, shapes);
+    if (variant.flattened && !arg.flattened.empty() && shape.size() >= 2) {
+      // [*, H, D] given as [*, H*D], its attribute D.
+      const int64_t values = shape.back();
+      shape.pop_back();
+      if (__builtin_mul_overflow(shape.back(), values, &shape.back())) {
+        throw std::invalid_argument(fmt::format("tensor '{}': flattened, its size does not fit in 64 bits", arg.name));
+      }
+      flattened_by.emplace_back(arg.flattened, values);
+    }
     std::vector<int64_t> strides;
     if (variant.padded && arg.layout != Layout::contiguous) strides = padded_strides(shape);
     Buffer b(d, std::move(shape), DLDevice{kDLCPU, 0}, nullptr, arg.name, std::move(strides));
@@ -618,7 +653,11 @@ CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, ui
     data.tensors.push_back(std::move(b));
   }
   for (const AttrArg& attr : schema.attrs) {
-    if (attr.default_value) data.attrs.push_back({attr.name, *attr.default_value});
+    if (!attr.default_value) continue;
+    data.attrs.push_back({attr.name, *attr.default_value});
+    for (const auto& [name, size] : flattened_by) {
+      if (name == attr.name) data.attrs.back().value = size;
+    }
   }
   return data;
 }
@@ -642,6 +681,40 @@ CallData clone_to(const CallData& src, DLDevice device, const kd_memory_api* mem
     }
     copy.upload();
     out.tensors.push_back(std::move(copy));
+  }
+  return out;
+}
+
+CallData plain_copy(const OpSchema& schema, const CallData& src) {
+  CallData out{{}, src.attrs, src.dtype, src.shapes};
+  const DLDevice host{kDLCPU, 0};
+  for (size_t t = 0; t < src.tensors.size(); ++t) {
+    const Buffer& b = src.tensors[t];
+    if (!b.present()) {
+      out.tensors.push_back(Buffer::absent(b.dtype(), host, b.name()));
+      continue;
+    }
+    std::vector<int64_t> shape = b.shape();
+    if (t < schema.tensors.size() && !schema.tensors[t].flattened.empty()) {
+      std::vector<int64_t> plain = tensor_shape(schema.tensors[t], src.shapes);
+      if (plain.size() == shape.size() + 1) shape = std::move(plain);  // given flattened: split
+    }
+    Buffer copy(b.dtype(), std::move(shape), host, nullptr, b.name());
+    if (copy.numel() != b.numel()) {
+      throw std::invalid_argument(fmt::format("plain_copy: tensor '{}' has {} elements, its pattern {}", b.name(),
+                                              b.numel(), copy.numel()));
+    }
+    const size_t size = dtype_size(b.dtype());
+    for (size_t i = 0; i < b.numel(); ++i) {
+      std::memcpy(static_cast<char*>(copy.host()) + i * size, static_cast<const char*>(b.host()) + b.offset(i) * size,
+                  size);
+    }
+    out.tensors.push_back(std::move(copy));
+  }
+  for (NamedAttr& a : out.attrs) {
+    for (const TensorArg& arg : schema.tensors) {
+      if (arg.flattened == a.name) a.value = int64_t{0};
+    }
   }
   return out;
 }
@@ -869,8 +942,10 @@ void plant_special(CallData& data, const OpSchema& schema, const SpecialValues& 
     if (!b.present()) continue;  // an optional input left out of this call
     const Dtype d = b.dtype();
     const size_t n = b.numel();
-    // The last-dim window the values go into.
-    const auto width = static_cast<size_t>(b.shape().empty() ? 1 : std::max<int64_t>(b.shape().back(), 1));
+    // The last-dim window the values go into, in the pattern's shape (a
+    // flattened tensor's elements lie in the same order).
+    const std::vector<int64_t> pattern = tensor_shape(*arg, data.shapes);
+    const auto width = static_cast<size_t>(pattern.empty() ? 1 : std::max<int64_t>(pattern.back(), 1));
     size_t from = 0;
     size_t to = width;
     if (special.columns) {

@@ -148,17 +148,27 @@ struct Variant {
   bool padded = false;
   std::vector<Dtype> dtypes;  // per tensor, schema order; empty: each one's primary dtype
   std::vector<bool> absent;   // per tensor: an optional tensor left out; empty: all present
+  // Tensors with "flattened" are given with their pattern's last two dims
+  // as one ([*, H*D]), and the attribute they are flattened by is set to
+  // the last dim's size (D), so that the core splits them back.
+  bool flattened = false;
 };
 // The variants the conformance suite runs for calls in `dtype`: every
 // combination of each tensor's dtype alternatives and, for each optional
 // tensor, present and absent; each dense and, where a tensor may have
-// padded rows, padded. The first is the plain call (dense, primary dtypes,
-// everything present).
+// padded rows, padded; each of those again flattened where a tensor may be
+// given flattened. The first is the plain call (dense, primary dtypes,
+// everything present, nothing flattened).
 std::vector<Variant> variants(const OpSchema& schema, Dtype dtype);
 // "padded rows, weight float32, key absent"; "dense" for the plain call.
 std::string describe(const OpSchema& schema, const Variant& v);
 // Whether a tensor of the schema may have padded rows (layout rows or any).
 bool has_rows(const OpSchema& schema);
+// Whether a tensor of the schema may be given "flattened".
+bool has_flattened(const OpSchema& schema);
+// Whether `attrs` give a nonzero value to an attribute that a tensor of the
+// schema is "flattened" by: a call with them passes such tensors flattened.
+bool flattens(const OpSchema& schema, std::span<const NamedAttr> attrs);
 // The strides of a padded tensor of `shape`, in elements (see Variant).
 std::vector<int64_t> padded_strides(const std::vector<int64_t>& shape);
 
@@ -184,6 +194,12 @@ CallData make_call(const OpSchema& schema, Dtype dtype, const Shapes& shapes, ui
 // The same values on another device (for checking one backend against
 // another), in the same layout, or dense where `dense`.
 CallData clone_to(const CallData& data, DLDevice device, const kd_memory_api* memory, bool dense = false);
+// The same values on the host as the plain call: dense, each tensor in the
+// shape of its pattern (a flattened one given split, [*, H, D]) and the
+// attributes tensors are flattened by at 0. The call the reference runs to
+// check any variant of it: elements compare by logical index, which is the
+// same in both forms.
+CallData plain_copy(const OpSchema& schema, const CallData& data);
 void download_all(CallData& data);
 
 // --- guards ---------------------------------------------------------------------

@@ -274,7 +274,7 @@ double peak_bytes(const OpSchema& schema, Dtype dtype, const harness::Shapes& sh
 // they cannot be made: sizes past 64 bits, a peak use (peak_bytes) past the
 // memory this process may use, or a shape that leaves an index tensor no valid value.
 harness::CallData make_host_call(const OpSchema& schema, Dtype dtype, const harness::Shapes& shapes, uint64_t seed,
-                                 bool check) {
+                                 bool check, const harness::Variant& variant) {
   const std::string where = fmt::format("{} {} at {}", schema.op, dtype_name(dtype), harness::shapes_str(shapes));
   try {
     const double bytes = static_cast<double>(harness::call_bytes(schema, dtype, shapes));
@@ -286,7 +286,7 @@ harness::CallData make_host_call(const OpSchema& schema, Dtype dtype, const harn
           "this process may use {} of memory",
           where, human_bytes(bytes), human_bytes(peak), human_bytes(memory)));
     }
-    return harness::make_call(schema, dtype, shapes, seed);
+    return harness::make_call(schema, dtype, shapes, seed, variant);
   } catch (const std::invalid_argument& e) {
     throw UsageError(fmt::format("{}: {}", where, e.what()));
   }
@@ -516,8 +516,19 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
               std::fflush(stderr);
             }
             try {
+              // An --attr that a tensor is "flattened" by, nonzero, asks for
+              // those tensors flattened ([*, H*D]); its value stays the one
+              // given, which the core checks against them.
+              harness::Variant variant;
+              try {
+                std::vector<NamedAttr> given;
+                harness::apply_attr_overrides(given, options.attr_overrides, schema, options.ops.empty());
+                variant.flattened = harness::flattens(schema, given);
+              } catch (const std::invalid_argument& e) {
+                throw UsageError(e.what());
+              }
               harness::CallData host =
-                  make_host_call(schema, dtype, shapes, 0x5eed + sweep.results.size(), options.check);
+                  make_host_call(schema, dtype, shapes, 0x5eed + sweep.results.size(), options.check, variant);
               try {
                 harness::apply_attr_overrides(host.attrs, options.attr_overrides, schema, options.ops.empty());
               } catch (const std::invalid_argument& e) {

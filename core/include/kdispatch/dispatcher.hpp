@@ -97,6 +97,11 @@ class OpHandle {
   // Checks `tensors` against the op schema as a call does, running
   // nothing: throws CallError KD-E030 with the call's own words.
   void check(std::span<const DLTensor> tensors, CheckScope scope = CheckScope::call) const;
+  // The same check of a call that gives `attrs`: where the schema lets an
+  // attribute say that tensors come "flattened" (docs/op-schema.md), they
+  // are checked as the call would see them. Also refuses bad attributes.
+  void check(std::span<const DLTensor> tensors, std::span<const NamedAttr> attrs,
+             CheckScope scope = CheckScope::call) const;
   // Every attribute of the schema in order, defaults filled in, with the
   // given ones applied. Throws CallError KD-E030 for unknown or mistyped ones.
   // The result points into `storage` and `attrs` (strings).
@@ -111,8 +116,13 @@ class OpHandle {
   // The rest of a call whose tensors passed the check.
   void call_checked(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream, DLDevice device,
                     Dtype dtype) const;
+  // call_checked() with the attributes packed.
+  void call_packed(std::span<DLTensor> tensors, std::span<const kd_attr> packed, void* stream, DLDevice device,
+                   Dtype dtype) const;
   // operator() for a call that gives attributes.
   void call_with_attrs(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream) const;
+  // call_with_attrs() of an op with "flattened" tensors.
+  void call_flattened(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream) const;
   // Runs `kernel`; a status other than OK goes to Dispatcher::recover.
   static void run(const OpState& state, const ResolvedKernel& kernel, DLDevice device, std::span<DLTensor> tensors,
                   std::span<const kd_attr> attrs, void* stream, FallbackTrail* trail);

@@ -69,6 +69,12 @@ struct TensorArg {
   std::optional<int64_t> range_min;
   std::optional<ShapeToken> range_max;
   TensorValues values = TensorValues::uniform;  // "values"
+  // "flattened": the name of an int attribute (default 0). A call that
+  // gives it a value N > 0 may pass the tensor with its pattern's last two
+  // dims as one, [*, L] with L a multiple of N (SGLang's query [T, H*D] with
+  // head_size D); the core checks it, and the kernel gets it, as the view
+  // [*, L/N, N]. Empty: the tensor always has its pattern's shape.
+  std::string flattened;
   bool operator==(const TensorArg&) const = default;
 };
 

@@ -14,10 +14,10 @@ to float32 (SGLang and transformers compute them in float32, which is off
 by up to about p * 2^-24 radians at position p).
 
 ``apply_rope_with_cos_sin_cache_inplace`` takes query and key flattened to
-``[*, H * head_size]`` (SGLang's and FlashInfer's form) and calls
-``torch.ops.kdispatch.embeddings_rotary_embedding`` on ``[*, H, head_size]``
-views of them: no copy, a strided view (a slice of a fused QKV output)
-stays strided.
+``[*, H * head_size]`` (SGLang's and FlashInfer's form) and passes them,
+with ``head_size``, to ``torch.ops.kdispatch.embeddings_rotary_embedding``,
+whose schema lets them come so: the core splits them into ``[*, H,
+head_size]`` views (no copy; a slice of a fused QKV output stays strided).
 
 torch is imported when a function is called, not with this module.
 """
@@ -70,28 +70,11 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_
 
     from . import torch as kdt
 
-    lead = positions.dim()
-    q = _heads_view(query, lead, head_size, "query")
-    k = None if key is None else _heads_view(key, lead, head_size, "key")
-    opfn = getattr(torch.ops.kdispatch, kdt.registered["embeddings.rotary_embedding"])
-    opfn(positions, q, k, cos_sin_cache, is_neox, backend)
-
-
-def _heads_view(t, lead, head_size, name):
-    """t [*, H, head_size] as it is, or t [*, H * head_size] viewed so; `lead` is the number
-    of dims of *."""
     head_size = int(head_size)
     if head_size <= 0:
         raise ValueError(f"head_size must be > 0, got {head_size}")
-    if t.dim() == lead + 2:
-        return t
-    if t.dim() != lead + 1:
-        raise ValueError(f"{name}: expected [*, H * head_size] or [*, H, head_size] with * the "
-                         f"{lead} dims of positions, got shape {list(t.shape)}")
-    if t.shape[-1] % head_size != 0:
-        raise ValueError(f"{name}: its last dim {t.shape[-1]} is not a multiple of head_size {head_size}")
-    # view(), never reshape(): a copy would leave the caller's tensor unrotated.
-    return t.view(*t.shape[:-1], t.shape[-1] // head_size, head_size)
+    opfn = getattr(torch.ops.kdispatch, kdt.registered["embeddings.rotary_embedding"])
+    opfn(positions, query, key, cos_sin_cache, is_neox, head_size, backend)
 
 
 def _check_rotary_dim(rotary_dim):

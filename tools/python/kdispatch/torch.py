@@ -109,9 +109,10 @@ def torch_schema(schema):
     return f"{op_name(schema['op'])}({', '.join(args)}) -> ()"
 
 
-def _kernel_and_fake(op, count):
+def _kernel_and_fake(op):
     """The CPU/CUDA kernel (the resolved op's positional call) and the fake
-    implementation (the same op's check of the tensors' layout). For an op
+    implementation (the same op's check of the tensors' layout, with the
+    attributes, which may say that tensors come flattened). For an op
     with a schema but no usable kernel at import, both resolve the op (and
     report why they cannot) at every call."""
     try:
@@ -121,12 +122,12 @@ def _kernel_and_fake(op, count):
             return _kdispatch.op(op)._torch_call(*args)
 
         def fake_each_call(*args):
-            _kdispatch.op(op)._check_layout(*args[:count])
+            _kdispatch.op(op)._check_layout(*args)
 
         return resolve_each_call, fake_each_call
 
     def fake(*args):
-        handle._check_layout(*args[:count])
+        handle._check_layout(*args)
 
     return handle._torch_call, fake
 
@@ -336,7 +337,7 @@ def _register_all():
             _warnings.warn(f"kdispatch.torch: op '{op}' is not registered: torch refused the schema "
                            f"'{torch_schema(schema)}': {e}")
             continue
-        kernel, fake = _kernel_and_fake(op, len(schema["tensors"]))
+        kernel, fake = _kernel_and_fake(op)
         _impl(name, kernel, "CPU")
         _impl(name, kernel, "CUDA")
         _register_fake(name, fake)

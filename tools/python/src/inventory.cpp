@@ -101,6 +101,7 @@ py::dict schema_dict(const OpSchema& s) {
     td["strided"] = t.layout == Layout::any;
     td["layout"] = std::string(layout_name(t.layout));
     td["optional"] = t.optional;
+    td["flattened"] = t.flattened.empty() ? py::object(py::none()) : py::object(py::str(t.flattened));
     py::list alternatives;
     for (const std::string& a : t.dtype_alternatives) alternatives.append(a);
     td["dtype_alternatives"] = alternatives;

@@ -204,11 +204,28 @@ void Op::call_positional(const py::args& args) const {
 
 void Op::check_layout(const py::args& args) const {
   const OpSchema& schema = handle_.schema();
+  const size_t num_tensors = schema.tensors.size();
+  // The arguments of the torch op: tensors, attributes (they can say how
+  // tensors are laid out: "flattened"), then the backend, which the check
+  // does not depend on.
+  size_t given = args.size();
+  if (given == num_tensors + schema.attrs.size() + 1) --given;
+  if (given > num_tensors + schema.attrs.size()) {
+    throw_call_error(fmt::format("op '{}' takes {} tensors and up to {} attributes, got {} arguments", schema.op,
+                                 num_tensors, schema.attrs.size(), given));
+  }
+  std::array<NamedAttr, kMaxAttrs> attrs;
+  const size_t num_attrs = given > num_tensors ? given - num_tensors : 0;
+  for (size_t i = 0; i < num_attrs; ++i) {
+    const std::string& name = schema.attrs[i].name;
+    attrs[i] = {name, attr_value(schema.op, name, args[num_tensors + i].ptr())};
+  }
   TensorArgs tensors(schema, StreamRequest{}, TensorArgs::Purpose::layout);
-  for (py::handle arg : args) tensors.add(arg.ptr());
+  const size_t count = std::min(given, num_tensors);
+  for (size_t i = 0; i < count; ++i) tensors.add(args[i].ptr());
   // Optional tensors at the end that torch left off (None by default).
-  for (size_t i = args.size(); i < schema.tensors.size() && schema.tensors[i].optional; ++i) tensors.add(Py_None);
-  handle_.check(tensors.tensors(), OpHandle::CheckScope::layout);
+  for (size_t i = count; i < num_tensors && schema.tensors[i].optional; ++i) tensors.add(Py_None);
+  handle_.check(tensors.tensors(), std::span<const NamedAttr>(attrs.data(), num_attrs), OpHandle::CheckScope::layout);
 }
 
 void call(const py::args& args, const py::kwargs& kwargs) {

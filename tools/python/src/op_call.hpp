@@ -26,7 +26,9 @@ class Op {
   // the backend (a str names one, None lets the selection rules decide).
   void call_positional(const pybind11::args& args) const;
   // The check of a call on tensors without data (torch's meta and fake
-  // tensors): the dispatcher's own rules and words, data not read.
+  // tensors): the dispatcher's own rules and words, data not read. Takes
+  // the arguments of the torch kernel (call_positional), whose attributes
+  // may say how tensors are laid out; the backend is not looked at.
   void check_layout(const pybind11::args& args) const;
   const OpHandle& handle() const { return handle_; }
 

@@ -38,22 +38,6 @@ def call(function, op, names, *args):
     forward(function, names, torch_op(op), *args)
 
 
-def heads_view(function, argument, t, lead, head_size):
-    """t [*, H * head_size] viewed as [*, H, head_size] (view, never
-    reshape: a copy would leave the caller's tensor unrotated); t
-    [*, H, head_size] as it is. `lead` is the number of dims of *."""
-    if t.dim() == lead + 2:
-        return t
-    if t.dim() != lead + 1 or head_size <= 0 or t.shape[-1] % head_size != 0:
-        raise unsupported(function, argument,
-                          f"expected [*, H * head_size] or [*, H, head_size] with * the {lead} dims of "
-                          f"positions and head_size {head_size}, got shape {list(t.shape)}")
-    try:
-        return t.view(*t.shape[:-1], t.shape[-1] // head_size, head_size)
-    except RuntimeError as e:
-        raise unsupported(function, argument, f"cannot be viewed as [*, H, {head_size}] without a copy: {e}")
-
-
 _NORM_NAMES = {"x": "input", "out": "out", "weight": "weight", "residual": "residual"}
 
 
@@ -93,13 +77,15 @@ _ROPE_NAMES = {"positions": "positions", "query": "query", "key": "key", "cos_si
 
 
 def rope_inplace(function, positions, query, key, head_size, cos_sin_cache, is_neox):
-    """Rotates query and key (or None) in place through [*, H, head_size] views of them."""
+    """Rotates query and key (or None) in place, each [*, H * head_size] or
+    [*, H, head_size]: passed as they are with head_size, which the op's
+    schema splits them by."""
     op = "embeddings.rotary_embedding"
     check_float(function, "query", query, op)
-    lead = positions.dim()
-    q = heads_view(function, "query", query, lead, int(head_size))
-    k = None if key is None else heads_view(function, "key", key, lead, int(head_size))
-    call(function, op, _ROPE_NAMES, positions, q, k, cos_sin_cache, bool(is_neox))
+    head_size = int(head_size)
+    if head_size <= 0:
+        raise unsupported(function, "head_size", f"must be > 0, got {head_size}")
+    call(function, op, _ROPE_NAMES, positions, query, key, cos_sin_cache, bool(is_neox), head_size)
 
 
 def norms_and_activations(module, peer):

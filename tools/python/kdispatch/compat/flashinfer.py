@@ -107,9 +107,10 @@ def fused_add_rmsnorm_quant(out, input, residual, weight, scale, eps=1e-6, enabl
 
 def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache, is_neox=True):
     """Rotates query [*, HQ * head_size] and key [*, HK * head_size] in place
-    (returns None), * the shape of positions (int32 or int64); forwards
-    [*, H, head_size] views of them (no copy: slices of a fused QKV output
-    stay strided) to embeddings.rotary_embedding. The rotary dim is
+    (returns None), * the shape of positions (int32 or int64); forwards them
+    as they are, with head_size, to embeddings.rotary_embedding, which
+    splits them into [*, H, head_size] views (no copy: slices of a fused
+    QKV output stay strided). The rotary dim is
     cos_sin_cache.shape[-1]; the cache is float32 (or query's dtype)."""
     _forward.rope_inplace(f"{_MODULE}.apply_rope_with_cos_sin_cache_inplace", positions, query, key, head_size,
                           cos_sin_cache, is_neox)

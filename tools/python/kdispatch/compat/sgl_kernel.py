@@ -43,8 +43,9 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_
                                           fused_set_kv_buffer_arg=None, enable_pdl=None):
     """Rotates query [*, HQ * head_size] and key [*, HK * head_size] in place
     (returns None), * the shape of positions (int32 or int64, used as given);
-    forwards [*, H, head_size] views of them (no copy: slices of a fused QKV
-    output stay strided) to embeddings.rotary_embedding. The rotary dim is
+    forwards them as they are, with head_size, to embeddings.rotary_embedding,
+    which splits them into [*, H, head_size] views (no copy: slices of a
+    fused QKV output stay strided). The rotary dim is
     cos_sin_cache.shape[-1]; the cache is float32 (or query's dtype). key
     may be None (only query is rotated). fused_set_kv_buffer_arg is refused:
     kdispatch has no fused KV-cache write."""

@@ -41,7 +41,6 @@ weights, where vLLM's kernel gives finite ones.
 """
 import torch as _torch
 
-from .. import rotary as _rotary
 from ._common import forward as _forward, torch_op, unsupported
 
 __all__ = ["fused_add_rms_norm", "gelu_and_mul", "gelu_tanh_and_mul", "moe_align_block_size",
@@ -114,28 +113,13 @@ def gelu_tanh_and_mul(out, input):
 _ROTARY_NAMES = {"positions": "positions", "query": "query", "key": "key", "cos_sin_cache": "cos_sin_cache"}
 
 
-def _heads(function, name, t, lead, head_size):
-    """t [*, H, head_size] as it is, or t [*, H * head_size] viewed so (never
-    copied), as kdispatch.rotary takes them; * is the `lead` dims of positions."""
-    try:
-        heads = _rotary._heads_view(t, lead, head_size, name)
-    except ValueError as e:
-        raise unsupported(function, name, str(e)) from None
-    except RuntimeError:  # view() refused: the heads are not evenly strided
-        raise unsupported(function, name, f"strides {list(t.stride())} of shape {list(t.shape)} cannot be viewed "
-                          f"as [*, H, {head_size}] without a copy") from None
-    if heads.shape[-1] != head_size:
-        raise unsupported(function, name, f"its last dim {heads.shape[-1]} is not head_size {head_size} "
-                          f"(shape {list(t.shape)})")
-    return heads
-
-
 def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset=0, inverse=False):
     """Rotates query and key (None: query only) in place by the angles of
     cos_sin_cache[positions]; rotary_dim = cos_sin_cache.shape[1] <= head_size.
 
     query and key are [*, H * head_size] or [*, H, head_size], * the shape
-    of positions; embeddings.rotary_embedding on [*, H, head_size] views.
+    of positions, passed as they are with head_size to
+    embeddings.rotary_embedding, which splits the flattened ones.
     The cache may be float32 or the query's dtype; the rotation is computed
     in float32 and rounded once."""
     function = "vllm.rotary_embedding"
@@ -147,10 +131,8 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
     head_size = int(head_size)
     if head_size <= 0:
         raise unsupported(function, "head_size", f"must be > 0, got {head_size}")
-    lead = positions.dim()
-    q = _heads(function, "query", query, lead, head_size)
-    k = None if key is None else _heads(function, "key", key, lead, head_size)
-    _forward(function, _ROTARY_NAMES, _rotary_embedding, positions, q, k, cos_sin_cache, bool(is_neox))
+    _forward(function, _ROTARY_NAMES, _rotary_embedding, positions, query, key, cos_sin_cache, bool(is_neox),
+             head_size)
 
 
 _TOPK_NAMES = {"topk_weights": "topk_weights", "topk_ids": "topk_ids", "gating_output": "gating_output",

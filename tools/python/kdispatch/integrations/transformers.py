@@ -591,7 +591,7 @@ def _apply_rotary(original):
         if positions.shape != qv.shape[:2] or not positions.is_contiguous():
             # e.g. transformers' [1, L] position ids for a batch of B
             positions = positions.expand(qv.shape[:2]).contiguous()
-        _ops.embeddings_rotary_embedding(positions, qv, kv, cache, True, None)
+        _ops.embeddings_rotary_embedding(positions, qv, kv, cache, True)
         return q, k
 
     apply_rotary_pos_emb._kd_original = original
