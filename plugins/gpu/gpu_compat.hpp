@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__HIP__)
 #include <hip/hip_fp16.h>
@@ -349,6 +350,23 @@ __device__ __forceinline__ fp8_e5m2_t from_float<fp8_e5m2_t>(float v) {
   return r;
 }
 #endif
+
+// from_float of a and b into out[0] and out[1]: on CUDA one instruction
+// converts both to fp8.
+template <class Q>
+__device__ __forceinline__ void from_float2(float a, float b, Q* out) {
+#if !defined(__HIP__)
+  if constexpr (std::is_same_v<Q, fp8_e4m3_t> || std::is_same_v<Q, fp8_e5m2_t>) {
+    const __nv_fp8x2_storage_t r = __nv_cvt_float2_to_fp8x2(
+        make_float2(a, b), __NV_SATFINITE, std::is_same_v<Q, fp8_e4m3_t> ? __NV_E4M3 : __NV_E5M2);
+    out[0].__x = static_cast<__nv_fp8_storage_t>(r & 0xffu);
+    out[1].__x = static_cast<__nv_fp8_storage_t>(r >> 8);
+    return;
+  }
+#endif
+  out[0] = from_float<Q>(a);
+  out[1] = from_float<Q>(b);
+}
 
 // The largest finite value of an fp8 storage type.
 template <class T>

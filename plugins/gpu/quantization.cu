@@ -23,18 +23,23 @@
 //
 // Per token: one block a row, which holds its share of the row in
 // registers (up to kMaxVecPerThread vectors a thread) across the block's
-// absmax, so the row is read once; with rows fewer than a few times the SM
-// count, up to 1024 threads a row, so that a single row finishes fast.
+// absmax, so the row is read once: two vectors a thread with many rows;
+// with rows fewer than a few times the SM count one, up to 1024 threads a
+// row, so that a single row finishes fast.
 // Longer rows, and rows without 16-byte vectors, read the row a second time
 // (from L1/L2) to quantise it.
 //
 // Per group: the grid runs over the flat (row, group) pairs, a group to each
 // `lanes` lanes of a warp (the least power of two, up to the warp, that
-// gives a lane at most kMaxVecPerThread vectors), so a warp takes several
+// gives a lane one vector, or two when the groups fill the device many
+// times over; at most kMaxVecPerThread), so a warp takes several
 // short groups at once and one row of many groups spreads over blocks. Each
 // lane holds its vectors of the group in registers, the group's absmax is
 // reduced by shuffles, and the group quantised from the registers. Groups too
 // long for that, or without 16-byte vectors, are read twice instead.
+//
+// Each value is converted as x * inv rounded to odd, two at a time (one
+// instruction on CUDA).
 //
 // Per tensor: a grid-stride elementwise kernel over rows and chunks of rows,
 // kAhead vectors in flight a thread. Dynamic, small tensors (up to
@@ -63,9 +68,9 @@ constexpr int64_t kSmallTensor = 65536;  // values of a dynamic per-tensor call 
 // The float32 reciprocal of a scale, rounded to nearest; 0 for s == 0.
 __device__ __forceinline__ float reciprocal_of(float s) { return s == 0.f ? 0.f : __fdiv_rn(1.f, s); }
 
-// fp8(x * inv), the exact product rounded once (see the top of the file).
-template <class Q>
-__device__ __forceinline__ Q quantise(float x, float inv) {
+// x * inv rounded to odd in float32 (see the top of the file): converting
+// it to fp8 rounds the exact product once.
+__device__ __forceinline__ float product_to_odd(float x, float inv) {
   const float p = __fmul_rn(x, inv);
   const float e = __fmaf_rn(x, inv, -p);  // x * inv - p, exactly
   const unsigned pb = __float_as_uint(p);
@@ -73,7 +78,7 @@ __device__ __forceinline__ Q quantise(float x, float inv) {
   const bool inexact = (eb & 0x7fffffffu) != 0u && (eb & 0x7f800000u) != 0x7f800000u;
   // +1 (away from zero) when e has p's sign, else -1 (towards zero).
   const unsigned step = 1u | static_cast<unsigned>(static_cast<int>(eb ^ pb) >> 31);
-  return from_float<Q>(__uint_as_float(pb + (inexact && (pb & 1u) == 0u ? step : 0u)));
+  return __uint_as_float(pb + (inexact && (pb & 1u) == 0u ? step : 0u));
 }
 
 // The arguments of one call.
@@ -122,11 +127,19 @@ __device__ __forceinline__ float partial_absmax(const T* x, int64_t n, int64_t f
   return m;
 }
 
+// fp8(x * inv) of each value, converted two at a time.
 template <class T, class Q, int N>
 __device__ __forceinline__ void quantise_vec(Q* q, const Vec<T, N>& v, float inv) {
   Vec<Q, N> o;
+  if constexpr (N % 2 == 0) {
 #pragma unroll
-  for (int e = 0; e < N; ++e) o.v[e] = quantise<Q>(to_float(v.v[e]), inv);
+    for (int e = 0; e < N; e += 2) {
+      from_float2(product_to_odd(to_float(v.v[e]), inv), product_to_odd(to_float(v.v[e + 1]), inv), &o.v[e]);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) o.v[e] = from_float<Q>(product_to_odd(to_float(v.v[e]), inv));
+  }
   store_vec<Q, N, (N > 1)>(q, o);
 }
 
@@ -329,12 +342,12 @@ void launch_tensor(const Launch& launch, bool is_static, const QuantArgs<T, Q, R
 template <class T, class Q, int N, class Rows>
 void launch_token(const Launch& launch, const QuantArgs<T, Q, Rows>& a) {
   const int64_t units = a.n / N;
-  // Many rows: about kRowVecPerThread vectors a thread; few: one, up to
-  // kMaxThreads threads a row.
+  // Many rows: two vectors a thread, as the norms' whole-row kernel; few:
+  // one, up to kMaxThreads threads a row.
   const bool few = a.rows < int64_t{launch.sm_count} * 4;
   if constexpr (N > 1) {
     if (units <= int64_t{kMaxThreads} * kMaxVecPerThread) {
-      const int threads = threads_for(few ? units : ceil_div(units, kRowVecPerThread), launch.warp_size, kMaxThreads);
+      const int threads = threads_for(few ? units : ceil_div(units, 2), launch.warp_size, kMaxThreads);
       with_vectors_per_thread<kMaxVecPerThread>(ceil_div(units, threads), [&](auto vpt) {
         launch_kernel(launch, token_quant_regs_kernel<T, Q, N, decltype(vpt)::value, Rows>, one_block_per_row(a.rows),
                       dim3(threads), a);
@@ -349,10 +362,11 @@ void launch_token(const Launch& launch, const QuantArgs<T, Q, Rows>& a) {
 template <class T, class Q, int N, class Rows>
 void launch_group(const Launch& launch, const QuantArgs<T, Q, Rows>& a) {
   const int64_t units = a.group_size / N;
-  // A lane a vector: the least power of two of lanes, up to the warp, that
-  // covers the group's vectors.
+  // A lane a vector (two when the groups fill the device many times over):
+  // the least power of two of lanes, up to the warp, that covers the group.
+  const int per_lane = a.rows * a.groups * units >= int64_t{launch.sm_count} * kMaxThreads * 4 ? 2 : 1;
   int lanes = 1;
-  while (lanes < launch.warp_size && lanes < units) lanes *= 2;
+  while (lanes < launch.warp_size && lanes * per_lane < units) lanes *= 2;
   const int64_t threads_needed = a.rows * a.groups * lanes;
   // Blocks of kThreads, smaller (down to a warp) while they would not fill
   // the SMs.
