@@ -5,13 +5,15 @@
 // stores it), and inv = 1 / s rounded to nearest in float32 (__fdiv_rn, once
 // per scale; 0 for s == 0).
 //
-// The product x * inv is rounded once to fp8, as the reference does: p = x *
-// inv in float32, its exact residual e = fma(x, inv, -p), and p moved one
-// ulp towards the exact product when e is nonzero (and finite: with x or p
-// infinite, e is NaN or infinite and p is left as it is) and p even:
-// rounding to odd, 24 bits, at least the fp8 mantissa's 4 + 2, so
-// converting to fp8 after it (from_float: nearest even, saturating, NaN
-// kept) is not a double rounding. Branch-free, no division per value.
+// The product x * inv is rounded once to fp8, as the reference does: it is
+// first rounded to odd in float32 (24 bits, at least the fp8 mantissa's 4 +
+// 2, so converting to fp8 after it, from_float: nearest even, saturating,
+// NaN kept, is not a double rounding). On CUDA that is the product truncated
+// with its last bit set when inexact (the product rounded down and up
+// differ); on HIP, p = x * inv with its exact residual e = fma(x, inv, -p),
+// p moved one ulp towards the exact product when e is nonzero (and finite:
+// with x or p infinite, e is NaN or infinite and p is left as it is) and p
+// even. Branch-free, no division per value.
 //
 // All three are memory bound. Rows are addressed through kd_plugin::RowLayout
 // (any stride before the last dim); where the rows' length (the group's,
@@ -71,6 +73,7 @@ __device__ __forceinline__ float reciprocal_of(float s) { return s == 0.f ? 0.f 
 // x * inv rounded to odd in float32 (see the top of the file): converting
 // it to fp8 rounds the exact product once.
 __device__ __forceinline__ float product_to_odd(float x, float inv) {
+#if defined(__HIP__)
   const float p = __fmul_rn(x, inv);
   const float e = __fmaf_rn(x, inv, -p);  // x * inv - p, exactly
   const unsigned pb = __float_as_uint(p);
@@ -79,6 +82,14 @@ __device__ __forceinline__ float product_to_odd(float x, float inv) {
   // +1 (away from zero) when e has p's sign, else -1 (towards zero).
   const unsigned step = 1u | static_cast<unsigned>(static_cast<int>(eb ^ pb) >> 31);
   return __uint_as_float(pb + (inexact && (pb & 1u) == 0u ? step : 0u));
+#else
+  // Truncated, with the last bit set when the product is inexact (its
+  // roundings down and up differ): three multiplies, no residual. An
+  // infinite x stays infinite; an overflowing product truncates to the
+  // largest float, which saturates as the exact product does.
+  const unsigned truncated = __float_as_uint(__fmul_rz(x, inv));
+  return __uint_as_float(truncated | (__fmul_rd(x, inv) != __fmul_ru(x, inv) ? 1u : 0u));
+#endif
 }
 
 // The arguments of one call.
