@@ -274,12 +274,19 @@ __global__ void __launch_bounds__(kMaxThreads) token_quant_kernel(QuantArgs<T, Q
 // any number, read twice. Every lane of a warp runs the shuffles, those past
 // the last group too.
 template <class T, class Q, int N, int V, class Rows>
-__global__ void __launch_bounds__(kThreads) group_quant_kernel(QuantArgs<T, Q, Rows> a, int lanes) {
+__global__ void __launch_bounds__(kThreads) group_quant_kernel(QuantArgs<T, Q, Rows> a, int lane_shift) {
   start_after_previous_kernel();
-  const int64_t pair = (block_row() * blockDim.x + threadIdx.x) / lanes;
-  const int lane = static_cast<int>(threadIdx.x) % lanes;
-  const bool in = pair < a.rows * a.groups;
-  const int64_t row = in ? pair / a.groups : 0;
+  const int lanes = 1 << lane_shift;
+  const int64_t pair = (block_row() * blockDim.x + threadIdx.x) >> lane_shift;
+  const int lane = static_cast<int>(threadIdx.x) & (lanes - 1);
+  const int64_t pairs = a.rows * a.groups;
+  const bool in = pair < pairs;
+  // A 32-bit division where the pairs allow (a 64-bit one costs several
+  // times the instructions).
+  const int64_t row = !in                        ? 0
+                      : pairs <= int64_t{UINT32_MAX} ? static_cast<int64_t>(static_cast<uint32_t>(pair) /
+                                                                          static_cast<uint32_t>(a.groups))
+                                                 : pair / a.groups;
   const int64_t g = in ? pair - row * a.groups : 0;
   const T* xg = a.x + a.x_rows.offset(row) + g * a.group_size;
   const int units = static_cast<int>(a.group_size / N);
@@ -377,7 +384,11 @@ void launch_group(const Launch& launch, const QuantArgs<T, Q, Rows>& a) {
   // the least power of two of lanes, up to the warp, that covers the group.
   const int per_lane = a.rows * a.groups * units >= int64_t{launch.sm_count} * kMaxThreads * 4 ? 2 : 1;
   int lanes = 1;
-  while (lanes < launch.warp_size && lanes * per_lane < units) lanes *= 2;
+  int lane_shift = 0;
+  while (lanes < launch.warp_size && lanes * per_lane < units) {
+    lanes *= 2;
+    ++lane_shift;
+  }
   const int64_t threads_needed = a.rows * a.groups * lanes;
   // Blocks of kThreads, smaller (down to a warp) while they would not fill
   // the SMs.
@@ -387,12 +398,13 @@ void launch_group(const Launch& launch, const QuantArgs<T, Q, Rows>& a) {
   if constexpr (N > 1) {
     if (units <= int64_t{lanes} * kMaxVecPerThread) {
       with_vectors_per_thread<kMaxVecPerThread>(ceil_div(units, lanes), [&](auto vpl) {
-        launch_kernel(launch, group_quant_kernel<T, Q, N, decltype(vpl)::value, Rows>, grid, dim3(threads), a, lanes);
+        launch_kernel(launch, group_quant_kernel<T, Q, N, decltype(vpl)::value, Rows>, grid, dim3(threads), a,
+                      lane_shift);
       });
       return;
     }
   }
-  launch_kernel(launch, group_quant_kernel<T, Q, N, 0, Rows>, grid, dim3(threads), a, lanes);
+  launch_kernel(launch, group_quant_kernel<T, Q, N, 0, Rows>, grid, dim3(threads), a, lane_shift);
 }
 
 template <class T, class Q, int N, class Rows>
