@@ -65,6 +65,14 @@ __device__ __forceinline__ int expert_at(const IdT* ids, int64_t i, int64_t end,
   return id >= 0 && id < experts ? static_cast<int>(id) : -1;
 }
 
+// expert_at() of the kAhead pairs first, first + stride, ..., loaded at once.
+template <class IdT>
+__device__ __forceinline__ void experts_ahead(const IdT* ids, int64_t first, int64_t stride, int64_t end,
+                                              int32_t experts, int (&key)[kAhead]) {
+#pragma unroll
+  for (int k = 0; k < kAhead; ++k) key[k] = expert_at(ids, first + k * stride, end, experts);
+}
+
 template <class IdT>
 __global__ void __launch_bounds__(kThreads)
     align_kernel(const IdT* __restrict__ ids, int32_t n, int32_t experts, int32_t block, int32_t* __restrict__ sorted,
@@ -88,8 +96,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   for (int64_t base = threadIdx.x; base < n; base += int64_t{kAhead} * blockDim.x) {
     int key[kAhead];
-#pragma unroll
-    for (int k = 0; k < kAhead; ++k) key[k] = expert_at(ids, base + int64_t{k} * blockDim.x, n, experts);
+    experts_ahead(ids, base, blockDim.x, n, experts, key);
 #pragma unroll
     for (int k = 0; k < kAhead; ++k) {
       if (key[k] >= 0) atomicAdd(base + int64_t{k} * blockDim.x < chunk_begin ? &before[key[k]] : &count[key[k]], 1);
@@ -97,8 +104,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   for (int64_t base = begin; base < end; base += kAhead * kWarpSize) {
     int key[kAhead];
-#pragma unroll
-    for (int k = 0; k < kAhead; ++k) key[k] = expert_at(ids, base + k * kWarpSize + lane, end, experts);
+    experts_ahead(ids, base + lane, kWarpSize, end, experts, key);
 #pragma unroll
     for (int k = 0; k < kAhead; ++k) {
       if (key[k] >= 0) atomicAdd(&cnt[static_cast<int64_t>(warp) * experts + key[k]], 1);
@@ -172,8 +178,7 @@ __global__ void __launch_bounds__(kThreads)
   if (warp >= warps) return;
   for (int64_t base = begin; base < end; base += kAhead * kWarpSize) {
     int key[kAhead];
-#pragma unroll
-    for (int k = 0; k < kAhead; ++k) key[k] = expert_at(ids, base + k * kWarpSize + lane, end, experts);
+    experts_ahead(ids, base + lane, kWarpSize, end, experts, key);
 #pragma unroll
     for (int k = 0; k < kAhead; ++k) {
       const uint64_t same = lanes_with_key(key[k]);

@@ -162,6 +162,20 @@ void call_with_kwargs(const OpHandle& handle, const py::args& args, size_t first
   run(handle, tensors, std::span<const NamedAttr>(attrs.data(), num_attrs));
 }
 
+// The attributes among the first `given` positional arguments of a torch
+// op (those after the schema's tensors, in the schema's order) into
+// `attrs`; returns how many.
+size_t positional_attrs(const OpSchema& schema, const py::args& args, size_t given,
+                        std::array<NamedAttr, kMaxAttrs>& attrs) {
+  const size_t num_tensors = schema.tensors.size();
+  const size_t num_attrs = given > num_tensors ? given - num_tensors : 0;
+  for (size_t i = 0; i < num_attrs; ++i) {
+    const std::string& name = schema.attrs[i].name;
+    attrs[i] = {name, attr_value(schema.op, name, args[num_tensors + i].ptr())};
+  }
+  return num_attrs;
+}
+
 }  // namespace
 
 void Op::call(const py::args& args, const py::kwargs& kwargs) const { call_with_kwargs(handle_, args, 0, kwargs, {}); }
@@ -192,11 +206,7 @@ void Op::call_positional(const py::args& args) const {
                                  num_tensors, schema.attrs.size(), given));
   }
   std::array<NamedAttr, kMaxAttrs> attrs;
-  const size_t num_attrs = given > num_tensors ? given - num_tensors : 0;
-  for (size_t i = 0; i < num_attrs; ++i) {
-    const std::string& name = schema.attrs[i].name;
-    attrs[i] = {name, attr_value(schema.op, name, args[num_tensors + i].ptr())};
-  }
+  const size_t num_attrs = positional_attrs(schema, args, given, attrs);
   TensorArgs tensors(schema, StreamRequest{});
   for (size_t i = 0; i < num_tensors; ++i) tensors.add(i < given ? args[i].ptr() : Py_None);
   run(handle, tensors, std::span<const NamedAttr>(attrs.data(), num_attrs));
@@ -215,11 +225,7 @@ void Op::check_layout(const py::args& args) const {
                                  num_tensors, schema.attrs.size(), given));
   }
   std::array<NamedAttr, kMaxAttrs> attrs;
-  const size_t num_attrs = given > num_tensors ? given - num_tensors : 0;
-  for (size_t i = 0; i < num_attrs; ++i) {
-    const std::string& name = schema.attrs[i].name;
-    attrs[i] = {name, attr_value(schema.op, name, args[num_tensors + i].ptr())};
-  }
+  const size_t num_attrs = positional_attrs(schema, args, given, attrs);
   TensorArgs tensors(schema, StreamRequest{}, TensorArgs::Purpose::layout);
   const size_t count = std::min(given, num_tensors);
   for (size_t i = 0; i < count; ++i) tensors.add(args[i].ptr());
