@@ -775,22 +775,25 @@ std::span<DLTensor> CompiledSchema::unflatten(std::span<DLTensor> tensors, std::
     if (t.ndim <= 0 || t.shape == nullptr) continue;  // the walk words it
     // The rank of the plain form, with "*" as the tensor that binds it has it.
     int64_t rank = f.num_dims;
-    std::string leading_words;
+    int64_t lead = -1;  // the leading dims "*" stands for, when the tensor has them
     if (f.leading) {
       const DLTensor& owner = tensors[leading_owner_];
-      const int64_t lead = int64_t{owner.ndim} - plan_[leading_owner_].num_dims;
+      lead = int64_t{owner.ndim} - plan_[leading_owner_].num_dims;
       if (lead < 0 || (owner.shape == nullptr && owner.ndim != 0)) continue;  // the walk refuses the owner first
       rank += lead;
-      leading_words = fmt::format(", * being the {} leading dims of '{}' {}", lead,
-                                  schema_.tensors[leading_owner_].name, shape_str(owner));
     }
+    // Words for a refusal only: the accepted calls format nothing.
+    const auto leading_words = [&]() -> std::string {
+      if (lead < 0) return {};
+      return fmt::format(", * being the {} leading dims of '{}' {}", lead, schema_.tensors[leading_owner_].name,
+                         shape_str(tensors[leading_owner_]));
+    };
     const int64_t last = t.shape[t.ndim - 1];
-    const std::string& split = pattern_str(arg);
     if (t.ndim == rank) {
       if (last == n) continue;  // the plain form, its last dim the attribute's size
       fail(f.tensor, fmt::format("has the shape {} of its pattern {}, so its last dim must be {} = {}, got {} (or "
                                  "pass it flattened, with one dim less{})",
-                                 shape_str(t), split, arg.flattened, n, last, leading_words));
+                                 shape_str(t), pattern_str(arg), arg.flattened, n, last, leading_words()));
     }
     if (t.ndim != rank - 1) {
       const ShapeToken& heads = arg.shape[arg.shape.size() - 2];
@@ -799,7 +802,7 @@ std::span<DLTensor> CompiledSchema::unflatten(std::span<DLTensor> tensors, std::
       for (size_t d = 0; d + 2 < arg.shape.size(); ++d) flat.push_back(arg.shape[d].str());
       flat.push_back(fmt::format("{}*{}", heads.str(), values.str()));
       fail(f.tensor, fmt::format("with {} = {}, expected [{}] (flattened) or {}{}, got shape {}", arg.flattened, n,
-                                 fmt::join(flat, ", "), split, leading_words, shape_str(t)));
+                                 fmt::join(flat, ", "), pattern_str(arg), leading_words(), shape_str(t)));
     }
     if (last < 0) continue;  // the walk words a negative dim
     if (last % n != 0) {
