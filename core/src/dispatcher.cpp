@@ -107,9 +107,7 @@ struct OpState {
   std::vector<AttrName> attr_names;          // the schema's, in schema order
   uint64_t all_attrs = 0;                    // bit per attribute
   uint64_t required_attrs = 0;               // bit per attribute without a default
-  // defaults_complete, no trace file and no "flattened" tensor: a call
-  // without attributes packs nothing
-  bool plain_calls = false;
+  bool plain_calls = false;  // defaults_complete and no trace file: a call without attributes packs nothing
   std::span<const kd_attr> plain_attrs;  // `defaults`, for plain calls
   std::array<std::atomic<const Resolved*>, kSlots> cache{};
   std::vector<std::unique_ptr<Resolved>> owned;  // guarded by the dispatcher's mutex
@@ -405,7 +403,9 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
         return;
       }
     } else {
-      info = state.compiled->check_plan(tensors);
+      // The defaults never split a "flattened" tensor (0); a refusal says
+      // when one looks passed flattened without its attribute.
+      info = state.compiled->check_plan(tensors, tensors, state.plain_attrs);
     }
     call_checked(tensors, attrs, stream, info.device, info.dtype);
     return;
@@ -595,8 +595,7 @@ OpState* Dispatcher::intern(std::string_view op, std::string_view backend) {
     state->defaults.push_back(a);
     state->attr_names.emplace_back(arg.name);
   }
-  state->plain_calls =
-      state->defaults_complete && state->trace_file == nullptr && !state->compiled->has_flattened();
+  state->plain_calls = state->defaults_complete && state->trace_file == nullptr;
   state->plain_attrs = state->defaults;
   OpState* raw = state.get();
   states_.push_back(std::move(state));
