@@ -58,16 +58,10 @@ SlotRows slot_rows(const DLTensor& c) {
   return r;
 }
 
-// True when every row of [T, H, D] `t` (or of a cache) starts at a multiple
-// of `bytes`.
-bool rows_start_aligned(size_t bytes, const DLTensor& t, int leading) {
-  if ((reinterpret_cast<uintptr_t>(t.data) + t.byte_offset) % bytes != 0) return false;
-  for (int d = 0; d < leading; ++d) {
-    if (t.shape[d] > 1 && static_cast<uint64_t>(kd_plugin::element_stride(t, d)) * (t.dtype.bits / 8) % bytes != 0) {
-      return false;
-    }
-  }
-  return true;
+// True when every row of `t` (of its last dim) starts at a multiple of
+// `bytes`.
+bool rows_start_aligned(size_t bytes, const DLTensor& t) {
+  return rows_aligned(bytes, data_as<const char>(t), kd_plugin::row_layout(t, 1), t.dtype.bits / 8);
 }
 
 // One launch's tensors: key and value (src), their caches (dst), each cache's
@@ -200,8 +194,8 @@ void launch_convert(const Launch& launch, const kd_call_args* args, int first, i
       constexpr int kVec = 16 / sizeof(T);
       bool vec = d % kVec == 0;
       for (int i = 0; i < caches; ++i) {
-        vec = vec && rows_start_aligned(16, args->tensors[first + i], 2) &&
-              rows_start_aligned(kVec * sizeof(C), args->tensors[first + i + 2], 3);
+        vec = vec && rows_start_aligned(16, args->tensors[first + i]) &&
+              rows_start_aligned(kVec * sizeof(C), args->tensors[first + i + 2]);
       }
       c.row_units = vec ? d / kVec : d;
       const dim3 block = token_block(c.heads * c.row_units, launch.warp_size);
@@ -239,8 +233,8 @@ void launch_write(const Launch& launch, const kd_call_args* args, const Slot* sl
   CacheWrite c = cache_write(args, 0, 2);
   const size_t row_bytes = static_cast<size_t>(dim(key, 2)) * (key.dtype.bits / 8);
   const auto fits = [&](size_t unit) {
-    return row_bytes % unit == 0 && rows_start_aligned(unit, t[0], 2) && rows_start_aligned(unit, t[1], 2) &&
-           rows_start_aligned(unit, t[2], 3) && rows_start_aligned(unit, t[3], 3);
+    return row_bytes % unit == 0 && rows_start_aligned(unit, t[0]) && rows_start_aligned(unit, t[1]) &&
+           rows_start_aligned(unit, t[2]) && rows_start_aligned(unit, t[3]);
   };
   const auto run = [&](auto unit_tag) {
     using U = typename decltype(unit_tag)::type;

@@ -19,8 +19,8 @@
 // 16-byte paths need every row start and the weight 16-byte aligned. Rows
 // one stride apart (contiguous, a column slice) go to the register-held
 // kernels with their layouts as kd_plugin::LinearRows (a graph copies a
-// kernel's arguments at each launch: 88 bytes of them rather than 648 take
-// a tenth off a 64-row call); other views take the two-pass kernel.
+// kernel's arguments at each launch, so they are kept small); other views
+// take the two-pass kernel.
 //
 // Both ops are memory bound, so the row is read from memory once. Many
 // rows too long for a warp, of up to 2048 16-byte vectors and a multiple
@@ -37,9 +37,8 @@
 // across the reduction. With many rows it reads the weight only after the
 // reduction (fewer registers, more blocks per SM) and streams the row and
 // the outputs (touched once); with few it reads the weight with the row (one
-// wait on memory) and takes one vector a thread, up to 1024 threads (the
-// fused op at 64 rows of 4096: 2.25 us a call against 2.84 with two vectors
-// a thread). Short rows (up to 4 vectors per lane) get one warp each,
+// wait on memory) and takes one vector a thread, up to 1024 threads, so
+// that a row's wait is as short as it can be. Short rows (up to 4 vectors per lane) get one warp each,
 // several rows per block and no barrier; longer ones one block each. The
 // grid covers every row: more loads are in flight than when a resident grid
 // loops over rows. With many rows a block takes its row and exits, its loads
