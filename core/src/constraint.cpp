@@ -471,9 +471,12 @@ ConstraintSet compile_constraints(const KernelSpec& spec, const ConstraintNames&
     try {
       set.constraints.push_back(Constraint::compile(spec.constraints[i], &names));
     } catch (const std::invalid_argument& e) {
-      throw ManifestError(ErrorCode::manifest_bad_field,
-                          fmt::format("{}: kernel of op '{}' (symbol '{}'), \"constraints\"[{}] \"{}\": {}",
-                                      spec.manifest, spec.op, spec.symbol, i, spec.constraints[i], e.what()));
+      const std::string kernel =
+          spec.is_runtime()
+              ? fmt::format("kernel registered at run time for op '{}', backend '{}'", spec.op, spec.backend)
+              : fmt::format("{}: kernel of op '{}' (symbol '{}')", spec.manifest, spec.op, spec.symbol);
+      throw ManifestError(ErrorCode::manifest_bad_field, fmt::format("{}, \"constraints\"[{}] \"{}\": {}", kernel, i,
+                                                                     spec.constraints[i], e.what()));
     }
   }
   return set;

@@ -3,6 +3,7 @@
 #include "kdispatch/plugin_loader.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <unistd.h>
 
@@ -13,6 +14,7 @@
 #include "builtin_schemas.hpp"
 #include "constraint.hpp"
 #include "schema_check.hpp"
+#include "kdispatch/manifest.hpp"
 #include "kdispatch/platform.hpp"
 #include "kdispatch/log.hpp"
 #include "scanner.hpp"
@@ -106,6 +108,52 @@ std::vector<Problem> Context::add_manifest(const Manifest& manifest) {
   api_manifests_.push_back(manifest);
   for (const auto& p : record.problems) problems_.push_back(p);
   return record.problems;
+}
+
+void Context::register_kernel(KernelSpec spec) {
+  const auto refuse = [&](std::string what) {
+    throw ManifestError(ErrorCode::manifest_bad_field,
+                        fmt::format("kernel registered at run time for op '{}', backend '{}': {}", spec.op,
+                                    spec.backend, what));
+  };
+  if (spec.function == nullptr) refuse("no function given");
+  if (!is_valid_name(spec.backend)) refuse("the backend name must match [a-z0-9_]+");
+  if (!spec.plugin.empty() || !spec.symbol.empty() || !spec.manifest.empty()) {
+    refuse("plugin, symbol and manifest are for a plugin's kernels; leave them empty");
+  }
+  if (spec.role != KernelRole::backend) {
+    refuse("a kernel registered at run time is never an op's reference; its role must be backend");
+  }
+  if (spec.priority < -1000 || spec.priority > 1000) {
+    refuse(fmt::format("priority {} is outside [-1000, 1000]", spec.priority));
+  }
+  const OpSchema* schema = registry_->schema(spec.op);
+  if (schema == nullptr) {
+    std::vector<std::string> hints;
+    if (!is_valid_op_id(spec.op)) hints.emplace_back("op ids are \"<group>.<name>\" of [a-z0-9_]+");
+    hints.emplace_back("a kernel is registered at run time for an op with a schema: a built-in one or a plugin's "
+                       "(`kdispatch list` shows them)");
+    throw SelectionError(ErrorCode::unknown_op,
+                         fmt::format("No op schema for op '{}': cannot register a kernel for it at run time (backend "
+                                     "'{}')",
+                                     spec.op, spec.backend),
+                         std::move(hints));
+  }
+  const std::vector<Dtype> takes = schema->call_dtypes();
+  for (const Dtype dtype : spec.dtypes) {
+    if (std::find(takes.begin(), takes.end(), dtype) == takes.end()) {
+      std::vector<std::string> names;
+      for (const Dtype d : takes) names.emplace_back(dtype_name(d));
+      refuse(fmt::format("dtype {} is not one the op's schema takes ({})", dtype_name(dtype), fmt::join(names, ", ")));
+    }
+  }
+  const CompiledSchema compiled(*schema);
+  compile_constraints(spec, {compiled.symbols(), compiled.selecting_dtype_var(), schema->attrs});
+  registry_->add(spec);
+}
+
+void Context::unregister_kernel(std::string_view op, std::string_view backend) {
+  registry_->remove_runtime(op, backend);
 }
 
 bool Context::demote(std::string_view op, std::string_view backend, DeviceType type, int32_t id, std::string error) {
@@ -224,6 +272,7 @@ std::optional<PluginLoadState> Context::load_state(const std::string& plugin) co
 }
 
 kd_kernel_fn Context::kernel(const KernelSpec& spec) {
+  if (spec.is_runtime()) return spec.function;
   const PluginBinary& binary = load_plugin(spec.plugin);
   auto it = binary.kernels.find(spec.symbol);
   if (it == binary.kernels.end()) {

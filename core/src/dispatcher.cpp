@@ -58,6 +58,7 @@ struct ResolvedKernel {
   Dtype dtype;
   uint64_t generation;
   kd_kernel_fn fn;
+  void* data;  // the spec's function_data: kd_call_args::kernel_data
   const KernelSpec* spec;
   uint64_t rejected;  // `constrained_cache` only: bit i, kernel i of Constrained refused the call
   SelectionRule rule;
@@ -262,8 +263,10 @@ ErrorCode failure_code(kd_status status) {
 }
 
 std::string failure_text(const KernelSpec& spec, kd_status status, const char* error) {
-  return fmt::format("kernel '{}' of backend '{}' failed for op '{}' (status {}): {}", spec.symbol, spec.backend,
-                     spec.op, static_cast<int>(status), error[0] != '\0' ? error : "no message");
+  const std::string kernel =
+      spec.is_runtime() ? std::string("kernel registered at run time") : fmt::format("kernel '{}'", spec.symbol);
+  return fmt::format("{} of backend '{}' failed for op '{}' (status {}): {}", kernel, spec.backend, spec.op,
+                     static_cast<int>(status), error[0] != '\0' ? error : "no message");
 }
 
 std::string_view status_name(kd_status status) {
@@ -375,7 +378,8 @@ KernelHandle OpHandle::resolve(std::span<const DLTensor> tensors) const {
   char error[512];
   error[0] = '\0';
   const kd_call_args args{sizeof(kd_call_args), tensors.data(), static_cast<int32_t>(tensors.size()),
-                          static_cast<int32_t>(attrs.size()), attrs.data(), stream, error, sizeof error};
+                          static_cast<int32_t>(attrs.size()), attrs.data(), stream, error, sizeof error,
+                          kernel.data};
   const kd_status status = kernel.fn(&args);
   if (status != KD_STATUS_OK) [[unlikely]] {
     error[sizeof error - 1] = '\0';
@@ -623,7 +627,7 @@ size_t Dispatcher::interned() const {
 
 OpHandle Dispatcher::op(std::string_view op, std::string_view backend) { return OpHandle(intern(op, backend)); }
 
-KernelHandle ResolvedKernel::handle() const { return KernelHandle(fn, spec); }
+KernelHandle ResolvedKernel::handle() const { return KernelHandle(fn, data, spec); }
 
 const ResolvedKernel& Dispatcher::resolve(OpState& state, DLDevice device, Dtype dtype,
                                           std::span<const DLTensor> tensors, std::span<const kd_attr> attrs) {
@@ -691,7 +695,8 @@ const ResolvedKernel& Dispatcher::resolve_slow(OpState& state, DLDevice device, 
   const kd_kernel_fn fn = context_.kernel(*selection.spec);
   std::lock_guard lock(mutex_);
   auto resolved = std::make_unique<OpState::Resolved>(OpState::Resolved{
-      device_word(device), dtype, generation, fn, selection.spec, rejected, selection.rule, std::move(selection.ranked)});
+      device_word(device), dtype,          generation,     fn, selection.spec->function_data, selection.spec,
+      rejected,            selection.rule, std::move(selection.ranked)});
   const OpState::Resolved& out = *resolved;
   state.owned.push_back(std::move(resolved));
   // A choice made against an older list of constrained kernels (or before
@@ -788,7 +793,8 @@ void Dispatcher::recover(const ResolvedKernel& first, DLDevice device,
     char next_error[512];
     next_error[0] = '\0';
     const kd_call_args args{sizeof(kd_call_args), tensors.data(), static_cast<int32_t>(tensors.size()),
-                            static_cast<int32_t>(attrs.size()), attrs.data(), stream, next_error, sizeof next_error};
+                            static_cast<int32_t>(attrs.size()), attrs.data(), stream, next_error, sizeof next_error,
+                            next->function_data};
     const kd_status s = fn(&args);
     if (s == KD_STATUS_OK) {
       t.ran = next;

@@ -11,6 +11,7 @@ bool KernelSpec::supports(Dtype dtype) const {
 }
 
 std::string KernelSpec::describe() const {
+  if (is_runtime()) return fmt::format("kernel registered at run time (backend '{}')", backend);
   return fmt::format("plugin '{}' symbol '{}' ({})", plugin, symbol, manifest.empty() ? "<api>" : manifest);
 }
 

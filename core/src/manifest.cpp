@@ -1452,6 +1452,24 @@ ManifestResult parse_manifest_document(std::string_view text, const std::string&
 
 }  // namespace
 
+std::vector<Target> parse_targets(std::string_view json_list, const std::string& what) {
+  std::vector<Problem> errors;
+  std::vector<Problem> warnings;
+  Reader r(what, errors, warnings);
+  std::vector<Target> targets;
+  if (const auto doc = parse_json(json_list, r)) {
+    if (!doc->is_array()) {
+      r.bad("", kTargetsExpected, *doc);
+    } else if (auto read = read_targets(r, *doc, "")) {
+      targets = std::move(*read);
+    }
+  }
+  // An unknown key is refused here: nothing else would report it.
+  if (errors.empty() && !warnings.empty()) errors.push_back(warnings.front());
+  if (!errors.empty()) throw ManifestError(errors.front().code, errors.front().message);
+  return targets;
+}
+
 ManifestResult parse_manifest(std::string_view text, const std::string& path) {
   return parse_manifest_document(text, path, nullptr);
 }

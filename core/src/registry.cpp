@@ -21,6 +21,15 @@ bool KernelRegistry::add(const KernelSpec& spec) {
       bump();
       return true;
     }
+    if (existing.withdrawn && existing.spec.is_runtime() && spec.is_runtime()) {
+      // A kernel registered at run time and withdrawn since: the new one
+      // takes its place. The old spec stays allocated (selections and
+      // handles may point at it).
+      retired_.push_back(std::move(it->second));
+      it->second = std::make_unique<Entry>(Entry{spec, false});
+      bump();
+      return true;
+    }
     throw RegistrationError(
         ErrorCode::conflicting_registration,
         fmt::format("Conflicting kernel registration for op '{}', backend '{}': {} != {}", spec.op,
@@ -62,6 +71,29 @@ void KernelRegistry::withdraw_plugin(const std::string& plugin, const Problem& p
   }
   std::sort(failure.ops.begin(), failure.ops.end());
   failures_.push_back(std::move(failure));
+  bump();
+}
+
+void KernelRegistry::remove_runtime(std::string_view op, std::string_view backend) {
+  std::unique_lock lock(mutex_);
+  Entry* entry = nullptr;
+  if (const auto it = kernels_.find(op); it != kernels_.end()) {
+    if (const auto jt = it->second.find(backend); jt != it->second.end()) entry = jt->second.get();
+  }
+  if (entry == nullptr || entry->withdrawn) {
+    throw SelectionError(ErrorCode::backend_not_registered,
+                         fmt::format("No '{}' backend registered for op '{}': nothing to unregister", backend, op));
+  }
+  const KernelSpec& spec = entry->spec;
+  if (!spec.is_runtime()) {
+    throw RegistrationError(
+        ErrorCode::conflicting_registration,
+        fmt::format("Cannot unregister the '{}' backend of op '{}': its kernel comes from {}, and only kernels "
+                    "registered at run time can be unregistered",
+                    backend, op, spec.describe()),
+        {fmt::format("leave out the plugin instead: KDISPATCH_PLUGINS_DISABLE={}", spec.plugin)});
+  }
+  entry->withdrawn = true;
   bump();
 }
 

@@ -215,6 +215,7 @@ struct Call {
     args.num_attrs = 4;
     args.error = error;
     args.error_capacity = sizeof error;
+    args.kernel_data = nullptr;
   }
 };
 

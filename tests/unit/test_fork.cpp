@@ -35,7 +35,7 @@ int load_and_call(Context& ctx) {
     factor.type = KD_ATTR_TYPE_FLOAT;
     factor.value.f = 3.0;
     char error[256] = "";
-    const kd_call_args args{sizeof(kd_call_args), tensors, 2, 1, &factor, nullptr, error, sizeof error};
+    const kd_call_args args{sizeof(kd_call_args), tensors, 2, 1, &factor, nullptr, error, sizeof error, nullptr};
     if (fn(&args) != KD_STATUS_OK) return 2;
     return out[1] == -6.0f ? 0 : 3;
   } catch (...) {

@@ -157,6 +157,7 @@ TEST_CASE("loader: the good plugin loads, probes and its kernels run") {
     args.attrs = &factor;
     args.error = error;
     args.error_capacity = sizeof error;
+    args.kernel_data = nullptr;
     REQUIRE(plugin->kernels.at(symbol)(&args) == KD_STATUS_OK);
     CHECK(out_data[0] == 2.0F);
     CHECK(out_data[1] == -4.0F);

@@ -80,7 +80,7 @@ TEST_CASE("broken plugins fail with their own code, beside good ones that still 
     factor.type = KD_ATTR_TYPE_FLOAT;
     factor.value.f = 3.0;
     char error[256] = "";
-    const kd_call_args args{sizeof(kd_call_args), tensors, 2, 1, &factor, nullptr, error, sizeof error};
+    const kd_call_args args{sizeof(kd_call_args), tensors, 2, 1, &factor, nullptr, error, sizeof error, nullptr};
     REQUIRE(fn(&args) == KD_STATUS_OK);
     CHECK(out[1] == -6.0f);
   }

@@ -63,7 +63,8 @@ void BM_DirectCall(benchmark::State& state) {
   char error[512];
   for (auto _ : state) {
     error[0] = '\0';
-    const kd_call_args args{sizeof(kd_call_args), f.tensors.data(), 3, 1, f.attrs.data(), nullptr, error, sizeof error};
+    const kd_call_args args{sizeof(kd_call_args), f.tensors.data(), 3, 1, f.attrs.data(), nullptr, error, sizeof error,
+                            nullptr};
     // A real caller checks the status, as the handle does.
     if (fn(&args) != KD_STATUS_OK) state.SkipWithError("kernel failed");
     benchmark::ClobberMemory();
@@ -260,7 +261,8 @@ void BM_CudaLaunchDirect(benchmark::State& state) {
   size_t n = 0;
   for (auto _ : state) {
     error[0] = '\0';
-    const kd_call_args args{sizeof(kd_call_args), f.tensors.data(), 3, 1, f.attrs.data(), nullptr, error, sizeof error};
+    const kd_call_args args{sizeof(kd_call_args), f.tensors.data(), 3, 1, f.attrs.data(), nullptr, error, sizeof error,
+                            nullptr};
     benchmark::DoNotOptimize(fn(&args));
     if (++n % 256 == 0) f.sync();
   }

@@ -31,6 +31,7 @@ struct RawCall {
     args.stream = stream;
     args.error = error;
     args.error_capacity = sizeof(error);
+    args.kernel_data = nullptr;  // a plugin's kernel
     return fn(&args);
   }
 };

@@ -66,6 +66,24 @@ class Context {
   // path). Problems are returned, and kept for problems().
   std::vector<Problem> add_manifest(const Manifest& manifest);
 
+  // Registers a kernel at run time: `spec.function` (required) is called
+  // with `spec.function_data` as kd_call_args::kernel_data, through the
+  // same checks, selection rules and fallback as a plugin's kernels.
+  // `spec` is checked as a manifest's kernel entry: its op must have a
+  // schema (else SelectionError KD-E001), its role must be backend (a
+  // kernel registered at run time is never an op's reference), its dtypes
+  // within the schema's, its constraints must fit the op and its priority
+  // be in [-1000, 1000] (else ManifestError KD-E011); plugin, symbol and
+  // manifest must be empty. The same (op, backend) again with the same
+  // function and data is a no-op; anything else is RegistrationError
+  // KD-E005, unless the earlier one was unregistered. Cached selections,
+  // handles resolved before included, follow it.
+  void register_kernel(KernelSpec spec);
+  // Withdraws the kernel of (op, backend) registered at run time. Throws
+  // SelectionError KD-E002 when there is none, RegistrationError KD-E005
+  // when the pair's kernel is a plugin's.
+  void unregister_kernel(std::string_view op, std::string_view backend);
+
   // Every problem so far: discovery, registration conflicts, failed loads.
   std::vector<Problem> problems() const;
 
@@ -87,7 +105,8 @@ class Context {
   // The device tensors on (type, id) live on (ContextOptions::device_of).
   Device device(DeviceType type, int32_t id) const;
 
-  // The kernel of `spec`, loading its plugin on first use (serialised; a
+  // The kernel of `spec`: its function when registered at run time, else
+  // the plugin's, loading the plugin on first use (serialised; a
   // plugin is opened at most once and never unloaded). Throws PluginError
   // when the plugin cannot be used; its kernels are then withdrawn, so later
   // selections report why (KD-E002/E003).

@@ -62,7 +62,8 @@ class KernelHandle {
     char error[512];
     error[0] = '\0';
     const kd_call_args args{sizeof(kd_call_args), tensors.data(), static_cast<int32_t>(tensors.size()),
-                            static_cast<int32_t>(attrs.size()), attrs.data(), stream, error, sizeof error};
+                            static_cast<int32_t>(attrs.size()), attrs.data(), stream, error, sizeof error,
+                            data_};
     const kd_status status = fn_(&args);
     if (status != KD_STATUS_OK) [[unlikely]] raise(status, error);
   }
@@ -74,9 +75,10 @@ class KernelHandle {
   friend class OpHandle;
   friend class Dispatcher;
   friend struct ResolvedKernel;
-  KernelHandle(kd_kernel_fn fn, const KernelSpec* spec) : fn_(fn), spec_(spec) {}
+  KernelHandle(kd_kernel_fn fn, void* data, const KernelSpec* spec) : fn_(fn), data_(data), spec_(spec) {}
   [[noreturn]] void raise(kd_status status, char* error) const;
   kd_kernel_fn fn_ = nullptr;
+  void* data_ = nullptr;  // the spec's function_data: kd_call_args::kernel_data
   const KernelSpec* spec_ = nullptr;
 };
 

@@ -1,8 +1,10 @@
 // KernelSpec: one backend's implementation of one op, as declared by a
-// plugin manifest. Pure metadata: no library is opened to build one.
+// plugin manifest or registered at run time (Context::register_kernel).
+// Pure metadata: no library is opened to build one.
 #pragma once
 
 #include <kdispatch/export.h>
+#include <kdispatch/plugin_api.h>
 
 #include <cstdint>
 #include <string>
@@ -40,15 +42,24 @@ struct KernelSpec {
   // user preference, tuned choice or KDISPATCH_BACKEND_ORDER decides; the
   // higher wins, and equal priorities are a tie (KD-E004). Default 0.
   int32_t priority = 0;
+  // A kernel registered at run time: the function itself and the data it
+  // gets as kd_call_args::kernel_data. Plugin, symbol and manifest are then
+  // empty. Null for a plugin's kernels, whose function the plugin gives.
+  kd_kernel_fn function = nullptr;
+  void* function_data = nullptr;
 
   bool is_reference() const { return role == KernelRole::reference; }
+  bool is_runtime() const { return function != nullptr; }
 
   bool supports(Dtype dtype) const;
-  // Same plugin and symbol: registering it again is a no-op.
+  // Same plugin and symbol (same function and data for a kernel registered
+  // at run time): registering it again is a no-op.
   bool same_implementation(const KernelSpec& other) const {
-    return plugin == other.plugin && symbol == other.symbol;
+    return plugin == other.plugin && symbol == other.symbol && function == other.function &&
+           function_data == other.function_data;
   }
-  // "plugin 'cuda' symbol 'kd_cuda_rmsnorm' (lib/kdispatch/plugins/cuda.json)"
+  // "plugin 'cuda' symbol 'kd_cuda_rmsnorm' (lib/kdispatch/plugins/cuda.json)",
+  // "kernel registered at run time (backend 'torch')"
   std::string describe() const;
   // Every field equal.
   bool operator==(const KernelSpec&) const = default;

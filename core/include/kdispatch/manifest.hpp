@@ -79,6 +79,12 @@ struct ManifestResult {
 ManifestResult parse_manifest(std::string_view text, const std::string& path);
 ManifestResult read_manifest(const std::filesystem::path& path);
 
+// A JSON list of target objects as a manifest's "targets" holds them
+// (docs/manifest.md, Targets), read by the manifest's own rules. Throws
+// ManifestError (KD-E010 bad JSON, KD-E011 a bad or unknown field) whose
+// message starts with `what`.
+std::vector<Target> parse_targets(std::string_view json_list, const std::string& what);
+
 // The text of a manifest or op-schema file, read up to the size a manifest
 // may have (16 MiB); otherwise the problem (KD-E010, naming the file) in
 // `problem`. A FIFO, device or directory is refused as not a regular file,

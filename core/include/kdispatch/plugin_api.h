@@ -45,6 +45,9 @@
  *        (<kdispatch/plugin_rows.hpp> addresses them). A 1.0 schema could
  *        only ask for contiguous tensors or any strides, so nothing a 1.0
  *        plugin declared changes.
+ *        kd_call_args.kernel_data appended: the data given with a kernel
+ *        registered at run time (a function in the process, not in a
+ *        plugin); NULL for a plugin's kernels, which never need to read it.
  */
 #ifndef KDISPATCH_PLUGIN_API_H_
 #define KDISPATCH_PLUGIN_API_H_
@@ -158,8 +161,12 @@ typedef struct kd_call_args {
   char* error;               /* out: NUL-terminated message when the kernel
                                 does not return KD_STATUS_OK */
   size_t error_capacity;     /* bytes available at `error` */
+  void* kernel_data;         /* ABI 1.1: the data registered with a kernel
+                                registered at run time
+                                (Context::register_kernel); NULL for a
+                                plugin's kernels */
 } kd_call_args;
-#define KD_CALL_ARGS_STRUCT_SIZE KD_STRUCT_SIZE(kd_call_args, error_capacity)
+#define KD_CALL_ARGS_STRUCT_SIZE KD_STRUCT_SIZE(kd_call_args, kernel_data)
 KD_STATIC_ASSERT(sizeof(kd_call_args) == KD_CALL_ARGS_STRUCT_SIZE,
                  "kd_call_args grew: update KD_CALL_ARGS_STRUCT_SIZE");
 

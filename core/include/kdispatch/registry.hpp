@@ -52,6 +52,11 @@ class KernelRegistry {
   // one throws RegistrationError KD-E005.
   bool add_schema(const OpSchema& schema);
 
+  // Withdraws the kernel of (op, backend) registered at run time. Throws
+  // SelectionError KD-E002 when the pair has no kernel, RegistrationError
+  // KD-E005 when its kernel is a plugin's. The spec stays allocated; a
+  // later add() of the pair replaces it.
+  void remove_runtime(std::string_view op, std::string_view backend);
   // Withdraws every kernel of `plugin` (it failed to load) and records why.
   void withdraw_plugin(const std::string& plugin, const Problem& problem);
   // Records a plugin whose manifest never made it into the registry.
@@ -99,6 +104,7 @@ class KernelRegistry {
       kernels_;
   std::map<std::string, std::unique_ptr<OpSchema>, std::less<>> schemas_;
   std::vector<PluginFailure> failures_;
+  std::vector<std::unique_ptr<Entry>> retired_;  // replaced run-time kernels, kept for pointers to them
   std::atomic<uint64_t> generation_{1};
 };
 

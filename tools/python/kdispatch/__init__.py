@@ -18,7 +18,8 @@ import sys as _sys
 
 from . import _kdispatch
 from ._errors import (CallError, Error, KernelError, ManifestError, PluginError, RegistrationError,
-                      SelectionError)
+                      SelectionError, Unsupported)
+from ._runtime_kernels import register_kernel, unregister_kernel
 
 version = _kdispatch.version
 __version__ = version
@@ -42,8 +43,9 @@ call = _kdispatch.call
 
 __all__ = [
     "CallError", "Error", "KernelError", "ManifestError", "Op", "PluginError", "RegistrationError",
-    "SelectionError", "backends", "call", "configure", "doctor", "error_codes", "explain", "fallback",
-    "op", "ops", "preference", "schema", "schemas", "select", "set_fallback", "set_preference", "version",
+    "SelectionError", "Unsupported", "backends", "call", "configure", "doctor", "error_codes", "explain",
+    "fallback", "op", "ops", "preference", "register_kernel", "schema", "schemas", "select", "set_fallback",
+    "set_preference", "unregister_kernel", "version",
 ]
 
 # torch tensors are read from their own attributes rather than through a

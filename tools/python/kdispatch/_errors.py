@@ -48,3 +48,9 @@ class KernelError(Error):
 def call_error(message):
     """A KD-E030 error raised by the Python layer (fake implementations)."""
     return CallError("KD-E030", message)
+
+
+class Unsupported(Exception):
+    """Raised by a kernel registered with ``kdispatch.register_kernel`` that
+    does not handle a call: the call passes to the next ranked backend, and
+    the message says why in warnings and errors."""

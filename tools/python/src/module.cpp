@@ -11,6 +11,7 @@
 #include "inventory.hpp"
 #include "op_call.hpp"
 #include "runtime.hpp"
+#include "runtime_kernels.hpp"
 #include "tensor_args.hpp"
 #include "testing.hpp"
 
@@ -21,6 +22,7 @@ PYBIND11_MODULE(_kdispatch, m) {
   m.doc() = "kdispatch: kernel dispatcher with plugin backends (C++ core bindings)";
   m.attr("version") = KDISPATCH_PYTHON_VERSION;
   register_error_translator();
+  bind_runtime_kernels(m);
 
   m.def("ops", &ops, "Every op with a usable kernel, sorted (as `kdispatch list`).");
   m.def("backends", &backends, py::arg("op"), py::arg("device") = py::none(),

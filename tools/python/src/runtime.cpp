@@ -21,6 +21,9 @@ struct State {
   std::shared_ptr<Runtime> current;  // guarded by `mutex`
   // set_preference()'s, applied again to the runtime made after configure().
   std::map<std::string, std::vector<std::string>, std::less<>> preferences;
+  // register_kernel()'s by (op, backend), applied again to the runtime
+  // made after configure().
+  std::map<std::pair<std::string, std::string>, KernelSpec> kernels;
   // set_fallback()'s, applied again to the runtime made after configure().
   std::optional<bool> fallback;
 };
@@ -58,6 +61,18 @@ std::shared_ptr<Runtime> runtime() {
         it = s.preferences.erase(it);
       }
     }
+    for (auto it = s.kernels.begin(); it != s.kernels.end();) {
+      try {
+        s.current->context.register_kernel(it->second);
+        ++it;
+      } catch (const Error& e) {
+        if (log_level() >= LogLevel::warn) {
+          fmt::print(stderr, "kdispatch: warn: kdispatch.register_kernel('{}', '{}', ...) no longer applies after "
+                     "configure(): {}\n", it->first.first, it->first.second, e.what());
+        }
+        it = s.kernels.erase(it);
+      }
+    }
   }
   return s.current;
 }
@@ -72,6 +87,23 @@ void set_preference(const std::string& op, std::vector<std::string> backends) {
   } else {
     s.preferences.insert_or_assign(op, std::move(backends));
   }
+}
+
+void register_kernel(KernelSpec spec) {
+  std::shared_ptr<Runtime> current = runtime();
+  current->context.register_kernel(spec);
+  State& s = state();
+  std::lock_guard lock(s.mutex);
+  std::pair<std::string, std::string> key{spec.op, spec.backend};
+  s.kernels.insert_or_assign(std::move(key), std::move(spec));
+}
+
+void unregister_kernel(const std::string& op, const std::string& backend) {
+  std::shared_ptr<Runtime> current = runtime();
+  current->context.unregister_kernel(op, backend);
+  State& s = state();
+  std::lock_guard lock(s.mutex);
+  s.kernels.erase(std::pair<std::string, std::string>{op, backend});
 }
 
 void set_fallback(bool on) {

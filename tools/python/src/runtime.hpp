@@ -35,6 +35,11 @@ std::shared_ptr<Runtime> runtime();
 // runtime and in each one made after a configure().
 void set_preference(const std::string& op, std::vector<std::string> backends);
 
+// Context::register_kernel / unregister_kernel in the current runtime and
+// in each one made after a configure().
+void register_kernel(KernelSpec spec);
+void unregister_kernel(const std::string& op, const std::string& backend);
+
 // Context::set_fallback in the current runtime and in each one made after a
 // configure(); fallback() reads the current runtime's.
 void set_fallback(bool on);
