@@ -46,7 +46,7 @@ Context::Context(ContextOptions options)
       selector_->set_tuning_file(file);
     } catch (const Error& e) {
       log(LogLevel::warn, "KDISPATCH_TUNING_FILE: [{}] {}; the file is ignored", e.code_string(), e.message());
-      problems_.push_back({e.code(), file, e.message()});
+      selector_->add_tuning_problem({e.code(), file, e.message()});
     }
   }
 }

@@ -418,6 +418,16 @@ std::vector<Problem> Selector::tuning_problems() const {
   return tuning_problems_;
 }
 
+std::vector<Problem> Selector::check_tuning() const {
+  if (const std::shared_ptr<const TuningSet> set = tuning()) tuning_applies(*set);
+  return tuning_problems();
+}
+
+void Selector::add_tuning_problem(Problem problem) {
+  std::lock_guard lock(tuning_mutex_);
+  tuning_problems_.push_back(std::move(problem));
+}
+
 bool Selector::tuning_applies(const TuningSet& tuning) const {
   std::call_once(tuning.checked, [&] {
     if (!machine_key_) {

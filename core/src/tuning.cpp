@@ -29,6 +29,7 @@ namespace kdispatch {
 namespace {
 
 using json = nlohmann::json;
+using ojson = nlohmann::ordered_json;  // written files keep the documented key order
 
 bool is_symbol_name(std::string_view s) {
   if (s.empty() || s.size() > 64) return false;
@@ -275,18 +276,18 @@ std::string tuning_key_mismatch(const TuningKey& file, const TuningKey& machine)
 
 namespace {
 
-json measurement_json(const TuningMeasurement& m) {
-  json sizes = json::object();
+ojson measurement_json(const TuningMeasurement& m) {
+  ojson sizes = ojson::object();
   for (const auto& [k, v] : m.sizes) sizes[k] = v;
-  json us = json::object();
+  ojson us = ojson::object();
   for (const auto& [k, v] : m.us) us[k] = v;
-  return json{{"sizes", sizes}, {"us", us}};
+  return ojson{{"sizes", sizes}, {"us", us}};
 }
 
 }  // namespace
 
 std::string tuning_file_text(const TuningFile& file) {
-  json key = json::object();
+  ojson key = ojson::object();
   key["kdispatch"] = file.key.kdispatch;
   key["device"] = std::string(device_type_name(file.key.device));
   key["name"] = file.key.name;
@@ -294,14 +295,14 @@ std::string tuning_file_text(const TuningFile& file) {
   key["driver"] = file.key.driver;
   key["runtime"] = file.key.runtime;
   key["threads"] = file.key.threads;
-  json backends = json::object();
+  ojson backends = ojson::object();
   for (const auto& [k, v] : file.key.backends) backends[k] = v;
   key["backends"] = backends;
-  json choices = json::array();
+  ojson choices = ojson::array();
   for (const TuningChoice& c : file.choices) {
-    json measured = json::array();
+    ojson measured = ojson::array();
     for (const auto& m : c.measured) measured.push_back(measurement_json(m));
-    json entry = json::object();
+    ojson entry = ojson::object();
     entry["op"] = c.op;
     entry["dtype"] = std::string(dtype_name(c.dtype));
     entry["when"] = c.when;
@@ -309,11 +310,11 @@ std::string tuning_file_text(const TuningFile& file) {
     entry["measured"] = measured;
     choices.push_back(std::move(entry));
   }
-  json doc = json::object();
+  ojson doc = ojson::object();
   doc["kdispatch_tuning"] = 1;
   doc["key"] = key;
   doc["choices"] = choices;
-  return doc.dump(2, ' ', false, json::error_handler_t::replace) + "\n";
+  return doc.dump(2, ' ', false, ojson::error_handler_t::replace) + "\n";
 }
 
 namespace {

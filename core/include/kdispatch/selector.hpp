@@ -164,6 +164,12 @@ class Selector {
   // A tuning file whose key did not match, once consulted (KD-E011, a
   // warning).
   std::vector<Problem> tuning_problems() const;
+  // Checks the tuning file's key now (as the first call consulting it
+  // would) and returns tuning_problems(): for `kdispatch doctor`.
+  std::vector<Problem> check_tuning() const;
+  // A problem with the tuning file found by the caller (a file from the
+  // environment that could not be read), kept for tuning_problems().
+  void add_tuning_problem(Problem problem);
 
   // Every registered backend of `op` checked against the device and dtype.
   // With `call`, a kernel whose constraints (KernelSpec::constraints) do
