@@ -132,3 +132,33 @@ TEST_CASE("tune: usage errors") {
   CHECK(help.exit_code == 0);
   CHECK(help.out.find("--from-trace") != std::string::npos);
 }
+
+TEST_CASE("tune: --from-trace takes the ops, dtypes and shapes of a trace's CPU calls") {
+  const std::string dir = make_temp_dir();
+  const std::string trace = dir + "/trace.jsonl";
+  std::ofstream(trace)
+      << R"({"op":"fixture.fallback","backend":"fx_fb_picky","rule":"priority","ranked":["fx_fb_picky","fx_fb_good"],)"
+      << R"("device":"cpu:0","dtypes":["float32","float32"],"shapes":[[5,24],[5,24]],"us":1.5})" << "\n"
+      << R"({"op":"fixture.fallback","backend":"fx_fb_picky","rule":"priority","ranked":["fx_fb_picky"],)"
+      << R"("device":"cuda:0","dtypes":["float32","float32"],"shapes":[[2,4096],[2,4096]],"us":1.5})" << "\n";
+  const std::string out = dir + "/tuning.json";
+  const ToolResult r =
+      run_tool({"tune", "--from-trace", trace, "--plugin-path", fixture("fx_fb_picky"), "--plugin-path",
+                fixture("fx_fb_good"), "--plugin-path", fixture("fx_fb_reference"), "--budget", "10", "--out", out,
+                "--json"});
+  INFO("stdout: " << r.out << "\nstderr: " << r.err);
+  CHECK(r.exit_code == 0);
+  const Json j = parse(r.out);
+  REQUIRE(j.at("measurements").size() == 1);  // the cuda call is not timed here
+  CHECK(j.at("measurements")[0].at("op") == "fixture.fallback");
+  CHECK(j.at("measurements")[0].at("sizes") == "N=24");
+  const Json file = read_json(out);
+  REQUIRE(file.at("choices").size() == 1);
+  CHECK(file.at("choices")[0].at("measured")[0].at("sizes").at("N") == 24);
+
+  std::ofstream(trace) << "not a trace\n";
+  const ToolResult bad = run_tool({"tune", "--from-trace", trace});
+  CHECK(bad.exit_code == 1);
+  CHECK(bad.err.find("line 1 is not a trace line") != std::string::npos);
+  fs::remove_all(dir);
+}

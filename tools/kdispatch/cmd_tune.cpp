@@ -56,6 +56,28 @@ std::set<std::string> symbols_of(const OpSchema& schema) {
   return out;
 }
 
+// The values of the schema's named symbols in one traced call's shapes:
+// patterns are matched from their last dim, after any leading "*".
+std::map<std::string, int64_t> symbols_of_call(const OpSchema& schema, const std::vector<std::vector<int64_t>>& shapes) {
+  std::map<std::string, int64_t> out;
+  for (size_t i = 0; i < schema.tensors.size() && i < shapes.size(); ++i) {
+    const std::vector<ShapeToken>& pattern = schema.tensors[i].shape;
+    const std::vector<int64_t>& dims = shapes[i];
+    for (size_t k = 0; k < pattern.size(); ++k) {
+      const ShapeToken& t = pattern[pattern.size() - 1 - k];
+      if (t.kind == ShapeToken::Kind::leading || k >= dims.size()) break;
+      const int64_t dim = dims[dims.size() - 1 - k];
+      if (dim < 0) continue;
+      if (t.kind == ShapeToken::Kind::symbol) {
+        out.emplace(t.symbol, dim);
+      } else if (t.kind == ShapeToken::Kind::multiple && t.value > 0 && dim % t.value == 0) {
+        out.emplace(t.symbol, dim / t.value);
+      }
+    }
+  }
+  return out;
+}
+
 // Every combination of the lists, the first list varying slowest.
 std::vector<std::map<std::string, int64_t>> grid(const std::vector<SizeList>& lists) {
   std::vector<std::map<std::string, int64_t>> out{{}};
@@ -114,7 +136,8 @@ Runner add_tune(CLI::App& app) {
                   "timed; other symbols take the schema's example sizes)")
       ->type_name("SYM=V[,V,...]");
   cmd->add_option("--from-trace", options->from_trace,
-                  "Take the ops and dtypes from a KDISPATCH_TRACE file (the CPU calls in it)")
+                  "Take the ops, dtypes and shapes from a KDISPATCH_TRACE file (its CPU calls; --size replaces the "
+                  "shapes)")
       ->type_name("FILE");
   cmd->add_option("--budget", options->budget, "Seconds to spend in all (default 60); stops early with what was "
                                                "measured, saying so")
@@ -139,6 +162,8 @@ Runner add_tune(CLI::App& app) {
     }
     if (!(options->budget > 0)) throw UsageError("--budget: expected a positive number of seconds");
     std::set<std::pair<std::string, std::string>> from_trace;  // (op, dtype)
+    // op -> the tensor shapes of its traced calls, each distinct once
+    std::map<std::string, std::set<std::vector<std::vector<int64_t>>>> traced_shapes;
     if (!options->from_trace.empty()) {
       std::ifstream in(options->from_trace);
       if (!in) throw UsageError(fmt::format("--from-trace {}: cannot be read", options->from_trace));
@@ -156,6 +181,19 @@ Runner add_tune(CLI::App& app) {
           dtype = entry["dtypes"][0].get<std::string>();
         }
         from_trace.insert({entry["op"].get<std::string>(), dtype});
+        std::vector<std::vector<int64_t>> shapes;
+        if (entry.contains("shapes") && entry["shapes"].is_array()) {
+          for (const Json& shape : entry["shapes"]) {
+            std::vector<int64_t> dims;
+            if (shape.is_array()) {
+              for (const Json& d : shape) dims.push_back(d.is_number_integer() ? d.get<int64_t>() : -1);
+            }
+            shapes.push_back(std::move(dims));
+          }
+        }
+        if (traced_shapes[entry["op"].get<std::string>()].size() < 64) {
+          traced_shapes[entry["op"].get<std::string>()].insert(std::move(shapes));
+        }
       }
       for (const auto& [op, dtype] : from_trace) {
         if (std::find(options->ops.begin(), options->ops.end(), op) == options->ops.end()) options->ops.push_back(op);
@@ -193,6 +231,17 @@ Runner add_tune(CLI::App& app) {
                                          "symbols: {})",
                                          l.symbol, op, l.symbol, fmt::join(symbols, ", ")));
           }
+        }
+        // Without --size, each distinct shape of the trace, its symbols
+        // read back through the schema's patterns.
+        const auto traced = traced_shapes.find(op);
+        if (lists.empty() && traced != traced_shapes.end()) {
+          std::set<std::map<std::string, int64_t>> seen;
+          for (const auto& shapes : traced->second) {
+            std::map<std::string, int64_t> sizes = symbols_of_call(*schema, shapes);
+            if (seen.insert(sizes).second) work.emplace_back(op, std::move(sizes));
+          }
+          continue;
         }
         for (auto& shape : grid(lists)) work.emplace_back(op, std::move(shape));
       }
