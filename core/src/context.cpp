@@ -39,6 +39,23 @@ Context::Context(ContextOptions options)
   }
   discovery_ = discover_plugins(options.search);
   for (PluginRecord& record : discovery_.plugins) register_record(record);
+  selector_->set_machine_key([this](DeviceType type, const std::vector<std::string>& backends) {
+    return tuning_key(*this, type, backends);
+  });
+  // The tuning file names ops: it is read once they are registered.
+  if (const std::string file = selector_->options().tuning_file; !file.empty()) {
+    try {
+      selector_->set_tuning_file(file);
+    } catch (const Error& e) {
+      log(LogLevel::warn, "KDISPATCH_TUNING_FILE: [{}] {}; the file is ignored", e.code_string(), e.message());
+      selector_->add_tuning_problem({e.code(), file, e.message()});
+    }
+  }
+}
+
+void Context::set_tuning_file(const std::filesystem::path& path) {
+  selector_->set_tuning_file(path);
+  registry_->invalidate();
 }
 
 Context::~Context() = default;
@@ -175,6 +192,7 @@ std::vector<Problem> Context::problems() const {
   std::lock_guard lock(load_mutex_);
   out.insert(out.end(), problems_.begin(), problems_.end());
   for (const auto& [name, problem] : failed_) out.push_back(problem);
+  for (auto& p : selector_->tuning_problems()) out.push_back(std::move(p));
   return out;
 }
 

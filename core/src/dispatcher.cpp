@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "constraint.hpp"
+#include "tuning_set.hpp"
 #include "file_check.hpp"
 #include "kdispatch/environment.hpp"
 #include "kdispatch/log.hpp"
@@ -87,9 +88,13 @@ struct OpState {
   using Resolved = ResolvedKernel;
   // The op's kernels that have constraints, compiled against its schema, at
   // one registry generation. Immutable once published; owned by the state.
+  // With them, the "when" of the op's tuned choices (docs/tuning.md): their
+  // verdicts are bits of the cache key after the kernels' ones.
   struct Constrained {
     uint64_t generation;
-    std::vector<std::pair<const KernelSpec*, ConstraintSet>> kernels;  // at most 64
+    std::vector<std::pair<const KernelSpec*, ConstraintSet>> kernels;  // with `tuned`, at most 64
+    std::shared_ptr<const TuningSet> tuning;  // keeps `tuned` alive
+    std::vector<const Constraint*> tuned;
   };
   static constexpr size_t kSlots = 8;
 
@@ -649,6 +654,10 @@ const ResolvedKernel& Dispatcher::resolve(OpState& state, DLDevice device, Dtype
     Constraint::Result result{};
     if (constrained->kernels[i].second.first_failing(call.input, &result) != nullptr) rejected |= uint64_t{1} << i;
   }
+  const size_t base = constrained->kernels.size();
+  for (size_t i = 0; i < constrained->tuned.size(); ++i) {
+    if (constrained->tuned[i]->evaluate(call.input) != Constraint::Result::holds) rejected |= uint64_t{1} << (base + i);
+  }
   if (const OpState::Resolved* r = state.find_constrained(device_word(device), dtype, rejected, constrained->generation)) {
     return *r;
   }
@@ -667,10 +676,28 @@ void Dispatcher::refresh_constraints(OpState& state, uint64_t generation) {
                     fmt::format("op '{}' has {} kernels with constraints; at most 64 are supported", state.op,
                                 kernels.size()));
   }
+  // The tuned choices with a "when": an op with any takes this path, so
+  // that Selector::choose sees the call's values (a tuning file has at most
+  // kMaxTunedConditions of them per op).
+  std::shared_ptr<const TuningSet> tuning = context_.selector().tuning();
+  std::vector<const Constraint*> tuned;
+  if (tuning) {
+    if (const std::vector<TunedChoice>* choices = tuning->choices(state.op)) {
+      for (const TunedChoice& c : *choices) {
+        if (c.when) tuned.push_back(&*c.when);
+      }
+    }
+  }
+  if (kernels.size() + tuned.size() > 64) {
+    throw CallError(ErrorCode::bad_arguments,
+                    fmt::format("op '{}' has {} kernels with constraints and {} tuned choices with a \"when\"; at "
+                                "most 64 together are supported",
+                                state.op, kernels.size(), tuned.size()));
+  }
   std::lock_guard lock(mutex_);
-  if (!kernels.empty()) {
-    state.owned_constrained.push_back(
-        std::make_unique<OpState::Constrained>(OpState::Constrained{generation, std::move(kernels)}));
+  if (!kernels.empty() || !tuned.empty()) {
+    state.owned_constrained.push_back(std::make_unique<OpState::Constrained>(
+        OpState::Constrained{generation, std::move(kernels), std::move(tuning), std::move(tuned)}));
     state.constrained.store(state.owned_constrained.back().get(), std::memory_order_release);
   } else {
     state.constrained.store(nullptr, std::memory_order_release);

@@ -15,6 +15,12 @@ DoctorReport doctor_report(Context& context, bool open_plugins) {
     report.problems.push_back(q);
     report.any_error = true;
   }
+  // The tuning file (KDISPATCH_TUNING_FILE): unreadable, or made for
+  // another machine (a warning).
+  for (Problem& q : context.selector().check_tuning()) {
+    report.any_error = report.any_error || !q.warning;
+    report.problems.push_back(std::move(q));
+  }
   for (const PluginRecord& rec : context.discovery().plugins) {
     PluginReport p;
     p.name = rec.name;

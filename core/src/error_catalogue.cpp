@@ -84,12 +84,14 @@ constexpr CatalogueEntry kCatalogue[] = {
      "More than one backend can run the op on this device and dtype, and nothing says "
      "which one to use. The selector takes the backend named for the call, else "
      "KDISPATCH_FORCE_BACKEND when it is usable, else ranks the usable backends by the op's "
-     "preference, KDISPATCH_BACKEND_ORDER and the kernels' manifest priority, and reports this "
+     "preference, the tuning file's choice for the call (KDISPATCH_TUNING_FILE), KDISPATCH_BACKEND_ORDER "
+     "and the kernels' manifest priority, and reports this "
      "error when none of them tells the first ones apart (the message names those tied). A "
      "reference kernel never counts here: it runs only when named or forced."sv,
      "- Two plugins implement the op for the same device, e.g. the shipped cpu backend and a third-party one "
      "(the example plugin's example_cpu for activation.silu_and_mul)\n"
-     "- No backend was named for the call, no preference or KDISPATCH_BACKEND_ORDER names one of the tied "
+     "- No backend was named for the call, no preference, tuned choice or KDISPATCH_BACKEND_ORDER names one of "
+     "the tied "
      "backends, and their manifests declare equal priorities (the message lists them)"sv,
      "- Name a backend for the call: --backend B on the command line, backend=\"B\" in Python, "
      "dispatcher.op(op, \"B\") in C++\n"

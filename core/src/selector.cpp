@@ -8,6 +8,7 @@
 #include "kdispatch/log.hpp"
 #include "constraint.hpp"
 #include "preference_file.hpp"
+#include "tuning_set.hpp"
 
 namespace kdispatch {
 
@@ -95,6 +96,7 @@ SelectorOptions SelectorOptions::from_environment() {
       log(LogLevel::warn, "KDISPATCH_FALLBACK={}: expected 1 (on) or 0 (off); fallback stays off", *fallback);
     }
   }
+  if (auto file = get_env("KDISPATCH_TUNING_FILE"); file && !file->empty()) options.tuning_file = *file;
   if (auto file = get_env("KDISPATCH_PREFERENCE_FILE"); file && !file->empty()) {
     PreferenceFileResult read = read_preference_file(*file);
     for (Problem& p : read.warnings) {
@@ -243,7 +245,7 @@ Selection Selector::choose(const SelectRequest& request) const {
   // Rule 3: filter by device and dtype, then choose. A reference kernel
   // can only be forced: it makes no call ambiguous and is never the one
   // usable backend. An opt-in kernel takes part only when its backend is
-  // in the op's preference or the global order.
+  // in the op's preference or the global order, or a tuned choice names it.
   const std::vector<std::string> preferred = preference(request.op);
   const auto position = [](const std::vector<std::string>& list, const KernelSpec* s) {
     return static_cast<size_t>(std::find(list.begin(), list.end(), s->backend) - list.begin());
@@ -251,13 +253,17 @@ Selection Selector::choose(const SelectRequest& request) const {
   const std::vector<Eligibility> checked =
       eligibility(request.op, request.device, request.dtype, request.call, request.device_id);
   std::vector<const KernelSpec*> usable;  // references and opt-ins included: what force may pick
-  std::vector<const KernelSpec*> eligible;
   for (const auto& e : checked) {
-    if (!e.eligible) continue;
-    usable.push_back(e.spec);
-    const bool listed = position(preferred, e.spec) < preferred.size() ||
-                        position(options_.backend_order, e.spec) < options_.backend_order.size();
-    if (!e.spec->is_reference() && (!e.spec->opt_in || listed)) eligible.push_back(e.spec);
+    if (e.eligible) usable.push_back(e.spec);
+  }
+  const std::shared_ptr<const TuningSet> tuning = this->tuning();
+  const std::string_view tuned = tuned_backend(request, usable, tuning.get());
+  std::vector<const KernelSpec*> eligible;
+  for (const KernelSpec* s : usable) {
+    const bool listed = position(preferred, s) < preferred.size() ||
+                        position(options_.backend_order, s) < options_.backend_order.size() ||
+                        (!tuned.empty() && s->backend == tuned);
+    if (!s->is_reference() && (!s->opt_in || listed)) eligible.push_back(s);
   }
 
   // The ranking: each rule's key, compared in rule order; the registry's
@@ -265,15 +271,18 @@ Selection Selector::choose(const SelectRequest& request) const {
   struct Ranked {
     const KernelSpec* spec;
     size_t preference;
+    size_t tuned;  // 0: the tuned choice's backend
     size_t order;
     int32_t priority;
   };
   std::vector<Ranked> ranked;
   for (const KernelSpec* s : eligible) {
-    ranked.push_back({s, position(preferred, s), position(options_.backend_order, s), s->priority});
+    ranked.push_back({s, position(preferred, s), !tuned.empty() && s->backend == tuned ? size_t{0} : size_t{1},
+                      position(options_.backend_order, s), s->priority});
   }
   std::stable_sort(ranked.begin(), ranked.end(), [](const Ranked& a, const Ranked& b) {
     if (a.preference != b.preference) return a.preference < b.preference;
+    if (a.tuned != b.tuned) return a.tuned < b.tuned;
     if (a.order != b.order) return a.order < b.order;
     return a.priority > b.priority;
   });
@@ -324,6 +333,8 @@ Selection Selector::choose(const SelectRequest& request) const {
   const Ranked& second = ranked[1];
   if (first.preference != second.preference) {
     selection.rule = SelectionRule::preference;
+  } else if (first.tuned != second.tuned) {
+    selection.rule = SelectionRule::tuned;
   } else if (first.order != second.order) {
     selection.rule = SelectionRule::order;
   } else if (first.priority != second.priority) {
@@ -332,7 +343,10 @@ Selection Selector::choose(const SelectRequest& request) const {
     std::vector<const KernelSpec*> tied;
     std::vector<std::string_view> names;
     for (const Ranked& r : ranked) {
-      if (r.preference != first.preference || r.order != first.order || r.priority != first.priority) break;
+      if (r.preference != first.preference || r.tuned != first.tuned || r.order != first.order ||
+          r.priority != first.priority) {
+        break;
+      }
       tied.push_back(r.spec);
       names.push_back(r.spec->backend);
     }
@@ -341,6 +355,7 @@ Selection Selector::choose(const SelectRequest& request) const {
         fmt::format("op '{}' has multiple backends usable on device '{}' ({}); pass backend=... to choose one",
                     request.op, device, backend_list(tied)),
         {fmt::format("or rank them: a preference for the op (KDISPATCH_PREFERENCE_FILE, kdispatch.set_preference), "
+                     "a tuning file (kdispatch tune, KDISPATCH_TUNING_FILE), "
                      "or KDISPATCH_BACKEND_ORDER={}",
                      fmt::join(names, ","))});
   }
@@ -379,6 +394,84 @@ std::vector<std::string> Selector::preference(std::string_view op) const {
   return it == options_.preferences.end() ? std::vector<std::string>{} : it->second;
 }
 
+void Selector::set_tuning_file(const std::filesystem::path& path) {
+  std::shared_ptr<const TuningSet> set;
+  if (!path.empty()) set = compile_tuning(read_tuning_file(path, registry_), registry_);
+  std::lock_guard lock(tuning_mutex_);
+  tuning_ = std::move(set);
+}
+
+std::string Selector::tuning_file() const {
+  std::lock_guard lock(tuning_mutex_);
+  return tuning_ ? tuning_->file.path : std::string();
+}
+
+std::shared_ptr<const TuningSet> Selector::tuning() const {
+  std::lock_guard lock(tuning_mutex_);
+  return tuning_;
+}
+
+void Selector::set_machine_key(MachineKey key) { machine_key_ = std::move(key); }
+
+std::vector<Problem> Selector::tuning_problems() const {
+  std::lock_guard lock(tuning_mutex_);
+  return tuning_problems_;
+}
+
+std::vector<Problem> Selector::check_tuning() const {
+  if (const std::shared_ptr<const TuningSet> set = tuning()) tuning_applies(*set);
+  return tuning_problems();
+}
+
+void Selector::add_tuning_problem(Problem problem) {
+  std::lock_guard lock(tuning_mutex_);
+  tuning_problems_.push_back(std::move(problem));
+}
+
+bool Selector::tuning_applies(const TuningSet& tuning) const {
+  std::call_once(tuning.checked, [&] {
+    if (!machine_key_) {
+      tuning.active = true;
+      return;
+    }
+    std::vector<std::string> backends;
+    for (const auto& entry : tuning.file.key.backends) backends.push_back(entry.first);
+    std::string mismatch;
+    try {
+      mismatch = tuning_key_mismatch(tuning.file.key, machine_key_(tuning.file.key.device, backends));
+    } catch (const Error& e) {
+      mismatch = e.message();
+    }
+    tuning.active = mismatch.empty();
+    if (tuning.active) return;
+    tuning.mismatch = mismatch;
+    const std::string message = fmt::format(
+        "{}: made for another machine or build ({}); the tuning file is ignored", tuning.file.path, mismatch);
+    log(LogLevel::warn, "[{}] {}", code_string(ErrorCode::manifest_bad_field), message);
+    std::lock_guard lock(tuning_mutex_);
+    tuning_problems_.push_back({ErrorCode::manifest_bad_field, tuning.file.path, message, /*warning=*/true});
+  });
+  return tuning.active;
+}
+
+std::string_view Selector::tuned_backend(const SelectRequest& request, const std::vector<const KernelSpec*>& usable,
+                                         const TuningSet* tuning) const {
+  if (tuning == nullptr || !request.dtype || tuning->file.key.device != request.device.type) return {};
+  const std::vector<TunedChoice>* choices = tuning->choices(request.op);
+  if (choices == nullptr || !tuning_applies(*tuning)) return {};
+  for (const TunedChoice& c : *choices) {
+    if (c.dtype != *request.dtype) continue;
+    if (c.when) {
+      // Without the call's values, only the choices for every call apply.
+      if (request.call == nullptr || c.when->evaluate(request.call->input) != Constraint::Result::holds) continue;
+    }
+    for (const KernelSpec* s : usable) {
+      if (s->backend == c.backend && !s->is_reference()) return c.backend;
+    }
+  }
+  return {};
+}
+
 std::string Demotion::device() const { return fmt::format("{}:{}", device_type_name(device_type), device_id); }
 
 bool Selector::demote(std::string_view op, std::string_view backend, DeviceType type, int32_t id, std::string error) {
@@ -412,6 +505,7 @@ std::string_view rule_name(SelectionRule rule) {
     case SelectionRule::named: return "named";
     case SelectionRule::forced: return "forced";
     case SelectionRule::preference: return "preference";
+    case SelectionRule::tuned: return "tuned";
     case SelectionRule::order: return "order";
     case SelectionRule::priority: return "priority";
   }

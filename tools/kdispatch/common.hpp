@@ -93,6 +93,7 @@ Runner add_doctor(CLI::App& app);
 Runner add_inspect(CLI::App& app);
 Runner add_run(CLI::App& app);
 Runner add_bench(CLI::App& app);
+Runner add_tune(CLI::App& app);
 Runner add_scan(CLI::App& app);
 
 }  // namespace kdispatch::cli

@@ -40,11 +40,12 @@ int main(int argc, char** argv) {
   const bool json = wants_json(argc, argv);
   CLI::App app{
       "kdispatch: a kernel dispatcher with plugin backends.\n"
-      "Lists, selects, runs and benchmarks the kernels that plugins (CPU, CUDA, HIP, third-party)\n"
+      "Lists, selects, runs, benchmarks and tunes the kernels that plugins (CPU, CUDA, HIP, third-party)\n"
       "declare in their manifests, and explains every error.\n\n"
       "Environment: KDISPATCH_PLUGIN_PATH, KDISPATCH_ADD_PLUGIN_PATH, KDISPATCH_PLUGINS_DISABLE,\n"
       "KDISPATCH_PLUGINS_SELECT, KDISPATCH_DEVICE, KDISPATCH_FORCE_BACKEND, KDISPATCH_BACKEND_ORDER,\n"
-      "KDISPATCH_PREFERENCE_FILE=FILE (per-op backend preferences), KDISPATCH_FALLBACK=1 (demote a\n"
+      "KDISPATCH_PREFERENCE_FILE=FILE (per-op backend preferences), KDISPATCH_TUNING_FILE=FILE (measured\n"
+      "per-shape choices, `kdispatch tune`), KDISPATCH_FALLBACK=1 (demote a\n"
       "backend whose kernel fails with a device or internal error and pass the call on),\n"
       "KDISPATCH_LOG=error|warn|info|debug, KDISPATCH_TRACE=FILE, KDISPATCH_CPU_THREADS=N,\n"
       "KDISPATCH_SCAN=cache|always|off, KDISPATCH_SCAN_TIMEOUT=SECONDS (see docs/environment.md).\n"
@@ -60,7 +61,7 @@ int main(int argc, char** argv) {
 
   std::vector<Runner> runners;
   std::vector<CLI::App*> commands;
-  for (auto add : {add_list, add_select, add_run, add_bench, add_doctor, add_scan, add_inspect, add_validate, add_explain}) {
+  for (auto add : {add_list, add_select, add_run, add_bench, add_tune, add_doctor, add_scan, add_inspect, add_validate, add_explain}) {
     runners.push_back(add(app));
     commands.push_back(app.get_subcommands({}).back());
   }

@@ -92,6 +92,11 @@ class Context {
   // The op's user preference (Selector::set_preference); calls made after
   // it follow it, including through handles resolved before.
   void set_preference(std::string_view op, std::vector<std::string> backends);
+  // The tuning file (Selector::set_tuning_file, docs/tuning.md); an empty
+  // path removes it. Calls made after it follow it, including through
+  // handles resolved before. Throws ManifestError KD-E010/E011 for a bad
+  // file, which then changes nothing.
+  void set_tuning_file(const std::filesystem::path& path);
   // Fallback on device and internal errors (docs/internals.md, Fallback):
   // with it on, a kernel that fails with KD_STATUS_DEVICE_ERROR or
   // KD_STATUS_INTERNAL is demoted for its op on that device and the call goes

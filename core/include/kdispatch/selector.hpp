@@ -5,6 +5,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -19,10 +21,14 @@
 #include "kdispatch/error.hpp"
 #include "kdispatch/kernel_spec.hpp"
 #include "kdispatch/registry.hpp"
+#include "kdispatch/tuning.hpp"
 
 namespace kdispatch {
 // A call's values for kernel constraints (internal: core/src/constraint.hpp).
 struct ConstraintCall;
+// A tuning file's choices compiled for the selector (internal:
+// core/src/tuning_set.hpp).
+struct TuningSet;
 }  // namespace kdispatch
 
 namespace kdispatch KDISPATCH_API {
@@ -38,6 +44,10 @@ struct SelectorOptions {
   // preferred first. From KDISPATCH_PREFERENCE_FILE, and at run time from
   // Selector::set_preference (then read it through Selector::preference).
   std::map<std::string, std::vector<std::string>, std::less<>> preferences;
+  // KDISPATCH_TUNING_FILE: measured per-shape choices (docs/tuning.md),
+  // the second ranking rule. Read by Context once its plugins are
+  // registered (the file names ops); at run time Context::set_tuning_file.
+  std::string tuning_file;
   // KDISPATCH_FALLBACK=1: a kernel that fails with a device or internal
   // error is demoted for its op on that device and the call goes to the
   // next ranked backend (Context::set_fallback changes it at run time).
@@ -55,6 +65,7 @@ enum class SelectionRule : uint8_t {
   named,       // backend=... of the call
   forced,      // KDISPATCH_FORCE_BACKEND
   preference,  // the op's user preference
+  tuned,       // a choice of the tuning file (docs/tuning.md)
   order,       // KDISPATCH_BACKEND_ORDER
   priority,    // the kernels' manifest "priority"
 };
@@ -134,6 +145,32 @@ class Selector {
   void set_preference(std::string_view op, std::vector<std::string> backends);
   std::vector<std::string> preference(std::string_view op) const;
 
+  // The tuning file (docs/tuning.md): read and checked against the
+  // registry's ops now; an empty path removes it. Throws ManifestError
+  // KD-E010/E011 naming the file and the JSON pointer, and then changes
+  // nothing. The file's key is checked against the machine when a call
+  // first consults it; a file whose key does not match applies nothing,
+  // with one warning (tuning_problems()). The caller invalidates cached
+  // selections (Context::set_tuning_file does).
+  void set_tuning_file(const std::filesystem::path& path);
+  std::string tuning_file() const;
+  // The compiled choices; null when there is no tuning file.
+  std::shared_ptr<const TuningSet> tuning() const;
+  // The key of this machine for a device type, hashing the libraries of
+  // the given backends (Context sets tuning_key()). Without one, a file's
+  // key is not checked.
+  using MachineKey = std::function<TuningKey(DeviceType, const std::vector<std::string>&)>;
+  void set_machine_key(MachineKey key);
+  // A tuning file whose key did not match, once consulted (KD-E011, a
+  // warning).
+  std::vector<Problem> tuning_problems() const;
+  // Checks the tuning file's key now (as the first call consulting it
+  // would) and returns tuning_problems(): for `kdispatch doctor`.
+  std::vector<Problem> check_tuning() const;
+  // A problem with the tuning file found by the caller (a file from the
+  // environment that could not be read), kept for tuning_problems().
+  void add_tuning_problem(Problem problem);
+
   // Every registered backend of `op` checked against the device and dtype.
   // With `call`, a kernel whose constraints (KernelSpec::constraints) do
   // not hold for it is not eligible, the failed one's text in the reason.
@@ -161,6 +198,15 @@ class Selector {
   const KernelRegistry& registry_;
   SelectorOptions options_;
   mutable std::mutex preferences_mutex_;  // guards options_.preferences
+  // The backend the op's first holding tuned choice names, when eligible
+  // (in `usable`); empty otherwise.
+  std::string_view tuned_backend(const SelectRequest& request, const std::vector<const KernelSpec*>& usable,
+                                 const TuningSet* tuning) const;
+  bool tuning_applies(const TuningSet& tuning) const;
+  mutable std::mutex tuning_mutex_;
+  std::shared_ptr<const TuningSet> tuning_;  // guarded by tuning_mutex_
+  MachineKey machine_key_;
+  mutable std::vector<Problem> tuning_problems_;  // guarded by tuning_mutex_
   mutable std::mutex warned_mutex_;
   mutable std::set<std::string, std::less<>> warned_ops_;  // force-backend warnings
   mutable std::mutex demoted_mutex_;

@@ -32,6 +32,9 @@ set_preference = _kdispatch.set_preference
 set_fallback = _kdispatch.set_fallback
 fallback = _kdispatch.fallback
 preference = _kdispatch.preference
+tuning_key = _kdispatch.tuning_key
+write_tuning = _kdispatch.write_tuning
+set_tuning_file = _kdispatch.set_tuning_file
 schema = _kdispatch.schema
 schemas = _kdispatch.schemas
 doctor = _kdispatch.doctor
@@ -45,7 +48,7 @@ __all__ = [
     "CallError", "Error", "KernelError", "ManifestError", "Op", "PluginError", "RegistrationError",
     "SelectionError", "Unsupported", "backends", "call", "configure", "doctor", "error_codes", "explain",
     "fallback", "op", "ops", "preference", "register_kernel", "schema", "schemas", "select", "set_fallback",
-    "set_preference", "unregister_kernel", "version",
+    "set_preference", "set_tuning_file", "tuning_key", "unregister_kernel", "version", "write_tuning",
 ]
 
 # torch tensors are read from their own attributes rather than through a

@@ -6,6 +6,10 @@
 #include <pybind11/stl/filesystem.h>
 
 #include <kdispatch/error_catalogue.hpp>
+#include <kdispatch/tuning.hpp>
+
+#include <fstream>
+#include <set>
 
 #include "errors.hpp"
 #include "inventory.hpp"
@@ -17,6 +21,30 @@
 
 namespace py = pybind11;
 using namespace kdispatch::python;
+
+namespace {
+
+kdispatch::DeviceType tuning_device(const std::string& device) {
+  const auto type = kdispatch::parse_device_type(device);
+  if (!type) throw py::value_error("device '" + device + "': expected 'cpu', 'cuda' or 'hip'");
+  return *type;
+}
+
+// The non-reference backends with a kernel for devices of `type`.
+std::vector<std::string> backends_on(const kdispatch::Context& ctx, kdispatch::DeviceType type) {
+  std::set<std::string> names;
+  for (const std::string& op : ctx.registry().ops()) {
+    for (const kdispatch::KernelSpec* s : ctx.registry().get(op)) {
+      if (s->is_reference()) continue;
+      bool on = s->targets.empty();
+      for (const auto& t : s->targets) on = on || t.device == type;
+      if (on) names.insert(s->backend);
+    }
+  }
+  return {names.begin(), names.end()};
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_kdispatch, m) {
   m.doc() = "kdispatch: kernel dispatcher with plugin backends (C++ core bindings)";
@@ -30,7 +58,7 @@ PYBIND11_MODULE(_kdispatch, m) {
   m.def("select", &kdispatch::python::select, py::arg("op"), py::arg("backend") = py::none(),
         py::arg("device") = py::none(), py::arg("dtype") = py::none(),
         "The kernel a call would run: backend, plugin, symbol, targets, the rule that chose it ('only', 'named', "
-        "'forced', 'preference', 'order', 'priority') and the ranked candidates (metadata only; no plugin is "
+        "'forced', 'preference', 'tuned', 'order', 'priority') and the ranked candidates (metadata only; no plugin is "
         "opened).");
   m.def(
       "set_preference",
@@ -51,6 +79,67 @@ PYBIND11_MODULE(_kdispatch, m) {
         "reference); off (the default, unless KDISPATCH_FALLBACK=1), the failure is the call's error. A kernel that "
         "returns 'unsupported' passes the call on either way.");
   m.def("fallback", &fallback, "Whether fallback on device and internal errors is on (set_fallback).");
+  m.def(
+      "tuning_key",
+      [](const std::string& device) {
+        const kdispatch::DeviceType type = tuning_device(device);
+        const auto rt = runtime();
+        const kdispatch::TuningKey key = kdispatch::tuning_key(rt->context, type, backends_on(rt->context, type));
+        py::dict out;
+        out["kdispatch"] = key.kdispatch;
+        out["device"] = std::string(kdispatch::device_type_name(key.device));
+        out["name"] = key.name;
+        out["arch"] = key.arch;
+        out["driver"] = key.driver;
+        out["runtime"] = key.runtime;
+        out["threads"] = key.threads;
+        out["backends"] = key.backends;
+        return out;
+      },
+      py::arg("device") = "cpu",
+      "The key a tuning file made here carries for devices of this type ('cpu', 'cuda', 'hip'): kdispatch "
+      "version, device name, arch, driver, runtime, thread count and the sha256 of each backend's plugin library "
+      "(docs/tuning.md).");
+  m.def(
+      "write_tuning",
+      [](const std::filesystem::path& path, const std::string& device, const py::list& measurements) {
+        const kdispatch::DeviceType type = tuning_device(device);
+        std::vector<kdispatch::TuningMeasurement> ms;
+        for (const py::handle& item : measurements) {
+          const py::dict d = py::cast<py::dict>(item);
+          kdispatch::TuningMeasurement entry;
+          entry.op = py::cast<std::string>(d["op"]);
+          const std::string dtype = py::cast<std::string>(d["dtype"]);
+          const auto parsed = kdispatch::parse_dtype(dtype);
+          if (!parsed) throw py::value_error("write_tuning: unknown dtype '" + dtype + "'");
+          entry.dtype = *parsed;
+          entry.sizes = py::cast<std::map<std::string, int64_t>>(d["sizes"]);
+          entry.us = py::cast<std::map<std::string, double>>(d["us"]);
+          ms.push_back(std::move(entry));
+        }
+        kdispatch::TuningFile file;
+        file.path = path.string();
+        file.choices = kdispatch::build_tuning_choices(ms);
+        std::set<std::string> named;
+        for (const auto& c : file.choices) named.insert(c.backend);
+        file.key = kdispatch::tuning_key(runtime()->context, type, std::vector<std::string>(named.begin(), named.end()));
+        std::ofstream out(path, std::ios::binary | std::ios::trunc);
+        out << kdispatch::tuning_file_text(file);
+        out.close();
+        if (!out) throw py::value_error("write_tuning: cannot write " + path.string());
+        return file.choices.size();
+      },
+      py::arg("path"), py::arg("device"), py::arg("measurements"),
+      "Writes a tuning file from measurements ([{'op', 'dtype', 'sizes': {symbol: value}, 'us': {backend: us}}]): "
+      "the core builds the choices (the least time per shape, boundaries at geometric means) and this machine's "
+      "key. Returns the number of choices.");
+  m.def(
+      "set_tuning_file",
+      [](const std::optional<std::filesystem::path>& path) { set_tuning_file(path.value_or(std::filesystem::path())); },
+      py::arg("path"),
+      "Follows a tuning file (the 'tuned' rule) in the current runtime and those after configure(); None removes "
+      "it. Raises kdispatch.Error (KD-E010, KD-E011) for a bad file, which then changes nothing; a file made for "
+      "another machine warns once and applies nothing.");
   m.def("schemas", &schemas, "Every op schema, as dicts.");
   m.def("schema", &schema, py::arg("op"), "The schema of one op, as a dict.");
   m.def("doctor", &doctor, "The plugin report of `kdispatch doctor --json` (opens every plugin found).");

@@ -26,6 +26,9 @@ struct State {
   std::map<std::pair<std::string, std::string>, KernelSpec> kernels;
   // set_fallback()'s, applied again to the runtime made after configure().
   std::optional<bool> fallback;
+  // set_tuning_file()'s (empty: none set; nullopt: never called), applied
+  // again to the runtime made after configure().
+  std::optional<std::filesystem::path> tuning_file;
 };
 
 State& state() {
@@ -49,6 +52,17 @@ std::shared_ptr<Runtime> runtime() {
   if (!s.current) {
     s.current = std::make_shared<Runtime>(s.options);
     if (s.fallback) s.current->context.set_fallback(*s.fallback);
+    if (s.tuning_file) {
+      try {
+        s.current->context.set_tuning_file(*s.tuning_file);
+      } catch (const Error& e) {
+        if (log_level() >= LogLevel::warn) {
+          fmt::print(stderr, "kdispatch: warn: kdispatch.set_tuning_file('{}') no longer applies after "
+                     "configure(): {}\n", s.tuning_file->string(), e.what());
+        }
+        s.tuning_file.reset();
+      }
+    }
     for (auto it = s.preferences.begin(); it != s.preferences.end();) {
       try {
         s.current->context.set_preference(it->first, it->second);
@@ -115,6 +129,14 @@ void set_fallback(bool on) {
 }
 
 bool fallback() { return runtime()->context.fallback(); }
+
+void set_tuning_file(const std::filesystem::path& path) {
+  std::shared_ptr<Runtime> current = runtime();
+  current->context.set_tuning_file(path);
+  State& s = state();
+  std::lock_guard lock(s.mutex);
+  s.tuning_file = path;
+}
 
 void configure(std::vector<std::filesystem::path> replace, std::vector<std::filesystem::path> add) {
   State& s = state();

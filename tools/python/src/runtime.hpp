@@ -44,6 +44,9 @@ void unregister_kernel(const std::string& op, const std::string& backend);
 // configure(); fallback() reads the current runtime's.
 void set_fallback(bool on);
 bool fallback();
+// The tuning file (Context::set_tuning_file; empty: none) in the current
+// runtime and in each one made after a configure().
+void set_tuning_file(const std::filesystem::path& path);
 
 // How many runtimes are alive (kdispatch._live_runtimes, for the tests).
 size_t live_runtimes();

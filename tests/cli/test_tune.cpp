@@ -1,0 +1,164 @@
+// kdispatch tune: backends checked against the reference before they are
+// timed (a wrong or failing one is excluded and reported), the tuning file
+// written, and followed by a later `select`. No assertion depends on which
+// backend is faster.
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+
+#include "run_tool.hpp"
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+namespace {
+
+std::string fixture(const char* name) { return std::string(KDISPATCH_BINARY_DIR) + "/tests/fixtures/plugins/" + name; }
+
+Json parse(const std::string& text) {
+  REQUIRE_NOTHROW(Json::parse(text));
+  return Json::parse(text);
+}
+
+Json read_json(const std::string& path) {
+  std::ifstream in(path);
+  REQUIRE(in.good());
+  return parse(std::string(std::istreambuf_iterator<char>(in), {}));
+}
+
+}  // namespace
+
+TEST_CASE("tune: a backend with wrong results is excluded, and select follows the file written") {
+  const std::string dir = make_temp_dir();
+  const std::string out = dir + "/tuning.json";
+  const ToolResult r = run_tool({"tune", "activation.silu_and_mul", "--device", "cpu", "--dtype", "float32", "--size",
+                                 "D=64", "--add-plugin-path", fixture("fx_wrong"), "--budget", "10", "--out", out,
+                                 "--json"});
+  INFO("stdout: " << r.out << "\nstderr: " << r.err);
+  CHECK(r.exit_code == 3);  // a result did not match
+  const Json j = parse(r.out);
+  REQUIRE(j.at("excluded").size() == 1);
+  CHECK(j.at("excluded")[0].get<std::string>().find("fx_wrong") != std::string::npos);
+  REQUIRE(j.at("measurements").size() == 1);
+  CHECK(j.at("measurements")[0].at("us").contains("cpu"));
+  CHECK_FALSE(j.at("measurements")[0].at("us").contains("fx_wrong"));
+  CHECK(j.at("stopped_early") == false);
+
+  const Json file = read_json(out);
+  CHECK(file.at("kdispatch_tuning") == 1);
+  CHECK(file.at("key").at("device") == "cpu");
+  CHECK(file.at("key").at("threads").get<int64_t>() >= 1);
+  CHECK(file.at("key").at("backends").at("cpu").get<std::string>().rfind("sha256:", 0) == 0);
+  REQUIRE(file.at("choices").size() == 1);
+  const Json& choice = file.at("choices")[0];
+  CHECK(choice.at("op") == "activation.silu_and_mul");
+  CHECK(choice.at("dtype") == "float32");
+  CHECK(choice.at("when") == "");
+  CHECK(choice.at("backend") == "cpu");
+  CHECK(choice.at("measured")[0].at("sizes").at("D") == 64);
+
+  // cpu and fx_wrong are both eligible and tied otherwise: the file decides.
+  const std::map<std::string, std::string> env{{"KDISPATCH_TUNING_FILE", out}};
+  const ToolResult s = run_tool({"select", "activation.silu_and_mul", "--device", "cpu", "--dtype", "float32",
+                                 "--add-plugin-path", fixture("fx_wrong"), "--json"},
+                                env);
+  INFO("select: " << s.out << s.err);
+  CHECK(s.exit_code == 0);
+  const Json sel = parse(s.out);
+  CHECK(sel.at("backend") == "cpu");
+  CHECK(sel.at("rule") == "tuned");
+
+  // Another machine's file: ignored, with one warning naming the field.
+  Json other = file;
+  other["key"]["name"] = "another cpu";
+  const std::string other_path = dir + "/other.json";
+  std::ofstream(other_path) << other.dump();
+  const ToolResult o = run_tool({"select", "activation.silu_and_mul", "--device", "cpu", "--dtype", "float32",
+                                 "--add-plugin-path", fixture("fx_wrong"), "--json"},
+                                {{"KDISPATCH_TUNING_FILE", other_path}});
+  INFO("other: " << o.out << o.err);
+  // cpu and fx_wrong tie again: KD-E004, or whatever ranks them, never `tuned`.
+  CHECK(o.out.find("\"tuned\"") == std::string::npos);
+  CHECK(o.err.find("name: the file has 'another cpu'") != std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("tune: a failing backend is excluded; a grid of sizes gives per-shape choices") {
+  const std::string dir = make_temp_dir();
+  const std::string out = dir + "/tuning.json";
+  const ToolResult r =
+      run_tool({"tune", "fixture.fallback", "--size", "N=8,512", "--plugin-path", fixture("fx_fb_picky"),
+                "--plugin-path", fixture("fx_fb_good"), "--plugin-path", fixture("fx_fb_broken"), "--plugin-path",
+                fixture("fx_fb_reference"), "--budget", "10", "--out", out, "--json"});
+  INFO("stdout: " << r.out << "\nstderr: " << r.err);
+  CHECK(r.exit_code == 3);
+  const Json j = parse(r.out);
+  std::set<std::string> excluded;
+  for (const Json& e : j.at("excluded")) excluded.insert(e.get<std::string>().substr(0, e.get<std::string>().find(':')));
+  CHECK(excluded == std::set<std::string>{"fixture.fallback fx_fb_broken float32 N=8",
+                                          "fixture.fallback fx_fb_broken float32 N=512"});
+  REQUIRE(j.at("measurements").size() == 2);
+  for (const Json& m : j.at("measurements")) {
+    CHECK(m.at("us").size() == 2);  // picky and good, never the reference
+    CHECK_FALSE(m.at("us").contains("fx_fb_reference"));
+  }
+  const Json file = read_json(out);
+  const Json& choices = file.at("choices");
+  REQUIRE((choices.size() == 1 || choices.size() == 2));
+  for (const Json& c : choices) CHECK(c.at("backend") != "fx_fb_broken");
+  if (choices.size() == 1) {
+    CHECK(choices[0].at("when") == "");
+  } else {
+    CHECK(choices[0].at("when") == "N <= 64");
+    CHECK(choices[1].at("when") == "N > 64");
+  }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("tune: usage errors") {
+  const ToolResult gpu = run_tool({"tune", "layernorm.rmsnorm", "--device", "cuda"});
+  CHECK(gpu.exit_code == 1);
+  CHECK(gpu.err.find("kdispatch.tune") != std::string::npos);
+  const ToolResult star = run_tool({"tune", "layernorm.rmsnorm", "--size", "T=1,512"});
+  CHECK(star.exit_code == 1);
+  CHECK(star.err.find("no shape symbol 'T'") != std::string::npos);
+  const ToolResult bad = run_tool({"tune", "layernorm.rmsnorm", "--size", "H=1,x"});
+  CHECK(bad.exit_code == 1);
+  const ToolResult help = run_tool({"tune", "--help"});
+  CHECK(help.exit_code == 0);
+  CHECK(help.out.find("--from-trace") != std::string::npos);
+}
+
+TEST_CASE("tune: --from-trace takes the ops, dtypes and shapes of a trace's CPU calls") {
+  const std::string dir = make_temp_dir();
+  const std::string trace = dir + "/trace.jsonl";
+  std::ofstream(trace)
+      << R"({"op":"fixture.fallback","backend":"fx_fb_picky","rule":"priority","ranked":["fx_fb_picky","fx_fb_good"],)"
+      << R"("device":"cpu:0","dtypes":["float32","float32"],"shapes":[[5,24],[5,24]],"us":1.5})" << "\n"
+      << R"({"op":"fixture.fallback","backend":"fx_fb_picky","rule":"priority","ranked":["fx_fb_picky"],)"
+      << R"("device":"cuda:0","dtypes":["float32","float32"],"shapes":[[2,4096],[2,4096]],"us":1.5})" << "\n";
+  const std::string out = dir + "/tuning.json";
+  const ToolResult r =
+      run_tool({"tune", "--from-trace", trace, "--plugin-path", fixture("fx_fb_picky"), "--plugin-path",
+                fixture("fx_fb_good"), "--plugin-path", fixture("fx_fb_reference"), "--budget", "10", "--out", out,
+                "--json"});
+  INFO("stdout: " << r.out << "\nstderr: " << r.err);
+  CHECK(r.exit_code == 0);
+  const Json j = parse(r.out);
+  REQUIRE(j.at("measurements").size() == 1);  // the cuda call is not timed here
+  CHECK(j.at("measurements")[0].at("op") == "fixture.fallback");
+  CHECK(j.at("measurements")[0].at("sizes") == "N=24");
+  const Json file = read_json(out);
+  REQUIRE(file.at("choices").size() == 1);
+  CHECK(file.at("choices")[0].at("measured")[0].at("sizes").at("N") == 24);
+
+  std::ofstream(trace) << "not a trace\n";
+  const ToolResult bad = run_tool({"tune", "--from-trace", trace});
+  CHECK(bad.exit_code == 1);
+  CHECK(bad.err.find("line 1 is not a trace line") != std::string::npos);
+  fs::remove_all(dir);
+}

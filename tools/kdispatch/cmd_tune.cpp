@@ -1,0 +1,353 @@
+// kdispatch tune: time an op's CPU backends over a grid of sizes, each
+// checked against the reference first, and write the tuning file the
+// selector follows (docs/tuning.md).
+#include <fmt/format.h>
+
+#include <chrono>
+#include <fstream>
+#include <map>
+#include <set>
+
+#include "runner.hpp"
+#include "kdispatch/tuning.hpp"
+
+namespace kdispatch::cli {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct SizeList {
+  std::string symbol;
+  std::vector<int64_t> values;
+};
+
+SizeList parse_size(const std::string& text) {
+  const auto eq = text.find('=');
+  if (eq == std::string::npos || eq == 0 || eq + 1 == text.size()) {
+    throw UsageError(fmt::format("--size '{}': expected SYMBOL=V[,V,...], e.g. H=64,4096", text));
+  }
+  SizeList out{text.substr(0, eq), {}};
+  std::string rest = text.substr(eq + 1);
+  size_t start = 0;
+  while (start <= rest.size()) {
+    const size_t comma = std::min(rest.find(',', start), rest.size());
+    const std::string item = rest.substr(start, comma - start);
+    char* end = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || errno != 0 || v < 0) {
+      throw UsageError(fmt::format("--size '{}': '{}' is not a whole number", text, item));
+    }
+    out.values.push_back(v);
+    start = comma + 1;
+  }
+  return out;
+}
+
+// The schema's shape symbols that a "when" can read.
+std::set<std::string> symbols_of(const OpSchema& schema) {
+  std::set<std::string> out;
+  for (const TensorArg& t : schema.tensors) {
+    for (const ShapeToken& dim : t.shape) {
+      if (dim.kind == ShapeToken::Kind::symbol) out.insert(dim.symbol);
+    }
+  }
+  return out;
+}
+
+// The values of the schema's named symbols in one traced call's shapes:
+// patterns are matched from their last dim, after any leading "*".
+std::map<std::string, int64_t> symbols_of_call(const OpSchema& schema, const std::vector<std::vector<int64_t>>& shapes) {
+  std::map<std::string, int64_t> out;
+  for (size_t i = 0; i < schema.tensors.size() && i < shapes.size(); ++i) {
+    const std::vector<ShapeToken>& pattern = schema.tensors[i].shape;
+    const std::vector<int64_t>& dims = shapes[i];
+    for (size_t k = 0; k < pattern.size(); ++k) {
+      const ShapeToken& t = pattern[pattern.size() - 1 - k];
+      if (t.kind == ShapeToken::Kind::leading || k >= dims.size()) break;
+      const int64_t dim = dims[dims.size() - 1 - k];
+      if (dim < 0) continue;
+      if (t.kind == ShapeToken::Kind::symbol) {
+        out.emplace(t.symbol, dim);
+      } else if (t.kind == ShapeToken::Kind::multiple && t.value > 0 && dim % t.value == 0) {
+        out.emplace(t.symbol, dim / t.value);
+      }
+    }
+  }
+  return out;
+}
+
+// Every combination of the lists, the first list varying slowest.
+std::vector<std::map<std::string, int64_t>> grid(const std::vector<SizeList>& lists) {
+  std::vector<std::map<std::string, int64_t>> out{{}};
+  for (const SizeList& l : lists) {
+    std::vector<std::map<std::string, int64_t>> next;
+    for (const auto& partial : out) {
+      for (int64_t v : l.values) {
+        auto m = partial;
+        m[l.symbol] = v;
+        next.push_back(std::move(m));
+      }
+    }
+    out = std::move(next);
+  }
+  return out;
+}
+
+std::string sizes_text(const std::map<std::string, int64_t>& sizes) {
+  std::vector<std::string> parts;
+  for (const auto& [k, v] : sizes) parts.push_back(fmt::format("{}={}", k, v));
+  return parts.empty() ? std::string("(example)") : fmt::format("{}", fmt::join(parts, " "));
+}
+
+std::string default_out() {
+  const char* home = std::getenv("XDG_CONFIG_HOME");
+  std::string dir = home != nullptr && *home != '\0' ? home : "";
+  if (dir.empty()) {
+    const char* h = std::getenv("HOME");
+    dir = fmt::format("{}/.config", h != nullptr ? h : ".");
+  }
+  return dir + "/kdispatch/tuning-cpu.json";
+}
+
+}  // namespace
+
+Runner add_tune(CLI::App& app) {
+  struct Options {
+    CommonOptions common;
+    std::vector<std::string> ops;
+    std::string device = "cpu";
+    std::string dtype;
+    std::vector<std::string> sizes;
+    std::string from_trace;
+    double budget = 60;
+    std::string out;
+  };
+  auto options = std::make_shared<Options>();
+  CLI::App* cmd = app.add_subcommand(
+      "tune", "Time the CPU backends of ops over a grid of sizes and write the tuning file that selection follows");
+  cmd->add_option("op", options->ops, "Op ids, e.g. layernorm.rmsnorm")->type_name("OP...");
+  cmd->add_option("--device", options->device, "cpu (GPU backends are timed by Python's kdispatch.tune)")
+      ->type_name("D");
+  cmd->add_option("--dtype", options->dtype, "Only this dtype (default: every dtype of each backend)")->type_name("T");
+  cmd->add_option("--size", options->sizes,
+                  "Values of a shape symbol of the op's schema, e.g. H=64,4096 (repeatable: the cross product is "
+                  "timed; other symbols take the schema's example sizes)")
+      ->type_name("SYM=V[,V,...]");
+  cmd->add_option("--from-trace", options->from_trace,
+                  "Take the ops, dtypes and shapes from a KDISPATCH_TRACE file (its CPU calls; --size replaces the "
+                  "shapes)")
+      ->type_name("FILE");
+  cmd->add_option("--budget", options->budget, "Seconds to spend in all (default 60); stops early with what was "
+                                               "measured, saying so")
+      ->type_name("SECONDS");
+  cmd->add_option("--out", options->out, "The tuning file to write (default: $XDG_CONFIG_HOME/kdispatch/tuning-cpu.json)")
+      ->type_name("FILE");
+  add_common_options(*cmd, options->common);
+  cmd->footer(
+      "For each shape, every backend registered for the op on the cpu (opt-in ones too, never the reference)\n"
+      "is first checked against the op's reference kernel: one whose result does not match is excluded and\n"
+      "reported. The others are timed as `kdispatch bench` times (median of batches, inputs rotated over\n"
+      "copies that exceed the last-level cache). The fastest per shape become the file's choices\n"
+      "(docs/tuning.md); point KDISPATCH_TUNING_FILE at it.\n"
+      "Example: kdispatch tune layernorm.rmsnorm --dtype bfloat16 --size H=64,4096 --out tuning.json");
+
+  return [options]() -> int {
+    if (options->device != "cpu") {
+      throw UsageError(fmt::format(
+          "tune --device {}: the CLI times CPU backends only; device timing of GPU backends goes through Python's "
+          "kdispatch.tune (torch CUDA graphs)",
+          options->device));
+    }
+    if (!(options->budget > 0)) throw UsageError("--budget: expected a positive number of seconds");
+    std::set<std::pair<std::string, std::string>> from_trace;  // (op, dtype)
+    // op -> the tensor shapes of its traced calls, each distinct once
+    std::map<std::string, std::set<std::vector<std::vector<int64_t>>>> traced_shapes;
+    if (!options->from_trace.empty()) {
+      std::ifstream in(options->from_trace);
+      if (!in) throw UsageError(fmt::format("--from-trace {}: cannot be read", options->from_trace));
+      std::string line;
+      for (size_t n = 1; std::getline(in, line) && n <= 1000000; ++n) {
+        const Json entry = Json::parse(line, nullptr, false);
+        if (entry.is_discarded() || !entry.is_object() || !entry.contains("op") || !entry["op"].is_string()) {
+          throw UsageError(fmt::format("--from-trace {}: line {} is not a trace line", options->from_trace, n));
+        }
+        const std::string device = entry.value("device", "");
+        if (!device.starts_with("cpu")) continue;
+        std::string dtype;
+        if (entry.contains("dtypes") && entry["dtypes"].is_array() && !entry["dtypes"].empty() &&
+            entry["dtypes"][0].is_string()) {
+          dtype = entry["dtypes"][0].get<std::string>();
+        }
+        from_trace.insert({entry["op"].get<std::string>(), dtype});
+        std::vector<std::vector<int64_t>> shapes;
+        if (entry.contains("shapes") && entry["shapes"].is_array()) {
+          for (const Json& shape : entry["shapes"]) {
+            std::vector<int64_t> dims;
+            if (shape.is_array()) {
+              for (const Json& d : shape) dims.push_back(d.is_number_integer() ? d.get<int64_t>() : -1);
+            }
+            shapes.push_back(std::move(dims));
+          }
+        }
+        if (traced_shapes[entry["op"].get<std::string>()].size() < 64) {
+          traced_shapes[entry["op"].get<std::string>()].insert(std::move(shapes));
+        }
+      }
+      for (const auto& [op, dtype] : from_trace) {
+        if (std::find(options->ops.begin(), options->ops.end(), op) == options->ops.end()) options->ops.push_back(op);
+      }
+    }
+    if (options->ops.empty()) throw UsageError("tune takes one or more ops (or --from-trace FILE)");
+    std::vector<SizeList> lists;
+    for (const std::string& s : options->sizes) lists.push_back(parse_size(s));
+
+    Context& ctx = make_context(options->common);
+    try {
+      const auto start = Clock::now();
+      const auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
+      std::vector<TuningMeasurement> measurements;
+      struct Row {
+        std::string op, dtype, sizes;
+        std::map<std::string, double> us;
+      };
+      std::vector<Row> rows;
+      std::vector<std::string> excluded;
+      std::set<std::string> backends;
+      bool stopped = false;
+      // The shapes of every op first, to share the budget out.
+      std::vector<std::pair<std::string, std::map<std::string, int64_t>>> work;
+      for (const std::string& op : options->ops) {
+        const OpSchema* schema = ctx.registry().schema(op);
+        if (schema == nullptr) {
+          ctx.select({op, {}, Device::host_cpu(), std::nullopt});  // KD-E001 with did-you-mean
+          throw CallError(ErrorCode::bad_arguments, fmt::format("op '{}' has no schema: it cannot be called", op));
+        }
+        const std::set<std::string> symbols = symbols_of(*schema);
+        for (const SizeList& l : lists) {
+          if (!symbols.contains(l.symbol)) {
+            throw UsageError(fmt::format("--size {}: op '{}' has no shape symbol '{}' a choice can read (its "
+                                         "symbols: {})",
+                                         l.symbol, op, l.symbol, fmt::join(symbols, ", ")));
+          }
+        }
+        // Without --size, each distinct shape of the trace, its symbols
+        // read back through the schema's patterns.
+        const auto traced = traced_shapes.find(op);
+        if (lists.empty() && traced != traced_shapes.end()) {
+          std::set<std::map<std::string, int64_t>> seen;
+          for (const auto& shapes : traced->second) {
+            std::map<std::string, int64_t> sizes = symbols_of_call(*schema, shapes);
+            if (seen.insert(sizes).second) work.emplace_back(op, std::move(sizes));
+          }
+          continue;
+        }
+        for (auto& shape : grid(lists)) work.emplace_back(op, std::move(shape));
+      }
+      const bool progress = isatty(2) != 0;
+      for (size_t w = 0; w < work.size(); ++w) {
+        const auto& [op, shape] = work[w];
+        if (elapsed() >= options->budget) {
+          stopped = true;
+          break;
+        }
+        if (progress && elapsed() > 1.0) {
+          fmt::print(stderr, "  tune: {} {} ({} of {}, {:.0f} s) ...\r", op, sizes_text(shape), w + 1, work.size(),
+                     elapsed());
+          std::fflush(stderr);
+        }
+        SweepOptions sweep;
+        sweep.ops = {op};
+        sweep.device = "cpu";
+        sweep.dtype = options->dtype;
+        for (const auto& [k, v] : shape) sweep.shape_overrides.push_back(fmt::format("{}={}", k, v));
+        sweep.iters = 5;
+        // Each shape's backends share what is left of the budget.
+        const double share = (options->budget - elapsed()) / static_cast<double>(work.size() - w);
+        sweep.min_seconds = std::clamp(share / 8, 0.01, 0.3);
+        sweep.rotate_inputs = true;
+        sweep.check = true;
+        sweep.allow_unchecked = true;
+        sweep.progress = false;
+        sweep.json = true;
+        const Sweep result = run_sweep(ctx, sweep);
+        std::map<std::string, TuningMeasurement> by_dtype;
+        for (const SweepResult& r : result.results) {
+          if (!options->from_trace.empty() && !from_trace.contains({op, r.dtype}) && !from_trace.contains({op, ""})) {
+            continue;
+          }
+          if (!r.ok) {
+            excluded.push_back(fmt::format("{} {} {} {}: {}", op, r.backend, r.dtype, sizes_text(shape), r.error));
+            continue;
+          }
+          TuningMeasurement& m = by_dtype[r.dtype];
+          m.op = op;
+          m.dtype = parse_dtype(r.dtype).value_or(Dtype::float32);
+          m.sizes = shape;
+          m.us[r.backend] = r.us_per_call;
+          backends.insert(r.backend);
+        }
+        for (auto& [dtype, m] : by_dtype) {
+          rows.push_back({op, dtype, sizes_text(shape), m.us});
+          measurements.push_back(std::move(m));
+        }
+      }
+      if (progress) fmt::print(stderr, "{:<78}\r", "");
+      TuningFile file;
+      file.choices = build_tuning_choices(measurements);
+      std::set<std::string> named;
+      for (const TuningChoice& c : file.choices) named.insert(c.backend);
+      file.key = tuning_key(ctx, DeviceType::cpu, std::vector<std::string>(named.begin(), named.end()));
+      file.path = options->out.empty() ? default_out() : options->out;
+      std::error_code ec;
+      if (const auto parent = std::filesystem::path(file.path).parent_path(); !parent.empty()) {
+        std::filesystem::create_directories(parent, ec);
+      }
+      {
+        std::ofstream out(file.path, std::ios::binary | std::ios::trunc);
+        out << tuning_file_text(file);
+        if (!out) throw UsageError(fmt::format("--out {}: cannot be written", file.path));
+      }
+      if (options->common.json) {
+        Json table = Json::array();
+        for (const Row& r : rows) {
+          Json us = Json::object();
+          for (const auto& [b, v] : r.us) us[b] = v;
+          table.push_back({{"op", r.op}, {"dtype", r.dtype}, {"sizes", r.sizes}, {"us", us}});
+        }
+        print_json(Json{{"measurements", table},
+                        {"excluded", excluded},
+                        {"stopped_early", stopped},
+                        {"out", file.path},
+                        {"choices", Json::parse(tuning_file_text(file))["choices"]}});
+      } else {
+        fmt::print("{:<24} {:<9} {:<20}", "OP", "DTYPE", "SIZES");
+        for (const std::string& b : backends) fmt::print(" {:>12}", b + " us");
+        fmt::print("  CHOICE\n");
+        for (const Row& r : rows) {
+          fmt::print("{:<24} {:<9} {:<20}", r.op, r.dtype, r.sizes);
+          std::string best;
+          for (const std::string& b : backends) {
+            const auto it = r.us.find(b);
+            fmt::print(" {:>12}", it == r.us.end() ? std::string("-") : fmt::format("{:.2f}", it->second));
+            if (it != r.us.end() && (best.empty() || it->second < r.us.at(best))) best = b;
+          }
+          fmt::print("  {}\n", best);
+        }
+        for (const std::string& e : excluded) fmt::print("excluded (result does not match the reference): {}\n", e);
+        if (stopped) {
+          fmt::print("stopped early: the budget of {} s was spent; the file holds what was measured\n",
+                     options->budget);
+        }
+        fmt::print("wrote {} ({} choices); use it with KDISPATCH_TUNING_FILE={}\n", file.path, file.choices.size(),
+                   file.path);
+      }
+      return excluded.empty() ? kOk : kKernelFailure;
+    } catch (const Error& e) {
+      return report_error(e, options->common.json);
+    }
+  };
+}
+
+}  // namespace kdispatch::cli
