@@ -98,7 +98,7 @@ void Context::register_record(PluginRecord& record) {
       // the schema is known, else when the op is first called.
       if (const OpSchema* schema = spec.constraints.empty() ? nullptr : registry_->schema(spec.op)) {
         const CompiledSchema compiled(*schema);
-        compile_constraints(spec, {compiled.symbols(), compiled.selecting_dtype_var(), schema->attrs});
+        compile_constraints(spec, {compiled.constraint_symbols(), compiled.selecting_dtype_var(), schema->attrs});
       }
       registry_->add(spec);
     } catch (const ManifestError& e) {
@@ -165,7 +165,7 @@ void Context::register_kernel(KernelSpec spec) {
     }
   }
   const CompiledSchema compiled(*schema);
-  compile_constraints(spec, {compiled.symbols(), compiled.selecting_dtype_var(), schema->attrs});
+  compile_constraints(spec, {compiled.constraint_symbols(), compiled.selecting_dtype_var(), schema->attrs});
   registry_->add(spec);
 }
 

@@ -645,9 +645,9 @@ const ResolvedKernel& Dispatcher::resolve(OpState& state, DLDevice device, Dtype
     if (const OpState::Resolved* r = state.find_cached(device_word(device), dtype)) return *r;
     return resolve_slow(state, device, dtype, nullptr, 0, generation);
   }
-  std::array<int64_t, kMaxSchemaSymbols> symbols{};
-  state.compiled->bind_symbols(tensors, symbols.data());
-  ConstraintCall call{{state.compiled->symbols(), state.compiled->selecting_dtype_var(), state.compiled->schema().attrs},
+  std::array<int64_t, kMaxConstraintSymbols> symbols{};
+  state.compiled->bind_constraint_values(tensors, symbols.data());
+  ConstraintCall call{{state.compiled->constraint_symbols(), state.compiled->selecting_dtype_var(), state.compiled->schema().attrs},
                       {symbols.data(), dtype, attrs.data()}};
   uint64_t rejected = 0;
   for (size_t i = 0; i < constrained->kernels.size(); ++i) {
@@ -666,7 +666,7 @@ const ResolvedKernel& Dispatcher::resolve(OpState& state, DLDevice device, Dtype
 
 void Dispatcher::refresh_constraints(OpState& state, uint64_t generation) {
   std::vector<std::pair<const KernelSpec*, ConstraintSet>> kernels;
-  const ConstraintNames names{state.compiled->symbols(), state.compiled->selecting_dtype_var(),
+  const ConstraintNames names{state.compiled->constraint_symbols(), state.compiled->selecting_dtype_var(),
                               state.compiled->schema().attrs};
   for (const KernelSpec* spec : state.registry->get(state.op)) {
     if (!spec->constraints.empty()) kernels.emplace_back(spec, compile_constraints(*spec, names));

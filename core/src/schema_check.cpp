@@ -463,6 +463,13 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
     flattened_.push_back({static_cast<uint8_t>(i), static_cast<uint8_t>(attr - schema.attrs.begin()), t.num_dims,
                           (t.flags & kLeading) != 0});
   }
+  constraint_symbols_ = symbols_;
+  const bool has_leading = std::any_of(plan_.begin(), plan_.end(), [](const Tensor& t) {
+    return (t.flags & kBindsLeading) != 0;
+  });
+  if (has_leading && std::find(symbols_.begin(), symbols_.end(), "rows") == symbols_.end()) {
+    constraint_symbols_.push_back("rows");
+  }
 }
 
 // "2*R <= D": a condition over shape symbols that tensors other than

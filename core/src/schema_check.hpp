@@ -25,6 +25,8 @@
 namespace kdispatch {
 
 inline constexpr size_t kMaxSchemaSymbols = 16;
+// The values constraints read: the shape symbols and "rows".
+inline constexpr size_t kMaxConstraintSymbols = kMaxSchemaSymbols + 1;
 inline constexpr size_t kMaxSchemaDims = 8;  // dims after "*" in one pattern
 inline constexpr size_t kMaxSchemaDtypeVars = 8;
 inline constexpr size_t kMaxFlattened = 4;       // tensors with "flattened" in one schema
@@ -99,11 +101,18 @@ class CompiledSchema {
   // The shape symbols by slot, and the dtype variable that selects the
   // kernel (empty when none does): the names of kernel constraints.
   std::span<const std::string> symbols() const { return symbols_; }
+  // The names constraints and tuned choices read: the shape symbols, then,
+  // for an op whose tensors have leading dims ("*") and no symbol called
+  // so, "rows": the product of the leading dims (bind_constraint_values).
+  std::span<const std::string> constraint_symbols() const { return constraint_symbols_; }
   std::string_view selecting_dtype_var() const { return var_names_.empty() ? std::string_view() : var_names_[0]; }
   // The shape symbols' values in a call that check() accepted, by slot (a
   // symbol that only an absent optional tensor binds reads 0). Reads one
   // dim per symbol.
   void bind_symbols(std::span<const DLTensor> tensors, int64_t* value) const noexcept;
+  // bind_symbols(), then the value of "rows" where constraint_symbols()
+  // has it: `value` holds kMaxConstraintSymbols.
+  void bind_constraint_values(std::span<const DLTensor> tensors, int64_t* value) const noexcept;
 
  private:
   // The plan that walk() follows without branching on what a dim or dtype
@@ -230,6 +239,7 @@ class CompiledSchema {
   std::array<VarCodes, kMaxSchemaDtypeVars> var_codes_{};
   Dtype fixed_dtype_ = Dtype::float32;  // the call's dtype when no variable selects it
   std::vector<std::string> symbols_;
+  std::vector<std::string> constraint_symbols_;  // symbols_, then "rows" where the op has leading dims
   std::vector<std::string> var_names_;  // by slot
   // The argument that binds each symbol slot, each dtype variable slot, and
   // the leading dims: the "from 'x'" of a refusal.
@@ -423,6 +433,16 @@ inline void CompiledSchema::bind_symbols(std::span<const DLTensor> tensors, int6
     const int64_t lead = (spec.flags & kLeading) ? t.ndim - spec.num_dims : 0;
     value[s] = t.shape[lead + symbol_dim_[s]] / symbol_divisor_[s];
   }
+}
+
+inline void CompiledSchema::bind_constraint_values(std::span<const DLTensor> tensors, int64_t* value) const noexcept {
+  bind_symbols(tensors, value);
+  if (constraint_symbols_.size() == symbols_.size()) return;
+  const DLTensor& owner = tensors[leading_owner_];
+  const int64_t lead = int64_t{owner.ndim} - plan_[leading_owner_].num_dims;
+  int64_t rows = 1;
+  for (int64_t d = 0; d < lead; ++d) rows *= owner.shape[d];  // the check bounded the sizes' product
+  value[symbols_.size()] = rows;
 }
 
 }  // namespace kdispatch

@@ -450,7 +450,7 @@ std::shared_ptr<const TuningSet> compile_tuning(TuningFile file, const KernelReg
                                         file.path, i, c.op));
       }
       const CompiledSchema& compiled = *it->second;
-      const ConstraintNames names{compiled.symbols(), compiled.selecting_dtype_var(), compiled.schema().attrs};
+      const ConstraintNames names{compiled.constraint_symbols(), compiled.selecting_dtype_var(), compiled.schema().attrs};
       try {
         tuned.when = Constraint::compile(c.when, &names);
       } catch (const std::invalid_argument& e) {

@@ -151,10 +151,11 @@ TEST_CASE("tune: --from-trace takes the ops, dtypes and shapes of a trace's CPU 
   const Json j = parse(r.out);
   REQUIRE(j.at("measurements").size() == 1);  // the cuda call is not timed here
   CHECK(j.at("measurements")[0].at("op") == "fixture.fallback");
-  CHECK(j.at("measurements")[0].at("sizes") == "N=24");
+  CHECK(j.at("measurements")[0].at("sizes") == "N=24 rows=5");  // rows: the leading dims
   const Json file = read_json(out);
   REQUIRE(file.at("choices").size() == 1);
   CHECK(file.at("choices")[0].at("measured")[0].at("sizes").at("N") == 24);
+  CHECK(file.at("choices")[0].at("measured")[0].at("sizes").at("rows") == 5);
 
   std::ofstream(trace) << "not a trace\n";
   const ToolResult bad = run_tool({"tune", "--from-trace", trace});

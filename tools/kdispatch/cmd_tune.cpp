@@ -45,7 +45,20 @@ SizeList parse_size(const std::string& text) {
   return out;
 }
 
-// The schema's shape symbols that a "when" can read.
+// Whether the op's patterns have leading dims ("*") and no symbol "rows",
+// so that "rows" names the product of the leading dims.
+bool has_rows(const OpSchema& schema) {
+  bool leading = false;
+  for (const TensorArg& t : schema.tensors) {
+    for (const ShapeToken& dim : t.shape) {
+      if (dim.kind == ShapeToken::Kind::leading) leading = true;
+      if (dim.kind != ShapeToken::Kind::leading && dim.symbol == "rows") return false;
+    }
+  }
+  return leading;
+}
+
+// The schema's shape symbols that a "when" can read, "rows" included.
 std::set<std::string> symbols_of(const OpSchema& schema) {
   std::set<std::string> out;
   for (const TensorArg& t : schema.tensors) {
@@ -53,6 +66,7 @@ std::set<std::string> symbols_of(const OpSchema& schema) {
       if (dim.kind == ShapeToken::Kind::symbol) out.insert(dim.symbol);
     }
   }
+  if (has_rows(schema)) out.insert("rows");
   return out;
 }
 
@@ -63,6 +77,13 @@ std::map<std::string, int64_t> symbols_of_call(const OpSchema& schema, const std
   for (size_t i = 0; i < schema.tensors.size() && i < shapes.size(); ++i) {
     const std::vector<ShapeToken>& pattern = schema.tensors[i].shape;
     const std::vector<int64_t>& dims = shapes[i];
+    // "rows": the leading dims of the first tensor that has them.
+    if (!pattern.empty() && pattern.front().kind == ShapeToken::Kind::leading && has_rows(schema) &&
+        !out.contains("rows") && dims.size() + 1 >= pattern.size()) {
+      int64_t rows = 1;
+      for (size_t d = 0; d + pattern.size() - 1 < dims.size(); ++d) rows *= dims[d];
+      out.emplace("rows", rows);
+    }
     for (size_t k = 0; k < pattern.size(); ++k) {
       const ShapeToken& t = pattern[pattern.size() - 1 - k];
       if (t.kind == ShapeToken::Kind::leading || k >= dims.size()) break;
@@ -132,8 +153,8 @@ Runner add_tune(CLI::App& app) {
       ->type_name("D");
   cmd->add_option("--dtype", options->dtype, "Only this dtype (default: every dtype of each backend)")->type_name("T");
   cmd->add_option("--size", options->sizes,
-                  "Values of a shape symbol of the op's schema, e.g. H=64,4096 (repeatable: the cross product is "
-                  "timed; other symbols take the schema's example sizes)")
+                  "Values of a shape symbol of the op's schema, e.g. H=64,4096, or rows=1,64 for the leading dims "
+                  "(repeatable: the cross product is timed; other symbols take the schema's example sizes)")
       ->type_name("SYM=V[,V,...]");
   cmd->add_option("--from-trace", options->from_trace,
                   "Take the ops, dtypes and shapes from a KDISPATCH_TRACE file (its CPU calls; --size replaces the "
@@ -261,7 +282,10 @@ Runner add_tune(CLI::App& app) {
         sweep.ops = {op};
         sweep.device = "cpu";
         sweep.dtype = options->dtype;
-        for (const auto& [k, v] : shape) sweep.shape_overrides.push_back(fmt::format("{}={}", k, v));
+        for (const auto& [k, v] : shape) {
+          const bool rows = k == "rows" && has_rows(*ctx.registry().schema(op));
+          sweep.shape_overrides.push_back(fmt::format("{}={}", rows ? "*" : k, v));
+        }
         sweep.iters = 5;
         // Each shape's backends share what is left of the budget.
         const double share = (options->budget - elapsed()) / static_cast<double>(work.size() - w);

@@ -29,7 +29,7 @@ import types as _types
 from . import _kdispatch
 from ._errors import Error
 
-__all__ = ["Case", "cases", "dtypes", "variants", "inputs", "reference", "compare", "check"]
+__all__ = ["Case", "cases", "dtypes", "variants", "inputs", "reference", "compare", "check", "conformance"]
 
 
 class Case:
@@ -187,3 +187,32 @@ def check(op, got, inputs, case=None):
 
 
 Error = Error  # errors of these functions are kdispatch errors
+
+
+def conformance(op, backend, device="cpu", dtypes=None, seed=0):
+    """The conformance checks of one backend's kernel for `op`, run from
+    Python (for backends registered at run time as for plugins): every case
+    of the schema's "tests" in each dtype (`dtypes`, default those the
+    backend's kernel declares and torch can make), each variant (dtype
+    alternatives, optional tensors left out), on torch tensors on `device`,
+    against the reference. Returns (calls checked, failures), each failure
+    (case, dtype, variant, verdict)."""
+    import torch
+    checked, failures = 0, []
+    missing = set(unavailable_dtypes(op, alternatives=True))
+    for dtype in (dtypes or [d for d in _kdispatch._call_dtypes(op, backend) if d not in missing]):
+        for variant in variants(op, dtype):
+            if any(d in missing for d in variant["dtypes"].values()):
+                continue
+            for case in cases(op):
+                host = inputs(op, dtype, case, seed, dtypes=variant["dtypes"], absent=variant["absent"])
+                want = reference(op, host, case)
+                got = [None if t is None else t.to(device, copy=True) for t in host]
+                _kdispatch.call(op, *got, backend=backend, **_attrs(case))
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                verdict = compare(op, got, want, case)
+                checked += 1
+                if not verdict.ok:
+                    failures.append((case, dtype, variant, verdict))
+    return checked, failures

@@ -190,6 +190,8 @@ PYBIND11_MODULE(_kdispatch, m) {
   m.def("_test_cases", &test_cases, py::arg("op"));
   m.def("_make_inputs", &make_inputs, py::arg("op"), py::arg("dtype"), py::arg("case"), py::arg("seed"),
         py::arg("dtypes") = py::dict(), py::arg("absent") = py::list());
+  m.def("_make_sized_inputs", &make_sized_inputs, py::arg("op"), py::arg("dtype"), py::arg("sizes"),
+        py::arg("seed") = 0);
   m.def("_reference_backend", &reference_backend, py::arg("op"));
   m.def("_call_dtypes", &call_dtypes, py::arg("op"), py::arg("backend") = py::none());
   m.def("_compare", &kdispatch::python::compare, py::arg("op"), py::arg("got"), py::arg("want"),

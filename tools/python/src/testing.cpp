@@ -35,6 +35,22 @@ py::object attr_object(const AttrValue& v) {
   return py::str(std::get<std::string>(v));
 }
 
+// Each tensor of `data` as (bytes, dtype name, shape), None where absent.
+py::list host_tensors(const harness::CallData& data) {
+  py::list out;
+  for (const harness::Buffer& b : data.tensors) {
+    if (!b.present()) {
+      out.append(py::none());
+      continue;
+    }
+    py::list shape;
+    for (int64_t d : b.shape()) shape.append(d);
+    out.append(py::make_tuple(py::bytes(static_cast<const char*>(b.host()), b.bytes()),
+                              std::string(dtype_name(b.dtype())), py::tuple(shape)));
+  }
+  return out;
+}
+
 }  // namespace
 
 py::list test_cases(const std::string& op) {
@@ -109,19 +125,21 @@ py::list make_inputs(const std::string& op, const std::string& dtype, size_t ind
     }
     variant.absent[i] = true;
   }
-  const harness::CallData data = harness::make_case(schema, *parsed, cases[index], seed, variant);
-  py::list out;
-  for (const harness::Buffer& b : data.tensors) {
-    if (!b.present()) {
-      out.append(py::none());
-      continue;
-    }
-    py::list shape;
-    for (int64_t d : b.shape()) shape.append(d);
-    out.append(py::make_tuple(py::bytes(static_cast<const char*>(b.host()), b.bytes()),
-                              std::string(dtype_name(b.dtype())), py::tuple(shape)));
+  return host_tensors(harness::make_case(schema, *parsed, cases[index], seed, variant));
+}
+
+py::list make_sized_inputs(const std::string& op, const std::string& dtype, const std::vector<std::string>& sizes,
+                           uint64_t seed) {
+  const OpSchema& schema = schema_of(op);
+  const auto parsed = parse_dtype(dtype);
+  if (!parsed) throw py::value_error(fmt::format("unknown dtype '{}'", dtype));
+  harness::Shapes shapes = harness::example_shapes(schema);
+  try {
+    harness::apply_overrides(shapes, sizes, schema);
+  } catch (const std::invalid_argument& e) {
+    throw py::value_error(fmt::format("op '{}': {}", op, e.what()));
   }
-  return out;
+  return host_tensors(harness::make_call(schema, *parsed, shapes, seed));
 }
 
 py::list call_dtypes(const std::string& op, const std::optional<std::string>& backend) {

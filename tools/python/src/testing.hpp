@@ -23,6 +23,11 @@ pybind11::list test_cases(const std::string& op);
 // alternative of a tensor; the optional tensors named in `absent` are None.
 pybind11::list make_inputs(const std::string& op, const std::string& dtype, size_t index, uint64_t seed,
                            const pybind11::dict& dtypes, const pybind11::list& absent);
+// The tensors of one call at the schema's example sizes with `sizes`
+// ("NAME=N", "*=a,b") applied, as make_inputs gives them (no case: default
+// attributes, no special values).
+pybind11::list make_sized_inputs(const std::string& op, const std::string& dtype,
+                                 const std::vector<std::string>& sizes, uint64_t seed);
 // harness::call_dtypes of the op, or harness::kernel_dtypes of `backend`'s
 // kernel for it, as names.
 pybind11::list call_dtypes(const std::string& op, const std::optional<std::string>& backend);
