@@ -40,6 +40,21 @@ Context::Context(ContextOptions options)
   discovery_ = discover_plugins(options.search);
   for (PluginRecord& record : discovery_.plugins) register_record(record);
   selector_->set_machine_key([this](DeviceType type, const std::vector<std::string>& backends) {
+    // A GPU's name and versions come from its plugin's probe: the plugins
+    // of the key's backends are opened first (a failure is theirs to report).
+    if (type != DeviceType::cpu) {
+      for (const std::string& backend : backends) {
+        for (const std::string& op : registry_->ops()) {
+          const KernelSpec* spec = registry_->get_backend(op, backend);
+          if (spec == nullptr) continue;
+          try {
+            load_plugin(spec->plugin);
+          } catch (const Error&) {
+          }
+          break;
+        }
+      }
+    }
     return tuning_key(*this, type, backends);
   });
   // The tuning file names ops: it is read once they are registered.

@@ -275,6 +275,8 @@ ProbedDevice to_probed_device(DeviceType type, const kd_device_info& info) {
   }
   out.id = info.device_id;
   out.name.assign(info.name, strnlen(info.name, sizeof info.name));
+  out.driver_version.assign(info.driver_version, strnlen(info.driver_version, sizeof info.driver_version));
+  out.runtime_version.assign(info.runtime_version, strnlen(info.runtime_version, sizeof info.runtime_version));
   return out;
 }
 

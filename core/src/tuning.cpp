@@ -229,6 +229,19 @@ TuningKey tuning_key(const Context& context, DeviceType type, const std::vector<
     key.threads = cpu_threads();
   } else {
     key.arch = context.device(type, 0).arch;
+    // Name and versions from the probe of a loaded plugin that reports
+    // device 0 of the type (kd_device_info 1.1).
+    for (const PluginRecord& record : context.discovery().plugins) {
+      const auto state = context.load_state(record.name);
+      if (!state || state->binary == nullptr) continue;
+      const auto it = std::find_if(state->binary->devices.begin(), state->binary->devices.end(),
+                                   [&](const ProbedDevice& d) { return d.device.type == type && d.id == 0; });
+      if (it == state->binary->devices.end()) continue;
+      key.name = it->name;
+      key.driver = it->driver_version;
+      key.runtime = it->runtime_version;
+      break;
+    }
   }
   for (const std::string& backend : backends) {
     const KernelSpec* spec = nullptr;

@@ -83,6 +83,14 @@ kd_status probe(kd_device_info* devices, size_t capacity, size_t* count, char* e
       std::snprintf(d->name, sizeof d->name, "%.*s", static_cast<int>(sizeof d->name - 1),
                     prop.name);
     }
+    if (KD_STRUCT_HAS_FIELD(kd_device_info, runtime_version, stride)) {
+      int driver = 0;
+      int runtime = 0;
+      if (cudaDriverGetVersion(&driver) != cudaSuccess) (void)cudaGetLastError();
+      if (cudaRuntimeGetVersion(&runtime) != cudaSuccess) (void)cudaGetLastError();
+      std::snprintf(d->driver_version, sizeof d->driver_version, "%d", driver);
+      std::snprintf(d->runtime_version, sizeof d->runtime_version, "%d", runtime);
+    }
   }
   *count = static_cast<size_t>(n);
   return KD_STATUS_OK;

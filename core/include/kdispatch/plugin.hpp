@@ -18,6 +18,8 @@ struct ProbedDevice {
   Device device;      // type + arch ("cuda:9.0")
   int32_t id = 0;     // ordinal within its type
   std::string name;   // "NVIDIA H200"
+  std::string driver_version;   // kd_device_info 1.1; "" when not reported
+  std::string runtime_version;
 };
 
 // A plugin library that opened and passed every check. Never unloaded: the

@@ -45,6 +45,9 @@
  *        (<kdispatch/plugin_rows.hpp> addresses them). A 1.0 schema could
  *        only ask for contiguous tensors or any strides, so nothing a 1.0
  *        plugin declared changes.
+ *        kd_device_info.driver_version and .runtime_version appended (a
+ *        tuning file's key, docs/tuning.md); a plugin that does not write
+ *        them leaves them "" (the host zeroes the struct).
  *        kd_call_args.kernel_data appended: the data given with a kernel
  *        registered at run time (a function in the process, not in a
  *        plugin); NULL for a plugin's kernels, which never need to read it.
@@ -119,8 +122,13 @@ typedef struct kd_device_info {
   char arch[32];        /* out: "9.0" (cuda), "gfx90a" (hip), "" (cpu);
                            NUL-terminated */
   char name[96];        /* out: human-readable device name, NUL-terminated */
+  /* 1.1: the versions of the device's driver and runtime, NUL-terminated
+     ("12040" from cudaDriverGetVersion, say); "" when unknown. A plugin
+     writes them only when the caller's struct_size covers them. */
+  char driver_version[32];
+  char runtime_version[32];
 } kd_device_info;
-#define KD_DEVICE_INFO_STRUCT_SIZE KD_STRUCT_SIZE(kd_device_info, name)
+#define KD_DEVICE_INFO_STRUCT_SIZE KD_STRUCT_SIZE(kd_device_info, runtime_version)
 KD_STATIC_ASSERT(sizeof(kd_device_info) == KD_DEVICE_INFO_STRUCT_SIZE,
                  "kd_device_info grew: update KD_DEVICE_INFO_STRUCT_SIZE");
 
