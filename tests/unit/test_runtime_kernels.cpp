@@ -17,6 +17,7 @@
 
 #include "kdispatch/context.hpp"
 #include "kdispatch/dispatcher.hpp"
+#include "scale_call.hpp"
 
 using namespace kdispatch;
 
@@ -83,29 +84,7 @@ KernelSpec rt_spec(RtData* data, int32_t priority = 0) {
   return spec;
 }
 
-// out = x * factor over [rows, n] float32: random x, NaN-poisoned out.
-struct ScaleCall {
-  std::vector<float> out, x;
-  std::vector<int64_t> shape;
-  std::vector<DLTensor> tensors;
-
-  ScaleCall(int64_t rows, int64_t n, unsigned seed = 11)
-      : out(static_cast<size_t>(rows * n), std::nanf("")), x(static_cast<size_t>(rows * n)), shape{rows, n} {
-    std::mt19937 gen(seed);
-    std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
-    for (float& v : x) v = dist(gen);
-    const DLDevice cpu{kDLCPU, 0};
-    const DLDataType f32{kDLFloat, 32, 1};
-    tensors = {DLTensor{out.data(), cpu, 2, f32, shape.data(), nullptr, 0},
-               DLTensor{x.data(), cpu, 2, f32, shape.data(), nullptr, 0}};
-  }
-  bool is(float factor, float offset) const {
-    for (size_t i = 0; i < x.size(); ++i) {
-      if (out[i] != x[i] * factor + offset) return false;
-    }
-    return true;
-  }
-};
+using kdispatch::test::ScaleCall;
 
 bool contains(const std::string& text, std::string_view part) { return text.find(part) != std::string::npos; }
 

@@ -21,6 +21,7 @@
 #include "kdispatch/registry.hpp"
 #include "kdispatch/selector.hpp"
 #include "kdispatch/tuning.hpp"
+#include "scale_call.hpp"
 
 using namespace kdispatch;
 namespace fs = std::filesystem;
@@ -107,28 +108,7 @@ std::unique_ptr<Context> fixture_context(std::initializer_list<const char*> plug
   return std::make_unique<Context>(options);
 }
 
-// out = x * factor over [rows, n] float32: random x, NaN-poisoned out.
-struct ScaleCall {
-  std::vector<float> out, x;
-  std::vector<int64_t> shape;
-  std::vector<DLTensor> tensors;
-  ScaleCall(int64_t rows, int64_t n, unsigned seed = 5)
-      : out(static_cast<size_t>(rows * n), std::nanf("")), x(static_cast<size_t>(rows * n)), shape{rows, n} {
-    std::mt19937 gen(seed);
-    std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
-    for (float& v : x) v = dist(gen);
-    const DLDevice cpu{kDLCPU, 0};
-    const DLDataType f32{kDLFloat, 32, 1};
-    tensors = {DLTensor{out.data(), cpu, 2, f32, shape.data(), nullptr, 0},
-               DLTensor{x.data(), cpu, 2, f32, shape.data(), nullptr, 0}};
-  }
-  bool scaled_by(float factor) const {
-    for (size_t i = 0; i < x.size(); ++i) {
-      if (out[i] != x[i] * factor) return false;
-    }
-    return true;
-  }
-};
+using kdispatch::test::ScaleCall;
 
 // The machine key of a context for the fixture.fallback backends.
 TuningKey machine_key(const Context& ctx) { return tuning_key(ctx, DeviceType::cpu, {"fx_fb_good", "fx_fb_picky"}); }
