@@ -431,7 +431,8 @@ inline void CompiledSchema::bind_symbols(std::span<const DLTensor> tensors, int6
       continue;
     }
     const int64_t lead = (spec.flags & kLeading) ? t.ndim - spec.num_dims : 0;
-    value[s] = t.shape[lead + symbol_dim_[s]] / symbol_divisor_[s];
+    const int64_t dim = t.shape[lead + symbol_dim_[s]];
+    value[s] = symbol_divisor_[s] == 1 ? dim : dim / symbol_divisor_[s];  // most symbols: no division
   }
 }
 
