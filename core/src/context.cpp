@@ -304,6 +304,18 @@ std::optional<PluginLoadState> Context::load_state(const std::string& plugin) co
   return std::nullopt;
 }
 
+kd_kernel_fn Context::supports(const KernelSpec& spec) {
+  if (spec.supports_symbol.empty() || spec.is_runtime()) return nullptr;
+  const PluginBinary& binary = load_plugin(spec.plugin);
+  auto it = binary.kernels.find(spec.supports_symbol);
+  if (it == binary.kernels.end()) {
+    throw PluginError(ErrorCode::plugin_manifest_mismatch,
+                      fmt::format("plugin '{}' ({}) has no supports function '{}' for op '{}'", spec.plugin,
+                                  binary.library_path, spec.supports_symbol, spec.op));
+  }
+  return it->second;
+}
+
 kd_kernel_fn Context::kernel(const KernelSpec& spec) {
   if (spec.is_runtime()) return spec.function;
   const PluginBinary& binary = load_plugin(spec.plugin);

@@ -59,6 +59,7 @@ struct ResolvedKernel {
   Dtype dtype;
   uint64_t generation;
   kd_kernel_fn fn;
+  kd_kernel_fn supports;  // the spec's supports function, or nullptr
   void* data;  // the spec's function_data: kd_call_args::kernel_data
   const KernelSpec* spec;
   uint64_t rejected;  // `constrained_cache` only: bit i, kernel i of Constrained refused the call
@@ -377,6 +378,16 @@ KernelHandle OpHandle::resolve(std::span<const DLTensor> tensors) const {
 }
 
 // The same work as KernelHandle::operator() when the kernel returns OK.
+// A kernel's call: its supports function first, when it has one, whose
+// refusal is the call's status (KD_STATUS_UNSUPPORTED passes it on).
+[[gnu::always_inline]] inline kd_status run_kernel(kd_kernel_fn supports, kd_kernel_fn fn, const kd_call_args* args) {
+  if (supports != nullptr) [[unlikely]] {
+    const kd_status s = supports(args);
+    if (s != KD_STATUS_OK) return s;
+  }
+  return fn(args);
+}
+
 [[gnu::always_inline]] inline void OpHandle::run(const OpState& state, const ResolvedKernel& kernel, DLDevice device,
                                                  std::span<DLTensor> tensors, std::span<const kd_attr> attrs,
                                                  void* stream, FallbackTrail* trail) {
@@ -385,7 +396,7 @@ KernelHandle OpHandle::resolve(std::span<const DLTensor> tensors) const {
   const kd_call_args args{sizeof(kd_call_args), tensors.data(), static_cast<int32_t>(tensors.size()),
                           static_cast<int32_t>(attrs.size()), attrs.data(), stream, error, sizeof error,
                           kernel.data};
-  const kd_status status = kernel.fn(&args);
+  const kd_status status = run_kernel(kernel.supports, kernel.fn, &args);
   if (status != KD_STATUS_OK) [[unlikely]] {
     error[sizeof error - 1] = '\0';
     state.dispatcher->recover(kernel, device, tensors, attrs, stream, status, error, trail);
@@ -720,9 +731,11 @@ const ResolvedKernel& Dispatcher::resolve_slow(OpState& state, DLDevice device, 
   Selection selection =
       context_.choose({state.op, state.backend, context_.device(*type, device.device_id), dtype, call, device.device_id});
   const kd_kernel_fn fn = context_.kernel(*selection.spec);
+  const kd_kernel_fn supports = context_.supports(*selection.spec);
   std::lock_guard lock(mutex_);
   auto resolved = std::make_unique<OpState::Resolved>(OpState::Resolved{
-      device_word(device), dtype,          generation,     fn, selection.spec->function_data, selection.spec,
+      device_word(device), dtype, generation, fn, supports, selection.spec->function_data,
+      selection.spec,
       rejected,            selection.rule, std::move(selection.ranked)});
   const OpState::Resolved& out = *resolved;
   state.owned.push_back(std::move(resolved));
@@ -811,8 +824,10 @@ void Dispatcher::recover(const ResolvedKernel& first, DLDevice device,
     }
     if (context_.selector().demotion(next->op, next->backend, type, device.device_id)) continue;
     kd_kernel_fn fn = nullptr;
+    kd_kernel_fn supports = nullptr;
     try {
       fn = context_.kernel(*next);
+      supports = context_.supports(*next);
     } catch (const Error& e) {
       t.passed.push_back({next, "not_loaded", fmt::format("[{}] {}", e.code_string(), e.message()), false});
       continue;
@@ -822,7 +837,7 @@ void Dispatcher::recover(const ResolvedKernel& first, DLDevice device,
     const kd_call_args args{sizeof(kd_call_args), tensors.data(), static_cast<int32_t>(tensors.size()),
                             static_cast<int32_t>(attrs.size()), attrs.data(), stream, next_error, sizeof next_error,
                             next->function_data};
-    const kd_status s = fn(&args);
+    const kd_status s = run_kernel(supports, fn, &args);
     if (s == KD_STATUS_OK) {
       t.ran = next;
       return;

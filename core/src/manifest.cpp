@@ -1201,7 +1201,7 @@ std::optional<KernelSpec> read_kernel(Reader& r, const json& j, const std::strin
   }
   const size_t before = r.error_count();
   r.unknown_keys(j, pointer, {"op", "symbol", "dtypes", "targets", "description", "role", "opt_in", "constraints",
-                          "priority"});
+                          "priority", "supports"});
   KernelSpec k;
   k.op = r.checked_string(j, pointer, "op", true, "an op id <group>.<name> of [a-z0-9_]+", is_valid_op_id)
              .value_or("");
@@ -1240,6 +1240,8 @@ std::optional<KernelSpec> read_kernel(Reader& r, const json& j, const std::strin
   }
   k.backend = kernel_backend(m, k.role);
   k.opt_in = r.boolean(j, pointer, "opt_in").value_or(false);
+  k.supports_symbol = r.checked_string(j, pointer, "supports", false, "a C identifier [A-Za-z_][A-Za-z0-9_]*", is_identifier)
+                   .value_or("");
   constexpr std::string_view kPriorityExpected = "an integer in [-1000, 1000] (the higher wins a tie)";
   if (const json* priority = r.get(j, pointer, "priority", false, kPriorityExpected)) {
     if (priority->is_number_integer() && priority->get<int64_t>() >= -1000 && priority->get<int64_t>() <= 1000) {

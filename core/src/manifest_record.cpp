@@ -227,7 +227,7 @@ bool read_kernel(RecordReader& r, const Manifest& m, KernelSpec& k) {
   for (std::string& c : k.constraints) {
     if (!r.text(c)) return false;
   }
-  return true;
+  return r.text(k.supports_symbol);
 }
 
 }  // namespace
@@ -260,6 +260,7 @@ std::string encode_manifest_record(const Manifest& m, std::string_view ops_json)
     w.text(std::to_string(k.priority));
     w.count(k.constraints.size());
     for (const std::string& c : k.constraints) w.text(c);
+    w.text(k.supports_symbol);
   }
   w.text(ops_json);
   return w.take();

@@ -27,7 +27,7 @@ namespace kdispatch {
 // The record format; the registry cache's header carries it. Bump it
 // whenever the fields above or the parser's output change meaning, so that
 // records written by other code are not read as this code's.
-inline constexpr int kManifestRecordFormat = 4;
+inline constexpr int kManifestRecordFormat = 5;
 
 // `manifest` as one record (it holds no newline). `ops_json` is the text
 // parse_manifest_for_cache gave with it. The path is not part of the

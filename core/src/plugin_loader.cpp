@@ -339,6 +339,20 @@ std::map<std::string, kd_kernel_fn> find_kernels(const kd_plugin_api& api, const
                        library, k.symbol, k.op, manifest.path));
     }
     kernels.emplace(k.symbol, fn);
+    if (k.supports_symbol.empty() || kernels.contains(k.supports_symbol)) continue;
+    kd_kernel_fn supports = nullptr;
+    try {
+      supports = api.find_kernel(k.supports_symbol.c_str());
+    } catch (...) {
+      fail(ErrorCode::plugin_manifest_mismatch,
+           fmt::format("find_kernel('{}') of plugin library {} threw an exception", k.supports_symbol, library));
+    }
+    if (supports == nullptr) {
+      fail(ErrorCode::plugin_manifest_mismatch,
+           fmt::format("plugin library {} does not provide the supports function '{}' declared for op '{}' by {}",
+                       library, k.supports_symbol, k.op, manifest.path));
+    }
+    kernels.emplace(k.supports_symbol, supports);
   }
   return kernels;
 }

@@ -22,6 +22,7 @@
 #include "kdispatch/dispatcher.hpp"
 #include "kdispatch/doctor.hpp"
 #include "kdispatch/logging.hpp"
+#include "kdispatch/manifest.hpp"
 #include "scale_call.hpp"
 
 using namespace kdispatch;
@@ -336,4 +337,41 @@ TEST_CASE("fallback: KDISPATCH_FALLBACK=1 turns it on; another value warns and l
   CHECK(log.count("KDISPATCH_FALLBACK=yes: expected 1 (on) or 0 (off)") == 1);
   unsetenv("KDISPATCH_FALLBACK");
   CHECK_FALSE(SelectorOptions::from_environment().fallback);
+}
+
+TEST_CASE("fallback: a kernel's supports function declines a call before the kernel runs, and the next backend runs it") {
+  CaptureLog log;
+  auto ctx = fixture_context({"fx_fb_choosy", "fx_fb_picky", "fx_fb_good", "fx_fb_reference"});
+  Dispatcher dispatch(*ctx);
+  const OpHandle op = dispatch.op(kOp);
+  for (int i = 0; i < 4; ++i) {
+    ScaleCall call(3, 8, 20 + i);
+    call.x[0] = std::abs(call.x[0]);  // supported
+    op(call.tensors);
+    CHECK(call.is(2.0f, 1.0f));  // fx_fb_choosy's kernel ran
+    ScaleCall declined(3, 8, 30 + i);
+    declined.x[0] = -std::abs(declined.x[0]) - 0.5f;
+    op(declined.tensors);
+    CHECK(declined.scaled_by(2.0f));  // fx_fb_picky: the supports function wrote nothing
+  }
+  CHECK(log.count("fx_fb_choosy: a call whose first value is negative") == 1);
+  CHECK(ctx->demotions().empty());
+  // Named, the declined call has no other backend to go to: the refusal is the error.
+  const OpHandle named = dispatch.op(kOp, "fx_fb_choosy");
+  ScaleCall declined(2, 4);
+  declined.x[0] = -1.0f;
+  CHECK_THROWS_WITH_AS(named(declined.tensors), doctest::Contains("fx_fb_choosy: a call whose first value is negative"),
+                       KernelError);
+  CHECK(declined.untouched());
+}
+
+TEST_CASE("fallback: a supports symbol that is not a C identifier is KD-E011 naming the field") {
+  const std::string text = R"({"kdispatch_manifest": "1.0", "plugin": "p", "backend": "p", "library": "libp.so",
+    "abi": "1.1", "targets": [{"device": "cpu"}],
+    "kernels": [{"op": "fixture.fallback", "symbol": "kd_p", "supports": "1 bad"}]})";
+  const ManifestResult parsed = parse_manifest(text, "inline.json");
+  REQUIRE_FALSE(parsed.manifest);
+  REQUIRE_FALSE(parsed.errors.empty());
+  CHECK(parsed.errors[0].code == ErrorCode::manifest_bad_field);
+  CHECK(contains(parsed.errors[0].message, "/kernels/0/supports"));
 }

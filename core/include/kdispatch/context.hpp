@@ -116,6 +116,9 @@ class Context {
   // when the plugin cannot be used; its kernels are then withdrawn, so later
   // selections report why (KD-E002/E003).
   kd_kernel_fn kernel(const KernelSpec& spec);
+  // The kernel's supports function (KernelSpec::supports_symbol), loading its
+  // plugin on first use; nullptr when it names none.
+  kd_kernel_fn supports(const KernelSpec& spec);
   // Loads a plugin by name (doctor). Throws PluginError.
   const PluginBinary& load_plugin(const std::string& plugin);
   // nullopt when the plugin was never asked for.

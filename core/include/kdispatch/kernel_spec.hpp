@@ -42,6 +42,12 @@ struct KernelSpec {
   // user preference, tuned choice or KDISPATCH_BACKEND_ORDER decides; the
   // higher wins, and equal priorities are a tie (KD-E004). Default 0.
   int32_t priority = 0;
+  // "supports": the symbol of the kernel's eligibility function (ABI 1.1),
+  // a kd_kernel_fn its plugin's find_kernel returns like a kernel's: called
+  // with a call's arguments before the kernel, KD_STATUS_OK lets the kernel
+  // run, KD_STATUS_UNSUPPORTED passes the call to the next ranked backend.
+  // Empty: none.
+  std::string supports_symbol;
   // A kernel registered at run time: the function itself and the data it
   // gets as kd_call_args::kernel_data. Plugin, symbol and manifest are then
   // empty. Null for a plugin's kernels, whose function the plugin gives.

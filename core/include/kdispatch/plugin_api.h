@@ -45,6 +45,13 @@
  *        (<kdispatch/plugin_rows.hpp> addresses them). A 1.0 schema could
  *        only ask for contiguous tensors or any strides, so nothing a 1.0
  *        plugin declared changes.
+ *        A manifest kernel entry may name a "supports" symbol: a
+ *        kd_kernel_fn that find_kernel returns like a kernel, called with
+ *        the call's arguments before the kernel. KD_STATUS_OK runs the
+ *        kernel; KD_STATUS_UNSUPPORTED (its message saying why) passes the
+ *        call to the next ranked backend, as the kernel's own would; any
+ *        other status is the call's error. It reads what a constraint
+ *        cannot (alignment, values, strides) and writes no tensor.
  *        kd_device_info.driver_version and .runtime_version appended (a
  *        tuning file's key, docs/tuning.md); a plugin that does not write
  *        them leaves them "" (the host zeroes the struct).
