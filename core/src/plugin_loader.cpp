@@ -324,35 +324,26 @@ std::vector<ProbedDevice> probe_devices(const kd_plugin_api& api, const std::str
 std::map<std::string, kd_kernel_fn> find_kernels(const kd_plugin_api& api, const Manifest& manifest,
                                                  const std::string& library) {
   std::map<std::string, kd_kernel_fn> kernels;
-  for (const KernelSpec& k : manifest.kernels) {
-    if (kernels.contains(k.symbol)) continue;
+  // `symbol` through find_kernel, once: a kernel, or its supports function.
+  const auto find = [&](const std::string& symbol, std::string_view what, const KernelSpec& k) {
+    if (symbol.empty() || kernels.contains(symbol)) return;
     kd_kernel_fn fn = nullptr;
     try {
-      fn = api.find_kernel(k.symbol.c_str());
+      fn = api.find_kernel(symbol.c_str());
     } catch (...) {
       fail(ErrorCode::plugin_manifest_mismatch,
-           fmt::format("find_kernel('{}') of plugin library {} threw an exception", k.symbol, library));
+           fmt::format("find_kernel('{}') of plugin library {} threw an exception", symbol, library));
     }
     if (fn == nullptr) {
       fail(ErrorCode::plugin_manifest_mismatch,
-           fmt::format("plugin library {} does not provide kernel symbol '{}' declared for op '{}' by {}",
-                       library, k.symbol, k.op, manifest.path));
+           fmt::format("plugin library {} does not provide {} '{}' declared for op '{}' by {}", library, what, symbol,
+                       k.op, manifest.path));
     }
-    kernels.emplace(k.symbol, fn);
-    if (k.supports_symbol.empty() || kernels.contains(k.supports_symbol)) continue;
-    kd_kernel_fn supports = nullptr;
-    try {
-      supports = api.find_kernel(k.supports_symbol.c_str());
-    } catch (...) {
-      fail(ErrorCode::plugin_manifest_mismatch,
-           fmt::format("find_kernel('{}') of plugin library {} threw an exception", k.supports_symbol, library));
-    }
-    if (supports == nullptr) {
-      fail(ErrorCode::plugin_manifest_mismatch,
-           fmt::format("plugin library {} does not provide the supports function '{}' declared for op '{}' by {}",
-                       library, k.supports_symbol, k.op, manifest.path));
-    }
-    kernels.emplace(k.supports_symbol, supports);
+    kernels.emplace(symbol, fn);
+  };
+  for (const KernelSpec& k : manifest.kernels) {
+    find(k.symbol, "kernel symbol", k);
+    find(k.supports_symbol, "the supports function", k);
   }
   return kernels;
 }
