@@ -28,6 +28,13 @@ from ._errors import Error, SelectionError, Unsupported
 BACKEND = "torch"
 
 
+def _capturing():
+    """Whether torch's current CUDA stream is capturing a graph: the checks
+    that read a tensor on the host are skipped then, and the formulas whose
+    output sizes depend on the data pass the call on."""
+    return _torch.cuda.is_available() and _torch.cuda.is_current_stream_capturing()
+
+
 def _rms(x, eps):
     """x (float32) times the reciprocal of its rows' root mean square."""
     return x * _torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
@@ -100,7 +107,7 @@ def _rotate(x, cos, sin, is_neox):
 def _rotary_embedding(positions, query, key, cos_sin_cache, is_neox, head_size):
     del head_size  # the dispatcher passes query and key as [*, H, D] already
     flat = positions.reshape(-1).long()
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= cos_sin_cache.shape[0]):
+    if flat.numel() and not _capturing() and (int(flat.min()) < 0 or int(flat.max()) >= cos_sin_cache.shape[0]):
         raise ValueError(f"a position is outside the cache [0, {cos_sin_cache.shape[0]})")
     r = cos_sin_cache.shape[-1] // 2
     rows = cos_sin_cache.index_select(0, flat).float()
@@ -144,6 +151,11 @@ def _reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k
     if kv_cache_dtype != "auto":
         raise Unsupported(f"kv_cache_dtype '{kv_cache_dtype}': the torch backend writes caches in the "
                                      "activation dtype only")
+    if key_cache.dtype != key.dtype:
+        raise Unsupported(f"a {key_cache.dtype} cache: the torch backend writes caches in the activation dtype only")
+    if _capturing():
+        raise Unsupported("the torch formula of the KV-cache write sizes its work by the slots' values, which a "
+                          "CUDA graph cannot capture")
     slots = slot_mapping.long()
     per_slot = key_cache.shape[2:]
     cache_slots = key_cache.shape[0] * key_cache.shape[1]
@@ -163,6 +175,9 @@ def _reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k
 
 
 def _align_block_size(topk_ids, sorted_token_ids, expert_ids, num_tokens_post_pad, num_experts, block_size):
+    if _capturing():
+        raise Unsupported("the torch formula of moe.align_block_size sizes its work by the ids' values, which a "
+                          "CUDA graph cannot capture")
     n = topk_ids.numel()
     e, b = num_experts, block_size
     if e < 1 or b < 1:

@@ -17,10 +17,17 @@ namespace kdispatch::python {
 
 namespace {
 
-// `text`, or the detected platform's device when absent.
+// `text`, or the detected platform's device when absent. A GPU named
+// without its arch ("cuda") is device 0 of that kind, with the arch its
+// driver reports.
 Device device_or_platform(const std::optional<std::string>& text) {
-  if (text) return Device::parse(*text);  // std::invalid_argument -> ValueError
-  return detect_platform().device;
+  if (!text) return detect_platform().device;
+  Device device = Device::parse(*text);  // std::invalid_argument -> ValueError
+  if (device.type != DeviceType::cpu && device.arch.empty()) {
+    Device probed = device_of(device.type, 0);
+    if (!probed.arch.empty()) return probed;
+  }
+  return device;
 }
 
 py::list target_list(const std::vector<Target>& targets) {
