@@ -19,9 +19,18 @@ as plain torch formulas (float32 math, rounded where the kernels round).
 Prints the largest absolute difference of each and exits 1 when one is
 above its bound, 77 (skipped, with the reason) without CUDA.
 
-  PYTHONPATH=build/cuda/python python3 tools/gpu/decoder_layer.py [--tokens N] [--rotary-dim R]
+With --tuning FILE, the torch backend (kdispatch.native) and the triton
+backend (kdispatch.triton) are registered beside the plugins and the
+selector follows the tuning file (kdispatch.set_tuning_file): each op runs
+on the backend the file chooses for its shape. With KDISPATCH_TRACE set,
+the backend and rule of each op's calls are printed from the trace.
+
+  PYTHONPATH=build/cuda/python python3 tools/gpu/decoder_layer.py [--tokens N] [--rotary-dim R] [--tuning FILE]
 """
 import argparse
+import collections
+import json
+import os
 import sys
 
 try:
@@ -170,7 +179,16 @@ def main():
     parser.add_argument("--inter", type=int, default=14336)
     parser.add_argument("--rotary-dim", type=int, default=None, help="default: the head size")
     parser.add_argument("--max-pos", type=int, default=8192)
+    parser.add_argument("--tuning", help="a tuning file the selector follows, with the torch and triton backends")
     args = parser.parse_args()
+    if args.tuning:
+        import kdispatch
+        import kdispatch.native
+        import kdispatch.triton
+        kdispatch.native.register()
+        if kdispatch.triton.available() is None:
+            kdispatch.triton.register()
+        kdispatch.set_tuning_file(args.tuning)
     torch.manual_seed(0)
     layer = Layer(args.hidden, args.heads, args.kv_heads, args.head_size, args.inter,
                   args.rotary_dim or args.head_size, args.max_pos)
@@ -216,6 +234,15 @@ def main():
               "formulas compiled": lambda: formulas_compiled(x, positions)}
     print("decoder_layer: GPU us per layer: " +
           ", ".join(f"{name} {gpu_us(fn):.1f}" for name, fn in timing.items()))
+    trace = os.environ.get("KDISPATCH_TRACE")
+    if trace and os.path.exists(trace):
+        chosen = collections.Counter()
+        with open(trace) as f:
+            for line in f:
+                entry = json.loads(line)
+                chosen[(entry["op"], entry["backend"], entry["rule"])] += 1
+        print("decoder_layer: backends of the calls made from Python (eager, compiled, captured): " +
+              "; ".join(f"{op} -> {backend} ({rule}) x{n}" for (op, backend, rule), n in sorted(chosen.items())))
     print(f"decoder_layer: {len(results) - failed} of {len(results)} checks passed")
     return 1 if failed else 0
 
