@@ -18,7 +18,9 @@ choice names it (``kdispatch.set_preference``, ``kdispatch.tune``), or when
 priority=...)`` makes it rank by priority instead.
 
 Ops without a formula here: the fp8 quantisers and the fp8 KV cache (a call
-with an fp8 cache passes to the next backend as unsupported).
+with an fp8 cache passes to the next backend as unsupported). While a CUDA
+graph is being captured, the KV-cache write and align_block_size pass the
+call on too: their torch formulas size their work by the data.
 """
 import torch as _torch
 import torch.nn.functional as _F
