@@ -300,3 +300,64 @@ TEST_CASE("verdicts: KDISPATCH_VERDICTS=0 turns the store off; KDISPATCH_SCAN=of
   unsetenv("KDISPATCH_SCAN");
   unsetenv("KDISPATCH_VERDICTS");
 }
+
+namespace {
+
+// out = x * factor: a correct kernel registered at run time.
+kd_status rt_scale(const kd_call_args* args) {
+  const DLTensor& out = args->tensors[0];
+  const DLTensor& x = args->tensors[1];
+  int64_t n = 1;
+  for (int32_t d = 0; d < x.ndim; ++d) n *= x.shape[d];
+  const auto factor = static_cast<float>(args->attrs[0].value.f);
+  for (int64_t i = 0; i < n; ++i) static_cast<float*>(out.data)[i] = static_cast<const float*>(x.data)[i] * factor;
+  return KD_STATUS_OK;
+}
+
+const KernelSpec& register_rt(Context& ctx) {
+  KernelSpec spec;
+  spec.op = kOp;
+  spec.backend = "rt";
+  Target cpu;
+  cpu.device = DeviceType::cpu;
+  spec.targets = {cpu};
+  spec.dtypes = {Dtype::float32};
+  spec.function = rt_scale;
+  ctx.register_kernel(spec);
+  return spec_of(ctx, "rt");
+}
+
+bool falls_back_to_rt(Context& ctx) {
+  Dispatcher dispatch(ctx);
+  ScaleCall call(2, 6, 9);
+  try {
+    dispatch.op(kOp)(call.tensors);
+  } catch (const KernelError& e) {
+    CHECK(contains(e.what(), "'rt' failed_conformance: failed conformance on cpu on "));
+    return false;
+  }
+  CHECK(call.scaled_by(2.0f));
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("verdicts: a kernel registered at run time has its verdict in its context only, never written") {
+  PrivateCache cache;
+  {
+    auto ctx = fixture_context({"fx_fb_broken", "fx_fb_reference"});
+    const KernelSpec& rt = register_rt(*ctx);
+    ctx->record_verdict(rt, Device::host_cpu(), false, "a test", "wrong");
+    const std::optional<Verdict> v = ctx->failed_verdict(rt, Device::host_cpu());
+    REQUIRE(v);
+    CHECK(v->library == "run-time");
+    auto fresh = fixture_context({"fx_fb_broken", "fx_fb_reference"});
+    register_rt(*fresh);
+    CHECK(falls_back_to_rt(*fresh));  // another context: registered again, no verdict
+    CHECK_FALSE(falls_back_to_rt(*ctx));
+    const DoctorReport report = doctor_report(*ctx, false);
+    REQUIRE(report.failed_verdicts.size() == 1);
+    CHECK(report.failed_verdicts[0].backend == "rt");
+  }
+  CHECK_FALSE(fs::exists(cache.file()));  // never written
+}

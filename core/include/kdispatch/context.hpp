@@ -115,7 +115,7 @@ class Context {
   // `device` (its kind: type and arch). Within one process a failure is not
   // undone by a later pass of the same kernel on the same kind of device;
   // the verdict of a later process replaces it. Kept in the per-user file
-  // beside the registry cache for a plugin's kernel, in this process only
+  // beside the registry cache for a plugin's kernel, in this Context only
   // for a kernel registered at run time; does nothing when the store is off
   // (KDISPATCH_VERDICTS=0).
   void record_verdict(const KernelSpec& spec, const Device& device, bool passed, std::string_view source,
