@@ -218,10 +218,19 @@ std::vector<Problem> Context::problems() const {
 namespace {
 // The identity of the library a kernel comes from: "sha256:<hex>" of a
 // plugin's library, "run-time" for a kernel registered at run time.
-std::string library_identity(const KernelSpec& spec, const Manifest* manifest) {
+// `manifest_of` is called with `mutex` held (Context::load_mutex_, under
+// which api_manifests_ grows).
+template <class ManifestOf>
+std::string library_identity(const KernelSpec& spec, std::mutex& mutex, ManifestOf&& manifest_of) {
   if (spec.function != nullptr || spec.plugin.empty()) return "run-time";
-  if (manifest == nullptr) return "unknown";
-  return library_hash(std::filesystem::absolute(manifest->library_path()).string());
+  std::string library;
+  {
+    std::lock_guard lock(mutex);
+    const Manifest* manifest = manifest_of(spec.plugin);
+    if (manifest == nullptr) return "unknown";
+    library = std::filesystem::absolute(manifest->library_path()).string();
+  }
+  return library_hash(library);
 }
 }  // namespace
 
@@ -232,7 +241,7 @@ void Context::record_verdict(const KernelSpec& spec, const Device& device, bool 
   v.op = spec.op;
   v.backend = spec.backend;
   v.device = device.str();
-  v.library = library_identity(spec, spec.plugin.empty() ? nullptr : manifest_of(spec.plugin));
+  v.library = library_identity(spec, load_mutex_, [this](const std::string& p) { return manifest_of(p); });
   if (!v.library.starts_with("sha256:") && v.library != "run-time") return;  // nothing to key it by
   v.passed = passed;
   v.time = static_cast<int64_t>(std::time(nullptr));
@@ -243,7 +252,7 @@ void Context::record_verdict(const KernelSpec& spec, const Device& device, bool 
 
 std::optional<Verdict> Context::failed_verdict(const KernelSpec& spec, const Device& device) const {
   if (!verdicts_->any_failed()) return std::nullopt;
-  const std::string library = library_identity(spec, spec.plugin.empty() ? nullptr : manifest_of(spec.plugin));
+  const std::string library = library_identity(spec, load_mutex_, [this](const std::string& p) { return manifest_of(p); });
   std::optional<Verdict> v = verdicts_->latest(spec.op, spec.backend, device.str(), library);
   if (!v || v->passed) return std::nullopt;
   return v;
@@ -256,7 +265,7 @@ std::vector<Verdict> Context::failed_verdicts() const {
     if (v.passed) continue;
     const KernelSpec* spec = registry_->get_backend(v.op, v.backend);
     if (spec == nullptr) continue;
-    const std::string library = library_identity(*spec, spec->plugin.empty() ? nullptr : manifest_of(spec->plugin));
+    const std::string library = library_identity(*spec, load_mutex_, [this](const std::string& p) { return manifest_of(p); });
     if (library == v.library) out.push_back(std::move(v));
   }
   std::sort(out.begin(), out.end(), [](const Verdict& a, const Verdict& b) {
