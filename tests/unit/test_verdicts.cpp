@@ -181,7 +181,7 @@ TEST_CASE("verdicts: a backend recorded as failed is never a fallback target, in
   }
 }
 
-TEST_CASE("verdicts: a backend recorded as passed is a fallback target; doctor lists no failure") {
+TEST_CASE("verdicts: a backend recorded as passed is a fallback target, and doctor lists no failure") {
   PrivateCache cache;
   auto ctx = three();
   ctx->record_verdict(spec_of(*ctx, "fx_fb_good"), Device::host_cpu(), true, "a test");
@@ -272,7 +272,7 @@ TEST_CASE("verdicts: a corrupt, huge, foreign-owned or group-writable file is ig
   }
 }
 
-TEST_CASE("verdicts: KDISPATCH_VERDICTS=0 turns the store off; KDISPATCH_SCAN=off keeps them in the process") {
+TEST_CASE("verdicts: KDISPATCH_VERDICTS=0 turns the store off, KDISPATCH_SCAN=off keeps verdicts in the process") {
   PrivateCache cache;
   {
     auto ctx = three();
