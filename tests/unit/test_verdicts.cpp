@@ -361,3 +361,34 @@ TEST_CASE("verdicts: a kernel registered at run time has its verdict in its cont
   }
   CHECK_FALSE(fs::exists(cache.file()));  // never written
 }
+
+TEST_CASE("verdicts: the trace of a call that fell back names the backend skipped for its failed verdict") {
+  PrivateCache cache;
+  const std::string trace = cache.dir + "/trace.jsonl";
+  setenv("KDISPATCH_TRACE", trace.c_str(), 1);
+  {
+    // Ranked fx_fb_broken (20) > rt (15) > fx_fb_good (10).
+    auto ctx = three();
+    KernelSpec spec;
+    spec.op = kOp;
+    spec.backend = "rt";
+    Target cpu;
+    cpu.device = DeviceType::cpu;
+    spec.targets = {cpu};
+    spec.dtypes = {Dtype::float32};
+    spec.priority = 15;
+    spec.function = rt_scale;
+    ctx->register_kernel(spec);
+    ctx->record_verdict(spec_of(*ctx, "rt"), Device::host_cpu(), false, "a test", "wrong");
+    CHECK(falls_back_to_good(*ctx));
+  }
+  unsetenv("KDISPATCH_TRACE");
+  std::ifstream in(trace);
+  std::string line;
+  REQUIRE(std::getline(in, line));
+  INFO(line);
+  CHECK(contains(line, "\"backend\":\"fx_fb_good\""));
+  CHECK(contains(line, "\"fallback\":[{\"backend\":\"fx_fb_broken\",\"status\":\"internal\",\"demoted\":true,"));
+  CHECK(contains(line, "{\"backend\":\"rt\",\"status\":\"failed_conformance\",\"demoted\":false,"
+                       "\"error\":\"failed conformance on cpu on "));
+}
