@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
+#include <tuple>
 #include <thread>
 
 #include "builtin_schemas.hpp"
@@ -18,12 +20,14 @@
 #include "kdispatch/platform.hpp"
 #include "kdispatch/log.hpp"
 #include "scanner.hpp"
+#include "verdict_store.hpp"
 
 namespace kdispatch {
 Context::Context(ContextOptions options)
     : registry_(std::make_unique<KernelRegistry>()),
       selector_(std::make_unique<Selector>(*registry_, options.selector ? std::move(*options.selector)
                                                                         : SelectorOptions::from_environment())),
+      verdicts_(VerdictStore::from_environment()),
       device_of_(options.device_of ? std::move(options.device_of) : kdispatch::device_of) {
   problems_ = selector_->options().problems;
   fallback_.store(selector_->options().fallback, std::memory_order_relaxed);
@@ -209,6 +213,69 @@ std::vector<Problem> Context::problems() const {
   for (const auto& [name, problem] : failed_) out.push_back(problem);
   for (auto& p : selector_->tuning_problems()) out.push_back(std::move(p));
   return out;
+}
+
+namespace {
+// The identity of the library a kernel comes from: "sha256:<hex>" of a
+// plugin's library, "run-time" for a kernel registered at run time.
+// `manifest_of` is called with `mutex` held (Context::load_mutex_, under
+// which api_manifests_ grows).
+template <class ManifestOf>
+std::string library_identity(const KernelSpec& spec, std::mutex& mutex, ManifestOf&& manifest_of) {
+  if (spec.function != nullptr || spec.plugin.empty()) return "run-time";
+  std::string library;
+  {
+    std::lock_guard lock(mutex);
+    const Manifest* manifest = manifest_of(spec.plugin);
+    if (manifest == nullptr) return "unknown";
+    library = std::filesystem::absolute(manifest->library_path()).string();
+  }
+  return library_hash(library);
+}
+}  // namespace
+
+void Context::record_verdict(const KernelSpec& spec, const Device& device, bool passed, std::string_view source,
+                             std::string detail) {
+  if (!verdicts_->enabled() || spec.is_reference()) return;
+  Verdict v;
+  v.op = spec.op;
+  v.backend = spec.backend;
+  v.device = device.str();
+  v.library = library_identity(spec, load_mutex_, [this](const std::string& p) { return manifest_of(p); });
+  if (!v.library.starts_with("sha256:") && v.library != "run-time") return;  // nothing to key it by
+  v.passed = passed;
+  v.time = static_cast<int64_t>(std::time(nullptr));
+  v.source = source;
+  v.detail = std::move(detail);
+  verdicts_->record(std::move(v));
+}
+
+std::optional<Verdict> Context::failed_verdict(const KernelSpec& spec, const Device& device) const {
+  if (!verdicts_->any_failed()) return std::nullopt;
+  const std::string library = library_identity(spec, load_mutex_, [this](const std::string& p) { return manifest_of(p); });
+  std::optional<Verdict> v = verdicts_->latest(spec.op, spec.backend, device.str(), library);
+  if (!v || v->passed) return std::nullopt;
+  return v;
+}
+
+std::vector<Verdict> Context::failed_verdicts() const {
+  std::vector<Verdict> out;
+  if (!verdicts_->any_failed()) return out;
+  for (Verdict& v : verdicts_->all()) {
+    if (v.passed) continue;
+    const KernelSpec* spec = registry_->get_backend(v.op, v.backend);
+    if (spec == nullptr) continue;
+    const std::string library = library_identity(*spec, load_mutex_, [this](const std::string& p) { return manifest_of(p); });
+    if (library == v.library) out.push_back(std::move(v));
+  }
+  std::sort(out.begin(), out.end(), [](const Verdict& a, const Verdict& b) {
+    return std::tie(a.op, a.backend, a.device) < std::tie(b.op, b.backend, b.device);
+  });
+  return out;
+}
+
+bool Context::first_verdict_skip(std::string_view op, std::string_view backend) {
+  return verdicts_->first_skip(op, backend);
 }
 
 const Manifest* Context::manifest_of(const std::string& plugin) const {

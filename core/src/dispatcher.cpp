@@ -823,6 +823,16 @@ void Dispatcher::recover(const ResolvedKernel& first, DLDevice device,
       continue;
     }
     if (context_.selector().demotion(next->op, next->backend, type, device.device_id)) continue;
+    // Never onto a kernel whose latest conformance verdict on this kind of
+    // device is a failure (docs/internals.md, Conformance verdicts).
+    if (std::optional<Verdict> failed = context_.failed_verdict(*next, context_.device(type, device.device_id))) {
+      const std::string why = failed->describe();
+      t.passed.push_back({next, "failed_conformance", why, false});
+      if (context_.first_verdict_skip(next->op, next->backend)) {
+        log(LogLevel::warn, "op '{}': backend '{}' is never a fallback: its kernel {}", next->op, next->backend, why);
+      }
+      continue;
+    }
     kd_kernel_fn fn = nullptr;
     kd_kernel_fn supports = nullptr;
     try {

@@ -56,6 +56,7 @@ DoctorReport doctor_report(Context& context, bool open_plugins) {
     if (context.registry().reference(op) == nullptr) report.ops_without_reference.push_back(op);
   }
   report.demotions = context.demotions();
+  report.failed_verdicts = context.failed_verdicts();
   return report;
 }
 

@@ -135,7 +135,10 @@ constexpr CatalogueEntry kCatalogue[] = {
      "Manifest is not valid JSON"sv,
      "A manifest or op schema file could not be parsed as JSON (or read at all). The message gives "
      "file:line:col of the first error; the plugin is skipped. The same code reports a "
-     "KDISPATCH_PREFERENCE_FILE that is not JSON or cannot be read; it is then ignored whole."sv,
+     "KDISPATCH_PREFERENCE_FILE that is not JSON or cannot be read; it is then ignored whole. It also "
+     "reports, as a warning, a conformance verdict file (beside the registry cache) that cannot be read, "
+     "does not parse or is larger than 4 MiB: its verdicts are ignored and the file is rewritten at the "
+     "next verdict."sv,
      "- A trailing comma, missing comma or unbalanced bracket\n"
      "- Comments (JSON has none) or single-quoted strings\n"
      "- A truncated or empty file, or a non-manifest *.json in a plugin directory"sv,
@@ -279,7 +282,9 @@ constexpr CatalogueEntry kCatalogue[] = {
      "manifest or KDISPATCH_SCANNER program that is group- or world-writable or "
      "owned by another non-root user, and one under a directory (any from its own "
      "up to /) that is group- or world-writable (unless sticky and owned by root, "
-     "as /tmp) or owned by another non-root user."sv,
+     "as /tmp) or owned by another non-root user. It also reports, as a warning, a conformance verdict "
+     "file (beside the registry cache) owned by another user or writable by its group or others: its "
+     "verdicts are ignored."sv,
      "- The plugin directory or .so is world- or group-writable (e.g. chmod 777 or 775, a umask of 002)\n"
      "- A directory above the plugin is writable by others (a shared folder)\n"
      "- The files belong to another (non-root) user\n"

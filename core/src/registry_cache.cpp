@@ -354,6 +354,8 @@ bool settled(const FileStamp& stamp) {
 
 }  // namespace
 
+std::string registry_cache_dir_problem(const fs::path& dir) { return cache_dir_problem(dir); }
+
 size_t parse_cache_entries(std::string_view text, bool manifests, CacheFile& file) {
   size_t dropped = 0;
   while (!text.empty()) {

@@ -40,6 +40,12 @@ namespace kdispatch {
 
 std::filesystem::path registry_cache_path();
 
+// Why the folder `dir` of the cache (or of the conformance verdicts beside
+// it) cannot be used, or empty: it is made 0700 when missing, and must be a
+// folder of this user's open to no one else (one of this user's that is
+// open to others is made 0700).
+std::string registry_cache_dir_problem(const std::filesystem::path& dir);
+
 // The recorded outcome for `manifest`'s library, when its stamps match.
 std::optional<ScanOutcome> cache_lookup(const Manifest& manifest);
 

@@ -23,6 +23,7 @@
 #include "kdispatch/version.h"
 #include "schema_check.hpp"
 #include "tuning_set.hpp"
+#include "verdict_store.hpp"
 
 namespace kdispatch {
 
@@ -189,28 +190,6 @@ int64_t cpu_threads() {
   }
   const unsigned n = std::thread::hardware_concurrency();
   return n >= 1 ? n : 1;
-}
-
-// sha256 of a library, once per (path, size, modification time) per process.
-std::string library_hash(const std::string& path) {
-  static std::mutex mutex;
-  static std::map<std::string, std::string> hashes;
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) return "missing";
-  const std::string key = fmt::format("{}\n{}\n{}.{}", path, st.st_size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
-  {
-    std::lock_guard lock(mutex);
-    if (auto it = hashes.find(key); it != hashes.end()) return it->second;
-  }
-  std::string hash;
-  try {
-    hash = "sha256:" + sha256_file(path);
-  } catch (const std::exception& e) {
-    hash = fmt::format("unreadable ({})", e.what());
-  }
-  std::lock_guard lock(mutex);
-  hashes.emplace(key, hash);
-  return hash;
 }
 
 }  // namespace

@@ -163,3 +163,60 @@ TEST_CASE("tune: --from-trace takes the ops, dtypes and shapes of a trace's CPU 
   CHECK(bad.err.find("line 1 is not a trace line") != std::string::npos);
   fs::remove_all(dir);
 }
+
+TEST_CASE("run: a backend whose results differ from the reference gets a failed verdict, which doctor lists") {
+  const std::string dir = make_temp_dir();
+  const std::map<std::string, std::string> env{{"XDG_CACHE_HOME", dir}};
+  const std::string file = dir + "/kdispatch/conformance-verdicts-1.txt";
+  const auto read_text = [&file] {
+    std::ifstream in(file);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const ToolResult r = run_tool({"run", "activation.silu_and_mul", "--backend", "fx_wrong", "--device", "cpu", "--dtype",
+                                 "float32", "--add-plugin-path", fixture("fx_wrong"), "--json"},
+                                env);
+  INFO("run: " << r.out << r.err);
+  CHECK(r.exit_code == 3);
+  const std::string text = read_text();
+  INFO("verdicts: " << text);
+  CHECK(text.rfind("kdispatch-conformance-verdicts 1\n", 0) == 0);
+  CHECK(text.find("\nfailed\t") != std::string::npos);
+  CHECK(text.find("\tfx_wrong\tactivation.silu_and_mul\tcpu\tsha256:") != std::string::npos);
+  CHECK(text.find("\tkdispatch run\tfloat32 ") != std::string::npos);
+
+  const ToolResult d = run_tool({"doctor", "--json", "--add-plugin-path", fixture("fx_wrong")}, env);
+  INFO("doctor: " << d.out << d.err);
+  const Json j = parse(d.out);
+  REQUIRE(j.at("failed_verdicts").size() == 1);
+  const Json& v = j.at("failed_verdicts")[0];
+  CHECK(v.at("backend") == "fx_wrong");
+  CHECK(v.at("op") == "activation.silu_and_mul");
+  CHECK(v.at("device") == "cpu");
+  CHECK(v.at("source") == "kdispatch run");
+  CHECK(v.at("library").get<std::string>().rfind("sha256:", 0) == 0);
+  CHECK_FALSE(v.at("detail").get<std::string>().empty());
+  const ToolResult t = run_tool({"doctor", "--add-plugin-path", fixture("fx_wrong")}, env);
+  CHECK(t.out.find("kernels that failed conformance") != std::string::npos);
+  CHECK(t.out.find("fx_wrong for activation.silu_and_mul: failed conformance on cpu on ") != std::string::npos);
+
+  // The cpu backend matches: a passed verdict, and doctor lists only fx_wrong's failure.
+  const ToolResult c = run_tool(
+      {"run", "activation.silu_and_mul", "--backend", "cpu", "--device", "cpu", "--dtype", "float32", "--json"}, env);
+  INFO("cpu: " << c.out << c.err);
+  CHECK(c.exit_code == 0);
+  CHECK(read_text().find("\tcpu\tactivation.silu_and_mul\tcpu\tsha256:") != std::string::npos);
+  CHECK(parse(run_tool({"doctor", "--json", "--add-plugin-path", fixture("fx_wrong")}, env).out)
+            .at("failed_verdicts")
+            .size() == 1);
+
+  // KDISPATCH_VERDICTS=0 records nothing and doctor lists nothing.
+  const std::string off = make_temp_dir();
+  const std::map<std::string, std::string> off_env{{"XDG_CACHE_HOME", off}, {"KDISPATCH_VERDICTS", "0"}};
+  CHECK(run_tool({"run", "activation.silu_and_mul", "--backend", "fx_wrong", "--device", "cpu", "--dtype", "float32",
+                  "--add-plugin-path", fixture("fx_wrong"), "--json"},
+                 off_env)
+            .exit_code == 3);
+  CHECK_FALSE(fs::exists(off + "/kdispatch/conformance-verdicts-1.txt"));
+  fs::remove_all(dir);
+  fs::remove_all(off);
+}

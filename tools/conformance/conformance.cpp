@@ -156,6 +156,7 @@ void conform(const OpSchema& schema) {
     int alternatives = 0;  // with a tensor in a dtype other than its primary one
     int absent = 0;        // with an optional tensor left out
     int flattened = 0;     // with tensors given flattened
+    bool failed = false;   // a comparison failed: the kernel's verdict is recorded at once
     for (Dtype dtype : dtypes) {
       // The plain variant (dense rows, primary dtypes, every tensor present)
       // runs every case; the others share the cases in turn, each running
@@ -182,6 +183,12 @@ void conform(const OpSchema& schema) {
               run_case(schema, handle, reference, b, dtype, c, 1234 + static_cast<uint64_t>(runs), v);
           CHECK_MESSAGE(cmp.ok, cmp.first_mismatch << " (max " << cmp.max_ulps << " ulps, mean " << cmp.mean_ulps
                                                    << " ulps)");
+          if (!cmp.ok && !failed) {
+            failed = true;
+            g_context->record_verdict(*spec, b.device.device, false, "kdispatch-conformance",
+                                      fmt::format("{} {}: {}", dtype_name(dtype), harness::describe(c),
+                                                  cmp.first_mismatch));
+          }
           ++runs;
           padded += v.padded;
           alternatives += alternative;
@@ -190,6 +197,7 @@ void conform(const OpSchema& schema) {
         }
       }
     }
+    if (!failed && runs > 0) g_context->record_verdict(*spec, b.device.device, true, "kdispatch-conformance");
     MESSAGE(op << " on " << b.name << ": " << runs << " calls checked (" << padded << " with padded rows, "
                << alternatives << " with a dtype alternative, " << absent << " with an optional tensor absent"
                << (harness::has_flattened(schema) ? fmt::format(", {} with tensors flattened", flattened) : "")
@@ -265,6 +273,10 @@ void conform_threads(const OpSchema& schema) {
       REQUIRE_NOTHROW(reference(want_tensors, want.attrs));
       const harness::Comparison cmp = harness::compare(schema, job->data, want);
       CHECK_MESSAGE(cmp.ok, cmp.first_mismatch);
+      if (!cmp.ok) {
+        g_context->record_verdict(*spec, b.device.device, false, "kdispatch-conformance",
+                                  fmt::format("from four threads: {}", cmp.first_mismatch));
+      }
     }
   }
 }

@@ -48,6 +48,12 @@ Runner add_doctor(CLI::App& app) {
         demotions.push_back({{"op", d.op}, {"backend", d.backend}, {"device", d.device()}, {"error", d.error}});
       }
       doc["demotions"] = demotions;
+      Json failed = Json::array();
+      for (const Verdict& v : report.failed_verdicts) {
+        failed.push_back({{"op", v.op}, {"backend", v.backend}, {"device", v.device}, {"library", v.library},
+                          {"time", v.time}, {"date", v.date()}, {"source", v.source}, {"detail", v.detail}});
+      }
+      doc["failed_verdicts"] = failed;
       print_json(doc);
       return any_error ? kDispatchError : kOk;
     }
@@ -102,6 +108,12 @@ Runner add_doctor(CLI::App& app) {
       fmt::print("\nbackends demoted by fallback in this process:\n");
       for (const Demotion& d : report.demotions) {
         fmt::print("  {} for {} on {}: {}\n", d.backend, d.op, d.device(), d.error);
+      }
+    }
+    if (!report.failed_verdicts.empty()) {
+      fmt::print("\nkernels that failed conformance (never a fallback; their libraries unchanged since):\n");
+      for (const Verdict& v : report.failed_verdicts) {
+        fmt::print("  {} for {}: {}\n", v.backend, v.op, v.describe());
       }
     }
     const size_t warnings = report.warnings();

@@ -209,6 +209,7 @@ Runner add_bench(CLI::App& app) {
     std::string op;
   };
   auto options = std::make_shared<Options>();
+  options->sweep.verdict_source = "kdispatch bench";
   CLI::App* cmd = app.add_subcommand("bench", "Time one op on all its usable backends side by side, at large sizes");
   cmd->add_option("op", options->op, "Op id, e.g. layernorm.rmsnorm")->required()->type_name("OP");
   cmd->add_option("--dtype", options->sweep.dtype, "Only this dtype")->type_name("T");

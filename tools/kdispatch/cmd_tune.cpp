@@ -292,6 +292,7 @@ Runner add_tune(CLI::App& app) {
         sweep.min_seconds = std::clamp(share / 8, 0.01, 0.3);
         sweep.rotate_inputs = true;
         sweep.check = true;
+        sweep.verdict_source = "kdispatch tune";
         sweep.allow_unchecked = true;
         sweep.progress = false;
         sweep.json = true;

@@ -46,7 +46,8 @@ int main(int argc, char** argv) {
       "KDISPATCH_PLUGINS_SELECT, KDISPATCH_DEVICE, KDISPATCH_FORCE_BACKEND, KDISPATCH_BACKEND_ORDER,\n"
       "KDISPATCH_PREFERENCE_FILE=FILE (per-op backend preferences), KDISPATCH_TUNING_FILE=FILE (measured\n"
       "per-shape choices, `kdispatch tune`), KDISPATCH_FALLBACK=1 (demote a\n"
-      "backend whose kernel fails with a device or internal error and pass the call on),\n"
+      "backend whose kernel fails with a device or internal error and pass the call on, never to a kernel\n"
+      "that failed its conformance checks), KDISPATCH_VERDICTS=0 (record and use no conformance verdicts),\n"
       "KDISPATCH_LOG=error|warn|info|debug, KDISPATCH_TRACE=FILE, KDISPATCH_CPU_THREADS=N,\n"
       "KDISPATCH_SCAN=cache|always|off, KDISPATCH_SCAN_TIMEOUT=SECONDS (see docs/environment.md).\n"
       "Exit codes: 0 ok, 1 usage, 2 dispatch or manifest error, 3 kernel failure or result mismatch.",

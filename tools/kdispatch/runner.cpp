@@ -587,6 +587,8 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
                 r.max_ulps = c.max_ulps;
                 r.mean_ulps = c.mean_ulps;
                 if (!c.ok) r.error = c.first_mismatch;
+                ctx.record_verdict(*spec, target.device.device, c.ok, options.verdict_source,
+                                   c.ok ? std::string() : fmt::format("{} {}: {}", r.dtype, r.shapes, c.first_mismatch));
               }
               if (!options.save_dir.empty()) {
                 try {
@@ -641,6 +643,10 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
             } catch (const harness::GuardViolation& e) {
               r.ok = false;
               r.error = e.what();
+              if (options.check) {
+                ctx.record_verdict(*spec, target.device.device, false, options.verdict_source,
+                                   fmt::format("{} {}: {}", r.dtype, r.shapes, e.what()));
+              }
             } catch (const KernelError& e) {
               r.ok = false;
               r.error = fmt::format("[{}] {}", e.code_string(), e.message());

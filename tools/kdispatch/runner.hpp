@@ -27,6 +27,9 @@ struct SweepOptions {
   // the outputs, exceed the device's last-level cache (input_sets_for()).
   bool rotate_inputs = false;
   bool check = true;
+  // The check named in the conformance verdicts that checked results record
+  // (Context::record_verdict).
+  std::string verdict_source = "kdispatch run";
   // Unchecked results (no reference, nothing to compare) leave the exit
   // code 0 rather than kUnchecked. --no-check implies it.
   bool allow_unchecked = false;

@@ -21,6 +21,7 @@
 #include "kdispatch/plugin.hpp"
 #include "kdispatch/registry.hpp"
 #include "kdispatch/selector.hpp"
+#include "kdispatch/verdicts.hpp"
 
 namespace kdispatch KDISPATCH_API {
 
@@ -42,6 +43,8 @@ struct PluginLoadState {
   const PluginBinary* binary = nullptr;  // set when loaded
   std::optional<Problem> failure;        // set when loading failed
 };
+
+class VerdictStore;
 
 struct PluginScanResult {
   std::string plugin;
@@ -107,6 +110,25 @@ class Context {
   // Selector::demote, dropping every cached selection the first time.
   bool demote(std::string_view op, std::string_view backend, DeviceType type, int32_t id, std::string error);
   std::vector<Demotion> demotions() const { return selector_->demotions(); }
+  // Conformance verdicts (verdicts.hpp, docs/internals.md). Records that
+  // `spec`'s kernel passed or failed a check against the op's reference on
+  // `device` (its kind: type and arch). Within one process a failure is not
+  // undone by a later pass of the same kernel on the same kind of device;
+  // the verdict of a later process replaces it. Kept in the per-user file
+  // beside the registry cache for a plugin's kernel, in this Context only
+  // for a kernel registered at run time; does nothing when the store is off
+  // (KDISPATCH_VERDICTS=0).
+  void record_verdict(const KernelSpec& spec, const Device& device, bool passed, std::string_view source,
+                      std::string detail = {});
+  // The latest verdict of `spec`'s kernel on `device`'s kind when it is a
+  // failure recorded for the library loaded now; else nullopt.
+  std::optional<Verdict> failed_verdict(const KernelSpec& spec, const Device& device) const;
+  // Every failed verdict of a kernel registered now, for its library as it
+  // is now (doctor), by op and backend.
+  std::vector<Verdict> failed_verdicts() const;
+  // True the first time fallback skips (op, backend) for a failed verdict:
+  // its warning is given once.
+  bool first_verdict_skip(std::string_view op, std::string_view backend);
   // The device tensors on (type, id) live on (ContextOptions::device_of).
   Device device(DeviceType type, int32_t id) const;
 
@@ -134,6 +156,7 @@ class Context {
 
   std::unique_ptr<KernelRegistry> registry_;
   std::unique_ptr<Selector> selector_;
+  std::unique_ptr<VerdictStore> verdicts_;
   DiscoveryResult discovery_;
   std::vector<Manifest> api_manifests_;
   std::function<Device(DeviceType, int32_t)> device_of_;

@@ -2,7 +2,8 @@
 // were looked for, every plugin found, whether it loads (its version, ABI
 // and the devices its probe reports), every problem with its code, what the
 // plugins together leave unchecked (coverage.hpp), the ops no reference
-// kernel can check, and the backends demoted so far by fallback. Made here once; the tool prints it as
+// kernel can check, and the backends demoted so far by fallback and
+// the kernels that failed their conformance checks. Made here once; the tool prints it as
 // text or JSON and the Python module returns it as dicts, with the same
 // fields.
 #pragma once
@@ -46,6 +47,9 @@ struct DoctorReport {
   // device, with the error that demoted it. A report made in a fresh
   // process (`kdispatch doctor`) has none.
   std::vector<Demotion> demotions;
+  // Failed conformance verdicts (Context::failed_verdicts): kernels that
+  // fallback never passes a call to, from the per-user verdict file.
+  std::vector<Verdict> failed_verdicts;
   // The verdict: a plugin in error, a problem that is not a warning, or a
   // search-path problem.
   bool any_error = false;

@@ -196,7 +196,10 @@ def conformance(op, backend, device="cpu", dtypes=None, seed=0):
     backend's kernel declares and torch can make), each variant (dtype
     alternatives, optional tensors left out), on torch tensors on `device`,
     against the reference. Returns (calls checked, failures), each failure
-    (case, dtype, variant, verdict)."""
+    (case, dtype, variant, verdict). The outcome is recorded as the
+    kernel's conformance verdict on `device` (docs/internals.md,
+    Conformance verdicts): fallback never passes a call to a kernel that
+    failed."""
     import torch
     checked, failures = 0, []
     missing = set(unavailable_dtypes(op, alternatives=True))
@@ -214,5 +217,10 @@ def conformance(op, backend, device="cpu", dtypes=None, seed=0):
                 verdict = compare(op, got, want, case)
                 checked += 1
                 if not verdict.ok:
+                    if not failures:
+                        _kdispatch._record_verdict(op, backend, str(device), False, "kdispatch.testing.conformance",
+                                                   f"{dtype} {case}: {getattr(verdict, 'first_mismatch', '')}")
                     failures.append((case, dtype, variant, verdict))
+    if checked and not failures:
+        _kdispatch._record_verdict(op, backend, str(device), True, "kdispatch.testing.conformance")
     return checked, failures

@@ -270,6 +270,20 @@ py::dict doctor() {
     demotions.append(item);
   }
   out["demotions"] = demotions;
+  py::list failed;
+  for (const kdispatch::Verdict& v : report.failed_verdicts) {
+    py::dict item;
+    item["op"] = text(v.op);
+    item["backend"] = text(v.backend);
+    item["device"] = text(v.device);
+    item["library"] = text(v.library);
+    item["time"] = v.time;
+    item["date"] = v.date();
+    item["source"] = text(v.source);
+    item["detail"] = text(v.detail);
+    failed.append(item);
+  }
+  out["failed_verdicts"] = failed;
   return out;
 }
 

@@ -197,6 +197,30 @@ PYBIND11_MODULE(_kdispatch, m) {
   m.def("_compare", &kdispatch::python::compare, py::arg("op"), py::arg("got"), py::arg("want"),
         py::arg("unchecked") = py::list());
 
+  m.def(
+      "_record_verdict",
+      [](const std::string& op, const std::string& backend, const std::string& device, bool passed,
+         const std::string& source, const std::string& detail) {
+        kdispatch::Context& ctx = runtime()->context;
+        const kdispatch::KernelSpec* spec = ctx.registry().get_backend(op, backend);
+        if (spec == nullptr) return;
+        // "cuda", "cuda:1": the device kind of that device (its arch included).
+        const size_t colon = device.find(':');
+        const auto type = kdispatch::parse_device_type(device.substr(0, colon));
+        if (!type) throw py::value_error("device '" + device + "': expected 'cpu', 'cuda[:N]' or 'hip[:N]'");
+        int32_t id = 0;
+        if (colon != std::string::npos) {
+          try {
+            id = static_cast<int32_t>(std::stoi(device.substr(colon + 1)));
+          } catch (const std::exception&) {
+            throw py::value_error("device '" + device + "': expected 'cpu', 'cuda[:N]' or 'hip[:N]'");
+          }
+        }
+        ctx.record_verdict(*spec, ctx.device(*type, id), passed, source, detail);
+      },
+      py::arg("op"), py::arg("backend"), py::arg("device"), py::arg("passed"), py::arg("source"),
+      py::arg("detail") = "");
+
   m.def("_live_runtimes", &live_runtimes, "How many runtimes are alive (one per configure() still in use).");
 
   m.def("_set_torch", [](py::object tensor_type, py::list dtypes, py::object raw_stream, py::object grad_enabled,
