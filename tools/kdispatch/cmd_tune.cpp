@@ -325,7 +325,10 @@ Runner add_tune(CLI::App& app) {
         }
         SweepOptions sweep;
         sweep.ops = {op};
-        sweep.device = options->device;
+        // "cuda" alone is device 0: the file holds one device's times.
+        sweep.device = gpu && !device.id && device.device.arch.empty()
+                           ? fmt::format("{}:0", device_type_name(device_type))
+                           : options->device;
         sweep.device_timing = gpu;
         sweep.dtype = options->dtype;
         for (const auto& [k, v] : shape) {
