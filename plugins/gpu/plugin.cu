@@ -1,7 +1,9 @@
 // The plugin table of the GPU backends: probe, device memory and the entry
 // point, whose find_kernel is the table generated from the backend's
 // manifest (ops.hpp).
+#include <algorithm>
 #include <cstdio>
+#include <iterator>
 #include <cstring>
 
 #include "launch_utils.hpp"
@@ -142,10 +144,113 @@ kd_status memory_synchronize(int32_t device_id, char* error, size_t error_capaci
   return err == cudaSuccess ? KD_STATUS_OK : memory_error(err, "synchronize", error, error_capacity);
 }
 
+// --- timing of calls the host makes, for `kdispatch tune` ---------------------
+
+// Replays timed after the first; the median counts.
+constexpr int kTimedReplays = 5;
+
+// What time_calls makes, destroyed in reverse order on every path. A
+// capture still open when it is destroyed (fn failed mid-capture) is ended
+// first, so that the stream can be destroyed.
+struct Timing {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t begin = nullptr, end = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  bool capturing = false;
+  ~Timing() {
+    if (capturing) {
+      cudaGraph_t partial = nullptr;
+      if (cudaStreamEndCapture(stream, &partial) == cudaSuccess && partial != nullptr) {
+        (void)cudaGraphDestroy(partial);
+      }
+    }
+    if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
+    if (graph != nullptr) (void)cudaGraphDestroy(graph);
+    if (end != nullptr) (void)cudaEventDestroy(end);
+    if (begin != nullptr) (void)cudaEventDestroy(begin);
+    if (stream != nullptr) {
+      (void)cudaStreamSynchronize(stream);
+      (void)cudaStreamDestroy(stream);
+    }
+    (void)cudaGetLastError();
+  }
+};
+
+// Microseconds per call between t.begin and t.end, once t.end has been
+// recorded after `count` calls.
+cudaError_t elapsed_per_call(const Timing& t, int32_t count, double* us) {
+  cudaError_t err = cudaEventSynchronize(t.end);
+  float ms = 0;
+  if (err == cudaSuccess) err = cudaEventElapsedTime(&ms, t.begin, t.end);
+  *us = static_cast<double>(ms) * 1e3 / count;
+  return err;
+}
+
+kd_status time_calls(int32_t device_id, kd_timed_fn fn, void* user, int32_t count, double* graph_us,
+                     double* eager_us, char* error, size_t error_capacity) {
+  if (fn == nullptr || count < 1 || graph_us == nullptr || eager_us == nullptr) {
+    if (error != nullptr && error_capacity > 0) {
+      std::snprintf(error, error_capacity, KD_GPU_BACKEND ": time_calls: expected a function, count >= 1 and two "
+                                           "outputs");
+    }
+    return KD_STATUS_INVALID_ARGUMENT;
+  }
+  Timing t;
+  cudaError_t err = cudaSetDevice(device_id);
+  if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&t.stream, cudaStreamNonBlocking);
+  if (err == cudaSuccess) err = cudaEventCreate(&t.begin);
+  if (err == cudaSuccess) err = cudaEventCreate(&t.end);
+  if (err != cudaSuccess) return memory_error(err, "time_calls: setup", error, error_capacity);
+  // Warm-up: the first launches of a kernel load its module.
+  for (int32_t i = 0; i < 2 && i < count; ++i) {
+    const kd_status s = fn(user, i, t.stream);
+    if (s != KD_STATUS_OK) return s;
+  }
+  err = cudaStreamSynchronize(t.stream);
+  if (err != cudaSuccess) return memory_error(err, "time_calls: warm-up", error, error_capacity);
+  // Graph: the `count` calls captured on the stream. Thread-local capture
+  // mode: other threads of the process may use the runtime meanwhile.
+  err = cudaStreamBeginCapture(t.stream, cudaStreamCaptureModeThreadLocal);
+  if (err != cudaSuccess) return memory_error(err, "time_calls: capture", error, error_capacity);
+  t.capturing = true;
+  for (int32_t i = 0; i < count; ++i) {
+    const kd_status s = fn(user, i, t.stream);
+    if (s != KD_STATUS_OK) return s;
+  }
+  t.capturing = false;
+  err = cudaStreamEndCapture(t.stream, &t.graph);
+  if (err == cudaSuccess) err = cudaGraphInstantiateWithFlags(&t.exec, t.graph, 0);
+  if (err == cudaSuccess) err = cudaGraphLaunch(t.exec, t.stream);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(t.stream);
+  if (err != cudaSuccess) return memory_error(err, "time_calls: graph", error, error_capacity);
+  double replays[kTimedReplays];
+  for (double& replay : replays) {
+    err = cudaEventRecord(t.begin, t.stream);
+    if (err == cudaSuccess) err = cudaGraphLaunch(t.exec, t.stream);
+    if (err == cudaSuccess) err = cudaEventRecord(t.end, t.stream);
+    if (err == cudaSuccess) err = elapsed_per_call(t, count, &replay);
+    if (err != cudaSuccess) return memory_error(err, "time_calls: graph replay", error, error_capacity);
+  }
+  std::sort(std::begin(replays), std::end(replays));
+  *graph_us = replays[kTimedReplays / 2];
+  // Back to back: the same calls launched one after the other.
+  err = cudaEventRecord(t.begin, t.stream);
+  if (err != cudaSuccess) return memory_error(err, "time_calls: event", error, error_capacity);
+  for (int32_t i = 0; i < count; ++i) {
+    const kd_status s = fn(user, i, t.stream);
+    if (s != KD_STATUS_OK) return s;
+  }
+  err = cudaEventRecord(t.end, t.stream);
+  if (err == cudaSuccess) err = elapsed_per_call(t, count, eager_us);
+  if (err != cudaSuccess) return memory_error(err, "time_calls: launches", error, error_capacity);
+  return KD_STATUS_OK;
+}
+
 // Internal linkage: only the host-side entry point refers to it (a global
 // with external linkage would be emitted in HIP's device pass too).
 constexpr kd_memory_api kMemory = {KD_MEMORY_API_STRUCT_SIZE, memory_alloc, memory_free, memory_copy,
-                                   memory_synchronize};
+                                   memory_synchronize, time_calls};
 
 }  // namespace
 }  // namespace kd_gpu

@@ -24,6 +24,9 @@ Json parse(const std::string& text) {
   return Json::parse(text);
 }
 
+// The device as the error names it: "cuda:1" by its type and ordinal.
+std::string fmt_device(const std::string& device) { return "device '" + device + "'"; }
+
 Json read_json(const std::string& path) {
   std::ifstream in(path);
   REQUIRE(in.good());
@@ -35,9 +38,9 @@ Json read_json(const std::string& path) {
 TEST_CASE("tune: a backend with wrong results is excluded, and select follows the file written") {
   const std::string dir = make_temp_dir();
   const std::string out = dir + "/tuning.json";
-  const ToolResult r = run_tool({"tune", "activation.silu_and_mul", "--device", "cpu", "--dtype", "float32", "--size",
-                                 "D=64", "--add-plugin-path", fixture("fx_wrong"), "--budget", "10", "--out", out,
-                                 "--json"});
+  const ToolResult r =
+      run_tool({"tune", "activation.silu_and_mul", "--device", "cpu", "--dtype", "float32", "--size", "D=64",
+                "--add-plugin-path", fixture("fx_wrong"), "--budget", "10", "--out", out, "--json"});
   INFO("stdout: " << r.out << "\nstderr: " << r.err);
   CHECK(r.exit_code == 3);  // a result did not match
   const Json j = parse(r.out);
@@ -98,7 +101,8 @@ TEST_CASE("tune: a failing backend is excluded; a grid of sizes gives per-shape 
   CHECK(r.exit_code == 3);
   const Json j = parse(r.out);
   std::set<std::string> excluded;
-  for (const Json& e : j.at("excluded")) excluded.insert(e.get<std::string>().substr(0, e.get<std::string>().find(':')));
+  for (const Json& e : j.at("excluded"))
+    excluded.insert(e.get<std::string>().substr(0, e.get<std::string>().find(':')));
   CHECK(excluded == std::set<std::string>{"fixture.fallback fx_fb_broken float32 N=8",
                                           "fixture.fallback fx_fb_broken float32 N=512"});
   REQUIRE(j.at("measurements").size() == 2);
@@ -120,9 +124,8 @@ TEST_CASE("tune: a failing backend is excluded; a grid of sizes gives per-shape 
 }
 
 TEST_CASE("tune: usage errors") {
-  const ToolResult gpu = run_tool({"tune", "layernorm.rmsnorm", "--device", "cuda"});
-  CHECK(gpu.exit_code == 1);
-  CHECK(gpu.err.find("kdispatch.tune") != std::string::npos);
+  const ToolResult device = run_tool({"tune", "layernorm.rmsnorm", "--device", "tpu"});
+  CHECK(device.exit_code == 1);
   const ToolResult star = run_tool({"tune", "layernorm.rmsnorm", "--size", "T=1,512"});
   CHECK(star.exit_code == 1);
   CHECK(star.err.find("no shape symbol 'T'") != std::string::npos);
@@ -138,14 +141,15 @@ TEST_CASE("tune: --from-trace takes the ops, dtypes and shapes of a trace's CPU 
   const std::string trace = dir + "/trace.jsonl";
   std::ofstream(trace)
       << R"({"op":"fixture.fallback","backend":"fx_fb_picky","rule":"priority","ranked":["fx_fb_picky","fx_fb_good"],)"
-      << R"("device":"cpu:0","dtypes":["float32","float32"],"shapes":[[5,24],[5,24]],"us":1.5})" << "\n"
+      << R"("device":"cpu:0","dtypes":["float32","float32"],"shapes":[[5,24],[5,24]],"us":1.5})"
+      << "\n"
       << R"({"op":"fixture.fallback","backend":"fx_fb_picky","rule":"priority","ranked":["fx_fb_picky"],)"
-      << R"("device":"cuda:0","dtypes":["float32","float32"],"shapes":[[2,4096],[2,4096]],"us":1.5})" << "\n";
+      << R"("device":"cuda:0","dtypes":["float32","float32"],"shapes":[[2,4096],[2,4096]],"us":1.5})"
+      << "\n";
   const std::string out = dir + "/tuning.json";
-  const ToolResult r =
-      run_tool({"tune", "--from-trace", trace, "--plugin-path", fixture("fx_fb_picky"), "--plugin-path",
-                fixture("fx_fb_good"), "--plugin-path", fixture("fx_fb_reference"), "--budget", "10", "--out", out,
-                "--json"});
+  const ToolResult r = run_tool({"tune", "--from-trace", trace, "--plugin-path", fixture("fx_fb_picky"),
+                                 "--plugin-path", fixture("fx_fb_good"), "--plugin-path", fixture("fx_fb_reference"),
+                                 "--budget", "10", "--out", out, "--json"});
   INFO("stdout: " << r.out << "\nstderr: " << r.err);
   CHECK(r.exit_code == 0);
   const Json j = parse(r.out);
@@ -219,4 +223,93 @@ TEST_CASE("run: a backend whose results differ from the reference gets a failed 
   CHECK_FALSE(fs::exists(off + "/kdispatch/conformance-verdicts-1.txt"));
   fs::remove_all(dir);
   fs::remove_all(off);
+}
+
+// Without the GPU plugins no plugin reports a CUDA or HIP device, whatever
+// the machine: nothing can be timed, and the error names the device.
+TEST_CASE("tune --device cuda: without a device, a KD error naming it") {
+  const std::map<std::string, std::string> no_gpu{{"KDISPATCH_PLUGINS_DISABLE", "cuda,hip"}};
+  for (const char* device : {"cuda", "hip", "cuda:1"}) {
+    INFO(device);
+    const ToolResult r = run_tool({"tune", "layernorm.rmsnorm", "--device", device, "--dtype", "bfloat16"}, no_gpu);
+    INFO("stdout: " << r.out << "\nstderr: " << r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find("error[KD-E003]") != std::string::npos);
+    CHECK(r.err.find(fmt_device(device)) != std::string::npos);
+  }
+  const ToolResult j = run_tool({"tune", "layernorm.rmsnorm", "--device", "cuda", "--json"}, no_gpu);
+  CHECK(j.exit_code == 2);
+  CHECK(parse(j.out).at("error").at("code") == "KD-E003");
+}
+
+// fx_timed_gpu and its kin: a fake CUDA device over host memory whose
+// plugin times the calls with the host's clock, so that the GPU path runs
+// end to end here: rotated inputs placed through kd_memory_api, the check
+// against the reference, time_calls with the calls on its stream, the
+// graph and eager columns, and the file for the cuda device.
+TEST_CASE("tune --device cuda: backends timed by their plugin, a wrong one excluded, a 1.0 one not timed") {
+  const std::string dir = make_temp_dir();
+  const std::string out = dir + "/tuning-cuda.json";
+  const std::map<std::string, std::string> env{{"KDISPATCH_PLUGINS_DISABLE", "cuda,hip"}};
+  const std::vector<std::string> plugins{"--add-plugin-path", fixture("fx_timed_gpu"),
+                                         "--add-plugin-path", fixture("fx_timed_gpu_wrong"),
+                                         "--add-plugin-path", fixture("fx_untimed_gpu")};
+  std::vector<std::string> args{"tune",     "activation.silu_and_mul",
+                                "--device", "cuda",
+                                "--dtype",  "float32",
+                                "--size",   "rows=1,7",
+                                "--size",   "D=65",
+                                "--out",    out};
+  args.insert(args.end(), plugins.begin(), plugins.end());
+  std::vector<std::string> json_args = args;
+  json_args.push_back("--json");
+  const ToolResult r = run_tool(json_args, env);
+  INFO("stdout: " << r.out << "\nstderr: " << r.err);
+  CHECK(r.exit_code == 3);  // fx_timed_gpu_wrong's results do not match
+  const Json j = parse(r.out);
+  CHECK(j.at("device") == "cuda");
+  REQUIRE(j.at("excluded").size() == 2);
+  for (const Json& e : j.at("excluded"))
+    CHECK(e.get<std::string>().rfind("activation.silu_and_mul fx_timed_gpu_wrong", 0) == 0);
+  REQUIRE(j.at("not_timed").size() == 1);
+  CHECK(j.at("not_timed")[0] ==
+        "activation.silu_and_mul fx_untimed_gpu: the fx_untimed_gpu plugin cannot time calls (ABI 1.0)");
+  REQUIRE(j.at("measurements").size() == 2);
+  for (const Json& m : j.at("measurements")) {
+    INFO(m.dump());
+    CHECK(m.at("dtype") == "float32");
+    REQUIRE(m.at("us").size() == 1);
+    CHECK(m.at("us").at("fx_timed_gpu").get<double>() > 0);
+    REQUIRE(m.at("eager_us").size() == 1);
+    CHECK(m.at("eager_us").at("fx_timed_gpu").get<double>() > 0);
+  }
+  const Json file = read_json(out);
+  CHECK(file.at("key").at("device") == "cuda");
+  CHECK(file.at("key").at("name") == "fixture timed gpu (sm_90)");
+  CHECK(file.at("key").at("arch") == "9.0");
+  CHECK(file.at("key").at("backends").at("fx_timed_gpu").get<std::string>().rfind("sha256:", 0) == 0);
+  REQUIRE(file.at("choices").size() == 1);
+  CHECK(file.at("choices")[0].at("backend") == "fx_timed_gpu");
+  CHECK(file.at("choices")[0].at("when") == "");
+
+  // The table: a graph and an eager column per backend timed.
+  const ToolResult t = run_tool(args, env);
+  INFO("table: " << t.out << t.err);
+  CHECK(t.exit_code == 3);
+  CHECK(t.out.find("fx_timed_gpu graph") != std::string::npos);
+  CHECK(t.out.find("fx_timed_gpu eager") != std::string::npos);
+  CHECK(t.out.find("not timed: activation.silu_and_mul fx_untimed_gpu: the fx_untimed_gpu plugin cannot time calls "
+                   "(ABI 1.0)") != std::string::npos);
+  CHECK(t.out.find("excluded (result does not match the reference): activation.silu_and_mul fx_timed_gpu_wrong") !=
+        std::string::npos);
+
+  // Only a backend that cannot time calls: nothing measured, a dispatch failure.
+  const ToolResult none =
+      run_tool({"tune", "activation.silu_and_mul", "--device", "cuda", "--dtype", "float32", "--size", "D=8",
+                "--add-plugin-path", fixture("fx_untimed_gpu"), "--out", dir + "/none.json", "--json"},
+               env);
+  INFO("none: " << none.out << none.err);
+  CHECK(none.exit_code == 2);
+  CHECK(parse(none.out).at("measurements").empty());
+  fs::remove_all(dir);
 }

@@ -1,6 +1,7 @@
-// kdispatch tune: time an op's CPU backends over a grid of sizes, each
-// checked against the reference first, and write the tuning file the
-// selector follows (docs/tuning.md).
+// kdispatch tune: time an op's backends on the cpu or on a GPU over a grid
+// of sizes, each checked against the reference first, and write the tuning
+// file the selector follows (docs/tuning.md). On a GPU the backend's plugin
+// times the calls (kd_memory_api.time_calls): the core links no GPU runtime.
 #include <fmt/format.h>
 
 #include <chrono>
@@ -8,8 +9,8 @@
 #include <map>
 #include <set>
 
-#include "runner.hpp"
 #include "kdispatch/tuning.hpp"
+#include "runner.hpp"
 
 namespace kdispatch::cli {
 
@@ -72,7 +73,8 @@ std::set<std::string> symbols_of(const OpSchema& schema) {
 
 // The values of the schema's named symbols in one traced call's shapes:
 // patterns are matched from their last dim, after any leading "*".
-std::map<std::string, int64_t> symbols_of_call(const OpSchema& schema, const std::vector<std::vector<int64_t>>& shapes) {
+std::map<std::string, int64_t> symbols_of_call(const OpSchema& schema,
+                                               const std::vector<std::vector<int64_t>>& shapes) {
   std::map<std::string, int64_t> out;
   for (size_t i = 0; i < schema.tensors.size() && i < shapes.size(); ++i) {
     const std::vector<ShapeToken>& pattern = schema.tensors[i].shape;
@@ -122,14 +124,43 @@ std::string sizes_text(const std::map<std::string, int64_t>& sizes) {
   return parts.empty() ? std::string("(example)") : fmt::format("{}", fmt::join(parts, " "));
 }
 
-std::string default_out() {
+std::string default_out(DeviceType type) {
   const char* home = std::getenv("XDG_CONFIG_HOME");
   std::string dir = home != nullptr && *home != '\0' ? home : "";
   if (dir.empty()) {
     const char* h = std::getenv("HOME");
     dir = fmt::format("{}/.config", h != nullptr ? h : ".");
   }
-  return dir + "/kdispatch/tuning-cpu.json";
+  return fmt::format("{}/kdispatch/tuning-{}.json", dir, device_type_name(type));
+}
+
+// Throws KD-E003 when no backend of `op` (the reference aside) has a plugin
+// that reports a device matching `flag` here: nothing could be timed.
+void require_device(Context& ctx, const std::string& op, const DeviceFlag& flag, const std::string& text) {
+  std::vector<std::string> backends;
+  std::vector<std::string> hints;
+  for (const KernelSpec* spec : ctx.registry().get(op)) {
+    if (spec->is_reference()) continue;
+    backends.push_back(spec->backend);
+    if (spec->is_runtime()) continue;
+    try {
+      for (const ProbedDevice& d : ctx.load_plugin(spec->plugin).devices) {
+        if (d.device.type != flag.device.type) continue;
+        if (flag.id ? *flag.id == d.id : flag.device.arch.empty() || flag.device.arch == d.device.arch) return;
+      }
+    } catch (const Error& e) {
+      hints.push_back(fmt::format("the {} plugin did not load: [{}] {}", spec->plugin, e.code_string(), e.message()));
+    }
+  }
+  hints.push_back(
+      fmt::format("`kdispatch doctor` lists the devices each plugin reports; without a {} device, tune "
+                  "--device cpu times the CPU backends",
+                  device_type_name(flag.device.type)));
+  throw SelectionError(ErrorCode::no_usable_backend,
+                       fmt::format("op '{}' has no backend usable on device '{}': no plugin of its backends ({}) "
+                                   "reports a {} device here, so nothing can be timed",
+                                   op, text, fmt::join(backends, ", "), text),
+                       std::move(hints));
 }
 
 }  // namespace
@@ -147,9 +178,12 @@ Runner add_tune(CLI::App& app) {
   };
   auto options = std::make_shared<Options>();
   CLI::App* cmd = app.add_subcommand(
-      "tune", "Time the CPU backends of ops over a grid of sizes and write the tuning file that selection follows");
+      "tune",
+      "Time the backends of ops on the cpu or a GPU over a grid of sizes and write the tuning file that selection "
+      "follows");
   cmd->add_option("op", options->ops, "Op ids, e.g. layernorm.rmsnorm")->type_name("OP...");
-  cmd->add_option("--device", options->device, "cpu (GPU backends are timed by Python's kdispatch.tune)")
+  cmd->add_option("--device", options->device,
+                  "cpu (default), cuda or hip (device 0), cuda:N or hip:N: the device whose backends are timed")
       ->type_name("D");
   cmd->add_option("--dtype", options->dtype, "Only this dtype (default: every dtype of each backend)")->type_name("T");
   cmd->add_option("--size", options->sizes,
@@ -157,29 +191,35 @@ Runner add_tune(CLI::App& app) {
                   "(repeatable: the cross product is timed; other symbols take the schema's example sizes)")
       ->type_name("SYM=V[,V,...]");
   cmd->add_option("--from-trace", options->from_trace,
-                  "Take the ops, dtypes and shapes from a KDISPATCH_TRACE file (its CPU calls; --size replaces the "
+                  "Take the ops, dtypes and shapes from a KDISPATCH_TRACE file (its calls on the --device kind; --size "
+                  "replaces the "
                   "shapes)")
       ->type_name("FILE");
-  cmd->add_option("--budget", options->budget, "Seconds to spend in all (default 60); stops early with what was "
-                                               "measured, saying so")
+  cmd->add_option("--budget", options->budget,
+                  "Seconds to spend in all (default 60); stops early with what was "
+                  "measured, saying so")
       ->type_name("SECONDS");
-  cmd->add_option("--out", options->out, "The tuning file to write (default: $XDG_CONFIG_HOME/kdispatch/tuning-cpu.json)")
+  cmd->add_option("--out", options->out,
+                  "The tuning file to write (default: $XDG_CONFIG_HOME/kdispatch/tuning-<cpu|cuda|hip>.json)")
       ->type_name("FILE");
   add_common_options(*cmd, options->common);
   cmd->footer(
-      "For each shape, every backend registered for the op on the cpu (opt-in ones too, never the reference)\n"
-      "is first checked against the op's reference kernel: one whose result does not match is excluded and\n"
-      "reported. The others are timed as `kdispatch bench` times (median of batches, inputs rotated over\n"
-      "copies that exceed the last-level cache). The fastest per shape become the file's choices\n"
-      "(docs/tuning.md); point KDISPATCH_TUNING_FILE at it.\n"
-      "Example: kdispatch tune layernorm.rmsnorm --dtype bfloat16 --size H=64,4096 --out tuning.json");
+      "For each shape, every backend registered for the op on the device (opt-in ones too, never the\n"
+      "reference) is first checked against the op's reference kernel: one whose result does not match is\n"
+      "excluded and reported. The others are timed with their inputs rotated over copies that exceed the\n"
+      "last-level cache: on the cpu as `kdispatch bench` times (median of batches); on a GPU by the backend's\n"
+      "plugin, median per call under CUDA/HIP-graph replay (which decides) and back-to-back launches (the\n"
+      "eager column). A GPU backend whose plugin cannot time calls (an ABI 1.0 plugin) is listed as not\n"
+      "timed. The fastest per shape become the file's choices (docs/tuning.md); point\n"
+      "KDISPATCH_TUNING_FILE at it.\n"
+      "Example: kdispatch tune layernorm.rmsnorm --dtype bfloat16 --size H=64,4096 --out tuning.json\n"
+      "         kdispatch tune activation.silu_and_mul --device cuda --dtype bfloat16 --size rows=1,64,32768");
 
   return [options]() -> int {
-    if (options->device != "cpu") {
-      throw UsageError(fmt::format(
-          "tune --device {}: the CLI times CPU backends only; device timing of GPU backends goes through Python's "
-          "kdispatch.tune (torch CUDA graphs)",
-          options->device));
+    const DeviceFlag device = parse_device_flag(options->device);
+    const DeviceType device_type = device.device.type;
+    if (device_type == DeviceType::cpu && options->device != "cpu") {
+      throw UsageError(fmt::format("tune --device {}: expected cpu, cuda, hip, cuda:N or hip:N", options->device));
     }
     if (!(options->budget > 0)) throw UsageError("--budget: expected a positive number of seconds");
     std::set<std::pair<std::string, std::string>> from_trace;  // (op, dtype)
@@ -194,8 +234,8 @@ Runner add_tune(CLI::App& app) {
         if (entry.is_discarded() || !entry.is_object() || !entry.contains("op") || !entry["op"].is_string()) {
           throw UsageError(fmt::format("--from-trace {}: line {} is not a trace line", options->from_trace, n));
         }
-        const std::string device = entry.value("device", "");
-        if (!device.starts_with("cpu")) continue;
+        const std::string traced_device = entry.value("device", "");
+        if (!traced_device.starts_with(device_type_name(device_type))) continue;
         std::string dtype;
         if (entry.contains("dtypes") && entry["dtypes"].is_array() && !entry["dtypes"].empty() &&
             entry["dtypes"][0].is_string()) {
@@ -224,7 +264,7 @@ Runner add_tune(CLI::App& app) {
     std::vector<SizeList> lists;
     for (const std::string& s : options->sizes) lists.push_back(parse_size(s));
 
-    Context& ctx = make_context(options->common);
+    Context& ctx = make_context(options->common, /*probed_arch=*/device_type != DeviceType::cpu);
     try {
       const auto start = Clock::now();
       const auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
@@ -232,9 +272,12 @@ Runner add_tune(CLI::App& app) {
       struct Row {
         std::string op, dtype, sizes;
         std::map<std::string, double> us;
+        std::map<std::string, double> eager_us;  // a GPU's: back-to-back launches
       };
       std::vector<Row> rows;
       std::vector<std::string> excluded;
+      std::vector<std::string> not_timed;  // backends that could not be timed on the device, and why
+      const bool gpu = device_type != DeviceType::cpu;
       std::set<std::string> backends;
       bool stopped = false;
       // The shapes of every op first, to share the budget out.
@@ -245,12 +288,14 @@ Runner add_tune(CLI::App& app) {
           ctx.select({op, {}, Device::host_cpu(), std::nullopt});  // KD-E001 with did-you-mean
           throw CallError(ErrorCode::bad_arguments, fmt::format("op '{}' has no schema: it cannot be called", op));
         }
+        if (gpu) require_device(ctx, op, device, options->device);
         const std::set<std::string> symbols = symbols_of(*schema);
         for (const SizeList& l : lists) {
           if (!symbols.contains(l.symbol)) {
-            throw UsageError(fmt::format("--size {}: op '{}' has no shape symbol '{}' a choice can read (its "
-                                         "symbols: {})",
-                                         l.symbol, op, l.symbol, fmt::join(symbols, ", ")));
+            throw UsageError(
+                fmt::format("--size {}: op '{}' has no shape symbol '{}' a choice can read (its "
+                            "symbols: {})",
+                            l.symbol, op, l.symbol, fmt::join(symbols, ", ")));
           }
         }
         // Without --size, each distinct shape of the trace, its symbols
@@ -280,7 +325,11 @@ Runner add_tune(CLI::App& app) {
         }
         SweepOptions sweep;
         sweep.ops = {op};
-        sweep.device = "cpu";
+        // "cuda" alone is device 0: the file holds one device's times.
+        sweep.device = gpu && !device.id && device.device.arch.empty()
+                           ? fmt::format("{}:0", device_type_name(device_type))
+                           : options->device;
+        sweep.device_timing = gpu;
         sweep.dtype = options->dtype;
         for (const auto& [k, v] : shape) {
           const bool rows = k == "rows" && has_rows(*ctx.registry().schema(op));
@@ -298,6 +347,12 @@ Runner add_tune(CLI::App& app) {
         sweep.json = true;
         const Sweep result = run_sweep(ctx, sweep);
         std::map<std::string, TuningMeasurement> by_dtype;
+        std::map<std::string, std::map<std::string, double>> eager_by_dtype;
+        for (const SweepSkip& skip : result.skipped) {
+          if (!skip.cannot_time) continue;
+          const std::string line = fmt::format("{} {}: {}", op, skip.backend, skip.reason);
+          if (std::find(not_timed.begin(), not_timed.end(), line) == not_timed.end()) not_timed.push_back(line);
+        }
         for (const SweepResult& r : result.results) {
           if (!options->from_trace.empty() && !from_trace.contains({op, r.dtype}) && !from_trace.contains({op, ""})) {
             continue;
@@ -311,10 +366,11 @@ Runner add_tune(CLI::App& app) {
           m.dtype = parse_dtype(r.dtype).value_or(Dtype::float32);
           m.sizes = shape;
           m.us[r.backend] = r.us_per_call;
+          if (r.device_timed) eager_by_dtype[r.dtype][r.backend] = r.eager_us;
           backends.insert(r.backend);
         }
         for (auto& [dtype, m] : by_dtype) {
-          rows.push_back({op, dtype, sizes_text(shape), m.us});
+          rows.push_back({op, dtype, sizes_text(shape), m.us, eager_by_dtype[dtype]});
           measurements.push_back(std::move(m));
         }
       }
@@ -323,8 +379,8 @@ Runner add_tune(CLI::App& app) {
       file.choices = build_tuning_choices(measurements);
       std::set<std::string> named;
       for (const TuningChoice& c : file.choices) named.insert(c.backend);
-      file.key = tuning_key(ctx, DeviceType::cpu, std::vector<std::string>(named.begin(), named.end()));
-      file.path = options->out.empty() ? default_out() : options->out;
+      file.key = tuning_key(ctx, device_type, std::vector<std::string>(named.begin(), named.end()));
+      file.path = options->out.empty() ? default_out(device_type) : options->out;
       std::error_code ec;
       if (const auto parent = std::filesystem::path(file.path).parent_path(); !parent.empty()) {
         std::filesystem::create_directories(parent, ec);
@@ -339,16 +395,28 @@ Runner add_tune(CLI::App& app) {
         for (const Row& r : rows) {
           Json us = Json::object();
           for (const auto& [b, v] : r.us) us[b] = v;
-          table.push_back({{"op", r.op}, {"dtype", r.dtype}, {"sizes", r.sizes}, {"us", us}});
+          Json row{{"op", r.op}, {"dtype", r.dtype}, {"sizes", r.sizes}, {"us", us}};
+          if (gpu) {
+            Json eager = Json::object();
+            for (const auto& [b, v] : r.eager_us) eager[b] = v;
+            row["eager_us"] = eager;
+          }
+          table.push_back(std::move(row));
         }
-        print_json(Json{{"measurements", table},
+        print_json(Json{{"device", options->device},
+                        {"timing", gpu ? "graph replay (us); back-to-back launches (eager_us)" : "host clock"},
+                        {"measurements", table},
                         {"excluded", excluded},
+                        {"not_timed", not_timed},
                         {"stopped_early", stopped},
                         {"out", file.path},
                         {"choices", Json::parse(tuning_file_text(file))["choices"]}});
       } else {
         fmt::print("{:<24} {:<9} {:<20}", "OP", "DTYPE", "SIZES");
-        for (const std::string& b : backends) fmt::print(" {:>12}", b + " us");
+        for (const std::string& b : backends) {
+          fmt::print(" {:>12}", b + (gpu ? " graph" : " us"));
+          if (gpu) fmt::print(" {:>12}", b + " eager");
+        }
         fmt::print("  CHOICE\n");
         for (const Row& r : rows) {
           fmt::print("{:<24} {:<9} {:<20}", r.op, r.dtype, r.sizes);
@@ -356,11 +424,17 @@ Runner add_tune(CLI::App& app) {
           for (const std::string& b : backends) {
             const auto it = r.us.find(b);
             fmt::print(" {:>12}", it == r.us.end() ? std::string("-") : fmt::format("{:.2f}", it->second));
+            if (gpu) {
+              const auto e = r.eager_us.find(b);
+              fmt::print(" {:>12}", e == r.eager_us.end() ? std::string("-") : fmt::format("{:.2f}", e->second));
+            }
             if (it != r.us.end() && (best.empty() || it->second < r.us.at(best))) best = b;
           }
           fmt::print("  {}\n", best);
         }
+        if (gpu) fmt::print("us per call: graph = CUDA/HIP-graph replay (decides), eager = back-to-back launches\n");
         for (const std::string& e : excluded) fmt::print("excluded (result does not match the reference): {}\n", e);
+        for (const std::string& n : not_timed) fmt::print("not timed: {}\n", n);
         if (stopped) {
           fmt::print("stopped early: the budget of {} s was spent; the file holds what was measured\n",
                      options->budget);
@@ -368,7 +442,10 @@ Runner add_tune(CLI::App& app) {
         fmt::print("wrote {} ({} choices); use it with KDISPATCH_TUNING_FILE={}\n", file.path, file.choices.size(),
                    file.path);
       }
-      return excluded.empty() ? kOk : kKernelFailure;
+      if (!excluded.empty()) return kKernelFailure;
+      // Nothing measured because no backend could be timed: a dispatch
+      // failure, not an empty success.
+      return measurements.empty() && !not_timed.empty() ? kDispatchError : kOk;
     } catch (const Error& e) {
       return report_error(e, options->common.json);
     }

@@ -64,16 +64,33 @@ std::string for_command_line(std::string message) {
   return message;
 }
 
-Context& make_context(const CommonOptions& options) {
+Context& make_context(const CommonOptions& options, bool probed_arch) {
   ContextOptions context_options;
   for (const auto& p : options.plugin_path) context_options.search.replace.emplace_back(p);
   for (const auto& p : options.add_plugin_path) context_options.search.add.emplace_back(p);
+  auto context = std::make_shared<const Context*>(nullptr);  // set once the context exists
+  if (probed_arch) {
+    context_options.device_of = [context](DeviceType type, int32_t id) {
+      const Device driver = device_of(type, id);
+      if (!driver.arch.empty() || *context == nullptr) return driver;
+      for (const PluginRecord& record : (*context)->discovery().plugins) {
+        const auto state = (*context)->load_state(record.name);
+        if (!state || state->binary == nullptr) continue;
+        for (const ProbedDevice& d : state->binary->devices) {
+          if (d.device.type == type && d.id == id && !d.device.arch.empty()) return d.device;
+        }
+      }
+      return driver;
+    };
+  }
   // Never destroyed: the tool exits after its one command, and freeing a
   // large registry spec by spec costs about as much as building it (clang's
   // -disable-free, for the same reason). The contexts stay reachable from
   // here, so leak checkers do not count them.
   static auto* const contexts = new std::vector<std::unique_ptr<Context>>();
-  return *contexts->emplace_back(std::make_unique<Context>(std::move(context_options)));
+  Context& made = *contexts->emplace_back(std::make_unique<Context>(std::move(context_options)));
+  *context = &made;
+  return made;
 }
 
 DeviceFlag parse_device_flag(const std::string& text) {

@@ -44,7 +44,12 @@ void apply_leading_options(const CommonOptions& leading);
 std::string for_command_line(std::string message);
 // The plugins of the options' path, discovered and registered; the context
 // lives until the process exits.
-Context& make_context(const CommonOptions& options);
+//
+// With `probed_arch`, a device whose arch the vendor driver does not report
+// (no driver here) takes the arch that the probe of a loaded plugin reports
+// for it, so that a backend's kernels can be called on the devices its own
+// plugin reports (`tune` on a device).
+Context& make_context(const CommonOptions& options, bool probed_arch = false);
 
 // --device: "cpu", "cuda", "cuda:9.0" (a device of that arch), "cuda:1"
 // (device 1, whatever its arch: the driver says which), "hip", "hip:gfx90a",

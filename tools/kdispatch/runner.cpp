@@ -14,9 +14,9 @@
 #include <functional>
 
 #include "json_text.hpp"
-#include "save_files.hpp"
 #include "kdispatch/dispatcher.hpp"
 #include "kdispatch/selector.hpp"
+#include "save_files.hpp"
 
 namespace kdispatch::cli {
 
@@ -112,6 +112,58 @@ double usable_memory() {
     }
   }
   return memory;
+}
+
+// --- device timing (tune on a GPU) ----------------------------------------------
+
+// Calls in one timed batch: at least this many, and every input set once.
+constexpr size_t kMinTimedCalls = 20;
+
+// Why the backend of `spec` on `target` cannot time calls through its
+// kd_memory_api, or "" when it can.
+std::string cannot_time(const KernelSpec& spec, const Target& target) {
+  if (spec.is_runtime()) {
+    return "a kernel registered at run time has no device memory API here; Python's kdispatch.tuning.tune times "
+           "those";
+  }
+  if (target.memory == nullptr) {
+    return fmt::format("the {} plugin has no device memory API (kd_memory_api)", spec.plugin);
+  }
+  if (!KD_STRUCT_HAS_FIELD(kd_memory_api, time_calls, target.memory->struct_size)) {
+    return fmt::format("the {} plugin cannot time calls (ABI 1.0)", spec.plugin);
+  }
+  if (target.memory->time_calls == nullptr) {
+    return fmt::format("the {} plugin cannot time calls (its time_calls is NULL)", spec.plugin);
+  }
+  return {};
+}
+
+// The calls of one timed batch: call i runs on input set i % sets.
+struct TimedCalls {
+  const OpHandle* handle;
+  std::vector<std::vector<DLTensor>>* sets;
+  const std::vector<NamedAttr>* attrs;
+  std::string error;  // the first failed call's, with its KD code
+  ErrorCode code = ErrorCode::kernel_failed;
+};
+
+kd_status timed_call(void* user, int32_t index, void* stream) {
+  auto* calls = static_cast<TimedCalls*>(user);
+  try {
+    std::vector<DLTensor>& tensors = (*calls->sets)[static_cast<size_t>(index) % calls->sets->size()];
+    (*calls->handle)(tensors, *calls->attrs, stream);
+    return KD_STATUS_OK;
+  } catch (const Error& e) {
+    calls->error = fmt::format("[{}] {}", e.code_string(), e.message());
+    calls->code = e.code() == ErrorCode::device_error ? ErrorCode::device_error : ErrorCode::kernel_failed;
+    return e.code() == ErrorCode::device_error ? KD_STATUS_DEVICE_ERROR : KD_STATUS_INTERNAL;
+  } catch (const std::exception& e) {
+    calls->error = e.what();
+    return KD_STATUS_INTERNAL;
+  } catch (...) {
+    calls->error = "unknown exception";
+    return KD_STATUS_INTERNAL;
+  }
 }
 
 // --- input rotation (bench) --------------------------------------------------
@@ -281,10 +333,10 @@ harness::CallData make_host_call(const OpSchema& schema, Dtype dtype, const harn
     const double peak = peak_bytes(schema, dtype, shapes, check);
     const double memory = usable_memory();
     if (memory > 0 && peak > memory) {
-      throw UsageError(fmt::format(
-          "{}: the call's tensors take {}, and running it needs about {} (copies and a float64 reference); "
-          "this process may use {} of memory",
-          where, human_bytes(bytes), human_bytes(peak), human_bytes(memory)));
+      throw UsageError(
+          fmt::format("{}: the call's tensors take {}, and running it needs about {} (copies and a float64 reference); "
+                      "this process may use {} of memory",
+                      where, human_bytes(bytes), human_bytes(peak), human_bytes(memory)));
     }
     return harness::make_call(schema, dtype, shapes, seed, variant);
   } catch (const std::invalid_argument& e) {
@@ -498,6 +550,13 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
             sweep.skipped.push_back({op, spec->backend, e.message()});
             continue;
           }
+          const bool device_timed = options.device_timing && target.device.device.type != DeviceType::cpu;
+          if (device_timed) {
+            if (std::string why = cannot_time(*spec, target); !why.empty()) {
+              sweep.skipped.push_back({op, spec->backend, std::move(why), true});
+              continue;
+            }
+          }
           const std::vector<Dtype> dtypes = dtypes_for(schema, *spec, options.dtype);
           if (dtypes.empty()) {
             sweep.skipped.push_back({op, spec->backend, fmt::format("does not support dtype '{}'", options.dtype)});
@@ -605,7 +664,8 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
               double output_bytes = 0;
               for (size_t i = 0; i < schema.tensors.size(); ++i) {
                 const TensorArg& a = schema.tensors[i];
-                ((a.written && !a.inplace) ? output_bytes : input_bytes) += static_cast<double>(data.tensors[i].bytes());
+                ((a.written && !a.inplace) ? output_bytes : input_bytes) +=
+                    static_cast<double>(data.tensors[i].bytes());
               }
               size_t sets = 1;
               r.rotated_bytes = input_bytes + output_bytes;
@@ -618,6 +678,34 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
               }
               InputSets rotation = make_input_sets(schema, host, data, sets, target);
               r.input_sets = sets;
+              // A result that does not match is not timed on a device.
+              if (device_timed && r.ok) {
+                harness::GuardWatch watch(kernel);
+                watch.watch(data);
+                for (const harness::Buffer& b : rotation.buffers) watch.watch(b);
+                TimedCalls calls{&backend_handle, &rotation.tensors, &data.attrs, {}};
+                const auto count = static_cast<int32_t>(std::max(sets, kMinTimedCalls));
+                double graph_us = 0;
+                double eager_us = 0;
+                char error[512] = "";
+                const kd_status status = target.memory->time_calls(target.dl.device_id, &timed_call, &calls, count,
+                                                                   &graph_us, &eager_us, error, sizeof error);
+                if (status != KD_STATUS_OK) {
+                  if (!calls.error.empty()) throw KernelError(calls.code, calls.error);
+                  throw KernelError(
+                      status == KD_STATUS_DEVICE_ERROR ? ErrorCode::device_error : ErrorCode::kernel_failed,
+                      fmt::format("timing {} failed: {}", kernel, error));
+                }
+                r.device_timed = true;
+                r.us_per_call = graph_us;
+                r.eager_us = eager_us;
+                r.gb_per_s = graph_us > 0 ? static_cast<double>(data.bytes_moved(schema)) / (graph_us * 1e3) : 0;
+              }
+              if (device_timed) {
+                if (!r.ok) sweep.exit_code = std::max(sweep.exit_code, static_cast<int>(kKernelFailure));
+                sweep.results.push_back(std::move(r));
+                continue;
+              }
               int iters = std::max(options.iters, 1);
               std::vector<double> samples;
               size_t next = 0;
@@ -683,12 +771,12 @@ Sweep run_sweep(Context& ctx, const SweepOptions& options) {
       if (kernels.empty()) {
         const std::vector<std::string> near = closest_ops(op, ops_without_schema, 1);
         why = near.empty() ? "no kernel implements it"
-                           : fmt::format("no kernel implements it; kernels are registered for '{}', which has no op "
-                                         "schema: a typo in their manifest's op id?",
-                                         near.front());
-      } else if (options.backend.empty() && std::all_of(kernels.begin(), kernels.end(), [](const KernelSpec* s) {
-                   return s->is_reference();
-                 })) {
+                           : fmt::format(
+                                 "no kernel implements it; kernels are registered for '{}', which has no op "
+                                 "schema: a typo in their manifest's op id?",
+                                 near.front());
+      } else if (options.backend.empty() &&
+                 std::all_of(kernels.begin(), kernels.end(), [](const KernelSpec* s) { return s->is_reference(); })) {
         why = "no backend but its reference implements it";
       } else {
         why = "every kernel was skipped (above)";

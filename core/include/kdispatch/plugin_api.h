@@ -58,6 +58,11 @@
  *        kd_call_args.kernel_data appended: the data given with a kernel
  *        registered at run time (a function in the process, not in a
  *        plugin); NULL for a plugin's kernels, which never need to read it.
+ *        kd_memory_api.time_calls appended: the backend times calls the
+ *        host makes on a stream it gives them, under graph replay and
+ *        launched back to back (`kdispatch tune --device cuda`); a host
+ *        reads it only when the plugin's kd_memory_api.struct_size covers
+ *        it, so a 1.0 plugin's backend is reported as unable to time calls.
  */
 #ifndef KDISPATCH_PLUGIN_API_H_
 #define KDISPATCH_PLUGIN_API_H_
@@ -199,6 +204,12 @@ typedef enum kd_copy_kind {
   KD_COPY_KIND_FORCE_32BIT = 0x7fffffff
 } kd_copy_kind;
 
+/* One call of a timed batch (kd_memory_api.time_calls): the host makes the
+ * call whose number is `index` (0 <= index < the batch's count), with
+ * `stream` in its kd_call_args.stream, and returns its status. `user` is the
+ * host's, passed through. Called on the thread that called time_calls. */
+typedef kd_status (*kd_timed_fn)(void* user, int32_t index, void* stream);
+
 /* Device memory of a backend, so that hosts (the kdispatch tool, tests,
  * benchmarks) can place tensors on the backend's devices without linking its
  * runtime. Every function is synchronous with respect to the host unless
@@ -215,8 +226,21 @@ typedef struct kd_memory_api {
                     size_t error_capacity);
   /* Waits until all work queued on device `device_id` has finished. */
   kd_status (*synchronize)(int32_t device_id, char* error, size_t error_capacity);
+  /* 1.1: times `count` calls (count >= 1) of `fn` on device `device_id`, on
+   * a stream the plugin creates there: fn(user, i, stream) for i = 0 and 1
+   * (of the count) to warm up; then the calls i = 0..count-1 captured into
+   * one graph (CUDA graph / HIP graph), which is replayed once and then
+   * timed over several replays with events: *graph_us (out) is the median
+   * replay's time divided by count. Then the same `count` calls launched
+   * back to back between two events: *eager_us (out), per call. Everything
+   * it made is destroyed before it returns. A status other than OK from
+   * `fn` is returned as it is (fn wrote its own message); a device error is
+   * KD_STATUS_DEVICE_ERROR with the runtime's message in `error`. NULL where
+   * the backend cannot time calls. */
+  kd_status (*time_calls)(int32_t device_id, kd_timed_fn fn, void* user, int32_t count, double* graph_us,
+                          double* eager_us, char* error, size_t error_capacity);
 } kd_memory_api;
-#define KD_MEMORY_API_STRUCT_SIZE KD_STRUCT_SIZE(kd_memory_api, synchronize)
+#define KD_MEMORY_API_STRUCT_SIZE KD_STRUCT_SIZE(kd_memory_api, time_calls)
 KD_STATIC_ASSERT(sizeof(kd_memory_api) == KD_MEMORY_API_STRUCT_SIZE,
                  "kd_memory_api grew: update KD_MEMORY_API_STRUCT_SIZE");
 
