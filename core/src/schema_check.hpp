@@ -113,6 +113,9 @@ class CompiledSchema {
   // bind_symbols(), then the value of "rows" where constraint_symbols()
   // has it: `value` holds kMaxConstraintSymbols.
   void bind_constraint_values(std::span<const DLTensor> tensors, int64_t* value) const noexcept;
+  // The one value of bind_constraint_values() at `slot` (< the size of
+  // constraint_symbols()), read alone.
+  int64_t constraint_value(std::span<const DLTensor> tensors, size_t slot) const noexcept;
 
  private:
   // The plan that walk() follows without branching on what a dim or dtype
@@ -206,6 +209,9 @@ class CompiledSchema {
     return w;
   }
   void remember(std::span<const DLTensor> tensors, Dtype dtype) const noexcept;
+  // Symbol slot s's value in an accepted call; the product of the leading dims.
+  int64_t symbol_value(std::span<const DLTensor> tensors, size_t s) const noexcept;
+  int64_t rows_value(std::span<const DLTensor> tensors) const noexcept;
   // The rules, once. Each refusal calls refuse(argument, words): the quick
   // pass returns false without building the words, the diagnosing pass
   // throws them.
@@ -246,6 +252,9 @@ class CompiledSchema {
   std::array<uint8_t, kMaxSchemaSymbols> symbol_owner_{};
   std::array<uint8_t, kMaxSchemaSymbols> symbol_dim_{};       // its dim in the owner, after "*"
   std::array<int64_t, kMaxSchemaSymbols> symbol_divisor_{};  // that dim is divisor * symbol
+  // Bit s: symbol_divisor_[s] != 1. A test of the divisor itself compiles
+  // to the division (x / 1 is x), which costs more than the rest of the read.
+  uint32_t symbol_divides_ = 0;
   std::array<uint8_t, kMaxSchemaDtypeVars> var_owner_{};
   uint8_t leading_owner_ = 0;
   uint32_t written_ = 0;  // bit i: the op writes tensor i ("written" or "inplace")
@@ -422,28 +431,35 @@ inline bool CompiledSchema::matches(const Accepted& accepted, std::span<const DL
   return false;
 }
 
+inline int64_t CompiledSchema::symbol_value(std::span<const DLTensor> tensors, size_t s) const noexcept {
+  const DLTensor& t = tensors[symbol_owner_[s]];
+  const Tensor& spec = plan_[symbol_owner_[s]];
+  if ((spec.flags & kOptional) && is_absent(t)) return 0;
+  const int64_t lead = (spec.flags & kLeading) ? t.ndim - spec.num_dims : 0;
+  const int64_t dim = t.shape[lead + symbol_dim_[s]];
+  return (symbol_divides_ >> s & 1) != 0 ? dim / symbol_divisor_[s] : dim;  // most symbols: no division
+}
+
 inline void CompiledSchema::bind_symbols(std::span<const DLTensor> tensors, int64_t* value) const noexcept {
-  for (size_t s = 0; s < symbols_.size(); ++s) {
-    const DLTensor& t = tensors[symbol_owner_[s]];
-    const Tensor& spec = plan_[symbol_owner_[s]];
-    if ((spec.flags & kOptional) && is_absent(t)) {
-      value[s] = 0;
-      continue;
-    }
-    const int64_t lead = (spec.flags & kLeading) ? t.ndim - spec.num_dims : 0;
-    const int64_t dim = t.shape[lead + symbol_dim_[s]];
-    value[s] = symbol_divisor_[s] == 1 ? dim : dim / symbol_divisor_[s];  // most symbols: no division
-  }
+  for (size_t s = 0; s < symbols_.size(); ++s) value[s] = symbol_value(tensors, s);
+}
+
+inline int64_t CompiledSchema::rows_value(std::span<const DLTensor> tensors) const noexcept {
+  const DLTensor& owner = tensors[leading_owner_];
+  const int64_t lead = int64_t{owner.ndim} - plan_[leading_owner_].num_dims;
+  int64_t rows = 1;
+  for (int64_t d = 0; d < lead; ++d) rows *= owner.shape[d];  // the check bounded the sizes' product
+  return rows;
+}
+
+inline int64_t CompiledSchema::constraint_value(std::span<const DLTensor> tensors, size_t slot) const noexcept {
+  return slot < symbols_.size() ? symbol_value(tensors, slot) : rows_value(tensors);
 }
 
 inline void CompiledSchema::bind_constraint_values(std::span<const DLTensor> tensors, int64_t* value) const noexcept {
   bind_symbols(tensors, value);
   if (constraint_symbols_.size() == symbols_.size()) return;
-  const DLTensor& owner = tensors[leading_owner_];
-  const int64_t lead = int64_t{owner.ndim} - plan_[leading_owner_].num_dims;
-  int64_t rows = 1;
-  for (int64_t d = 0; d < lead; ++d) rows *= owner.shape[d];  // the check bounded the sizes' product
-  value[symbols_.size()] = rows;
+  value[symbols_.size()] = rows_value(tensors);
 }
 
 }  // namespace kdispatch
