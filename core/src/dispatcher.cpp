@@ -101,9 +101,15 @@ struct OpState {
     // or a bool attribute (schema index). With the device and dtype they
     // decide every verdict, so they key `memo`; an op whose constraints
     // read more than Memo::kValues of them is not memoised.
+    // A symbol is read as its dim where CompiledSchema::dim_source() gives
+    // one (`dim`: tensors[tensor].shape[dim], from the end when
+    // `from_end`), which takes fewer dependent loads than its value.
     struct Read {
-      enum class Kind : uint8_t { symbol, attr_int, attr_bool } kind;
+      enum class Kind : uint8_t { dim, symbol, attr_int, attr_bool } kind;
       uint8_t slot;
+      uint8_t tensor = 0;
+      int8_t dim = 0;
+      bool from_end = false;
     };
     std::vector<Read> reads;
     bool memoised = false;
@@ -160,6 +166,38 @@ struct OpState {
   size_t next_constrained_victim = 0;
   std::array<Memo, kMemos> memo{};
   std::atomic<uint32_t> next_memo{0};  // the entry the next new key replaces
+
+  // The values `c->reads` names, of a call that the schema check accepted.
+  [[gnu::always_inline]] void read_key(const Constrained& c, std::span<const DLTensor> tensors, const kd_attr* attrs,
+                                       int64_t* key) const noexcept {
+    const size_t n = c.reads.size();
+    for (size_t i = 0; i < n; ++i) {
+      const Constrained::Read read = c.reads[i];
+      switch (read.kind) {
+        case Constrained::Read::Kind::dim: {
+          const DLTensor& t = tensors[read.tensor];
+          key[i] = t.shape[(read.from_end ? t.ndim : 0) + read.dim];
+          break;
+        }
+        case Constrained::Read::Kind::symbol: key[i] = compiled->constraint_value(tensors, read.slot); break;
+        case Constrained::Read::Kind::attr_int: key[i] = attrs[read.slot].value.i; break;
+        case Constrained::Read::Kind::attr_bool: key[i] = attrs[read.slot].value.b != 0 ? 1 : 0; break;
+      }
+    }
+  }
+
+  // The kernel of a checked call (accepted by the schema check, `attrs`
+  // every attribute in schema order) of an op with constrained kernels when
+  // memoised for their current generation; else null, and
+  // Dispatcher::resolve() decides.
+  [[gnu::always_inline]] const Resolved* find_memoised(std::span<const DLTensor> tensors, const kd_attr* attrs,
+                                                       uint64_t device, Dtype dtype) const noexcept {
+    const Constrained* c = constrained.load(std::memory_order_acquire);
+    if (c == nullptr || !c->memoised || c->generation != registry->generation()) return nullptr;
+    std::array<int64_t, Memo::kValues> key;
+    read_key(*c, tensors, attrs, key.data());
+    return find_memo(c, device, dtype, key.data());
+  }
 
   // The memoised kernel for (constrained, device, dtype, values), or null.
   const Resolved* find_memo(const Constrained* c, uint64_t device, Dtype dtype, const int64_t* values) const noexcept {
@@ -495,6 +533,12 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
         run(state, *r, info.device, tensors, state.plain_attrs, stream, nullptr);
         return;
       }
+      // An op with constrained kernels: the kernel of a call with the same values.
+      if (const OpState::Resolved* r =
+              state.find_memoised(tensors, state.plain_attrs.data(), device_word(info.device), info.dtype)) {
+        run(state, *r, info.device, tensors, state.plain_attrs, stream, nullptr);
+        return;
+      }
     } else {
       // The defaults never split a "flattened" tensor (0); a refusal says
       // when one looks passed flattened without its attribute.
@@ -526,9 +570,14 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
   CompiledSchema::CallInfo info;
   if (state.compiled->matches_remembered(tensors, &info)) [[likely]] {
     if (packed && state.trace_file == nullptr) [[likely]] {
+      const std::span<const kd_attr> packed_attrs(storage.data(), state.defaults.size());
       if (const OpState::Resolved* r = state.find_cached(device_word(info.device), info.dtype)) [[likely]] {
-        run(state, *r, info.device, tensors, std::span<const kd_attr>(storage.data(), state.defaults.size()), stream,
-            nullptr);
+        run(state, *r, info.device, tensors, packed_attrs, stream, nullptr);
+        return;
+      }
+      if (const OpState::Resolved* r =
+              state.find_memoised(tensors, storage.data(), device_word(info.device), info.dtype)) {
+        run(state, *r, info.device, tensors, packed_attrs, stream, nullptr);
         return;
       }
     }
@@ -744,17 +793,7 @@ const ResolvedKernel& Dispatcher::resolve(OpState& state, DLDevice device, Dtype
   // its kernel without evaluating them.
   std::array<int64_t, OpState::Memo::kValues> key;
   if (constrained->memoised) [[likely]] {
-    const size_t n = constrained->reads.size();
-    for (size_t i = 0; i < n; ++i) {
-      const OpState::Constrained::Read read = constrained->reads[i];
-      switch (read.kind) {
-        case OpState::Constrained::Read::Kind::symbol:
-          key[i] = state.compiled->constraint_value(tensors, read.slot);
-          break;
-        case OpState::Constrained::Read::Kind::attr_int: key[i] = attrs[read.slot].value.i; break;
-        case OpState::Constrained::Read::Kind::attr_bool: key[i] = attrs[read.slot].value.b != 0 ? 1 : 0; break;
-      }
-    }
+    state.read_key(*constrained, tensors, attrs.data(), key.data());
     if (const OpState::Resolved* r = state.find_memo(constrained, word, dtype, key.data())) [[likely]] return *r;
   }
   std::array<int64_t, kMaxConstraintSymbols> symbols{};
@@ -822,9 +861,18 @@ void Dispatcher::refresh_constraints(OpState& state, uint64_t generation) {
         case Constraint::Op::attr_bool: kind = Kind::attr_bool; break;
         default: continue;  // the dtype: part of every key
       }
-      const OpState::Constrained::Read read{kind, static_cast<uint8_t>(name.slot)};
-      const bool seen = std::any_of(reads.begin(), reads.end(),
-                                    [&](const auto& r) { return r.kind == read.kind && r.slot == read.slot; });
+      OpState::Constrained::Read read{kind, static_cast<uint8_t>(name.slot)};
+      if (kind == Kind::symbol) {
+        if (const auto source = state.compiled->dim_source(read.slot)) {
+          read.kind = Kind::dim;
+          read.tensor = source->tensor;
+          read.dim = source->dim;
+          read.from_end = source->from_end;
+        }
+      }
+      const bool seen = std::any_of(reads.begin(), reads.end(), [&](const auto& r) {
+        return (r.kind == Kind::symbol || r.kind == Kind::dim) == (kind == Kind::symbol) && r.slot == read.slot;
+      });
       if (!seen) reads.push_back(read);
     }
   };

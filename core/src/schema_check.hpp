@@ -116,6 +116,24 @@ class CompiledSchema {
   // The one value of bind_constraint_values() at `slot` (< the size of
   // constraint_symbols()), read alone.
   int64_t constraint_value(std::span<const DLTensor> tensors, size_t slot) const noexcept;
+  // Where the dim that gives constraint symbol `slot` lies in an accepted
+  // call: tensors[tensor].shape[dim], dim counted from the tensor's ndim
+  // (negative) when `from_end`. The dim is the symbol's value times a fixed
+  // factor, so equal dims mean equal values. Nullopt for "rows" and for a
+  // symbol that an optional tensor binds (which may be absent).
+  struct DimSource {
+    uint8_t tensor;
+    int8_t dim;
+    bool from_end;
+  };
+  std::optional<DimSource> dim_source(size_t slot) const {
+    if (slot >= symbols_.size()) return std::nullopt;
+    const uint8_t owner = symbol_owner_[slot];
+    const Tensor& spec = plan_[owner];
+    if (spec.flags & kOptional) return std::nullopt;
+    if (spec.flags & kLeading) return DimSource{owner, static_cast<int8_t>(symbol_dim_[slot] - spec.num_dims), true};
+    return DimSource{owner, static_cast<int8_t>(symbol_dim_[slot]), false};
+  }
 
  private:
   // The plan that walk() follows without branching on what a dim or dtype
