@@ -172,7 +172,7 @@ struct OpState {
                                        int64_t* key) const noexcept {
     const size_t n = c.reads.size();
     for (size_t i = 0; i < n; ++i) {
-      const Constrained::Read read = c.reads[i];
+      const Constrained::Read& read = c.reads[i];
       switch (read.kind) {
         case Constrained::Read::Kind::dim: {
           const DLTensor& t = tensors[read.tensor];
@@ -200,7 +200,8 @@ struct OpState {
   }
 
   // The memoised kernel for (constrained, device, dtype, values), or null.
-  const Resolved* find_memo(const Constrained* c, uint64_t device, Dtype dtype, const int64_t* values) const noexcept {
+  [[gnu::always_inline]] const Resolved* find_memo(const Constrained* c, uint64_t device, Dtype dtype,
+                                                   const int64_t* values) const noexcept {
     const size_t n = c->reads.size();
     for (const Memo& m : memo) {
       const uint32_t seq = m.seq.load(std::memory_order_acquire);

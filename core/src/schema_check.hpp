@@ -361,20 +361,22 @@ inline bool dense_ranges_apart(std::span<const DLTensor> tensors, uint32_t writt
   constexpr size_t kMax = 8;
   const size_t n = tensors.size();
   if (n > kMax) return false;
-  uint64_t lo[kMax];
-  uint64_t hi[kMax];
   bool unknown = false;
-  for (size_t i = 0; i < n; ++i) {
-    lo[i] = reinterpret_cast<uintptr_t>(tensors[i].data);
-    hi[i] = lo[i] + dense_bytes[i];
-    unknown |= dense_bytes[i] == kUnknownBytes;
-  }
+  for (size_t i = 0; i < n; ++i) unknown |= dense_bytes[i] == kUnknownBytes;
+  if (unknown) return false;
+  // Each written tensor's range against every other's, read where used
+  // (a copy of all ranges first cost more than the few pairs of a call).
   bool meet = false;
   for (uint32_t w = written & ((1u << n) - 1); w != 0; w &= w - 1) {
     const auto i = static_cast<size_t>(__builtin_ctz(w));
-    for (size_t j = 0; j < n; ++j) meet |= (j != i) & (lo[i] < hi[j]) & (lo[j] < hi[i]);
+    const uint64_t lo = reinterpret_cast<uintptr_t>(tensors[i].data);
+    const uint64_t hi = lo + dense_bytes[i];
+    for (size_t j = 0; j < n; ++j) {
+      const uint64_t lo_j = reinterpret_cast<uintptr_t>(tensors[j].data);
+      meet |= (j != i) & (lo < lo_j + dense_bytes[j]) & (lo_j < hi);
+    }
   }
-  return !unknown && !meet;
+  return !meet;
 }
 
 // Inline: the whole per-call cost of a checked call's validation.
