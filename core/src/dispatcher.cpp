@@ -96,7 +96,43 @@ struct OpState {
     std::vector<std::pair<const KernelSpec*, ConstraintSet>> kernels;  // with `tuned`, at most 64
     std::shared_ptr<const TuningSet> tuning;  // keeps `tuned` alive
     std::vector<const Constraint*> tuned;
+    // Each value the constraints above read other than the dtype, once: a
+    // constraint symbol (CompiledSchema::constraint_symbols() slot), an int
+    // or a bool attribute (schema index). With the device and dtype they
+    // decide every verdict, so they key `memo`; an op whose constraints
+    // read more than Memo::kValues of them is not memoised.
+    // A symbol is read as its dim where CompiledSchema::dim_source() gives
+    // one (`dim`: tensors[tensor].shape[dim], from the end when
+    // `from_end`), which takes fewer dependent loads than its value.
+    struct Read {
+      enum class Kind : uint8_t { dim, symbol, attr_int, attr_bool } kind;
+      uint8_t slot;
+      uint8_t tensor = 0;
+      int8_t dim = 0;
+      bool from_end = false;
+    };
+    std::vector<Read> reads;
+    bool memoised = false;
   };
+  // A recent constrained call's kernel, by everything its verdicts depend on:
+  // the Constrained it was chosen with (one per registry generation), the
+  // device, the dtype and the values of `Constrained::reads`. A decode loop
+  // calls an op with the same shapes again and again; such a call takes its
+  // kernel here, without evaluating the constraints. Lock-free readers: a
+  // seqlock as CompiledSchema's remembered calls have (each word stored with
+  // release, loaded with acquire, the sequence read again at the end).
+  struct Memo {
+    static constexpr size_t kValues = 8;
+    std::atomic<uint32_t> seq{0};  // odd: being written; 0: nothing recorded
+    std::atomic<const Constrained*> constrained{nullptr};
+    std::atomic<uint64_t> device{0};
+    std::atomic<Dtype> dtype{Dtype::float32};
+    std::array<std::atomic<int64_t>, kValues> values{};
+    std::atomic<const ResolvedKernel*> resolved{nullptr};
+  };
+  // Two, so that calls alternating between two shapes (q and k of one
+  // layer) both find theirs.
+  static constexpr size_t kMemos = 2;
   static constexpr size_t kSlots = 8;
 
   Dispatcher* dispatcher = nullptr;
@@ -128,6 +164,82 @@ struct OpState {
   std::array<std::atomic<const Resolved*>, kSlots> constrained_cache{};
   std::vector<std::unique_ptr<Constrained>> owned_constrained;  // guarded by the dispatcher's mutex
   size_t next_constrained_victim = 0;
+  std::array<Memo, kMemos> memo{};
+  std::atomic<uint32_t> next_memo{0};  // the entry the next new key replaces
+
+  // The values `c->reads` names, of a call that the schema check accepted.
+  [[gnu::always_inline]] void read_key(const Constrained& c, std::span<const DLTensor> tensors, const kd_attr* attrs,
+                                       int64_t* key) const noexcept {
+    const size_t n = c.reads.size();
+    for (size_t i = 0; i < n; ++i) {
+      const Constrained::Read& read = c.reads[i];
+      switch (read.kind) {
+        case Constrained::Read::Kind::dim: {
+          const DLTensor& t = tensors[read.tensor];
+          key[i] = t.shape[(read.from_end ? t.ndim : 0) + read.dim];
+          break;
+        }
+        case Constrained::Read::Kind::symbol: key[i] = compiled->constraint_value(tensors, read.slot); break;
+        case Constrained::Read::Kind::attr_int: key[i] = attrs[read.slot].value.i; break;
+        case Constrained::Read::Kind::attr_bool: key[i] = attrs[read.slot].value.b != 0 ? 1 : 0; break;
+      }
+    }
+  }
+
+  // The kernel of a checked call (accepted by the schema check, `attrs`
+  // every attribute in schema order) of an op with constrained kernels when
+  // memoised for their current generation; else null, and
+  // Dispatcher::resolve() decides.
+  [[gnu::always_inline]] const Resolved* find_memoised(std::span<const DLTensor> tensors, const kd_attr* attrs,
+                                                       uint64_t device, Dtype dtype) const noexcept {
+    const Constrained* c = constrained.load(std::memory_order_acquire);
+    if (c == nullptr || !c->memoised || c->generation != registry->generation()) return nullptr;
+    std::array<int64_t, Memo::kValues> key;
+    read_key(*c, tensors, attrs, key.data());
+    return find_memo(c, device, dtype, key.data());
+  }
+
+  // The memoised kernel for (constrained, device, dtype, values), or null.
+  [[gnu::always_inline]] const Resolved* find_memo(const Constrained* c, uint64_t device, Dtype dtype,
+                                                   const int64_t* values) const noexcept {
+    const size_t n = c->reads.size();
+    for (const Memo& m : memo) {
+      const uint32_t seq = m.seq.load(std::memory_order_acquire);
+      if ((seq & 1) != 0 || seq == 0) continue;
+      if (m.constrained.load(std::memory_order_acquire) != c || m.device.load(std::memory_order_acquire) != device ||
+          m.dtype.load(std::memory_order_acquire) != dtype) {
+        continue;
+      }
+      uint64_t diff = 0;
+      for (size_t i = 0; i < n; ++i) {
+        diff |= static_cast<uint64_t>(values[i] ^ m.values[i].load(std::memory_order_acquire));
+      }
+      if (diff != 0) continue;
+      const Resolved* r = m.resolved.load(std::memory_order_acquire);
+      // A word from a write in progress makes its odd sequence visible here.
+      if (m.seq.load(std::memory_order_relaxed) == seq) return r;
+    }
+    return nullptr;
+  }
+
+  // Records `r` for the key, over the older entry. A writer that finds
+  // another one at work on that entry leaves it be: either call is fine.
+  void store_memo(const Constrained* c, uint64_t device, Dtype dtype, const int64_t* values,
+                  const Resolved* r) noexcept {
+    const uint32_t entry = next_memo.load(std::memory_order_relaxed);
+    next_memo.store((entry + 1) % kMemos, std::memory_order_relaxed);
+    Memo& m = memo[entry % kMemos];
+    uint32_t seq = m.seq.load(std::memory_order_relaxed);
+    if ((seq & 1) != 0 || !m.seq.compare_exchange_strong(seq, seq + 1, std::memory_order_relaxed)) return;
+    // Release stores: each one publishes the odd sequence before itself.
+    m.constrained.store(c, std::memory_order_release);
+    m.device.store(device, std::memory_order_release);
+    m.dtype.store(dtype, std::memory_order_release);
+    for (size_t i = 0; i < c->reads.size(); ++i) m.values[i].store(values[i], std::memory_order_release);
+    m.resolved.store(r, std::memory_order_release);
+    // seq + 2 wraps to 0 ("nothing recorded") once in 2^31 writes: harmless.
+    m.seq.store(seq + 2, std::memory_order_release);
+  }
 
   const Resolved* find_constrained(uint64_t device, Dtype dtype, uint64_t rejected, uint64_t generation) const {
     for (const auto& slot : constrained_cache) {
@@ -422,12 +534,21 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
         run(state, *r, info.device, tensors, state.plain_attrs, stream, nullptr);
         return;
       }
+      // An op with constrained kernels: the kernel of a call with the same values.
+      if (const OpState::Resolved* r =
+              state.find_memoised(tensors, state.plain_attrs.data(), device_word(info.device), info.dtype)) {
+        run(state, *r, info.device, tensors, state.plain_attrs, stream, nullptr);
+        return;
+      }
     } else {
       // The defaults never split a "flattened" tensor (0); a refusal says
       // when one looks passed flattened without its attribute.
       info = state.compiled->check_plan(tensors, tensors, state.plain_attrs);
     }
-    call_checked(tensors, attrs, stream, info.device, info.dtype);
+    // The attributes are the defaults, as pack_attrs() would give them: an
+    // op with constrained kernels (whose kernel is never in `cache`) comes
+    // here on every call.
+    call_packed(tensors, state.plain_attrs, stream, info.device, info.dtype);
     return;
   }
   call_with_attrs(tensors, attrs, stream);
@@ -450,14 +571,26 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
   CompiledSchema::CallInfo info;
   if (state.compiled->matches_remembered(tensors, &info)) [[likely]] {
     if (packed && state.trace_file == nullptr) [[likely]] {
+      const std::span<const kd_attr> packed_attrs(storage.data(), state.defaults.size());
       if (const OpState::Resolved* r = state.find_cached(device_word(info.device), info.dtype)) [[likely]] {
-        run(state, *r, info.device, tensors, std::span<const kd_attr>(storage.data(), state.defaults.size()), stream,
-            nullptr);
+        run(state, *r, info.device, tensors, packed_attrs, stream, nullptr);
+        return;
+      }
+      if (const OpState::Resolved* r =
+              state.find_memoised(tensors, storage.data(), device_word(info.device), info.dtype)) {
+        run(state, *r, info.device, tensors, packed_attrs, stream, nullptr);
         return;
       }
     }
   } else {
     info = state.compiled->check_plan(tensors);
+  }
+  if (packed) {
+    // What pack_attrs() would pack again: an op with constrained kernels
+    // comes here on every call.
+    call_packed(tensors, std::span<const kd_attr>(storage.data(), state.defaults.size()), stream, info.device,
+                info.dtype);
+    return;
   }
   call_checked(tensors, attrs, stream, info.device, info.dtype);
 }
@@ -656,6 +789,14 @@ const ResolvedKernel& Dispatcher::resolve(OpState& state, DLDevice device, Dtype
     if (const OpState::Resolved* r = state.find_cached(device_word(device), dtype)) return *r;
     return resolve_slow(state, device, dtype, nullptr, 0, generation);
   }
+  const uint64_t word = device_word(device);
+  // The values the constraints read: a call that repeats a recent key takes
+  // its kernel without evaluating them.
+  std::array<int64_t, OpState::Memo::kValues> key;
+  if (constrained->memoised) [[likely]] {
+    state.read_key(*constrained, tensors, attrs.data(), key.data());
+    if (const OpState::Resolved* r = state.find_memo(constrained, word, dtype, key.data())) [[likely]] return *r;
+  }
   std::array<int64_t, kMaxConstraintSymbols> symbols{};
   state.compiled->bind_constraint_values(tensors, symbols.data());
   ConstraintCall call{{state.compiled->constraint_symbols(), state.compiled->selecting_dtype_var(), state.compiled->schema().attrs},
@@ -669,10 +810,14 @@ const ResolvedKernel& Dispatcher::resolve(OpState& state, DLDevice device, Dtype
   for (size_t i = 0; i < constrained->tuned.size(); ++i) {
     if (constrained->tuned[i]->evaluate(call.input) != Constraint::Result::holds) rejected |= uint64_t{1} << (base + i);
   }
-  if (const OpState::Resolved* r = state.find_constrained(device_word(device), dtype, rejected, constrained->generation)) {
-    return *r;
+  const OpState::Resolved* r = state.find_constrained(word, dtype, rejected, constrained->generation);
+  if (r == nullptr) r = &resolve_slow(state, device, dtype, &call, rejected, constrained->generation);
+  // A choice made at a newer generation than `constrained` is not memoised
+  // for it (resolve_slow() does not cache it either).
+  if (constrained->memoised && r->generation == constrained->generation) {
+    state.store_memo(constrained, word, dtype, key.data(), r);
   }
-  return resolve_slow(state, device, dtype, &call, rejected, constrained->generation);
+  return *r;
 }
 
 void Dispatcher::refresh_constraints(OpState& state, uint64_t generation) {
@@ -705,10 +850,42 @@ void Dispatcher::refresh_constraints(OpState& state, uint64_t generation) {
                                 "most 64 together are supported",
                                 state.op, kernels.size(), tuned.size()));
   }
+  // What they read, each once, for the memo's key.
+  std::vector<OpState::Constrained::Read> reads;
+  const auto add_reads = [&](const Constraint& c) {
+    for (const Constraint::Name& name : c.names()) {
+      using Kind = OpState::Constrained::Read::Kind;
+      Kind kind;
+      switch (name.op) {
+        case Constraint::Op::symbol: kind = Kind::symbol; break;
+        case Constraint::Op::attr_int: kind = Kind::attr_int; break;
+        case Constraint::Op::attr_bool: kind = Kind::attr_bool; break;
+        default: continue;  // the dtype: part of every key
+      }
+      OpState::Constrained::Read read{kind, static_cast<uint8_t>(name.slot)};
+      if (kind == Kind::symbol) {
+        if (const auto source = state.compiled->dim_source(read.slot)) {
+          read.kind = Kind::dim;
+          read.tensor = source->tensor;
+          read.dim = source->dim;
+          read.from_end = source->from_end;
+        }
+      }
+      const bool seen = std::any_of(reads.begin(), reads.end(), [&](const auto& r) {
+        return (r.kind == Kind::symbol || r.kind == Kind::dim) == (kind == Kind::symbol) && r.slot == read.slot;
+      });
+      if (!seen) reads.push_back(read);
+    }
+  };
+  for (const auto& kernel : kernels) {
+    for (const Constraint& c : kernel.second.constraints) add_reads(c);
+  }
+  for (const Constraint* c : tuned) add_reads(*c);
+  const bool memoised = reads.size() <= OpState::Memo::kValues;
   std::lock_guard lock(mutex_);
   if (!kernels.empty() || !tuned.empty()) {
-    state.owned_constrained.push_back(std::make_unique<OpState::Constrained>(
-        OpState::Constrained{generation, std::move(kernels), std::move(tuning), std::move(tuned)}));
+    state.owned_constrained.push_back(std::make_unique<OpState::Constrained>(OpState::Constrained{
+        generation, std::move(kernels), std::move(tuning), std::move(tuned), std::move(reads), memoised}));
     state.constrained.store(state.owned_constrained.back().get(), std::memory_order_release);
   } else {
     state.constrained.store(nullptr, std::memory_order_release);

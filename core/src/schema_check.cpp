@@ -406,7 +406,10 @@ CompiledSchema::CompiledSchema(const OpSchema& schema) : schema_(schema) {
       symbol_owner_[slot] = static_cast<uint8_t>(plan_.size());
       symbol_dim_[slot] = t.num_dims;
       symbol_divisor_[slot] = factor;
-      if (factor != 1) t.flags |= kDivides;
+      if (factor != 1) {
+        t.flags |= kDivides;
+        symbol_divides_ |= uint32_t{1} << slot;
+      }
       push({0, factor, slot, slot, factor});
     };
     for (const ShapeToken& tok : arg.shape) {

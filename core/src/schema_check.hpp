@@ -113,6 +113,27 @@ class CompiledSchema {
   // bind_symbols(), then the value of "rows" where constraint_symbols()
   // has it: `value` holds kMaxConstraintSymbols.
   void bind_constraint_values(std::span<const DLTensor> tensors, int64_t* value) const noexcept;
+  // The one value of bind_constraint_values() at `slot` (< the size of
+  // constraint_symbols()), read alone.
+  int64_t constraint_value(std::span<const DLTensor> tensors, size_t slot) const noexcept;
+  // Where the dim that gives constraint symbol `slot` lies in an accepted
+  // call: tensors[tensor].shape[dim], dim counted from the tensor's ndim
+  // (negative) when `from_end`. The dim is the symbol's value times a fixed
+  // factor, so equal dims mean equal values. Nullopt for "rows" and for a
+  // symbol that an optional tensor binds (which may be absent).
+  struct DimSource {
+    uint8_t tensor;
+    int8_t dim;
+    bool from_end;
+  };
+  std::optional<DimSource> dim_source(size_t slot) const {
+    if (slot >= symbols_.size()) return std::nullopt;
+    const uint8_t owner = symbol_owner_[slot];
+    const Tensor& spec = plan_[owner];
+    if (spec.flags & kOptional) return std::nullopt;
+    if (spec.flags & kLeading) return DimSource{owner, static_cast<int8_t>(symbol_dim_[slot] - spec.num_dims), true};
+    return DimSource{owner, static_cast<int8_t>(symbol_dim_[slot]), false};
+  }
 
  private:
   // The plan that walk() follows without branching on what a dim or dtype
@@ -206,6 +227,9 @@ class CompiledSchema {
     return w;
   }
   void remember(std::span<const DLTensor> tensors, Dtype dtype) const noexcept;
+  // Symbol slot s's value in an accepted call; the product of the leading dims.
+  int64_t symbol_value(std::span<const DLTensor> tensors, size_t s) const noexcept;
+  int64_t rows_value(std::span<const DLTensor> tensors) const noexcept;
   // The rules, once. Each refusal calls refuse(argument, words): the quick
   // pass returns false without building the words, the diagnosing pass
   // throws them.
@@ -246,6 +270,9 @@ class CompiledSchema {
   std::array<uint8_t, kMaxSchemaSymbols> symbol_owner_{};
   std::array<uint8_t, kMaxSchemaSymbols> symbol_dim_{};       // its dim in the owner, after "*"
   std::array<int64_t, kMaxSchemaSymbols> symbol_divisor_{};  // that dim is divisor * symbol
+  // Bit s: symbol_divisor_[s] != 1. A test of the divisor itself compiles
+  // to the division (x / 1 is x), which costs more than the rest of the read.
+  uint32_t symbol_divides_ = 0;
   std::array<uint8_t, kMaxSchemaDtypeVars> var_owner_{};
   uint8_t leading_owner_ = 0;
   uint32_t written_ = 0;  // bit i: the op writes tensor i ("written" or "inplace")
@@ -334,20 +361,22 @@ inline bool dense_ranges_apart(std::span<const DLTensor> tensors, uint32_t writt
   constexpr size_t kMax = 8;
   const size_t n = tensors.size();
   if (n > kMax) return false;
-  uint64_t lo[kMax];
-  uint64_t hi[kMax];
   bool unknown = false;
-  for (size_t i = 0; i < n; ++i) {
-    lo[i] = reinterpret_cast<uintptr_t>(tensors[i].data);
-    hi[i] = lo[i] + dense_bytes[i];
-    unknown |= dense_bytes[i] == kUnknownBytes;
-  }
+  for (size_t i = 0; i < n; ++i) unknown |= dense_bytes[i] == kUnknownBytes;
+  if (unknown) return false;
+  // Each written tensor's range against every other's, read where used
+  // (a copy of all ranges first cost more than the few pairs of a call).
   bool meet = false;
   for (uint32_t w = written & ((1u << n) - 1); w != 0; w &= w - 1) {
     const auto i = static_cast<size_t>(__builtin_ctz(w));
-    for (size_t j = 0; j < n; ++j) meet |= (j != i) & (lo[i] < hi[j]) & (lo[j] < hi[i]);
+    const uint64_t lo = reinterpret_cast<uintptr_t>(tensors[i].data);
+    const uint64_t hi = lo + dense_bytes[i];
+    for (size_t j = 0; j < n; ++j) {
+      const uint64_t lo_j = reinterpret_cast<uintptr_t>(tensors[j].data);
+      meet |= (j != i) & (lo < lo_j + dense_bytes[j]) & (lo_j < hi);
+    }
   }
-  return !unknown && !meet;
+  return !meet;
 }
 
 // Inline: the whole per-call cost of a checked call's validation.
@@ -422,28 +451,35 @@ inline bool CompiledSchema::matches(const Accepted& accepted, std::span<const DL
   return false;
 }
 
+inline int64_t CompiledSchema::symbol_value(std::span<const DLTensor> tensors, size_t s) const noexcept {
+  const DLTensor& t = tensors[symbol_owner_[s]];
+  const Tensor& spec = plan_[symbol_owner_[s]];
+  if ((spec.flags & kOptional) && is_absent(t)) return 0;
+  const int64_t lead = (spec.flags & kLeading) ? t.ndim - spec.num_dims : 0;
+  const int64_t dim = t.shape[lead + symbol_dim_[s]];
+  return (symbol_divides_ >> s & 1) != 0 ? dim / symbol_divisor_[s] : dim;  // most symbols: no division
+}
+
 inline void CompiledSchema::bind_symbols(std::span<const DLTensor> tensors, int64_t* value) const noexcept {
-  for (size_t s = 0; s < symbols_.size(); ++s) {
-    const DLTensor& t = tensors[symbol_owner_[s]];
-    const Tensor& spec = plan_[symbol_owner_[s]];
-    if ((spec.flags & kOptional) && is_absent(t)) {
-      value[s] = 0;
-      continue;
-    }
-    const int64_t lead = (spec.flags & kLeading) ? t.ndim - spec.num_dims : 0;
-    const int64_t dim = t.shape[lead + symbol_dim_[s]];
-    value[s] = symbol_divisor_[s] == 1 ? dim : dim / symbol_divisor_[s];  // most symbols: no division
-  }
+  for (size_t s = 0; s < symbols_.size(); ++s) value[s] = symbol_value(tensors, s);
+}
+
+inline int64_t CompiledSchema::rows_value(std::span<const DLTensor> tensors) const noexcept {
+  const DLTensor& owner = tensors[leading_owner_];
+  const int64_t lead = int64_t{owner.ndim} - plan_[leading_owner_].num_dims;
+  int64_t rows = 1;
+  for (int64_t d = 0; d < lead; ++d) rows *= owner.shape[d];  // the check bounded the sizes' product
+  return rows;
+}
+
+inline int64_t CompiledSchema::constraint_value(std::span<const DLTensor> tensors, size_t slot) const noexcept {
+  return slot < symbols_.size() ? symbol_value(tensors, slot) : rows_value(tensors);
 }
 
 inline void CompiledSchema::bind_constraint_values(std::span<const DLTensor> tensors, int64_t* value) const noexcept {
   bind_symbols(tensors, value);
   if (constraint_symbols_.size() == symbols_.size()) return;
-  const DLTensor& owner = tensors[leading_owner_];
-  const int64_t lead = int64_t{owner.ndim} - plan_[leading_owner_].num_dims;
-  int64_t rows = 1;
-  for (int64_t d = 0; d < lead; ++d) rows *= owner.shape[d];  // the check bounded the sizes' product
-  value[symbols_.size()] = rows;
+  value[symbols_.size()] = rows_value(tensors);
 }
 
 }  // namespace kdispatch

@@ -5,12 +5,18 @@
 // another backend, else KD-E003 with the failed constraint's text.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <random>
+#include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -303,4 +309,213 @@ TEST_CASE("ranking: a preference set at run time redirects calls through handles
   CHECK(op.resolve(call.tensors).spec().backend == "reference");
   context->set_preference("layernorm.rmsnorm", {});
   CHECK(op.resolve(call.tensors).spec().backend == "cpu");
+}
+
+namespace {
+
+// An op of its own ("memo.shift": out = x + offset over [*, N], an int and a
+// bool attribute) and two kernels registered at run time that write their
+// own offset and count their calls: "even" (priority 50) with constraints
+// over N, rows and both attributes, "any" (priority 10) without.
+struct ShiftKernel {
+  float offset;
+  std::atomic<int> calls{0};
+  explicit ShiftKernel(float o) : offset(o) {}
+};
+
+kd_status shift_kernel(const kd_call_args* args) {
+  auto* k = static_cast<ShiftKernel*>(args->kernel_data);
+  ++k->calls;
+  const DLTensor& out = args->tensors[0];
+  const DLTensor& x = args->tensors[1];
+  int64_t n = 1;
+  for (int32_t d = 0; d < x.ndim; ++d) n *= x.shape[d];
+  for (int64_t i = 0; i < n; ++i) static_cast<float*>(out.data)[i] = static_cast<const float*>(x.data)[i] + k->offset;
+  return KD_STATUS_OK;
+}
+
+KernelSpec shift_spec(std::string backend, ShiftKernel* k, int32_t priority, std::vector<std::string> constraints) {
+  KernelSpec spec;
+  spec.op = "memo.shift";
+  spec.backend = std::move(backend);
+  Target cpu;
+  cpu.device = DeviceType::cpu;
+  spec.targets = {cpu};
+  spec.dtypes = {Dtype::float32};
+  spec.priority = priority;
+  spec.description = "a kernel of the constraint tests";
+  spec.function = shift_kernel;
+  spec.function_data = k;
+  spec.constraints = std::move(constraints);
+  return spec;
+}
+
+const std::vector<std::string> kEvenConstraints = {"N % 2 == 0", "rows <= 4", "block >= 4 or wide"};
+
+std::unique_ptr<Context> shift_context() {
+  const nlohmann::json manifest = {
+      {"kdispatch_manifest", "1.0"},
+      {"plugin", "memo_ops"},
+      {"backend", "memo_ops"},
+      {"library", "libkdispatch-memo-ops.so"},
+      {"abi", "1.0"},
+      {"kernels", nlohmann::json::array()},
+      {"ops",
+       {{{"op", "memo.shift"},
+         {"doc", "out = x + offset"},
+         {"tensors",
+          {{{"name", "out"}, {"shape", {"*", "N"}}, {"dtype", "float32"}, {"written", true}},
+           {{"name", "x"}, {"shape", {"*", "N"}}, {"dtype", "float32"}}}},
+         {"attrs",
+          {{{"name", "block"}, {"type", "int"}, {"default", 4}},
+           {{"name", "wide"}, {"type", "bool"}, {"default", false}}}}}}}};
+  ManifestResult parsed = parse_manifest(manifest.dump(), "/nonexistent/memo_ops.json");
+  REQUIRE_MESSAGE(parsed.manifest, (parsed.errors.empty() ? "" : parsed.errors[0].message));
+  ContextOptions options;
+  options.search.use_environment = false;
+  options.search.use_default_path = false;
+  options.selector = SelectorOptions{};
+  auto context = std::make_unique<Context>(options);
+  CHECK(context->add_manifest(*parsed.manifest).empty());
+  return context;
+}
+
+// One call's tensors: random x, NaN-poisoned out.
+struct ShiftCall {
+  std::vector<float> out, x;
+  std::vector<int64_t> shape;
+  std::vector<DLTensor> tensors;
+  ShiftCall(int64_t rows, int64_t n, unsigned seed) : out(static_cast<size_t>(rows * n)), x(out.size()), shape{rows, n} {
+    std::mt19937 gen(seed);
+    std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+    for (float& v : x) v = dist(gen);
+    const DLDevice cpu{kDLCPU, 0};
+    const DLDataType f32{kDLFloat, 32, 1};
+    tensors = {DLTensor{out.data(), cpu, 2, f32, shape.data(), nullptr, 0},
+               DLTensor{x.data(), cpu, 2, f32, shape.data(), nullptr, 0}};
+  }
+  // Calls `op` on poisoned output; true when it wrote x + offset.
+  bool shifted_by(const OpHandle& op, std::span<const NamedAttr> attrs, float offset) {
+    std::fill(out.begin(), out.end(), std::nanf(""));
+    op(tensors, attrs);
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (out[i] != x[i] + offset) return false;
+    }
+    return true;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("constraint: calls whose shapes and attributes change back and forth each run the kernel their values choose") {
+  auto context = shift_context();
+  ShiftKernel even(1.0f);
+  ShiftKernel any(2.0f);
+  context->register_kernel(shift_spec("even", &even, 50, kEvenConstraints));
+  context->register_kernel(shift_spec("any", &any, 10, {}));
+  Dispatcher dispatch(*context);
+  const OpHandle op = dispatch.op("memo.shift");
+
+  ShiftCall fits(2, 8, 1);    // every constraint holds
+  ShiftCall odd(2, 5, 2);     // N odd
+  ShiftCall tall(8, 8, 3);    // rows > 4
+  ShiftCall other(3, 6, 4);   // holds, another N and rows
+  const NamedAttr small_block[] = {{"block", int64_t{2}}};
+  const NamedAttr small_wide[] = {{"block", int64_t{2}}, {"wide", true}};
+  const NamedAttr large_block[] = {{"block", int64_t{16}}};
+  struct Step {
+    ShiftCall* call;
+    std::span<const NamedAttr> attrs;
+    bool even;
+  };
+  const std::vector<Step> steps = {
+      {&fits, {}, true},         {&odd, {}, false},         {&fits, {}, true},          {&odd, {}, false},
+      {&tall, {}, false},        {&fits, {}, true},         {&other, {}, true},         {&fits, small_block, false},
+      {&fits, {}, true},         {&fits, small_wide, true}, {&fits, small_block, false}, {&fits, large_block, true},
+      {&odd, large_block, false}, {&other, {}, true},       {&tall, {}, false},         {&other, small_block, false},
+  };
+  int expected_even = 0;
+  int expected_any = 0;
+  for (int round = 0; round < 3; ++round) {
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const Step& s = steps[i];
+      CAPTURE(round);
+      CAPTURE(i);
+      CHECK(s.call->shifted_by(op, s.attrs, s.even ? 1.0f : 2.0f));
+      (s.even ? expected_even : expected_any) += 1;
+      CHECK(even.calls == expected_even);
+      CHECK(any.calls == expected_any);
+      if (s.attrs.empty()) CHECK(op.resolve(s.call->tensors).spec().backend == (s.even ? "even" : "any"));
+    }
+  }
+}
+
+TEST_CASE("constraint: a registry change is seen by the next call of a repeated shape") {
+  auto context = shift_context();
+  ShiftKernel even(1.0f);
+  ShiftKernel any(2.0f);
+  context->register_kernel(shift_spec("even", &even, 50, kEvenConstraints));
+  context->register_kernel(shift_spec("any", &any, 10, {}));
+  Dispatcher dispatch(*context);
+  const OpHandle op = dispatch.op("memo.shift");
+  ShiftCall fits(2, 8, 5);
+  ShiftCall six(2, 6, 6);
+  for (int i = 0; i < 3; ++i) CHECK(fits.shifted_by(op, {}, 1.0f));
+
+  // A preference, then none.
+  context->set_preference("memo.shift", {"any"});
+  for (int i = 0; i < 3; ++i) CHECK(fits.shifted_by(op, {}, 2.0f));
+  context->set_preference("memo.shift", {});
+  CHECK(fits.shifted_by(op, {}, 1.0f));
+
+  // The constrained kernel withdrawn, then registered again with other
+  // constraints: N = 8 no longer fits it, N = 6 does.
+  context->unregister_kernel("memo.shift", "even");
+  for (int i = 0; i < 2; ++i) CHECK(fits.shifted_by(op, {}, 2.0f));
+  ShiftKernel thirds(3.0f);
+  context->register_kernel(shift_spec("even", &thirds, 50, {"N % 3 == 0"}));
+  for (int i = 0; i < 2; ++i) {
+    CHECK(fits.shifted_by(op, {}, 2.0f));
+    CHECK(six.shifted_by(op, {}, 3.0f));
+  }
+  CHECK(even.calls == 4);
+  CHECK(thirds.calls == 2);
+  CHECK(any.calls == 3 + 2 + 2);
+
+  // No constrained kernel left: the plain cache takes over.
+  context->unregister_kernel("memo.shift", "even");
+  CHECK(six.shifted_by(op, {}, 2.0f));
+  CHECK(thirds.calls == 2);
+}
+
+TEST_CASE("constraint: threads calling a constrained op with alternating shapes each run the right kernel") {
+  auto context = shift_context();
+  ShiftKernel even(1.0f);
+  ShiftKernel any(2.0f);
+  context->register_kernel(shift_spec("even", &even, 50, kEvenConstraints));
+  context->register_kernel(shift_spec("any", &any, 10, {}));
+  Dispatcher dispatch(*context);
+  const OpHandle op = dispatch.op("memo.shift");
+  constexpr int kThreads = 4;
+  constexpr int kCalls = 200;
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      ShiftCall fits(2, 8, 10 + t);
+      ShiftCall odd(2, 5 + 2 * t, 20 + t);
+      ShiftCall tall(8, 4, 30 + t);
+      for (int i = 0; i < kCalls; ++i) {
+        const bool ok = (i % 3 == 0)   ? fits.shifted_by(op, {}, 1.0f)
+                        : (i % 3 == 1) ? odd.shifted_by(op, {}, 2.0f)
+                                       : tall.shifted_by(op, {}, 2.0f);
+        if (!ok) ++wrong;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  CHECK(wrong == 0);
+  const int fits_calls = kThreads * ((kCalls + 2) / 3);
+  CHECK(even.calls == fits_calls);
+  CHECK(any.calls == kThreads * kCalls - fits_calls);
 }
