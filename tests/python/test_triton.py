@@ -79,9 +79,10 @@ class Triton(Registered):
         for w in (_random(256, seed=2), _random(256, dtype=torch.float32, seed=2)):
             out = torch.full((7, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
             torch.ops.kdispatch.layernorm_rmsnorm(out, x, w, 1e-6, ktriton.BACKEND)
-            want = torch.full_like(out, float("nan"))
-            kdispatch.call("layernorm.rmsnorm", want, x, w, eps=1e-6, backend="reference")
-            verdict = kt.compare("layernorm.rmsnorm", [out, x, w], [want, x, w])
+            host = [x.cpu(), w.cpu()]
+            want = torch.full((7, 256), float("nan"), dtype=torch.bfloat16)
+            kdispatch.call("layernorm.rmsnorm", want, *host, eps=1e-6, backend="reference")
+            verdict = kt.compare("layernorm.rmsnorm", [out.cpu()] + host, [want] + host)
             self.assertTrue(verdict.ok, verdict.first_mismatch)
 
     def test_leading_dims_that_are_not_one_stride_apart_pass_on(self):

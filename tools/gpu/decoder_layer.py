@@ -20,9 +20,10 @@ Prints the largest absolute difference of each and exits 1 when one is
 above its bound, 77 (skipped, with the reason) without CUDA.
 
 With --tuning FILE, the torch backend (kdispatch.native) and the triton
-backend (kdispatch.triton) are registered beside the plugins and the
-selector follows the tuning file (kdispatch.set_tuning_file): each op runs
-on the backend the file chooses for its shape. With KDISPATCH_TRACE set,
+backend (kdispatch.triton) are registered beside the plugins (not opt-in,
+ranked by a priority below theirs) and the selector follows the tuning file
+(kdispatch.set_tuning_file): each op the file has a choice for runs on the
+backend it chooses for the shape (rule "tuned"), the others by priority. With KDISPATCH_TRACE set,
 the backend and rule of each op's calls are printed from the trace.
 
   PYTHONPATH=build/cuda/python python3 tools/gpu/decoder_layer.py [--tokens N] [--rotary-dim R] [--tuning FILE]
@@ -185,9 +186,11 @@ def main():
         import kdispatch
         import kdispatch.native
         import kdispatch.triton
-        kdispatch.native.register()
+        # Not opt-in, ranked below the plugins: on an op the file has a
+        # choice for, the tuned rule decides among all three backends.
+        kdispatch.native.register(opt_in=False, priority=-1)
         if kdispatch.triton.available() is None:
-            kdispatch.triton.register()
+            kdispatch.triton.register(opt_in=False, priority=-1)
         kdispatch.set_tuning_file(args.tuning)
     torch.manual_seed(0)
     layer = Layer(args.hidden, args.heads, args.kv_heads, args.head_size, args.inter,

@@ -153,8 +153,9 @@ def _reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k
     if kv_cache_dtype != "auto":
         raise Unsupported(f"kv_cache_dtype '{kv_cache_dtype}': the torch backend writes caches in the "
                                      "activation dtype only")
-    if key_cache.dtype != key.dtype:
-        raise Unsupported(f"a {key_cache.dtype} cache: the torch backend writes caches in the activation dtype only")
+    for cache in (key_cache, value_cache):
+        if cache.dtype != key.dtype:
+            raise Unsupported(f"a {cache.dtype} cache: the torch backend writes caches in the activation dtype only")
     if _capturing():
         raise Unsupported("the torch formula of the KV-cache write sizes its work by the slots' values, which a "
                           "CUDA graph cannot capture")

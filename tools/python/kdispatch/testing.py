@@ -25,9 +25,12 @@ built-in ones and a plugin's alike:
 Nothing here knows an op's formula: that lives in its reference kernel.
 """
 import types as _types
+import warnings as _warnings
 
 from . import _kdispatch
-from ._errors import Error
+from ._errors import Error, KernelError
+
+_UNSUPPORTED = 2  # KD_STATUS_UNSUPPORTED, in a KernelError's "(status N)"
 
 __all__ = ["Case", "cases", "dtypes", "variants", "inputs", "reference", "compare", "check", "conformance"]
 
@@ -196,12 +199,14 @@ def conformance(op, backend, device="cpu", dtypes=None, seed=0):
     backend's kernel declares and torch can make), each variant (dtype
     alternatives, optional tensors left out), on torch tensors on `device`,
     against the reference. Returns (calls checked, failures), each failure
-    (case, dtype, variant, verdict). The outcome is recorded as the
+    (case, dtype, variant, verdict). Calls the backend passes on as
+    unsupported (KD_STATUS_UNSUPPORTED, kdispatch.Unsupported) are not
+    checked and not failures: a warning counts them. The outcome is recorded as the
     kernel's conformance verdict on `device` (docs/internals.md,
     Conformance verdicts): fallback never passes a call to a kernel that
     failed."""
     import torch
-    checked, failures = 0, []
+    checked, failures, passed_on = 0, [], []
     missing = set(unavailable_dtypes(op, alternatives=True))
     for dtype in (dtypes or [d for d in _kdispatch._call_dtypes(op, backend) if d not in missing]):
         for variant in variants(op, dtype):
@@ -211,7 +216,13 @@ def conformance(op, backend, device="cpu", dtypes=None, seed=0):
                 host = inputs(op, dtype, case, seed, dtypes=variant["dtypes"], absent=variant["absent"])
                 want = reference(op, host, case)
                 got = [None if t is None else t.to(device, copy=True) for t in host]
-                _kdispatch.call(op, *got, backend=backend, **_attrs(case))
+                try:
+                    _kdispatch.call(op, *got, backend=backend, **_attrs(case))
+                except KernelError as e:
+                    if f"(status {_UNSUPPORTED})" not in e.message:
+                        raise
+                    passed_on.append(f"{dtype} {variant['dtypes']} {case}: {e.message}")
+                    continue
                 if device != "cpu":
                     torch.cuda.synchronize()
                 verdict = compare(op, got, want, case)
@@ -223,4 +234,7 @@ def conformance(op, backend, device="cpu", dtypes=None, seed=0):
                     failures.append((case, dtype, variant, verdict))
     if checked and not failures:
         _kdispatch._record_verdict(op, backend, str(device), True, "kdispatch.testing.conformance")
+    if passed_on:
+        _warnings.warn(f"kdispatch.testing.conformance: backend '{backend}' passed {len(passed_on)} calls of {op} on "
+                       f"as unsupported (not checked; first: {passed_on[0]})", stacklevel=2)
     return checked, failures
