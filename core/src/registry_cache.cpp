@@ -19,6 +19,7 @@
 #include "kdispatch/log.hpp"
 #include "kdispatch/plugin_api.h"
 #include "kdispatch/plugin_security.hpp"
+#include "line_fields.hpp"
 #include "kdispatch/version.h"
 #include "manifest_for_cache.hpp"
 #include "manifest_record.hpp"
@@ -108,36 +109,6 @@ std::optional<ScanStamp> scan_stamp_of(const Manifest& manifest) {
   return s;
 }
 
-// Tabs, newlines and backslashes escaped, so an entry is one line of
-// tab-separated fields.
-std::string escape(std::string_view text) {
-  std::string out;
-  for (char c : text) {
-    if (c == '\\') {
-      out += "\\\\";
-    } else if (c == '\t') {
-      out += "\\t";
-    } else if (c == '\n') {
-      out += "\\n";
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
-std::string unescape(std::string_view text) {
-  std::string out;
-  for (size_t i = 0; i < text.size(); ++i) {
-    if (text[i] != '\\' || i + 1 == text.size()) {
-      out += text[i];
-      continue;
-    }
-    const char c = text[++i];
-    out += c == 't' ? '\t' : c == 'n' ? '\n' : c;
-  }
-  return out;
-}
-
 // The first `n` tab-separated fields of `line` into `fields`, and the rest
 // of the line (after the n-th tab) into `rest`; false when it has fewer.
 bool split_fields(std::string_view line, size_t n, std::vector<std::string_view>& fields, std::string_view& rest) {
@@ -167,8 +138,8 @@ bool parse_scan_line(std::string_view line, CacheFile& file) {
   if (!parse_scan_verdict(f[3], &outcome.verdict) || f[4].size() > 10 || !parse_number(f[4], outcome.code)) {
     return false;
   }
-  outcome.detail = unescape(detail);
-  file.scans[unescape(f[0])] = {{std::string(f[1]), std::string(f[2])}, std::move(outcome)};
+  outcome.detail = unescape_field(detail);
+  file.scans[unescape_field(f[0])] = {{std::string(f[1]), std::string(f[2])}, std::move(outcome)};
   return true;
 }
 
@@ -185,7 +156,7 @@ bool parse_manifest_line(std::string_view line, CacheFile& file) {
     return false;
   }
   entry.record = record;
-  file.manifests[unescape(f[0])] = entry;
+  file.manifests[unescape_field(f[0])] = entry;
   return true;
 }
 
@@ -379,12 +350,12 @@ size_t parse_cache_entries(std::string_view text, bool manifests, CacheFile& fil
 std::string format_cache_entries(const CacheFile& file) {
   std::string text;
   for (const auto& [library, e] : file.scans) {
-    text += fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\n", kScanKind, escape(library), e.stamp.library_file,
+    text += fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\n", kScanKind, escape_field(library), e.stamp.library_file,
                         e.stamp.manifest_sha256, scan_verdict_name(e.outcome.verdict), e.outcome.code,
-                        escape(e.outcome.detail));
+                        escape_field(e.outcome.detail));
   }
   for (const auto& [manifest, e] : file.manifests) {
-    text += fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\t{:x}\t", kManifestKind, escape(manifest), e.stamp.device,
+    text += fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\t{:x}\t", kManifestKind, escape_field(manifest), e.stamp.device,
                         e.stamp.inode, e.stamp.size, e.stamp.mtime_ns, e.stamp.ctime_ns, checksum(e.record));
     text += e.record;
     text += '\n';

@@ -18,6 +18,7 @@
 #include "kdispatch/error.hpp"
 #include "kdispatch/log.hpp"
 #include "kdispatch/plugin_security.hpp"
+#include "line_fields.hpp"
 #include "registry_cache.hpp"
 #include "scanner.hpp"
 #include "unique_fd.hpp"
@@ -35,37 +36,6 @@ std::string header() { return fmt::format("{} {}", kHeaderWord, kFormat); }
 
 std::string key_of(std::string_view backend, std::string_view op, std::string_view device, std::string_view library) {
   return fmt::format("{}\t{}\t{}\t{}", backend, op, device, library);
-}
-
-std::string escape(std::string_view text) {
-  std::string out;
-  for (char c : text) {
-    if (c == '\\') {
-      out += "\\\\";
-    } else if (c == '\t') {
-      out += "\\t";
-    } else if (c == '\n') {
-      out += "\\n";
-    } else if (c == '\r') {
-      out += "\\r";
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
-
-std::string unescape(std::string_view text) {
-  std::string out;
-  for (size_t i = 0; i < text.size(); ++i) {
-    if (text[i] != '\\' || i + 1 == text.size()) {
-      out += text[i];
-      continue;
-    }
-    const char c = text[++i];
-    out += c == 't' ? '\t' : c == 'n' ? '\n' : c == 'r' ? '\r' : c;
-  }
-  return out;
 }
 
 // A backend or op name, device kind or library identity: printable, no
@@ -256,8 +226,8 @@ bool parse_verdict_file(std::string_view text, std::map<std::string, Verdict>& o
     v.op = f[3];
     v.device = f[4];
     v.library = f[5];
-    v.source = unescape(f[6]);
-    v.detail = unescape(rest);
+    v.source = unescape_field(f[6]);
+    v.detail = unescape_field(rest);
     out[key_of(v.backend, v.op, v.device, v.library)] = std::move(v);
   }
   if (line_no == 0) {
@@ -271,7 +241,7 @@ std::string format_verdict_file(const std::map<std::string, Verdict>& verdicts) 
   std::string text = header() + "\n";
   for (const auto& [key, v] : verdicts) {
     text += fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\n", v.passed ? "passed" : "failed", v.time, v.backend, v.op,
-                        v.device, v.library, escape(v.source), escape(v.detail));
+                        v.device, v.library, escape_field(v.source), escape_field(v.detail));
   }
   return text;
 }

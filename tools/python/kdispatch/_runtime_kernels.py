@@ -4,7 +4,7 @@ registered at run time")."""
 import json as _json
 
 from . import _kdispatch
-from ._errors import ManifestError, Unsupported
+from ._errors import Error, ManifestError, SelectionError, Unsupported
 
 
 def _targets_json(targets):
@@ -89,3 +89,33 @@ def unregister_kernel(op, backend):
     Raises SelectionError KD-E002 when there is none, RegistrationError
     KD-E005 for a plugin's kernel."""
     _kdispatch._unregister_kernel(op, backend)
+
+
+def register_backend(backend, kernels, ops, module, what, *, targets, opt_in, priority):
+    """Registers backend `backend` for `ops` (None: every op of `kernels`, a
+    dict op -> callable, that has a schema in the current registry): the
+    register() of kdispatch.native and kdispatch.triton. Returns the ops
+    registered."""
+    chosen = list(kernels) if ops is None else list(ops)
+    unknown = [op for op in chosen if op not in kernels]
+    if unknown:
+        raise SelectionError("KD-E002", f"No '{backend}' backend for op(s) {unknown}: {module} has no kernel for them",
+                             [f"its ops: {', '.join(sorted(kernels))}"])
+    known = set(_kdispatch.ops())
+    done = []
+    for op in chosen:
+        if op not in known:
+            continue
+        register_kernel(op, backend, kernels[op], targets=targets, opt_in=opt_in, priority=priority,
+                        description=f"{op} in {what} ({module})")
+        done.append(op)
+    return done
+
+
+def unregister_backend(backend, kernels, ops):
+    """Withdraws what register_backend registered for `ops` (None: all)."""
+    for op in (list(kernels) if ops is None else ops):
+        try:
+            unregister_kernel(op, backend)
+        except Error:
+            pass

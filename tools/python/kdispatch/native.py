@@ -25,7 +25,8 @@ call on too: their torch formulas size their work by the data.
 import torch as _torch
 import torch.nn.functional as _F
 
-from ._errors import Error, SelectionError, Unsupported
+from ._errors import Unsupported
+from ._runtime_kernels import register_backend as _register_backend, unregister_backend as _unregister_backend
 
 BACKEND = "torch"
 
@@ -238,28 +239,10 @@ def _targets():
 def register(ops=None, *, opt_in=True, priority=0, targets=None):
     """Registers backend "torch" for `ops` (default: every op of KERNELS
     with a schema in the current registry). Returns the ops registered."""
-    import kdispatch
-    known = set(kdispatch.ops())
-    chosen = list(KERNELS) if ops is None else list(ops)
-    unknown = [op for op in chosen if op not in KERNELS]
-    if unknown:
-        raise SelectionError("KD-E002", f"No '{BACKEND}' backend for op(s) {unknown}: kdispatch.native has no formula "
-                             "for them", [f"its ops: {', '.join(sorted(KERNELS))}"])
-    done = []
-    for op in chosen:
-        if op not in known:
-            continue
-        kdispatch.register_kernel(op, BACKEND, KERNELS[op], targets=targets or _targets(), opt_in=opt_in,
-                                  priority=priority, description=f"{op} in plain torch (kdispatch.native)")
-        done.append(op)
-    return done
+    return _register_backend(BACKEND, KERNELS, ops, "kdispatch.native", "plain torch", targets=targets or _targets(),
+                             opt_in=opt_in, priority=priority)
 
 
 def unregister(ops=None):
     """Withdraws what register() registered."""
-    import kdispatch
-    for op in (list(KERNELS) if ops is None else ops):
-        try:
-            kdispatch.unregister_kernel(op, BACKEND)
-        except Error:
-            pass
+    _unregister_backend(BACKEND, KERNELS, ops)

@@ -21,7 +21,8 @@ with ``register(opt_in=False, priority=...)``.
 Calls it passes on as unsupported: leading dims that are not one stride
 apart (e.g. a transposed batch), and rows longer than 32768 elements.
 """
-from ._errors import Error, PluginError, SelectionError, Unsupported
+from ._errors import PluginError, Unsupported
+from ._runtime_kernels import register_backend as _register_backend, unregister_backend as _unregister_backend
 
 BACKEND = "triton"
 _MAX_ROW = 32768
@@ -132,33 +133,15 @@ def register(ops=None, *, opt_in=True, priority=0):
     KERNELS with a schema in the current registry). Returns the ops
     registered. Raises PluginError KD-E020 when triton or CUDA is missing,
     naming which."""
-    import kdispatch
     why = available()
     if why is not None:
         raise PluginError("KD-E020", f"the '{BACKEND}' backend cannot be registered: {why}",
                           ["kdispatch.native.register() gives the torch backend wherever torch is"])
-    chosen = list(KERNELS) if ops is None else list(ops)
-    unknown = [op for op in chosen if op not in KERNELS]
-    if unknown:
-        raise SelectionError("KD-E002", f"No '{BACKEND}' backend for op(s) {unknown}: kdispatch.triton has no kernel "
-                             "for them", [f"its ops: {', '.join(sorted(KERNELS))}"])
     from . import _triton_kernels  # noqa: F401  (compiles nothing yet: kernels compile at their first call)
-    known = set(kdispatch.ops())
-    done = []
-    for op in chosen:
-        if op not in known:
-            continue
-        kdispatch.register_kernel(op, BACKEND, KERNELS[op], targets=["cuda"], opt_in=opt_in, priority=priority,
-                                  description=f"{op} in Triton (kdispatch.triton)")
-        done.append(op)
-    return done
+    return _register_backend(BACKEND, KERNELS, ops, "kdispatch.triton", "Triton", targets=["cuda"], opt_in=opt_in,
+                             priority=priority)
 
 
 def unregister(ops=None):
     """Withdraws what register() registered."""
-    import kdispatch
-    for op in (list(KERNELS) if ops is None else ops):
-        try:
-            kdispatch.unregister_kernel(op, BACKEND)
-        except Error:
-            pass
+    _unregister_backend(BACKEND, KERNELS, ops)
