@@ -285,19 +285,10 @@ std::optional<std::string> write_cache(const CacheFile& file) {
     return fmt::format("registry cache {} cannot be written: {}", path.string(), problem);
   }
   const std::string text = header() + "\n" + format_cache_entries(file);
-  std::string temporary = path.string() + ".tmp-XXXXXX";
-  const int fd = ::mkstemp(temporary.data());
-  bool ok = fd >= 0;
-  if (ok) {
-    ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
-    ok = ::close(fd) == 0 && ok;
-    ok = ok && std::rename(temporary.c_str(), path.c_str()) == 0;
-    const int error = errno;
-    if (!ok) ::unlink(temporary.c_str());
-    errno = error;
+  if (auto error = replace_file(path, text)) {
+    return fmt::format("registry cache {} cannot be written ({})", path.string(), *error);
   }
-  if (ok) return std::nullopt;
-  return fmt::format("registry cache {} cannot be written ({})", path.string(), std::strerror(errno));
+  return std::nullopt;
 }
 
 // One warning per process for a cache that cannot be written, whether a
@@ -324,6 +315,22 @@ bool settled(const FileStamp& stamp) {
 }
 
 }  // namespace
+
+std::optional<std::string> replace_file(const fs::path& path, std::string_view text) {
+  std::string temporary = path.string() + ".tmp-XXXXXX";
+  const int fd = ::mkstemp(temporary.data());
+  bool ok = fd >= 0;
+  if (ok) {
+    ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
+    ok = ::close(fd) == 0 && ok;
+    ok = ok && std::rename(temporary.c_str(), path.c_str()) == 0;
+    const int error = errno;
+    if (!ok) ::unlink(temporary.c_str());
+    errno = error;
+  }
+  if (ok) return std::nullopt;
+  return std::string(std::strerror(errno));
+}
 
 std::string registry_cache_dir_problem(const fs::path& dir) { return cache_dir_problem(dir); }
 

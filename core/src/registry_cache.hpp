@@ -46,6 +46,11 @@ std::filesystem::path registry_cache_path();
 // open to others is made 0700).
 std::string registry_cache_dir_problem(const std::filesystem::path& dir);
 
+// Replaces the file at `path` by one holding `text`: written beside it,
+// synced and renamed over it, so a reader sees the old file or the new one.
+// On failure nothing is left behind and the result is strerror's words.
+std::optional<std::string> replace_file(const std::filesystem::path& path, std::string_view text);
+
 // The recorded outcome for `manifest`'s library, when its stamps match.
 std::optional<ScanOutcome> cache_lookup(const Manifest& manifest);
 

@@ -117,20 +117,7 @@ void read_file(const fs::path& path, std::map<std::string, Verdict>& out) {
 
 // Writes `verdicts` to the file, atomically; on failure returns why.
 std::optional<std::string> write_file(const fs::path& path, const std::map<std::string, Verdict>& verdicts) {
-  const std::string text = format_verdict_file(verdicts);
-  std::string temporary = path.string() + ".tmp-XXXXXX";
-  const int fd = ::mkstemp(temporary.data());
-  bool ok = fd >= 0;
-  if (ok) {
-    ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
-    ok = ::close(fd) == 0 && ok;
-    ok = ok && std::rename(temporary.c_str(), path.c_str()) == 0;
-    const int error = errno;
-    if (!ok) ::unlink(temporary.c_str());
-    errno = error;
-  }
-  if (ok) return std::nullopt;
-  return std::string(std::strerror(errno));
+  return replace_file(path, format_verdict_file(verdicts));
 }
 
 void warn_unwritable(const fs::path& path, const std::string& why) {
