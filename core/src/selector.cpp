@@ -288,6 +288,7 @@ Selection Selector::choose(const SelectRequest& request) const {
   });
   Selection selection;
   for (const Ranked& r : ranked) selection.ranked.push_back(r.spec);
+  if (request.call == nullptr) selection.conditional = conditional_choices(request, usable, tuning.get());
 
   if (!options_.force_backend.empty()) {
     for (const KernelSpec* s : usable) {
@@ -470,6 +471,22 @@ std::string_view Selector::tuned_backend(const SelectRequest& request, const std
     }
   }
   return {};
+}
+
+std::vector<ConditionalChoice> Selector::conditional_choices(const SelectRequest& request,
+                                                             const std::vector<const KernelSpec*>& usable,
+                                                             const TuningSet* tuning) const {
+  std::vector<ConditionalChoice> out;
+  if (tuning == nullptr || tuning->file.key.device != request.device.type) return out;
+  const std::vector<TunedChoice>* choices = tuning->choices(request.op);
+  if (choices == nullptr || !tuning_applies(*tuning)) return out;
+  for (const TunedChoice& c : *choices) {
+    if (!c.when || (request.dtype && c.dtype != *request.dtype)) continue;
+    const bool here = std::any_of(usable.begin(), usable.end(),
+                                  [&](const KernelSpec* s) { return s->backend == c.backend && !s->is_reference(); });
+    if (here) out.push_back({c.dtype, c.when->text(), c.backend});
+  }
+  return out;
 }
 
 std::string Demotion::device() const { return fmt::format("{}:{}", device_type_name(device_type), device_id); }

@@ -7,8 +7,10 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "run_tool.hpp"
 
@@ -311,5 +313,52 @@ TEST_CASE("tune --device cuda: backends timed by their plugin, a wrong one exclu
   INFO("none: " << none.out << none.err);
   CHECK(none.exit_code == 2);
   CHECK(parse(none.out).at("measurements").empty());
+  fs::remove_all(dir);
+}
+
+TEST_CASE("select: without the call's sizes, the tuned choices that depend on them are listed apart") {
+  const std::string dir = make_temp_dir();
+  const std::string out = dir + "/tuning.json";
+  const std::vector<std::string> plugins{"--plugin-path", fixture("fx_fb_picky"), "--plugin-path",
+                                         fixture("fx_fb_good"), "--plugin-path", fixture("fx_fb_reference")};
+  std::vector<std::string> tune{"tune", "fixture.fallback", "--size", "N=8", "--budget", "5", "--out", out};
+  tune.insert(tune.end(), plugins.begin(), plugins.end());
+  const ToolResult r = run_tool(tune);
+  INFO("tune: " << r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  // The file's key as tune wrote it; choices that hold for some sizes only.
+  Json file = read_json(out);
+  REQUIRE_FALSE(file.at("key").at("backends").empty());
+  const std::string backend = file.at("key").at("backends").begin().key();
+  const auto choice = [&](const char* when) {
+    return Json{{"op", "fixture.fallback"}, {"dtype", "float32"}, {"when", when}, {"backend", backend}};
+  };
+  file["choices"] = Json::array({choice("N <= 64"), choice("N > 64 and N % 2 == 0")});
+  std::ofstream(out) << file.dump();
+
+  const std::map<std::string, std::string> env{{"KDISPATCH_TUNING_FILE", out}};
+  std::vector<std::string> select{"select", "fixture.fallback", "--device", "cpu", "--dtype", "float32"};
+  select.insert(select.end(), plugins.begin(), plugins.end());
+  const ToolResult text = run_tool(select, env);
+  INFO("select: " << text.out << text.err);
+  CHECK(text.exit_code == 0);
+  CHECK(text.out.find("decided by: priority") != std::string::npos);  // no choice for every call
+  CHECK(text.out.find("tuned: float32 calls where N <= 64 run '" + backend + "'") != std::string::npos);
+  CHECK(text.out.find("tuned: float32 calls where N > 64 and N % 2 == 0 run '" + backend + "'") != std::string::npos);
+
+  select.push_back("--json");
+  const ToolResult json = run_tool(select, env);
+  INFO("select --json: " << json.out << json.err);
+  CHECK(json.exit_code == 0);
+  const Json sel = parse(json.out);
+  CHECK(sel.at("rule") == "priority");
+  REQUIRE(sel.at("conditional").size() == 2);
+  CHECK(sel.at("conditional")[0] == Json{{"dtype", "float32"}, {"when", "N <= 64"}, {"backend", backend}});
+  CHECK(sel.at("conditional")[1].at("when") == "N > 64 and N % 2 == 0");
+
+  // Without a tuning file there is nothing to list.
+  const ToolResult plain = run_tool(select);
+  CHECK(plain.exit_code == 0);
+  CHECK_FALSE(parse(plain.out).contains("conditional"));
   fs::remove_all(dir);
 }

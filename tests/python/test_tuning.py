@@ -81,6 +81,22 @@ class Tuning(unittest.TestCase):
         self.assertEqual(count, 2)
         self.assertEqual([(c["when"], c["backend"]) for c in doc["choices"]],
                          [("N <= 64", "fx_fb_good"), ("N > 64", "fx_fb_picky")])
+        # Without the call's sizes, select() ranks as if there were no file
+        # and lists the choices that depend on them; calls follow them.
+        self.assertEqual(self.select()["conditional"], [])
+        kdispatch.set_tuning_file(os.path.join(self.dir, "two.json"))
+        s = self.select()
+        self.assertEqual((s["backend"], s["rule"]), ("fx_fb_picky", "priority"))
+        self.assertEqual(s["conditional"], [
+            {"dtype": "float32", "when": "N <= 64", "backend": "fx_fb_good"},
+            {"dtype": "float32", "when": "N > 64", "backend": "fx_fb_picky"}])
+        self.assertEqual(kdispatch.select(OP, device="cpu")["conditional"], s["conditional"])  # every dtype's
+        rng = np.random.default_rng(5)
+        for n in (8, 100):
+            x = rng.uniform(-2.0, 2.0, (3, n)).astype(np.float32)
+            out = np.full_like(x, np.nan)
+            kdispatch.call(OP, out, x, factor=0.5)
+            np.testing.assert_array_equal(out, x * np.float32(0.5))
         with self.assertRaises(ValueError):
             kdispatch.write_tuning(os.path.join(self.dir, "x.json"), "cpu",
                                    [{"op": OP, "dtype": "float99", "sizes": {}, "us": {"fx_fb_good": 1.0}}])

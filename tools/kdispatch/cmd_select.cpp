@@ -49,6 +49,13 @@ Runner add_select(CLI::App& app) {
                  {"rule", rule_name(selection.rule)},
                  {"ranked", ranked}};
         if (!spec.constraints.empty()) doc["constraints"] = spec.constraints;
+        if (!selection.conditional.empty()) {
+          Json conditional = Json::array();
+          for (const ConditionalChoice& c : selection.conditional) {
+            conditional.push_back({{"dtype", dtype_name(c.dtype)}, {"when", c.when}, {"backend", c.backend}});
+          }
+          doc["conditional"] = conditional;
+        }
         print_json(doc);
       } else {
         fmt::print("{} on {}: backend '{}' (plugin '{}', symbol '{}', {})\n", spec.op, device.device.str(),
@@ -58,6 +65,11 @@ Runner add_select(CLI::App& app) {
         // which a constraint is false selects among the other backends.
         for (const std::string& c : spec.constraints) {
           fmt::print("  only for calls where {}\n", for_command_line(c));
+        }
+        // Tuned choices that depend on the call's sizes: a call for which
+        // one holds runs its backend instead.
+        for (const ConditionalChoice& c : selection.conditional) {
+          fmt::print("  tuned: {} calls where {} run '{}'\n", dtype_name(c.dtype), for_command_line(c.when), c.backend);
         }
       }
       return kOk;

@@ -71,11 +71,25 @@ enum class SelectionRule : uint8_t {
 };
 std::string_view rule_name(SelectionRule rule);
 
+// A tuning-file choice that holds only for some calls (its "when",
+// docs/tuning.md): a selection made without the call's values cannot
+// evaluate it.
+struct ConditionalChoice {
+  Dtype dtype;
+  std::string when;
+  std::string backend;
+};
+
 struct Selection {
   const KernelSpec* spec = nullptr;
   SelectionRule rule = SelectionRule::only;
   // The chosen spec, then the other eligible backends in rank order.
   std::vector<const KernelSpec*> ranked;
+  // Made without the call's values (SelectRequest::call null): the tuning
+  // file's choices with a "when" for the op (and dtype, when known) and a
+  // backend usable here, in file order. A call for which one holds is
+  // decided by it; `spec` is the choice for the other calls.
+  std::vector<ConditionalChoice> conditional;
 };
 
 struct SelectRequest {
@@ -202,6 +216,10 @@ class Selector {
   // (in `usable`); empty otherwise.
   std::string_view tuned_backend(const SelectRequest& request, const std::vector<const KernelSpec*>& usable,
                                  const TuningSet* tuning) const;
+  // Selection::conditional of a request without the call's values.
+  std::vector<ConditionalChoice> conditional_choices(const SelectRequest& request,
+                                                    const std::vector<const KernelSpec*>& usable,
+                                                    const TuningSet* tuning) const;
   bool tuning_applies(const TuningSet& tuning) const;
   mutable std::mutex tuning_mutex_;
   std::shared_ptr<const TuningSet> tuning_;  // guarded by tuning_mutex_

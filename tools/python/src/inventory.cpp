@@ -199,6 +199,15 @@ py::dict select(const std::string& op, const std::optional<std::string>& backend
   py::list ranked;
   for (const KernelSpec* s : selection.ranked) ranked.append(text(s->backend));
   d["ranked"] = ranked;
+  py::list conditional;
+  for (const ConditionalChoice& c : selection.conditional) {
+    py::dict entry;
+    entry["dtype"] = std::string(dtype_name(c.dtype));
+    entry["when"] = text(c.when);
+    entry["backend"] = text(c.backend);
+    conditional.append(entry);
+  }
+  d["conditional"] = conditional;
   return d;
 }
 
