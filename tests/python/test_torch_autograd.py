@@ -166,6 +166,50 @@ class VersionCounter(unittest.TestCase):
                 with self.assertRaisesRegex(RuntimeError, "modified by an inplace operation"):
                     loss.backward()
 
+    def test_each_form_of_torchs_bump_function(self):
+        """torch._C._increment_version took one tensor (torch 2.1) and then a
+        sequence of tensors: the form this torch has is found by trying, and
+        calls bump once per written tensor through it. Stand-ins of both
+        forms (built on copy_, which counts one write) run here whatever
+        torch this is; the real one, where torch has it, last."""
+        import kdispatch._torch_tensors as tt
+        had = hasattr(torch._C, "_increment_version")
+        real = getattr(torch._C, "_increment_version", None)
+
+        def takes_sequence(tensors):
+            for t in tensors:
+                t.copy_(t)
+
+        def takes_one(t):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError("_increment_version(): incompatible function arguments")
+            t.copy_(t)
+
+        forms = [(takes_sequence, True), (takes_one, False)] + ([(real, None)] if had else [])
+        try:
+            for fake, sequence in forms:
+                with self.subTest(fake.__name__ if sequence is not None else "torch's own"):
+                    torch._C._increment_version = fake
+                    for mode in (False, True):
+                        with torch.inference_mode(mode):
+                            found, found_sequence = tt._version_bump_function()
+                        self.assertIs(found, fake)
+                        if sequence is not None:
+                            self.assertIs(found_sequence, sequence)
+                    tt._enabled = False
+                    tt.enable()
+                    for name, fn in ENTRY_POINTS.items():
+                        x, r, w = fused_args()
+                        fn(x, r, w)
+                        self.assertEqual((x._version, r._version, w._version), (1, 1, 0), name)
+        finally:
+            if had:
+                torch._C._increment_version = real
+            else:
+                del torch._C._increment_version
+            tt._enabled = False
+            tt.enable()
+
 
 if __name__ == "__main__":
     unittest.main()

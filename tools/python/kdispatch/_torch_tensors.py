@@ -30,11 +30,28 @@ def _raw_stream_function():
 
 
 def _version_bump_function():
-    """torch.autograd.graph.increment_version (torch >= 2.1), or None: the
-    extension then bumps a tensor's version counter, which autograd
-    compares with the version it saved to tell that a tensor saved for
-    backward was overwritten since, by copying the tensor into itself."""
-    return getattr(getattr(torch.autograd, "graph", None), "increment_version", None)
+    """(function, takes_sequence): torch's C function that bumps the version
+    counter of a tensor (torch >= 2.1: torch._C._increment_version, whose
+    argument became a sequence of tensors in later versions; which one this
+    torch has is found by trying both on a tensor of its own), called
+    without torch.autograd.graph.increment_version's Python wrapper; else
+    that wrapper; else (None, False), and the extension bumps a tensor's
+    version counter by copying the tensor into itself. Autograd compares
+    the counter with the version it saved to tell that a tensor saved for
+    backward was overwritten since."""
+    direct = getattr(torch._C, "_increment_version", None)
+    if direct is not None:
+        with torch.inference_mode(False):  # a probe with a version counter, whatever the caller's mode
+            probe = torch.zeros(1)
+            for argument, takes_sequence in (((probe,), True), (probe, False)):
+                before = probe._version
+                try:
+                    direct(argument)
+                except (TypeError, RuntimeError):
+                    continue
+                if probe._version == before + 1:
+                    return direct, takes_sequence
+    return getattr(getattr(torch.autograd, "graph", None), "increment_version", None), False
 
 
 # The untyped storage of a tensor: Tensor.untyped_storage (torch >= 2.0),
@@ -52,6 +69,7 @@ def enable():
     global _enabled
     if _enabled:
         return
+    bump, bump_takes_sequence = _version_bump_function()
     _kdispatch._set_torch(torch.Tensor, _DTYPES, _raw_stream_function(), torch.is_grad_enabled,
-                          _version_bump_function(), getattr(torch.version, "hip", None) is not None)
+                          bump, bump_takes_sequence, getattr(torch.version, "hip", None) is not None)
     _enabled = True

@@ -65,7 +65,8 @@ struct TorchSupport {
   PyObject* function_mode_enabled = nullptr;    // torch._C._is_torch_function_mode_enabled
   PyObject* to_dlpack = nullptr;                // torch._C._to_dlpack
   PyObject* grad_enabled = nullptr;             // torch.is_grad_enabled
-  PyObject* version_bump = nullptr;             // torch.autograd.graph.increment_version, or nullptr
+  PyObject* version_bump = nullptr;             // torch._C._increment_version or the like, or nullptr
+  bool bump_takes_sequence = false;             // version_bump takes a tuple of tensors
   bool rocm = false;
 };
 TorchSupport g_torch;
@@ -181,7 +182,7 @@ bool is_gpu(int32_t dl_type) { return dl_type == kDLCUDA || dl_type == kDLROCM |
 }  // namespace
 
 void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* raw_stream_fn, PyObject* grad_enabled_fn,
-                       PyObject* version_bump_fn, bool rocm) {
+                       PyObject* version_bump_fn, bool bump_takes_sequence, bool rocm) {
   if (!PyType_Check(tensor_type)) throw py::type_error("torch support: tensor_type must be a type");
   if (version_bump_fn != Py_None && !PyCallable_Check(version_bump_fn)) {
     throw py::type_error("torch support: version_bump must be callable or None");
@@ -250,6 +251,7 @@ void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* r
   if (version_bump_fn != Py_None) {
     Py_INCREF(version_bump_fn);
     support.version_bump = version_bump_fn;
+    support.bump_takes_sequence = bump_takes_sequence;
   }
   support.rocm = rocm;
   g_torch = support;  // the previous references are kept: handles made before may still use them
@@ -420,14 +422,22 @@ namespace {
 
 // Bumps the version counter of one torch tensor: a new reference, or
 // nullptr with a Python error set. torch 2.1 and later have a function for
-// it; before, a copy of the tensor into itself, an in-place op that torch
+// it (torch._C._increment_version, of a tensor or, later, of a tuple of
+// them); before, a copy of the tensor into itself, an in-place op that torch
 // counts as one write and that returns before touching any memory, since
 // source and destination are the same tensor: no device work, whatever the
 // size. Allowed on every tensor a call may write: detached ones, views
 // (whose counter is their base's), expanded ones, and under
 // torch.no_grad() ones that require grad.
 PyObject* bump_version(PyObject* tensor) {
-  if (g_torch.version_bump != nullptr) return PyObject_CallOneArg(g_torch.version_bump, tensor);
+  if (g_torch.version_bump != nullptr) {
+    if (!g_torch.bump_takes_sequence) return PyObject_CallOneArg(g_torch.version_bump, tensor);
+    PyObject* tensors = PyTuple_Pack(1, tensor);
+    if (tensors == nullptr) return nullptr;
+    PyObject* done = PyObject_CallOneArg(g_torch.version_bump, tensors);
+    Py_DECREF(tensors);
+    return done;
+  }
   PyObject* args[] = {tensor, tensor};
   return PyObject_Vectorcall(g_torch.base.copy_, args, 2, nullptr);
 }

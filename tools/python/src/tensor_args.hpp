@@ -43,10 +43,11 @@ inline constexpr size_t kMaxDims = 16;
 // DLPack code and bits, the function returning the raw current CUDA stream
 // of a device index (torch._C._cuda_getCurrentRawStream) or None,
 // torch.is_grad_enabled, torch's function that bumps the version counter of
-// one tensor (written by a call) or None where torch has none, and whether torch is a ROCm build (its "cuda"
-// tensors are DLPack kDLROCM).
+// a tensor written by a call (taking the tensor, or with
+// `bump_takes_sequence` a tuple of tensors) or None where torch has none,
+// and whether torch is a ROCm build (its "cuda" tensors are DLPack kDLROCM).
 void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* raw_stream_fn, PyObject* grad_enabled_fn,
-                       PyObject* version_bump_fn, bool rocm);
+                       PyObject* version_bump_fn, bool bump_takes_sequence, bool rocm);
 
 // The stream a caller asked for: None, an int (a cudaStream_t), or an object
 // with a `cuda_stream` (torch) or `ptr` (CuPy) attribute.
