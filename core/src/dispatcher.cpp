@@ -484,6 +484,19 @@ void OpHandle::check(std::span<const DLTensor> tensors, std::span<const NamedAtt
   }
 }
 
+Selection OpHandle::select(const Device& device, int32_t device_id, std::span<const DLTensor> tensors,
+                           std::span<const NamedAttr> attrs) const {
+  std::array<kd_attr, kMaxSchemaAttrs> storage;
+  const std::span<const kd_attr> packed = pack_attrs(attrs, storage);
+  const CompiledSchema& compiled = *state_->compiled;
+  const Dtype dtype = compiled.check_layout(tensors).dtype;
+  std::array<int64_t, kMaxConstraintSymbols> symbols{};
+  compiled.bind_constraint_values(tensors, symbols.data());
+  const ConstraintCall call{{compiled.constraint_symbols(), compiled.selecting_dtype_var(), compiled.schema().attrs},
+                            {symbols.data(), dtype, packed.data()}};
+  return state_->dispatcher->context().choose({state_->op, state_->backend, device, dtype, &call, device_id});
+}
+
 KernelHandle OpHandle::resolve(std::span<const DLTensor> tensors) const {
   const CompiledSchema::CallInfo info = state_->compiled->check(tensors);
   return state_->dispatcher->resolve(*state_, info.device, info.dtype, tensors, state_->defaults).handle();

@@ -907,10 +907,11 @@ CompiledSchema::CallInfo CompiledSchema::check_plan(std::span<const DLTensor> te
   return info;
 }
 
-void CompiledSchema::check_layout(std::span<const DLTensor> tensors) const {
+CompiledSchema::CallInfo CompiledSchema::check_layout(std::span<const DLTensor> tensors) const {
   CallInfo info;
   const auto quiet = [](size_t, const auto&) noexcept { return false; };
   if (!walk<Scope::layout>(tensors, &info, quiet)) diagnose<Scope::layout>(tensors);
+  return info;
 }
 
 template <CompiledSchema::Scope scope>

@@ -71,7 +71,7 @@ class CompiledSchema {
   // The rules that do not look at data: count, devices, dtypes, shapes and
   // strides; data pointers and byte offsets are not read. For tensors that
   // have no data (torch's meta and fake tensors). Same words as check().
-  void check_layout(std::span<const DLTensor> tensors) const;
+  CallInfo check_layout(std::span<const DLTensor> tensors) const;
 
   // Whether a tensor of the schema is "flattened": then unflatten() must
   // see a call's attributes before its tensors are checked.

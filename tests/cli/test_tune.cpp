@@ -360,5 +360,51 @@ TEST_CASE("select: without the call's sizes, the tuned choices that depend on th
   const ToolResult plain = run_tool(select);
   CHECK(plain.exit_code == 0);
   CHECK_FALSE(parse(plain.out).contains("conditional"));
+
+  // With the call's sizes the choices are evaluated: the first that holds
+  // decides, and none holding leaves the other rules.
+  for (const auto& [size, rule] : std::vector<std::pair<std::string, std::string>>{
+           {"N=8", "tuned"}, {"N=100", "tuned"}, {"N=101", "priority"}}) {
+    std::vector<std::string> sized = select;
+    sized.insert(sized.end(), {"--size", size, "--size", "rows=5"});
+    const ToolResult s = run_tool(sized, env);
+    INFO(size << ": " << s.out << s.err);
+    CHECK(s.exit_code == 0);
+    const Json j = parse(s.out);
+    CHECK(j.at("rule") == rule);
+    if (rule == "tuned") CHECK(j.at("backend") == backend);
+    CHECK_FALSE(j.contains("conditional"));
+  }
   fs::remove_all(dir);
+}
+
+TEST_CASE("select --size/--attr: the call's constraints are evaluated, and bad sizes are usage errors") {
+  const std::string op = "quantization.per_token_group_quant_fp8";
+  const ToolResult ok = run_tool({"select", op, "--device", "cpu", "--dtype", "bfloat16", "--size", "N=256",
+                                  "--size", "G=2", "--attr", "group_size=128", "--json"});
+  INFO(ok.out << ok.err);
+  CHECK(ok.exit_code == 0);
+  CHECK(parse(ok.out).at("backend") == "cpu");
+
+  const ToolResult rejected =
+      run_tool({"select", op, "--device", "cpu", "--dtype", "bfloat16", "--attr", "group_size=7"});
+  INFO(rejected.out << rejected.err);
+  CHECK(rejected.exit_code == 2);
+  CHECK(rejected.err.find("KD-E003") != std::string::npos);
+  CHECK(rejected.err.find("cpu: constraint 'group_size == 0 or group_size * G == N' is false (group_size = 7") !=
+        std::string::npos);
+
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"select", op, "--size", "N=256"},                                  // no dtype
+           {"select", op, "--dtype", "bfloat16", "--size", "Q=3"},             // no such symbol
+           {"select", op, "--dtype", "bfloat16", "--size", "N=x"},             // not a number
+           {"select", "moe.topk_softmax", "--dtype", "float32", "--attr", "renormalize=1"}}) {  // bools are true/false
+    const ToolResult r = run_tool(args);
+    INFO(r.out << r.err);
+    CHECK(r.exit_code == 1);
+    CHECK(r.err.find("error") != std::string::npos);
+  }
+  const ToolResult q = run_tool({"select", op, "--dtype", "bfloat16", "--size", "Q=3"});
+  CHECK(q.err.find("--size Q=3: op 'quantization.per_token_group_quant_fp8' has no shape symbol 'Q'") !=
+        std::string::npos);
 }

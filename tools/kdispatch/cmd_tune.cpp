@@ -46,19 +46,6 @@ SizeList parse_size(const std::string& text) {
   return out;
 }
 
-// Whether the op's patterns have leading dims ("*") and no symbol "rows",
-// so that "rows" names the product of the leading dims.
-bool has_rows(const OpSchema& schema) {
-  bool leading = false;
-  for (const TensorArg& t : schema.tensors) {
-    for (const ShapeToken& dim : t.shape) {
-      if (dim.kind == ShapeToken::Kind::leading) leading = true;
-      if (dim.kind != ShapeToken::Kind::leading && dim.symbol == "rows") return false;
-    }
-  }
-  return leading;
-}
-
 // The schema's shape symbols that a "when" can read, "rows" included.
 std::set<std::string> symbols_of(const OpSchema& schema) {
   std::set<std::string> out;
@@ -67,7 +54,7 @@ std::set<std::string> symbols_of(const OpSchema& schema) {
       if (dim.kind == ShapeToken::Kind::symbol) out.insert(dim.symbol);
     }
   }
-  if (has_rows(schema)) out.insert("rows");
+  if (names_rows(schema)) out.insert("rows");
   return out;
 }
 
@@ -80,7 +67,7 @@ std::map<std::string, int64_t> symbols_of_call(const OpSchema& schema,
     const std::vector<ShapeToken>& pattern = schema.tensors[i].shape;
     const std::vector<int64_t>& dims = shapes[i];
     // "rows": the leading dims of the first tensor that has them.
-    if (!pattern.empty() && pattern.front().kind == ShapeToken::Kind::leading && has_rows(schema) &&
+    if (!pattern.empty() && pattern.front().kind == ShapeToken::Kind::leading && names_rows(schema) &&
         !out.contains("rows") && dims.size() + 1 >= pattern.size()) {
       int64_t rows = 1;
       for (size_t d = 0; d + pattern.size() - 1 < dims.size(); ++d) rows *= dims[d];
@@ -332,7 +319,7 @@ Runner add_tune(CLI::App& app) {
         sweep.device_timing = gpu;
         sweep.dtype = options->dtype;
         for (const auto& [k, v] : shape) {
-          const bool rows = k == "rows" && has_rows(*ctx.registry().schema(op));
+          const bool rows = k == "rows" && names_rows(*ctx.registry().schema(op));
           sweep.shape_overrides.push_back(fmt::format("{}={}", rows ? "*" : k, v));
         }
         sweep.iters = 5;

@@ -111,6 +111,17 @@ DeviceFlag parse_device_flag(const std::string& text) {
   }
 }
 
+bool names_rows(const OpSchema& schema) {
+  bool leading = false;
+  for (const TensorArg& t : schema.tensors) {
+    for (const ShapeToken& dim : t.shape) {
+      if (dim.kind == ShapeToken::Kind::leading) leading = true;
+      if (dim.kind != ShapeToken::Kind::leading && dim.symbol == "rows") return false;
+    }
+  }
+  return leading;
+}
+
 DeviceChoice choose_device(const std::string& flag) {
   try {
     if (!flag.empty()) return {parse_device_flag(flag).device, "--device"};

@@ -68,6 +68,11 @@ struct DeviceChoice {
 };
 DeviceChoice choose_device(const std::string& flag);
 
+// Whether the op's patterns have leading dims ("*") and no symbol "rows",
+// so that "rows" (in --size, constraints and tuned choices) names the
+// product of the leading dims.
+bool names_rows(const OpSchema& schema);
+
 // Bad command-line input that CLI11 cannot see (exit 1).
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;

@@ -92,6 +92,15 @@ class OpHandle {
                   void* stream = nullptr) const;
   // Checks `tensors` and returns the kernel a call would run.
   KernelHandle resolve(std::span<const DLTensor> tensors) const;
+  // The selection a call with these tensors and attributes would make on
+  // `device` number `device_id` (the arch may be named where no such device
+  // is present; the tensors' own device is not read), with
+  // the rule that decided and the ranking: kernel constraints and tuned
+  // choices read the call's sizes, dtype and attributes. Only the tensors'
+  // layout is checked (no data is read) and nothing runs; the tensors must
+  // not be given flattened. Throws as a call would (KD-E030, KD-E003, ...).
+  Selection select(const Device& device, int32_t device_id, std::span<const DLTensor> tensors,
+                   std::span<const NamedAttr> attrs = {}) const;
   // What to look at in check(): everything a call needs, or only what
   // tensors without data have (torch's meta and fake tensors): devices,
   // dtypes, shapes and strides, not data pointers or byte offsets.
