@@ -58,8 +58,8 @@ PYBIND11_MODULE(_kdispatch, m) {
   m.def("select", &kdispatch::python::select, py::arg("op"), py::arg("backend") = py::none(),
         py::arg("device") = py::none(), py::arg("dtype") = py::none(),
         "The kernel a call would run: backend, plugin, symbol, targets, the rule that chose it ('only', 'named', "
-        "'forced', 'preference', 'tuned', 'order', 'priority') and the ranked candidates (metadata only; no plugin is "
-        "opened).");
+        "'forced', 'preference', 'tuned', 'order', 'priority'), the ranked candidates and the tuning file's choices that "
+        "depend on a call's sizes ('conditional'; metadata only; no plugin is opened).");
   m.def(
       "set_preference",
       [](const std::string& op, const std::optional<std::vector<std::string>>& backends) {
