@@ -9,7 +9,11 @@ in-place and out= conventions (what is written, what is returned); strided
 inputs (column slices, q and k sliced from a fused QKV output) reaching the
 op as the caller's memory, with the results in the caller's tensors and the
 memory around them untouched; every refusal a KD-E030 CallError naming the
-function and the argument.
+function and the argument. The fp8 quantisers (sgl_kernel's per-tensor,
+per-token and per-token-group ones, FlashInfer's quantising norms) run
+where torch has float8 dtypes (2.1 and later) and print a skip line
+otherwise; their refusals that come before an fp8 tensor is needed, and
+what reaches the op, are checked on any torch.
 
 Then the parametrisations of the peers' own unit tests (SGLang's
 sgl-kernel/tests and python/sglang/jit_kernel tests, FlashInfer's tests),
@@ -529,6 +533,318 @@ def test_refusals():
     refused(sgl_kernel.topk_softmax, "gating_output", f, w_, i_, randn(4, 12)[:, ::2])
 
 
+# ---------------------------------------------------------------- fp8 quantisers
+
+FP8S = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+NO_FP8 = f"torch {torch.__version__} has no float8 dtypes"
+# The quantisers' inputs come from a generator of their own, so that the
+# other tests' inputs are the same with and without float8 dtypes.
+qgen = torch.Generator().manual_seed(20261205)
+PER_TENSOR = "quantization.per_tensor_quant_fp8"
+PER_TOKEN = "quantization.per_token_quant_fp8"
+GROUP = "quantization.per_token_group_quant_fp8"
+
+
+def qrandn(*shape, dtype=torch.float32, scale=1.0):
+    """Random normal values (never all zeros) rounded to dtype, from qgen."""
+    return (torch.randn(*shape, generator=qgen, dtype=torch.float64) * scale + 0.01).to(dtype)
+
+
+def fp8_max(dtype):
+    return {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}[str(dtype).split(".")[1]]
+
+
+def poisoned_fp8(shape, dtype):
+    """An fp8 tensor of code 0x7f, NaN in float8_e4m3fn and in float8_e5m2."""
+    return torch.full(shape, 0x7F, dtype=torch.uint8).view(dtype)
+
+
+def codes(t):
+    return t.view(torch.uint8)
+
+
+def fp8_apart(a, b):
+    """The largest distance between two fp8 tensors in steps of the format;
+    a NaN against a number, or two nonzero values of opposite signs, count
+    as far apart."""
+    if a.numel() == 0:
+        return 0
+    ua, ub = codes(a).long(), codes(b).long()
+    ma, mb = ua & 0x7F, ub & 0x7F
+    same_sign = ((ua >> 7) == (ub >> 7)) | (ma == 0) | (mb == 0)
+    apart = torch.where(same_sign, (ma - mb).abs(), ma + mb)
+    apart = torch.where(a.float().isnan() != b.float().isnan(), torch.full_like(apart, 1000), apart)
+    return int(apart.max())
+
+
+def f_quant(x, s, dtype):
+    """The peers' conversion: the float32 product x * (1 / s), clamped to the format's range and rounded."""
+    top = fp8_max(dtype)
+    return (x.float() * (1.0 / s)).clamp(-top, top).to(dtype)
+
+
+def f_group_scales(x, group_size, eps, dtype, ue8m0):
+    """max(absmax of each group, eps) / fp8_max, [*, G]; with ue8m0 rounded up to a power of two."""
+    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
+    s = g.abs().amax(-1).clamp(min=eps) / fp8_max(dtype)
+    if ue8m0:
+        mantissa, exponent = torch.frexp(s)
+        s = torch.where(mantissa == 0.5, s, torch.ldexp(torch.ones_like(s), exponent))
+    return s
+
+
+def f_group_quant(x, s, group_size, dtype):
+    return f_quant(x, s.repeat_interleave(group_size, dim=-1), dtype)
+
+
+GROUP_CASES = ((1, 16, 16), (7, 96, 32), (3, 21, 7), (33, 256, 128), (5, 896, 128))  # rows, N, group_size
+
+
+def group_scales_buffer(rows, groups, layout):
+    """output_s [rows, G] poisoned with -1: row-major, column-major (a [G, rows] buffer's .t()) or
+    SGLang's TMA-aligned column-major (rows padded to a multiple of 4); also returns the buffer's
+    padding (columns past rows, empty but for the TMA-aligned layout)."""
+    if layout == "row":
+        return torch.full((rows, groups), -1.0), torch.empty(0)
+    padded = rows if layout == "column" else (rows + 3) // 4 * 4
+    buf = torch.full((groups, padded), -1.0)
+    return buf.t()[:rows], buf[:, rows:]
+
+
+def test_quantizers():
+    if not FP8S:
+        print(f"skip sgl_kernel.sgl_per_tensor_quant_fp8, sgl_per_token_quant_fp8, sgl_per_token_group_quant_fp8: "
+              f"{NO_FP8}")
+        return
+    for dtype, odtype, (rows, n) in itertools.product(DTYPES, FP8S, SIZES):
+        top = fp8_max(odtype)
+        x = qrandn(rows, n, dtype=dtype, scale=3.0)
+        x0 = x.clone()
+        what = f"{dtype} -> {odtype} [{rows}, {n}]"
+        # Per tensor, dynamic: output_s (poisoned) written.
+        q, s = poisoned_fp8((rows, n), odtype), torch.full([1], -1.0)
+        ret = sgl_kernel.sgl_per_tensor_quant_fp8(x, q, s, False)
+        want = reference(PER_TENSOR, [x, poisoned_fp8((rows, n), odtype), torch.full([1], -1.0)], False)
+        matches_reference(PER_TENSOR, [x, q, s], want, f"sgl_per_tensor_quant_fp8 dynamic {what}")
+        check(ret is None and torch.equal(x, x0) and torch.equal(s, (x.float().abs().max() / top).reshape(1))
+              and fp8_apart(q, f_quant(x, s, odtype)) <= 1, f"sgl_per_tensor_quant_fp8 dynamic {what}: formula")
+        # Static: a 0-dim scale (1.5 times the dynamic one) read, left as it is.
+        scale = (s * 1.5).reshape(())
+        scale0 = scale.clone()
+        q2 = poisoned_fp8((rows, n), odtype)
+        sgl_kernel.sgl_per_tensor_quant_fp8(x, q2, scale, True)
+        want = reference(PER_TENSOR, [x, poisoned_fp8((rows, n), odtype), scale.reshape(1)], True)
+        matches_reference(PER_TENSOR, [x, q2, scale.reshape(1)], want, f"sgl_per_tensor_quant_fp8 static {what}")
+        check(torch.equal(scale, scale0) and fp8_apart(q2, f_quant(x, scale, odtype)) <= 1,
+              f"sgl_per_tensor_quant_fp8 static {what}: scale only read, formula")
+        # Per token: output_s [T] and SGLang's [T, 1].
+        q3, s3 = poisoned_fp8((rows, n), odtype), torch.full([rows], -1.0)
+        ret = sgl_kernel.sgl_per_token_quant_fp8(x, q3, s3)
+        want = reference(PER_TOKEN, [x, poisoned_fp8((rows, n), odtype), torch.full([rows], -1.0)])
+        matches_reference(PER_TOKEN, [x, q3, s3], want, f"sgl_per_token_quant_fp8 {what}")
+        check(ret is None and torch.equal(s3, x.float().abs().amax(-1) / top)
+              and fp8_apart(q3, f_quant(x, s3[:, None], odtype)) <= 1, f"sgl_per_token_quant_fp8 {what}: formula")
+        q4, s4 = poisoned_fp8((rows, n), odtype), torch.full([rows, 1], -1.0)
+        sgl_kernel.sgl_per_token_quant_fp8(x, q4, s4)
+        check(torch.equal(codes(q4), codes(q3)) and torch.equal(s4[:, 0], s3),
+              f"sgl_per_token_quant_fp8 {what}: output_s [T, 1]")
+        # Column slices in and out, the memory around them untouched.
+        xb = qrandn(rows, n + 5, dtype=dtype, scale=3.0)
+        xs = xb[:, 2:n + 2]
+        for name, fn, extra in (("sgl_per_tensor_quant_fp8", sgl_kernel.sgl_per_tensor_quant_fp8, (False,)),
+                                ("sgl_per_token_quant_fp8", sgl_kernel.sgl_per_token_quant_fp8, ())):
+            ob = poisoned_fp8((rows, n + 3), odtype)
+            os_ = ob[:, 1:n + 1]
+            s5, s6 = torch.empty(1 if extra else rows), torch.empty(1 if extra else rows)
+            q6 = poisoned_fp8((rows, n), odtype)
+            with Spy() as spy:
+                fn(xs, os_, s5, *extra)
+            fn(xs.contiguous(), q6, s6, *extra)
+            check(spy.reached(xs) and spy.reached(os_) and torch.equal(codes(os_), codes(q6)) and torch.equal(s5, s6)
+                  and bool((codes(ob[:, :1]) == 0x7F).all() and (codes(ob[:, n + 1:]) == 0x7F).all()),
+                  f"{name} {what}: strided input and output_q where they are, the memory around untouched")
+    for dtype, odtype, (rows, n, g), ue8m0, eps in itertools.product(DTYPES, FP8S, GROUP_CASES, (False, True),
+                                                                     (1e-10, 0.25)):
+        top, groups = fp8_max(odtype), n // g
+        x = qrandn(rows, n, dtype=dtype, scale=3.0)
+        x[:, :g] *= 0.01  # a first group below eps 0.25
+        what = f"sgl_per_token_group_quant_fp8 {dtype} -> {odtype} [{rows}, {n}] group {g} ue8m0={ue8m0} eps={eps}"
+        want_s = f_group_scales(x, g, eps, odtype, ue8m0)
+        want = reference(GROUP, [x, poisoned_fp8((rows, n), odtype), torch.full((rows, groups), -1.0)], g, eps,
+                         ue8m0)
+        for layout in ("row", "column", "tma"):
+            s, padding = group_scales_buffer(rows, groups, layout)
+            q = poisoned_fp8((rows, n), odtype)
+            with Spy() as spy:
+                ret = sgl_kernel.sgl_per_token_group_quant_fp8(x, q, s, g, eps, -top, top, ue8m0)
+            check(ret is None and spy.reached(s), f"{what} {layout}: output_s reaches the op as it is")
+            matches_reference(GROUP, [x, q, s.contiguous()], want, f"{what} {layout}")
+            check(torch.equal(s, want_s) and fp8_apart(q, f_group_quant(x, want_s, g, odtype)) <= 1,
+                  f"{what} {layout}: formula")
+            check(bool((padding == -1).all()), f"{what} {layout}: the padding of the scale buffer untouched")
+        # The current name with its keywords.
+        q2, s2 = poisoned_fp8((rows, n), odtype), torch.full((rows, groups), -1.0)
+        sgl_kernel.sgl_per_token_group_quant_8bit(input=x, output_q=q2, output_s=s2, group_size=g, eps=eps,
+                                                  fp8_min=-top, fp8_max=top, scale_ue8m0=ue8m0, enable_v2=True)
+        matches_reference(GROUP, [x, q2, s2], want, f"{what}: sgl_per_token_group_quant_8bit by keyword")
+    # Refusals that need an fp8 tensor.
+    e4, e5 = FP8S
+    x = qrandn(4, 16)
+    refused(sgl_kernel.sgl_per_token_group_quant_fp8, "fp8_max", "sgl_kernel.sgl_per_token_group_quant_8bit", x,
+            torch.empty(4, 16, dtype=e5), torch.empty(4, 2), 8, 1e-10, -448.0, 448.0)
+    refused(sgl_kernel.sgl_per_token_group_quant_fp8, "output_s", "sgl_kernel.sgl_per_token_group_quant_8bit", x,
+            torch.empty(4, 16, dtype=e4), torch.empty(4, 1, dtype=torch.int32), 16, 1e-10, -448.0, 448.0, True)
+    refused(sgl_kernel.sgl_per_token_group_quant_fp8, "output_s", "sgl_kernel.sgl_per_token_group_quant_8bit", x,
+            torch.empty(4, 16, dtype=e4), torch.empty(4, 2, dtype=torch.float16), 8, 1e-10, -448.0, 448.0)
+    refused(sgl_kernel.sgl_per_tensor_quant_fp8, "output_s", "sgl_kernel.sgl_per_tensor_quant_fp8", x,
+            torch.empty(4, 16, dtype=e4), torch.ones(2), True)
+    refused(sgl_kernel.sgl_per_token_quant_fp8, "output_s", "sgl_kernel.sgl_per_token_quant_fp8", x,
+            torch.empty(4, 16, dtype=e4), torch.empty(4, 2))
+    refused(sgl_kernel.sgl_per_token_quant_fp8, "input", "sgl_kernel.sgl_per_token_quant_fp8", x.double(),
+            torch.empty(4, 16, dtype=e4), torch.empty(4))
+    refused(sgl_kernel.sgl_per_token_quant_fp8, "output_q", "sgl_kernel.sgl_per_token_quant_fp8", x,
+            torch.empty(4, 17, dtype=e4), torch.empty(4))
+
+
+def test_quant_refusals():
+    """The quantisers' refusals that come before any fp8 tensor is needed (or
+    from the op's dtype check of output_q): they run on a torch without float8."""
+    x = qrandn(4, 16)
+    q = torch.empty(4, 16)  # float32: not an fp8 output
+    f = "sgl_kernel.sgl_per_token_group_quant_8bit"
+    group = sgl_kernel.sgl_per_token_group_quant_fp8
+    check(group is sgl_kernel.sgl_per_token_group_quant_8bit, "sgl_per_token_group_quant_fp8 is the _8bit function")
+    refused(group, "fp8_max", f, x, q, torch.empty(4, 2), 8, 1e-10, -240.0, 240.0)   # ROCm's fnuz range
+    refused(group, "fp8_min", f, x, q, torch.empty(4, 2), 8, 1e-10, -447.0, 448.0)
+    refused(group, "output_q", f, x, torch.empty(4, 16, dtype=torch.int8), torch.empty(4, 2), 8, 1e-10, -128.0,
+            127.0)
+    refused(group, "group_size", f, x, q, torch.empty(4, 2), 0, 1e-10, -448.0, 448.0)
+    refused(group, "group_size", f, x, q, torch.empty(4, 2), 5, 1e-10, -448.0, 448.0)
+    refused(group, "group_size", f, x, q, torch.empty(4, 4), 8, 1e-10, -448.0, 448.0)  # 16 / 8 is not 4 groups
+    refused(group, "fuse_silu_and_mul", f, x, q, torch.empty(4, 2), 8, 1e-10, -448.0, 448.0, False, True)
+    refused(group, "masked_m", f, x, q, torch.empty(4, 2), 8, 1e-10, -448.0, 448.0, masked_m=torch.ones(1))
+    refused(group, "enable_v2", f, x, q, torch.empty(4, 2), 8, 1e-10, -448.0, 448.0, enable_v2="yes")
+    refused(group, "scale_ue8m0", f, x, q, torch.empty(4, 2), 8, 1e-10, -448.0, 448.0, 1)
+    refused(group, "output_s", f, x, q, torch.empty(4, 1, dtype=torch.int32), 8, 1e-10, -448.0, 448.0, True)
+    # Valid otherwise: the op refuses the float32 output_q, after output_s reached it as given.
+    s = torch.empty(2, 4).t()
+    with Spy() as spy:
+        refused(group, "output_q", f, x, q, s, 8, 1e-10, -57344.0, 57344.0, True, enable_v2=False)
+    check(spy.reached(s), "sgl_per_token_group_quant_fp8: a column-major output_s reaches the op as it is")
+    f = "sgl_kernel.sgl_per_token_quant_fp8"
+    s = torch.empty(4, 1)
+    with Spy() as spy:
+        refused(sgl_kernel.sgl_per_token_quant_fp8, "output_q", f, x, q, s)
+    check(spy.reached(s[:, 0]), "sgl_per_token_quant_fp8: output_s [T, 1] reaches the op as its [T] view")
+    f = "sgl_kernel.sgl_per_tensor_quant_fp8"
+    refused(sgl_kernel.sgl_per_tensor_quant_fp8, "is_static", f, x, q, torch.zeros(1), "yes")
+    s = torch.zeros(())
+    with Spy() as spy:
+        refused(sgl_kernel.sgl_per_tensor_quant_fp8, "output_q", f, x, q, s, False)
+    check(spy.reached(s.reshape(1)), "sgl_per_tensor_quant_fp8: a 0-dim output_s reaches the op as a [1] view")
+    import inspect
+    want = {"sgl_per_tensor_quant_fp8": ["input", "output_q", "output_s", "is_static"],
+            "sgl_per_token_quant_fp8": ["input", "output_q", "output_s"],
+            "sgl_per_token_group_quant_8bit": ["input", "output_q", "output_s", "group_size", "eps", "fp8_min",
+                                               "fp8_max", "scale_ue8m0=False", "fuse_silu_and_mul=False",
+                                               "masked_m=None", "enable_v2=None"]}
+    for name, params in want.items():
+        got = [p.name if p.default is p.empty else f"{p.name}={p.default!r}"
+               for p in inspect.signature(getattr(sgl_kernel, name)).parameters.values()]
+        check(got == params, f"sgl_kernel.{name}{tuple(got)} is not sgl_kernel's {tuple(params)}")
+
+
+def peer_quant_cases():
+    """sgl-kernel's tests of its fp8 quantisers: the per-tensor and per-token ones compare sgl_kernel with vLLM's
+    scaled_fp8_quant (here kdispatch.compat.sgl_kernel against kdispatch.compat.vllm), the per-token-group one
+    with SGLang's triton kernel (here its formula)."""
+    import kdispatch.compat.vllm as vllm_ops
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    no_fp8 = NO_FP8
+
+    def rand(*shape, dtype):
+        return torch.rand(*shape, generator=qgen, dtype=torch.float32).to(dtype)
+
+    pf = PeerFile("sglang sgl-kernel/tests/test_per_tensor_quant_fp8.py (sgl_kernel against vllm)")
+    for t, h in itertools.product((128, 256, 512), (512, 2048, 4096)) if fp8 is not None else ():
+        def run(c):
+            _, t, h = c
+            x = rand(t, h, dtype=torch.float16)
+            vq, vs = vllm_ops.scaled_fp8_quant(x)
+            sq, ss = torch.empty(t, h, dtype=fp8), torch.zeros(1)
+            sgl_kernel.sgl_per_tensor_quant_fp8(x, sq, ss, False)
+            ok = assert_close(ss, vs, 1e-3, 1e-3) and assert_close(sq.float(), vq.float(), 1e-3, 1e-3)
+            scale = torch.rand(1, generator=qgen)
+            vq, vs = vllm_ops.scaled_fp8_quant(x, scale)
+            sq = torch.empty(t, h, dtype=fp8)
+            sgl_kernel.sgl_per_tensor_quant_fp8(x, sq, scale, True)
+            return ok and vs is scale and assert_close(sq.float(), vq.float(), 1e-3, 1e-3)
+        pf.run(("test_per_tensor_quant_compare_implementations", t, h), run)
+    if fp8 is None:
+        pf.skip(9, no_fp8)
+    pf.report()
+
+    pf = PeerFile("sglang sgl-kernel/tests/test_per_token_quant_fp8.py (sgl_kernel against vllm)")
+    for t, h in itertools.product((128, 256, 512), (512, 2048, 4096)) if fp8 is not None else ():
+        def run(c):
+            _, t, h = c
+            x = rand(t, h, dtype=torch.float16)
+            vq, vs = vllm_ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
+            sq, ss = torch.empty(t, h, dtype=fp8), torch.zeros(t)
+            sgl_kernel.sgl_per_token_quant_fp8(x, sq, ss)
+            return assert_close(ss.reshape(-1, 1), vs, 1e-3, 1e-3) and assert_close(sq.float(), vq.float(), 1e-3,
+                                                                                      1e-3)
+        pf.run(("test_per_token_quant_compare_implementations", t, h), run)
+    if fp8 is None:
+        pf.skip(9, no_fp8)
+    pf.report()
+
+    pf = PeerFile("sglang sgl-kernel/tests/test_per_token_group_quant_8bit.py")
+    shapes = list(itertools.product((1, 4, 16, 64, 127, 128, 512, 1024, 4096, 8192),
+                                    (512, 1024, 1536, 2048, 4096, 7168, 16384)))
+    group_size = 128
+
+    def tiny_diff(a, b):
+        """sgl_kernel.test_utils.assert_all_close_or_tiny_diff: codes one apart in few places."""
+        diff = (codes(a).to(torch.int16) - codes(b).to(torch.int16)).abs()
+        tiny, large = int((diff == 1).sum()), int((diff >= 2).sum())
+        return large == 0 and (tiny / a.numel() < 0.005 or (tiny / a.numel() < 0.04 and a.numel() <= 4096))
+
+    for (num_tokens, hidden), layout in itertools.product(shapes, ("row", "column", "tma")) if fp8 is not None else ():
+        def run(c):
+            num_tokens, hidden, layout = fit((c[1], c[2])) + (c[6],)
+            x = qrandn(num_tokens, hidden, dtype=torch.bfloat16)
+            x[torch.randn(x.shape, generator=qgen) < 0.001] *= 10
+            s, _ = group_scales_buffer(num_tokens, hidden // group_size, layout)
+            q = torch.empty(num_tokens, hidden, dtype=fp8)
+            sgl_kernel.sgl_per_token_group_quant_8bit(x, q, s, group_size, 1e-10, -448.0, 448.0, False)
+            # SGLang's triton reference: max(absmax, eps) / fp8_max, x * (1 / s), clamped.
+            want_s = f_group_scales(x, group_size, 1e-10, fp8, False)
+            want = f_group_quant(x, want_s, group_size, fp8)
+            return tiny_diff(q, want) and assert_close(s.contiguous(), want_s, 1e-3, 1e-5)
+        pf.run(("test_per_token_group_quant_with_column_major", num_tokens, hidden, group_size, None,
+                "float8_e4m3fn", layout), run, (num_tokens, hidden))
+    if fp8 is None:
+        pf.skip(3 * len(shapes), f"float8_e4m3fn with row-major, column-major and TMA-aligned scales: {no_fp8}")
+    pf.skip(len(shapes), "float8_e4m3fn with TMA-aligned UE8M0 scales (refused: SGLang's packed int32 UE8M0 "
+                         "scales; kdispatch stores them as float32 powers of two)")
+    pf.skip(len(shapes), "int8 (kdispatch has no int8 quantiser)")
+    pf.skip(3 * len(shapes), "int8 with column-major scales (skipped by the peer test itself)")
+    pf.skip(7 * 4 * 4, "fuse_silu_and_mul and the masked layouts (refused: no fused silu_and_mul quantiser, no "
+                       "masked_m)")
+    pf.report()
+    # The refusals those lines count, on a case of each kind.
+    x = qrandn(4, 256, dtype=torch.bfloat16)
+    refused(sgl_kernel.sgl_per_token_group_quant_8bit, "output_q", "sgl_kernel.sgl_per_token_group_quant_8bit", x,
+            torch.empty(4, 256, dtype=torch.int8), torch.empty(4, 2), 128, 1e-10, -128.0, 127.0)
+    refused(sgl_kernel.sgl_per_token_group_quant_8bit, "fuse_silu_and_mul",
+            "sgl_kernel.sgl_per_token_group_quant_8bit", x, torch.empty(4, 128), torch.empty(4, 1), 128, 1e-10,
+            -448.0, 448.0, True, True)
+    packed = torch.empty(1, 4, dtype=torch.int32).t()  # [T, ceil(G / 4)] of a [ceil(G / 4), T] buffer
+    refused(sgl_kernel.sgl_per_token_group_quant_8bit, "output_s", "sgl_kernel.sgl_per_token_group_quant_8bit", x,
+            torch.empty(4, 256, dtype=fp8 or torch.float32), packed, 128, 1e-10, -448.0, 448.0, True)
+
+
 # ---------------------------------------------------------------- the peers' own cases
 
 LIMIT = int(os.environ.get("KD_COMPAT_PEER_ELEMENTS", str(1 << 20)))
@@ -838,11 +1154,13 @@ def test_peers():
                       "mla_rope_quantize_fp8: functions kdispatch has not)")])
     peer_topk_cases()
     peer_cross_cases()
+    peer_quant_cases()
 
 
 def main():
     for test in (test_norms, test_flashinfer_3d_norm, test_fused, test_quant_norms, test_activations, test_layernorm,
-                 test_rope, test_topk, test_moe_align, test_spellings, test_refusals, test_peers):
+                 test_rope, test_topk, test_moe_align, test_quantizers, test_quant_refusals, test_spellings,
+                 test_refusals, test_peers):
         before = results["failed"]
         test()
         if results["failed"] != before:

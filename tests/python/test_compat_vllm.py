@@ -15,15 +15,24 @@
   reference backend and vLLM's formula;
 - vLLM's signatures (names, order, defaults) and in-place/out conventions
   (what is written, what is only read, None returned);
+- scaled_fp8_quant, where torch has float8 dtypes: static, dynamic per
+  tensor and per token, against the reference backend (bit for bit) and
+  vLLM's formulas (within one fp8 step), padded rows, a given output (with
+  more rows, row-strided, poisoned), strided input; everywhere, what reaches
+  the kdispatch op and what is returned, with the op replaced by a recorder;
 - every refusal: kdispatch.CallError KD-E030 naming the function and vLLM's
-  name of the argument (a strided or mis-sized top-k output among them);
+  name of the argument (a strided or mis-sized top-k output among them;
+  scaled_fp8_quant's before any fp8 tensor is made, so they run on a torch
+  without float8 too);
 - the parametrisations of vLLM's own kernel tests (tests/kernels/core/
   test_layernorm.py, test_activation.py, test_pos_encoding.py,
-  test_rotary_embedding.py, tests/kernels/moe/test_fused_topk.py) run
-  through this module, with a line per file: how many cases pass at vLLM's
-  own tolerance, and which do not and why. Cases of the seq_len 8192 rotary
-  test run with 512 tokens, and layernorm's 4096-token cases with 256,
-  unless --full is given.
+  test_rotary_embedding.py, tests/kernels/moe/test_fused_topk.py,
+  tests/kernels/quantization/test_fp8_quant.py) run through this module,
+  with a line per file: how many cases pass at vLLM's own tolerance, and
+  which do not and why. Cases of the seq_len 8192 rotary
+  test run with 512 tokens, layernorm's and fp8_quant's 4096-token cases
+  with 256 and test_fp8_quant_large's 1024000 tokens with 2048, unless
+  --full is given.
 
 Exits 77 without torch."""
 import argparse
@@ -497,6 +506,8 @@ def test_signatures():
                                  "num_tokens_post_pad", "expert_map=None"],
         "reshape_and_cache_flash": ["key", "value", "key_cache", "value_cache", "slot_mapping", "kv_cache_dtype",
                                     "k_scale", "v_scale"],
+        "scaled_fp8_quant": ["input", "scale=None", "num_token_padding=None", "scale_ub=None",
+                             "use_per_token_if_dynamic=False", "output=None", "group_shape=None"],
     }
     check(sorted(ops.__all__) == sorted(want), f"functions {ops.__all__}")
     for name, params in want.items():
@@ -740,14 +751,355 @@ def vllm_fused_topk_cases():
     tally.report()
 
 
+# ---- fp8 quantisation ----
+
+FP8 = getattr(torch, "float8_e4m3fn", None)
+NO_FP8 = f"torch {torch.__version__} has no float8 dtypes"
+FP8_MAX = 448.0
+QUANT_SIZES = [(1, 1), (7, 7), (33, 67), (3, 4097), (5, 130)]
+PER_TENSOR, PER_TOKEN = "quantization.per_tensor_quant_fp8", "quantization.per_token_quant_fp8"
+
+
+def poisoned(shape, dtype):
+    """An fp8 tensor of code 0x7f, NaN in float8_e4m3fn and in float8_e5m2."""
+    return torch.full(shape, 0x7F, dtype=torch.uint8).view(dtype)
+
+
+def codes(t):
+    return t.view(torch.uint8)
+
+
+def fp8_apart(a, b):
+    """The largest distance between two fp8 tensors in steps of the format
+    (codes of one sign are ordered by magnitude); a NaN against a number,
+    or two nonzero values of opposite signs, count as far apart."""
+    if a.numel() == 0:
+        return 0
+    ua, ub = codes(a).long(), codes(b).long()
+    ma, mb = ua & 0x7F, ub & 0x7F
+    same_sign = ((ua >> 7) == (ub >> 7)) | (ma == 0) | (mb == 0)
+    apart = torch.where(same_sign, (ma - mb).abs(), ma + mb)
+    apart = torch.where(a.float().isnan() != b.float().isnan(), torch.full_like(apart, 1000), apart)
+    return int(apart.max())
+
+
+def vllm_quant(x, inv):
+    """vLLM's fp8 conversion: the float32 product x * inv, clamped and rounded to float8_e4m3fn."""
+    return (x.float() * inv).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+class QuantOpsRecorded:
+    """kdispatch.compat.vllm with the kdispatch ops its fp8 quantiser
+    forwards to replaced by recorders, and, where torch has no float8, the
+    dtype it allocates its output in by float32: what reaches the op and
+    what is returned, without a kernel."""
+
+    def __enter__(self):
+        self.calls = []
+        self.saved = (ops._per_tensor_quant_fp8, ops._per_token_quant_fp8, ops._FP8_OUTPUT)
+
+        def recorder(op):
+            return lambda *args: self.calls.append((op, args))
+        ops._per_tensor_quant_fp8, ops._per_token_quant_fp8 = recorder(PER_TENSOR), recorder(PER_TOKEN)
+        ops._FP8_OUTPUT = ops._FP8_OUTPUT or torch.float32
+        return self
+
+    def __exit__(self, *exc):
+        ops._per_tensor_quant_fp8, ops._per_token_quant_fp8, ops._FP8_OUTPUT = self.saved
+
+    def last(self):
+        return self.calls[-1]
+
+
+def same_memory(view, t):
+    return view.data_ptr() == t.data_ptr()
+
+
+def test_scaled_fp8_quant_plumbing():
+    x = randn([5, 24], torch.bfloat16, 40)
+    with QuantOpsRecorded() as rec:
+        out, s = ops.scaled_fp8_quant(x)
+        op, args = rec.last()
+        check(op == PER_TENSOR and args[0] is x and args[1] is out and args[2] is s and args[3] is False
+              and out.shape == (5, 24) and out.dtype == ops._FP8_OUTPUT and s.shape == (1,)
+              and s.dtype == torch.float32, f"scaled_fp8_quant dynamic per tensor: {op} {args[1:]}")
+        out, s = ops.scaled_fp8_quant(x, num_token_padding=8, use_per_token_if_dynamic=True)
+        op, (xi, q, sv) = rec.last()
+        check(op == PER_TOKEN and xi is x and out.shape == (8, 24) and s.shape == (8, 1)
+              and q.shape == (5, 24) and same_memory(q, out) and sv.shape == (5,) and same_memory(sv, s)
+              and sv.stride() == (1,), "scaled_fp8_quant per token, padded: output and scale of 8 rows, their "
+              "first 5 passed as views")
+        out, s = ops.scaled_fp8_quant(x, num_token_padding=3)
+        check(out.shape == (5, 24) and rec.last()[1][1] is out, "scaled_fp8_quant: padding below M pads nothing")
+        # A static 0-dim scale: passed as a [1] view, returned as given; group_shape, scale_ub and
+        # use_per_token_if_dynamic are not read (as in vLLM).
+        scale = torch.tensor(0.5)
+        out, s = ops.scaled_fp8_quant(x, scale, scale_ub=torch.tensor(1.0), use_per_token_if_dynamic=True,
+                                      group_shape=(1, -1))
+        op, args = rec.last()
+        check(op == PER_TENSOR and s is scale and args[2].shape == (1,) and same_memory(args[2], scale)
+              and args[3] is True, "scaled_fp8_quant static: the one-element scale as a [1] view, is_static")
+        scale2 = torch.full([1, 1], 0.25)
+        ops.scaled_fp8_quant(x, scale2, group_shape=(-1, -1))
+        check(rec.last()[1][2].shape == (1,) and same_memory(rec.last()[1][2], scale2), "static [1, 1] scale")
+        # A given output with more rows: its first M rows are written.
+        buf = torch.empty(9, 24, dtype=ops._FP8_OUTPUT)
+        out, s = ops.scaled_fp8_quant(x, output=buf)
+        q = rec.last()[1][1]
+        check(out is buf and q.shape == (5, 24) and same_memory(q, buf), "scaled_fp8_quant: output's first M rows")
+        # Strided input, strided output: passed as they are.
+        xs = randn([5, 31], torch.bfloat16, 42)[:, 3:27]
+        os_ = torch.empty(5, 30, dtype=ops._FP8_OUTPUT)[:, 2:26]
+        out, s = ops.scaled_fp8_quant(xs, output=os_, use_per_token_if_dynamic=True)
+        op, args = rec.last()
+        check(args[0] is xs and args[1] is os_ and out is os_ and s.shape == (5, 1),
+              "scaled_fp8_quant: strided input and output passed as they are")
+        # group_shape agreeing with the dynamic quantisation is accepted.
+        for per_token, shape in ((False, (-1, -1)), (False, (5, 24)), (True, (1, -1)), (True, (1, 24))):
+            ops.scaled_fp8_quant(x, use_per_token_if_dynamic=per_token, group_shape=shape)
+            check(rec.last()[0] == (PER_TOKEN if per_token else PER_TENSOR), f"group_shape {shape}")
+
+
+def test_scaled_fp8_quant_refusals():
+    """Refused before any fp8 tensor is made (or, for output, by the op's dtype check)."""
+    f = "scaled_fp8_quant"
+    x = randn([4, 16], torch.bfloat16, 41)
+    refused(lambda: ops.scaled_fp8_quant(x.view(2, 2, 16)), f, "input")
+    refused(lambda: ops.scaled_fp8_quant(x[0]), f, "input")
+    refused(lambda: ops.scaled_fp8_quant(x, torch.ones(4, 1)), f, "scale")                       # static per token
+    refused(lambda: ops.scaled_fp8_quant(x, torch.ones(4), group_shape=(1, -1)), f, "scale")
+    refused(lambda: ops.scaled_fp8_quant(x, torch.ones(16), group_shape=(-1, 1)), f, "scale")    # per channel
+    refused(lambda: ops.scaled_fp8_quant(x, torch.ones(4, 2), group_shape=(1, 8)), f, "scale")   # groups
+    refused(lambda: ops.scaled_fp8_quant(x, 0.5), f, "scale")
+    refused(lambda: ops.scaled_fp8_quant(x, scale_ub=torch.tensor(1.0), use_per_token_if_dynamic=True), f,
+            "scale_ub")
+    refused(lambda: ops.scaled_fp8_quant(x, group_shape=(1, 8)), f, "group_shape")
+    refused(lambda: ops.scaled_fp8_quant(x, group_shape=(1, -1)), f, "group_shape")   # per token's, per tensor
+    refused(lambda: ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True, group_shape=(-1, -1)), f, "group_shape")
+    refused(lambda: ops.scaled_fp8_quant(x, group_shape="rows"), f, "group_shape")
+    refused(lambda: ops.scaled_fp8_quant(x, num_token_padding=8, output=torch.empty(8, 16)), f, "num_token_padding")
+    refused(lambda: ops.scaled_fp8_quant(x, output=torch.empty(4, 16)), f, "output")    # float32: the op's refusal
+    if FP8 is None:
+        refused(lambda: ops.scaled_fp8_quant(x), f, "output")
+    else:
+        refused(lambda: ops.scaled_fp8_quant(x, torch.ones(1, dtype=torch.float64)), f, "scale")
+        refused(lambda: ops.scaled_fp8_quant(x, output=torch.empty(4, 17, dtype=FP8)), f, "output")
+        refused(lambda: ops.scaled_fp8_quant(x.t().contiguous().t()), f, "input")
+
+
+def test_scaled_fp8_quant():
+    if FP8 is None:
+        print(f"SKIPPED scaled_fp8_quant against the reference and vLLM's formulas: {NO_FP8}")
+        return
+    for dtype, (m, n) in itertools.product(DTYPES, QUANT_SIZES):
+        x = randn([m, n], dtype, m * n, 3.0)
+        x0 = x.clone()
+        what = f"scaled_fp8_quant {dtype} {m}x{n}"
+        # Dynamic per tensor.
+        out, s = ops.scaled_fp8_quant(x)
+        ref_q, ref_s = poisoned([m, n], FP8), torch.full([1], -1.0)
+        KD.quantization_per_tensor_quant_fp8(x, ref_q, ref_s, False, backend="reference")
+        ok, why = matches_reference(PER_TENSOR, [x, out, s], [x, ref_q, ref_s])
+        check(ok and out.dtype == FP8 and out.shape == (m, n) and s.shape == (1,) and torch.equal(x, x0),
+              f"{what} dynamic per tensor against the reference: {why}")
+        check(torch.equal(s, (x.float().abs().max() / FP8_MAX).reshape(1)), f"{what}: scale = absmax / 448")
+        apart = fp8_apart(out, vllm_quant(x, 1.0 / s))
+        check(apart <= 1, f"{what} dynamic per tensor: {apart} fp8 steps from vLLM's formula")
+        # Static, the scale 0-dim, [1] or [1, 1]; 0.75 of the dynamic one saturates the largest values.
+        for shape in ([], [1], [1, 1]):
+            scale = (s * 0.75).reshape(shape)
+            q, s2 = ops.scaled_fp8_quant(x, scale)
+            ref_q = poisoned([m, n], FP8)
+            KD.quantization_per_tensor_quant_fp8(x, ref_q, scale.reshape(1).clone(), True, backend="reference")
+            ok, why = matches_reference(PER_TENSOR, [x, q, scale.reshape(1)], [x, ref_q, scale.reshape(1)])
+            check(ok and s2 is scale and torch.equal(scale.reshape(1), s * 0.75),
+                  f"{what} static scale {shape}: against the reference, the scale returned unchanged: {why}")
+            apart = fp8_apart(q, vllm_quant(x, 1.0 / scale.reshape(1)))
+            check(apart <= 1, f"{what} static: {apart} fp8 steps from vLLM's formula")
+        # Dynamic per token.
+        qt, st = ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
+        ref_q, ref_s = poisoned([m, n], FP8), torch.full([m], -1.0)
+        KD.quantization_per_token_quant_fp8(x, ref_q, ref_s, backend="reference")
+        ok, why = matches_reference(PER_TOKEN, [x, qt, st[:, 0]], [x, ref_q, ref_s])
+        check(ok and st.shape == (m, 1) and qt.shape == (m, n), f"{what} per token against the reference: {why}")
+        absmax = x.float().abs().amax(-1, keepdim=True)
+        vllm_s = (absmax / FP8_MAX).clamp(min=1 / (FP8_MAX * 512))
+        rows = (absmax >= 1 / 512)[:, 0]  # where vLLM's floor of the scale does not apply
+        check(torch.equal(st[rows], vllm_s[rows]), f"{what} per token: scales = absmax / 448")
+        apart = fp8_apart(qt[rows], (x.float()[rows] / vllm_s[rows]).clamp(-FP8_MAX, FP8_MAX).to(FP8))
+        check(apart <= 1, f"{what} per token: {apart} fp8 steps from vLLM's formula")
+        # Padded rows: allocated, the first M written as without padding.
+        qp, sp = ops.scaled_fp8_quant(x, num_token_padding=m + 3, use_per_token_if_dynamic=True)
+        check(qp.shape == (m + 3, n) and sp.shape == (m + 3, 1) and torch.equal(codes(qp[:m]), codes(qt))
+              and torch.equal(sp[:m], st), f"{what} per token padded to {m + 3} rows")
+        qp, sp = ops.scaled_fp8_quant(x, num_token_padding=m + 3)
+        check(qp.shape == (m + 3, n) and torch.equal(codes(qp[:m]), codes(out)) and torch.equal(sp, s),
+              f"{what} per tensor padded to {m + 3} rows")
+        # A given, poisoned output with two more rows: the first M written, the rest as it was.
+        buf = poisoned([m + 2, n], FP8)
+        q, _ = ops.scaled_fp8_quant(x, output=buf)
+        check(q is buf and torch.equal(codes(buf[:m]), codes(out)) and bool((codes(buf[m:]) == 0x7F).all()),
+              f"{what}: a given output's first M rows written, the others untouched")
+        # Strided input and output (column slices), written where they are.
+        xb = randn([m, n + 5], dtype, m + n, 3.0)
+        xs = xb[:, 2:n + 2]
+        ob = poisoned([m, n + 4], FP8)
+        os_ = ob[:, 1:n + 1]
+        q, ss = ops.scaled_fp8_quant(xs, output=os_, use_per_token_if_dynamic=True)
+        qc, sc = ops.scaled_fp8_quant(xs.contiguous(), use_per_token_if_dynamic=True)
+        check(q is os_ and torch.equal(codes(os_), codes(qc)) and torch.equal(ss, sc)
+              and bool((codes(ob[:, :1]) == 0x7F).all() and (codes(ob[:, n + 1:]) == 0x7F).all()),
+              f"{what}: strided input and output")
+        # A float8_e5m2 output (vLLM allocates float8_e4m3fn; kdispatch also writes e5m2).
+        q5 = poisoned([m, n], torch.float8_e5m2)
+        q, s5 = ops.scaled_fp8_quant(x, output=q5)
+        ref_q, ref_s = poisoned([m, n], torch.float8_e5m2), torch.full([1], -1.0)
+        KD.quantization_per_tensor_quant_fp8(x, ref_q, ref_s, False, backend="reference")
+        ok, why = matches_reference(PER_TENSOR, [x, q5, s5], [x, ref_q, ref_s])
+        check(ok and q is q5 and torch.equal(s5, (x.float().abs().max() / 57344.0).reshape(1)),
+              f"{what}: float8_e5m2 output: {why}")
+    # All-zero input: scale 0 and output 0 (vLLM's per-tensor kernel gives NaN; per token it floors the scale).
+    z = torch.zeros(3, 8, dtype=torch.bfloat16)
+    q, s = ops.scaled_fp8_quant(z)
+    check(float(s) == 0 and bool((q.float() == 0).all()), "scaled_fp8_quant of zeros: scale 0, output 0")
+    q, s = ops.scaled_fp8_quant(z, use_per_token_if_dynamic=True)
+    check(bool((s == 0).all()) and bool((q.float() == 0).all()), "per token, zero rows: scale 0, output 0")
+
+
+def vllm_ref_per_token(x, scale_ub=None):
+    """vLLM's ref_dynamic_per_token_quant (tests/kernels/quant_utils.py) for float8_e4m3fn."""
+    x_max = x.abs().amax(-1).float()
+    if scale_ub is not None:
+        x_max = x_max.clamp(max=scale_ub)
+    scales = (x_max / FP8_MAX)[:, None].clamp(min=1.0 / (FP8_MAX * 512.0))
+    return vllm_quant(x, 1.0 / scales), scales
+
+
+def vllm_ref_per_tensor(x):
+    """vLLM's ref_dynamic_per_tensor_fp8_quant."""
+    scale = x.abs().max().float() / FP8_MAX
+    return vllm_quant(x, 1.0 / scale), scale
+
+
+def fp8_close(got, want, atol=1e-5, rtol=1.3e-6):
+    """torch.testing.assert_close of the float values (float32's default tolerances)."""
+    return close(got.float(), want.float(), atol, rtol)
+
+
+def vllm_fp8_quant_cases(full):
+    tally = Tally("tests/kernels/quantization/test_fp8_quant.py")
+    tiny = "within one fp8 step (vLLM rounds the float32 product or quotient again; kdispatch the exact product " \
+           "once) beyond assert_close's float32 tolerance"
+
+    def rand(shape, dtype, seed):
+        return torch.rand(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).to(dtype)
+
+    def judge(ok_scale, out, want_out, what):
+        """A case passes at vLLM's tolerance, or differs by one fp8 step on a tie (checked)."""
+        if ok_scale and fp8_close(out, want_out):
+            return True, None
+        apart = fp8_apart(out, want_out)
+        check(ok_scale and apart <= 1, f"vLLM {what}: scale equal {ok_scale}, {apart} fp8 steps apart")
+        return False, tiny
+
+    hidden_sizes = [17, 1024, 1025, 1026, 5137, 8193]
+    tokens = [1, 7, 4096 if full else 256]
+    dtypes = [torch.bfloat16, torch.float]
+    for seed, (num_tokens, hidden, dtype, do_scale_ub) in enumerate(
+            itertools.product(tokens, hidden_sizes, dtypes, [True, False])):
+        x = rand([num_tokens, hidden], dtype, seed) + 1e-6
+        if do_scale_ub:
+            refused(lambda: ops.scaled_fp8_quant(x, scale_ub=x.float().mean(), use_per_token_if_dynamic=True),
+                    "scaled_fp8_quant", "scale_ub")
+            tally.add(False, "test_dynamic_per_token_fp8_quant with scale_ub (refused: no upper bound of the "
+                      "per-token scales)")
+        elif FP8 is None:
+            tally.add(False, f"not run: {NO_FP8}")
+        else:
+            out, s = ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
+            want, want_s = vllm_ref_per_token(x)
+            tally.add(*judge(close(s, want_s, 1e-5, 1.3e-6), out, want,
+                             f"test_dynamic_per_token_fp8_quant {num_tokens}x{hidden} {dtype}"))
+    for seed, (num_tokens, hidden, dtype) in enumerate(itertools.product(tokens, hidden_sizes, dtypes)):
+        if FP8 is None:
+            tally.add(False, f"not run: {NO_FP8}")
+            continue
+        x = rand([num_tokens, hidden], dtype, 100 + seed)
+        out, s = ops.scaled_fp8_quant(x)
+        want, want_s = vllm_ref_per_tensor(x)
+        tally.add(*judge(close(s, want_s, 1e-5, 1.3e-6), out, want,
+                         f"test_dynamic_per_tensor_fp8_quant {num_tokens}x{hidden} {dtype}"))
+    for pad, dtype in itertools.product([8, 16], dtypes):
+        if FP8 is None:
+            tally.add(False, f"not run: {NO_FP8}")
+            continue
+        full_x = rand([64, 4096 + pad], dtype, pad)
+        x = full_x[:, :4096]
+        out, s = ops.scaled_fp8_quant(x)
+        flat, flat_s = ops.scaled_fp8_quant(x.contiguous())
+        want, want_s = vllm_ref_per_tensor(x)
+        same = torch.equal(s, flat_s) and torch.equal(codes(out), codes(flat))
+        check(same, f"vLLM test_dynamic_per_tensor_fp8_quant_strided_input pad {pad} {dtype}: strided as contiguous")
+        ok = same and torch.equal(s.reshape(()), want_s) and torch.equal(codes(out), codes(want))
+        tally.add(*((True, None) if ok else judge(torch.equal(s.reshape(()), want_s), out, want,
+                                                  f"strided_input pad {pad} {dtype}")))
+    if FP8 is None:
+        tally.add(False, f"not run: {NO_FP8}")
+    else:
+        # test_fp8_quant_large: a static (0-dim) scale over many rows.
+        x = rand([1024000 if full else 2048, 1152], torch.bfloat16, 7)
+        want, scale = vllm_ref_per_tensor(x)
+        out, _ = ops.scaled_fp8_quant(x, scale)
+        ok = close(out.to(torch.bfloat16), want.to(torch.bfloat16), 1e-5, 1.6e-2)
+        tally.add(*((True, None) if ok else judge(True, out, want, "test_fp8_quant_large")))
+    group_shapes = [(-1, -1), (-1, 1), (1, -1), (-1, 128), (1, 128), (128, 128), (1, 64), (1, 16), (4, 256)]
+    for seed, (num_tokens, hidden, group_shape, dtype) in enumerate(
+            itertools.product([128, 512], [256, 1024, 2048], group_shapes, dtypes)):
+        gm = num_tokens if group_shape[0] == -1 else group_shape[0]
+        gn = hidden if group_shape[1] == -1 else group_shape[1]
+        x = rand([num_tokens, hidden], dtype, 200 + seed)
+        if (gm, gn) != (num_tokens, hidden):
+            refused(lambda: ops.scaled_fp8_quant(x, scale=torch.ones(num_tokens // gm, hidden // gn),
+                                                 group_shape=group_shape), "scaled_fp8_quant", "scale")
+            tally.add(False, "test_static_fp8_quant_group_2d, not per tensor (refused: static per-channel, "
+                      "per-token and group scales)")
+            continue
+        if FP8 is None:
+            tally.add(False, f"not run: {NO_FP8}")
+            continue
+        # vLLM's scaled_quantize for the whole tensor: x * (448 / amax), scale = its float32 reciprocal, [1, 1].
+        amax = x.float().abs().max().clamp(min=1e-12)
+        inv = FP8_MAX / amax
+        want = vllm_quant(x, inv)
+        scale = inv.reciprocal().reshape(1, 1)
+        out, s = ops.scaled_fp8_quant(x, scale=scale, group_shape=group_shape)
+        tally.add(s is scale and close(out.float(), want.float(), 1e-5, 1.2e-1),
+                  "test_static_fp8_quant_group_2d per tensor: beyond rtol 0.12")
+    for seed, (num_tokens, hidden, dtype, group_shape) in enumerate(
+            itertools.product([128, 512], [256, 1024, 2048], dtypes, [(1, -1), (-1, 1)])):
+        x = rand([num_tokens, hidden], dtype, 300 + seed)
+        length = num_tokens if group_shape == (1, -1) else hidden
+        refused(lambda: ops.scaled_fp8_quant(x, scale=torch.ones(length), group_shape=group_shape),
+                "scaled_fp8_quant", "scale")
+        tally.add(False, "test_static_fp8_quant_1d_scale (refused: static per-token and per-channel scales)")
+    tally.report()
+    if not full:
+        print("  (test_fp8_quant.py: the 4096-token cases ran with 256 tokens and test_fp8_quant_large with 2048; "
+              "--full runs them at full size)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--full", action="store_true", help="run vLLM's largest layernorm and rotary cases at full size")
+    parser.add_argument("--full", action="store_true",
+                        help="run vLLM's largest layernorm, rotary and fp8_quant cases at full size")
     parser.add_argument("--verbose", action="store_true", help="print the time of each part")
     args = parser.parse_args()
     for part in (test_signatures, test_rms_norm, test_fused_add_rms_norm, test_activations, test_rotary_embedding,
-                 test_topk_softmax, test_moe_align_block_size, test_reshape_and_cache_flash, test_refusals, lambda: vllm_layernorm_cases(args.full), vllm_activation_cases,
-                 lambda: vllm_pos_encoding_cases(args.full), vllm_rotary_embedding_cases, vllm_fused_topk_cases):
+                 test_topk_softmax, test_moe_align_block_size, test_reshape_and_cache_flash, test_refusals,
+                 test_scaled_fp8_quant_plumbing, test_scaled_fp8_quant_refusals, test_scaled_fp8_quant,
+                 lambda: vllm_layernorm_cases(args.full), vllm_activation_cases,
+                 lambda: vllm_pos_encoding_cases(args.full), vllm_rotary_embedding_cases, vllm_fused_topk_cases,
+                 lambda: vllm_fp8_quant_cases(args.full)):
         start = time.time()
         part()
         if args.verbose:

@@ -1,5 +1,5 @@
-"""vLLM's ``vllm._custom_ops`` norm, rotary, MoE routing and alignment and
-KV-cache write functions, and
+"""vLLM's ``vllm._custom_ops`` norm, rotary, MoE routing and alignment,
+KV-cache write and fp8 quantisation functions, and
 the activation ops vLLM's activation layers call as
 ``torch.ops._C.<name>(out, input)``, on kdispatch's torch ops:
 
@@ -9,7 +9,8 @@ the activation ops vLLM's activation layers call as
 
 Every function takes vLLM's arguments in vLLM's order, writes the tensors
 vLLM writes (``out``; ``input`` and ``residual``; ``query`` and ``key``;
-the three top-k outputs) and returns None. Tensors reach the kernel as
+the three top-k outputs) and returns None, except ``scaled_fp8_quant``,
+which returns ``(output, scale)`` as vLLM's does. Tensors reach the kernel as
 they are, row-strided views included: nothing is copied or cast. An
 argument kdispatch cannot serve as given, or one for which it would give
 another result than vLLM, raises ``kdispatch.CallError`` (KD-E030) naming
@@ -26,6 +27,11 @@ the function and vLLM's name of the argument:
   the probabilities after the softmax, for the choice of experts only;
   kdispatch's op adds it to the logits before the softmax, as SGLang does)
   or an ``is_padding`` mask;
+- ``scaled_fp8_quant`` with a static ``scale`` of more than one element
+  (per-channel, per-token or group scales: kdispatch's static quantiser is
+  per tensor), a ``scale_ub`` in dynamic per-token quantisation, a
+  ``group_shape`` that disagrees with the dynamic quantisation done, or
+  ``num_token_padding`` beside ``output``;
 - a dtype, shape or layout the kdispatch op does not take (float64, a
   transposed tensor, a head size that does not divide the flattened dim).
 
@@ -37,14 +43,20 @@ value. ``fused_add_rms_norm`` normalises the sum rounded to the dtype, as
 vLLM does: for float16 and bfloat16 that is two kdispatch calls (the
 fused add, then ``layernorm.rmsnorm`` of the rounded residual into
 ``input``). A ``topk_softmax`` row whose logits hold NaN or +inf gets NaN
-weights, where vLLM's kernel gives finite ones.
+weights, where vLLM's kernel gives finite ones. ``scaled_fp8_quant`` rounds
+the exact product x * (1 / scale) once, where vLLM rounds the float32
+product (or, per token, quotient) again: the two can differ by one fp8 step
+on a tie. Per token, a row whose largest magnitude is below 1/512 gets the
+scale absmax / fp8_max (0 for an all-zero row, whose output is 0) where
+vLLM floors the scale at 1 / (fp8_max * 512).
 """
 import torch as _torch
 
 from ._common import forward as _forward, torch_op, unsupported
 
 __all__ = ["fused_add_rms_norm", "gelu_and_mul", "gelu_tanh_and_mul", "moe_align_block_size",
-           "reshape_and_cache_flash", "rms_norm", "rotary_embedding", "silu_and_mul", "topk_softmax"]
+           "reshape_and_cache_flash", "rms_norm", "rotary_embedding", "scaled_fp8_quant", "silu_and_mul",
+           "topk_softmax"]
 
 _rmsnorm = torch_op("layernorm.rmsnorm")
 _fused_add_rmsnorm = torch_op("layernorm.fused_add_rmsnorm")
@@ -55,6 +67,8 @@ _rotary_embedding = torch_op("embeddings.rotary_embedding")
 _topk_softmax = torch_op("moe.topk_softmax")
 _moe_align_block_size = torch_op("moe.align_block_size")
 _reshape_and_cache_flash = torch_op("kvcache.reshape_and_cache_flash")
+_per_tensor_quant_fp8 = torch_op("quantization.per_tensor_quant_fp8")
+_per_token_quant_fp8 = torch_op("quantization.per_token_quant_fp8")
 
 def _need_weight(function, weight):
     if weight is None:
@@ -205,6 +219,92 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
         value_cache = value_cache.view(fp8) if value_cache.dtype == _torch.uint8 else value_cache
     _forward(function, _CACHE_NAMES, _reshape_and_cache_flash, key, value, key_cache, value_cache, slot_mapping,
              k_scale, v_scale, str(kv_cache_dtype))
+
+
+# The dtype scaled_fp8_quant allocates its output in: vLLM's
+# current_platform.fp8_dtype() on CUDA. None where torch has no float8.
+_FP8_OUTPUT = getattr(_torch, "float8_e4m3fn", None)
+_QUANT_NAMES = {"input": "input", "output_q": "output", "output_s": "scale"}
+
+
+def _group_shape(function, group_shape, rows, cols):
+    """vLLM's (group_m, group_n), -1 meaning the whole extent, as sizes."""
+    try:
+        group_m, group_n = (int(g) for g in group_shape)
+    except (TypeError, ValueError):
+        raise unsupported(function, "group_shape", f"expected a pair of ints (-1: the whole extent), got "
+                          f"{group_shape!r}") from None
+    return (rows if group_m == -1 else group_m, cols if group_n == -1 else group_n)
+
+
+def scaled_fp8_quant(input, scale=None, num_token_padding=None, scale_ub=None, use_per_token_if_dynamic=False,
+                     output=None, group_shape=None):
+    """Quantises input [M, N] to fp8; returns (output, scale).
+
+    - ``scale`` given (static): output = fp8(input * (1 / scale)) with the
+      float32 scale of one element (0-dim, [1] or [1, 1]), read on the
+      device and returned as given (quantization.per_tensor_quant_fp8,
+      is_static). ``group_shape`` is not read: one scale is per tensor,
+      as in vLLM; a scale of more elements is refused.
+    - no scale, ``use_per_token_if_dynamic`` False: scale = a new float32
+      [1], absmax(input) / fp8_max (quantization.per_tensor_quant_fp8).
+    - no scale, ``use_per_token_if_dynamic`` True: scale = a new float32
+      [M', 1], absmax of each row / fp8_max
+      (quantization.per_token_quant_fp8, given scale[:M, 0]).
+
+    ``output`` is a new float8_e4m3fn [M', N] unless given (float8_e4m3fn
+    or float8_e5m2 [M, N], or with more rows, of which the first M are
+    written); M' = max(num_token_padding, M): the rows past M of the
+    output and of a per-token scale are allocated and not written, as vLLM
+    leaves them. input and output may be row-strided. Refused: a
+    ``scale_ub`` in per-token quantisation, a ``group_shape`` other than
+    the dynamic quantisation's ((-1, -1) per tensor, (1, -1) per token;
+    vLLM does not read it there), ``num_token_padding`` beside ``output``."""
+    function = "vllm.scaled_fp8_quant"
+    if not isinstance(input, _torch.Tensor) or input.dim() != 2:
+        shape = list(input.shape) if isinstance(input, _torch.Tensor) else type(input).__name__
+        raise unsupported(function, "input", f"expected a 2-dim tensor [M, N] (tokens flattened), got {shape}")
+    rows, cols = input.shape
+    if output is not None and num_token_padding is not None:
+        raise unsupported(function, "num_token_padding", "padding is not supported if output is passed in (as in "
+                          "vLLM): allocate output with the padded rows instead")
+    padded_rows = max(int(num_token_padding), rows) if num_token_padding else rows
+    static = scale is not None
+    per_token = not static and bool(use_per_token_if_dynamic)
+    if static:
+        if not isinstance(scale, _torch.Tensor):
+            raise unsupported(function, "scale", f"expected a float32 tensor of one element, got "
+                              f"{type(scale).__name__}")
+        if scale.numel() != 1:
+            raise unsupported(function, "scale", f"{list(scale.shape)}: static per-channel, per-token and group "
+                              "scales are not supported; kdispatch's static fp8 quantiser takes one scale for "
+                              "the whole tensor")
+    else:
+        if per_token and scale_ub is not None:
+            raise unsupported(function, "scale_ub", "an upper bound of the per-token scales is not supported; "
+                              "pass None")
+        if group_shape is not None:
+            want = (1, cols) if per_token else (rows, cols)
+            if _group_shape(function, group_shape, rows, cols) != want:
+                raise unsupported(function, "group_shape", f"{tuple(group_shape)} without a scale: vLLM "
+                                  "quantises per tensor, or per token with use_per_token_if_dynamic, and does "
+                                  "not read group_shape; kdispatch refuses one that says otherwise (groups of "
+                                  "a row: kdispatch.compat.sgl_kernel.sgl_per_token_group_quant_fp8)")
+    if output is None:
+        if _FP8_OUTPUT is None:
+            raise unsupported(function, "output", f"None: the output vLLM allocates is float8_e4m3fn, which this "
+                              f"torch {_torch.__version__} has not")
+        output = _torch.empty((padded_rows, cols), dtype=_FP8_OUTPUT, device=input.device)
+    written = output[:rows] if output.dim() == 2 and output.shape[0] > rows else output
+    if static:
+        _forward(function, _QUANT_NAMES, _per_tensor_quant_fp8, input, written, scale.reshape(1), True)
+    elif per_token:
+        scale = _torch.empty((padded_rows, 1), dtype=_torch.float32, device=input.device)
+        _forward(function, _QUANT_NAMES, _per_token_quant_fp8, input, written, scale[:rows, 0])
+    else:
+        scale = _torch.empty(1, dtype=_torch.float32, device=input.device)
+        _forward(function, _QUANT_NAMES, _per_tensor_quant_fp8, input, written, scale, False)
+    return output, scale
 
 
 def __getattr__(name):
