@@ -10,6 +10,7 @@
 #include "kdispatch/manifest.hpp"
 #include "kdispatch/registry.hpp"
 #include "kdispatch/tuning.hpp"
+#include "json_depth.hpp"
 #include "schema_check.hpp"
 #include "tuning_set.hpp"
 
@@ -119,6 +120,11 @@ TuningFile parse_tuning_file(std::string_view text, const std::string& path, con
     doc = json::parse(text);
   } catch (const json::exception& e) {
     throw ManifestError(ErrorCode::manifest_bad_json, fmt::format("{}: not valid JSON: {}", path, e.what()));
+  }
+  if (const auto deep = json_too_deep(text)) {
+    throw ManifestError(ErrorCode::manifest_bad_json,
+                        fmt::format("{}: line {}, column {}: arrays and objects nested deeper than {} levels", path,
+                                    deep->line, deep->column, kMaxJsonDepth));
   }
   if (!doc.is_object()) bad_field(path, "/", "an object {\"kdispatch_tuning\": 1, \"key\": ..., \"choices\": ...}", doc);
   const json& version = member(doc, "kdispatch_tuning", path, "", "1");
