@@ -21,6 +21,13 @@ namespace {
 using json = nlohmann::json;
 using ojson = nlohmann::ordered_json;  // written files keep the documented key order
 
+// An integer of the JSON text that an int64_t holds: nlohmann reads one
+// above INT64_MAX as unsigned, and get<int64_t>() would wrap it.
+bool is_int64(const json& value) {
+  return value.is_number_integer() &&
+         !(value.is_number_unsigned() && value.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX));
+}
+
 std::string shown(const json& value) {
   std::string text = value.dump(-1, ' ', true, json::error_handler_t::replace);
   if (text.size() > 60) text = text.substr(0, 57) + "...";
@@ -98,7 +105,7 @@ TuningMeasurement parse_measurement(const json& m, const TuningChoice& c, const 
   if (const auto it = m.find("sizes"); it != m.end()) {
     if (!it->is_object()) bad_field(path, pointer + "/sizes", "an object {\"<symbol>\": <integer>}", *it);
     for (const auto& [k, v] : it->items()) {
-      if (!v.is_number_integer()) bad_field(path, fmt::format("{}/sizes/{}", pointer, k), "an integer", v);
+      if (!is_int64(v)) bad_field(path, fmt::format("{}/sizes/{}", pointer, k), "an integer of 64 bits", v);
       out.sizes.emplace(k, v.get<int64_t>());
     }
   }
@@ -143,7 +150,7 @@ TuningFile parse_tuning_file(std::string_view text, const std::string& path, con
   file.key.driver = string_member(key, "driver", path, "/key");
   file.key.runtime = string_member(key, "runtime", path, "/key");
   const json& threads = member(key, "threads", path, "/key", "an integer");
-  if (!threads.is_number_integer()) bad_field(path, "/key/threads", "an integer", threads);
+  if (!is_int64(threads)) bad_field(path, "/key/threads", "an integer of 64 bits", threads);
   file.key.threads = threads.get<int64_t>();
   const json& backends = member(key, "backends", path, "/key", "an object");
   if (!backends.is_object()) bad_field(path, "/key/backends", "an object {\"<backend>\": \"sha256:<hex>\"}", backends);
