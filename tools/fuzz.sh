@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets of tests/fuzz with clang in build/fuzz and runs
 # each for SECONDS (default 60), seeded from the repository's manifests, op
-# schemas and fixtures, and from the generated GPU manifests and the plugin
-# libraries of build/default when they are there. Corpora grow in build/fuzz/corpus/<target>; a crashing
+# schemas and fixtures, and from the generated GPU manifests, the plugin
+# libraries and the files the built tool writes (registry cache, verdict
+# file, tuning file) of build/default when they are there. Corpora grow in build/fuzz/corpus/<target>; a crashing
 # input is written to build/fuzz/artifacts/ and stops that target.
 #
-#   tools/fuzz.sh [SECONDS] [TARGET...]     targets: manifest op_schema elf_check registry_cache
+#   tools/fuzz.sh [SECONDS] [TARGET...]
+#     targets: manifest op_schema elf_check registry_cache verdicts tuning_file
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 seconds=${1:-60}
 shift || true
 targets=("$@")
-((${#targets[@]})) || targets=(manifest op_schema elf_check registry_cache)
+((${#targets[@]})) || targets=(manifest op_schema elf_check registry_cache verdicts tuning_file)
 build="$root/build/fuzz"
 
 cmake -S "$root/tests/fuzz" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER="${CXX:-clang++}" >/dev/null
@@ -40,7 +42,27 @@ if [[ -x $root/build/default/bin/kdispatch ]]; then
   XDG_CACHE_HOME="$build/seed-cache" "$root/build/default/bin/kdispatch" list > /dev/null 2>&1 || true
   for f in "$build"/seed-cache/kdispatch/*.cache; do tail -n +2 "$f" > "$f.entries"; done
   seed registry_cache "$build"/seed-cache/kdispatch/*.entries
+  # A verdict file and a tuning file from checks and timings of shipped ops: the verdict file whole and
+  # its entries (the target reads both), the tuning file as written and with a "when" on the op's
+  # hidden size.
+  rm -rf "$build/seed-tuning"
+  mkdir -p "$build/seed-tuning"
+  for op in layernorm.rmsnorm activation.silu_and_mul; do
+    XDG_CACHE_HOME="$build/seed-tuning" "$root/build/default/bin/kdispatch" run "$op" > /dev/null 2>&1 || true
+  done
+  XDG_CACHE_HOME="$build/seed-tuning" "$root/build/default/bin/kdispatch" tune layernorm.rmsnorm --dtype float32 \
+    --size H=8,4096 --budget 5 --out "$build/seed-tuning/tuning.json" > /dev/null 2>&1 || true
+  for f in "$build"/seed-tuning/kdispatch/conformance-verdicts-*.txt; do tail -n +2 "$f" > "$f.entries"; done
+  seed verdicts "$build"/seed-tuning/kdispatch/conformance-verdicts-*.txt{,.entries}
+  if [[ -f $build/seed-tuning/tuning.json ]]; then
+    sed 's/"when": ""/"when": "H > 64 \&\& dtype == float32"/' "$build/seed-tuning/tuning.json" \
+      > "$build/seed-tuning/tuning-when.json"
+    seed tuning_file "$build"/seed-tuning/tuning*.json
+  fi
 fi
+printf '%s\n' '{"preferences": {"layernorm.rmsnorm": ["cpu", "reference"], "activation.silu_and_mul": ["cpu"]}}' \
+  > "$build/preferences.json"
+seed tuning_file "$build/preferences.json"
 
 mkdir -p "$build/artifacts"
 status=0

@@ -27,6 +27,7 @@
 
 #include "constraint.hpp"
 #include "file_check.hpp"
+#include "json_depth.hpp"
 #include "kdispatch/plugin_api.h"
 #include "manifest_for_cache.hpp"
 #include "kdispatch/selector.hpp"
@@ -467,6 +468,12 @@ std::optional<json> parse_json(std::string_view text, Reader& r) {
                 fmt::format("{}: and {} more repeated keys", r.file(), with_thousands(more)));
   }
   if (finder.duplicate_count() != 0) return std::nullopt;
+  if (const auto deep = json_too_deep(text)) {
+    r.raw_error(ErrorCode::manifest_bad_json,
+                fmt::format("{}:{}:{}: arrays and objects nested deeper than {} levels", r.file(), deep->line,
+                            deep->column, kMaxJsonDepth));
+    return std::nullopt;
+  }
   return doc;
 }
 

@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "json_depth.hpp"
 #include "kdispatch/manifest.hpp"
 
 namespace kdispatch {
@@ -31,6 +32,12 @@ PreferenceFileResult parse_preference_file(std::string_view text, const std::str
     doc = json::parse(text);
   } catch (const json::exception& e) {
     result.errors.push_back({ErrorCode::manifest_bad_json, path, fmt::format("{}: not valid JSON: {}", path, e.what())});
+    return result;
+  }
+  if (const auto deep = json_too_deep(text)) {
+    result.errors.push_back({ErrorCode::manifest_bad_json, path,
+                             fmt::format("{}: line {}, column {}: arrays and objects nested deeper than {} levels",
+                                         path, deep->line, deep->column, kMaxJsonDepth)});
     return result;
   }
   constexpr std::string_view kDocExpected = "an object {\"preferences\": {\"<op>\": [\"<backend>\", ...]}}";

@@ -1,16 +1,23 @@
 // Hostile input to the core: pathological JSON (deep nesting with repeated
 // keys, a million unknown keys, a huge op id) must be diagnosed in linear
-// time with capped output, and sizes that overflow or lie through the C++
+// time with capped output, JSON nested deeper than kMaxJsonDepth is refused
+// before anything writes a value of it (dump() recurses per level), and sizes that overflow or lie through the C++
 // API must be refused with KD-E030 naming the argument, never reach a kernel.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "json_depth.hpp"
 #include "kdispatch/error.hpp"
 #include "kdispatch/manifest.hpp"
+#include "kdispatch/registry.hpp"
+#include "kdispatch/tuning.hpp"
+#include "manifest_for_cache.hpp"
+#include "preference_file.hpp"
 #include "schema_check.hpp"
 #include "kdispatch/selector.hpp"
 
@@ -85,6 +92,93 @@ TEST_CASE("hostile json: did-you-mean for a 1 MB op id returns at once") {
   // Typos still get their suggestion.
   CHECK(closest_ops("layernorm.rmsnrom", ops) == std::vector<std::string>{"layernorm.rmsnorm"});
   CHECK(closest_ops("rmsnorm", ops) == std::vector<std::string>{"layernorm.rmsnorm"});
+}
+
+namespace {
+
+// `levels` arrays, one inside the other.
+std::string nested(size_t levels) { return std::string(levels, '[') + std::string(levels, ']'); }
+
+// A valid manifest with one op schema whose entry has an unknown key of
+// `value`: the key is warned about and the "ops" list goes into the
+// registry cache record as written.
+std::string manifest_with(const std::string& value) {
+  return std::string(kHead).substr(0, std::string(kHead).size() - std::string(R"("kernels": [])").size()) +
+         R"("kernels": [{"op": "test.deep", "symbol": "kd_deep"}],
+  "ops": [{"op": "test.deep", "note": )" + value + R"(,
+    "tensors": [{"name": "out", "shape": ["N"], "dtype": "float32", "written": true}]}]})";
+}
+
+}  // namespace
+
+TEST_CASE("hostile json: nesting deeper than kMaxJsonDepth is KD-E010 with its position, never a stack overflow") {
+  // 300,000 levels: far more than a thread's stack holds for a recursive
+  // dump() of them.
+  constexpr size_t kDeep = 300000;
+  REQUIRE(kMaxJsonDepth == 128);
+
+  // A manifest: the op entry is level 3 of the document, so its key's value
+  // may nest 125 arrays and no more. The deep one is refused at the '[' of
+  // level 129 (column counted on the line of the key).
+  std::string ops_json;
+  const ManifestResult fits = parse_manifest_for_cache(manifest_with(nested(125)), "fits.json", ops_json);
+  REQUIRE_MESSAGE(fits.ok(), (fits.errors.empty() ? std::string() : fits.errors[0].message));
+  CHECK(ops_json.find(nested(125)) != std::string::npos);
+  const std::string one_more = manifest_with(nested(126));
+  const ManifestResult over = parse_manifest_for_cache(one_more, "over.json", ops_json);
+  REQUIRE(over.errors.size() == 1);
+  CHECK(over.errors[0].code == ErrorCode::manifest_bad_json);
+  const size_t at = one_more.find(nested(126));
+  const size_t line_start = one_more.rfind('\n', at) + 1;
+  const auto line = std::count(one_more.begin(), one_more.begin() + static_cast<std::ptrdiff_t>(at), '\n') + 1;
+  CHECK(over.errors[0].message == "over.json:" + std::to_string(line) + ":" + std::to_string(at - line_start + 126) +
+                                      ": arrays and objects nested deeper than 128 levels");
+  for (const ManifestResult& r : {parse_manifest_for_cache(manifest_with(nested(kDeep)), "deep.json", ops_json),
+                                  parse_manifest(manifest_with(nested(kDeep)), "deep.json")}) {
+    CHECK_FALSE(r.ok());
+    REQUIRE(r.errors.size() == 1);
+    CHECK(r.errors[0].code == ErrorCode::manifest_bad_json);
+    CHECK(r.errors[0].message.find("nested deeper than 128 levels") != std::string::npos);
+  }
+  // An op-schema file the same.
+  const SchemaFileResult schemas = parse_op_schemas("[{\"op\": \"test.deep\", \"doc\": " + nested(kDeep) + "}]",
+                                                    "deep-ops.json");
+  REQUIRE(schemas.errors.size() == 1);
+  CHECK(schemas.errors[0].code == ErrorCode::manifest_bad_json);
+  CHECK(schemas.errors[0].message.find("deep-ops.json:1:") == 0);
+
+  // A tuning file whose version is a deep list: the message would show it.
+  KernelRegistry registry;
+  try {
+    (void)parse_tuning_file("{\"kdispatch_tuning\": " + nested(kDeep) + "}", "deep-tuning.json", registry);
+    FAIL("a deep tuning file was taken");
+  } catch (const ManifestError& e) {
+    CHECK(e.code() == ErrorCode::manifest_bad_json);
+    CHECK(std::string(e.what()).find(
+              "deep-tuning.json: line 1, column 149: arrays and objects nested deeper than 128 levels") !=
+          std::string::npos);
+  }
+  // 128 levels are read, and the field is then refused as usual.
+  try {
+    (void)parse_tuning_file("{\"kdispatch_tuning\": " + nested(127) + "}", "tuning.json", registry);
+    FAIL("a list was taken for the version");
+  } catch (const ManifestError& e) {
+    CHECK(e.code() == ErrorCode::manifest_bad_field);
+    CHECK(std::string(e.what()).find("tuning.json: /kdispatch_tuning: expected 1, found [[[[") != std::string::npos);
+  }
+
+  // A preference file whose backends are a deep list.
+  const PreferenceFileResult preferences =
+      parse_preference_file("{\"preferences\": {\"a.b\": " + nested(kDeep) + "}}", "deep-preferences.json");
+  CHECK(preferences.preferences.empty());
+  REQUIRE(preferences.errors.size() == 1);
+  CHECK(preferences.errors[0].code == ErrorCode::manifest_bad_json);
+  CHECK(preferences.errors[0].message ==
+        "deep-preferences.json: line 1, column 151: arrays and objects nested deeper than 128 levels");
+  const PreferenceFileResult shallow =
+      parse_preference_file("{\"preferences\": {\"a.b\": " + nested(126) + "}}", "preferences.json");
+  REQUIRE(shallow.errors.size() == 1);
+  CHECK(shallow.errors[0].code == ErrorCode::manifest_bad_field);
 }
 
 // --- sizes that overflow or lie -----------------------------------------------------

@@ -256,6 +256,25 @@ TEST_CASE("tuning: bad files get KD codes naming the file and pointer, and chang
           ErrorCode::manifest_bad_field, "/choices/0/when");
   refused("kdispatch-tuning-bad8.json", R"({"kdispatch_tuning": 1, "key": {"kdispatch": 1}})",
           ErrorCode::manifest_bad_field, "/key/kdispatch");
+  // Integers beyond int64 are refused, not wrapped (2^64 - 1 would read as -1).
+  std::string huge_threads = tuning_text(cpu_key(), "[]");
+  const auto threads_at = huge_threads.find("\"threads\": 0");
+  REQUIRE(threads_at != std::string::npos);
+  huge_threads.replace(threads_at, 12, "\"threads\": 18446744073709551615");
+  refused("kdispatch-tuning-bad9.json", huge_threads, ErrorCode::manifest_bad_field,
+          "/key/threads: expected an integer of 64 bits, found 18446744073709551615");
+  refused("kdispatch-tuning-bad10.json",
+          tuning_text(cpu_key(), R"([{"op": "x.y", "dtype": "float32", "when": "", "backend": "b",
+                                     "measured": [{"sizes": {"N": 9223372036854775808}, "us": {"b": 1.5}}]}])"),
+          ErrorCode::manifest_bad_field, "/choices/0/measured/0/sizes/N: expected an integer of 64 bits");
+  const TuningFile edges = parse_tuning_file(
+      tuning_text(cpu_key(), R"([{"op": "x.y", "dtype": "float32", "when": "", "backend": "b", "measured":
+                                 [{"sizes": {"M": -9223372036854775808, "N": 9223372036854775807}, "us": {"b": 1}}]}])"),
+      "edges.json", reg);
+  REQUIRE(edges.choices.size() == 1);
+  REQUIRE(edges.choices[0].measured.size() == 1);
+  CHECK(edges.choices[0].measured[0].sizes.at("M") == INT64_MIN);
+  CHECK(edges.choices[0].measured[0].sizes.at("N") == INT64_MAX);
   const std::string missing = error_of([&] { sel.set_tuning_file("/nonexistent/kdispatch-tuning.json"); },
                                        ErrorCode::manifest_bad_json);
   CHECK(contains(missing, "/nonexistent/kdispatch-tuning.json"));
