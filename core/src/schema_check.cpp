@@ -534,10 +534,21 @@ void CompiledSchema::remember(std::span<const DLTensor> tensors, Dtype dtype,
     }
   }
   accepted.dtype.store(dtype, std::memory_order_release);
+  accepted.tag.store(nullptr, std::memory_order_release);
   // seq + 2 wraps to 0 ("nothing recorded") once in 2^31 writes: harmless.
   accepted.seq.store(seq + 2, std::memory_order_release);
 }
 
+// The same protocol as remember(): the entry changes only from the sequence
+// `found` read, so a value never lands on another call's words.
+void CompiledSchema::attach(const Remembered& found, const void* tag) const noexcept {
+  uint32_t seq = found.seq;
+  if (!found.entry->seq.compare_exchange_strong(seq, seq + 1, std::memory_order_relaxed)) {
+    return;
+  }
+  found.entry->tag.store(tag, std::memory_order_release);
+  found.entry->seq.store(seq + 2, std::memory_order_release);
+}
 
 // The compiled plan: see the comment on Dim. `refuse(argument, words)`
 // returns false in the quick pass, which never builds the words, and

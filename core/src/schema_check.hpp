@@ -74,7 +74,16 @@ struct AcceptedCall {
   };
   std::atomic<uint32_t> seq{0};  // odd: being written; 0: nothing recorded
   std::atomic<Dtype> dtype{Dtype::float32};
+  std::atomic<const void*> tag{nullptr};  // attach()
   std::array<Row, kTensors> rows{};
+};
+
+// A remembered call that a call repeats (CompiledSchema::matches_remembered),
+// with the value CompiledSchema::attach() gave it (null: none yet).
+struct RememberedCall {
+  AcceptedCall* entry;
+  uint32_t seq;
+  const void* tag;
 };
 
 class CompiledSchema {
@@ -98,17 +107,24 @@ class CompiledSchema {
     if (matches_remembered(tensors, &info)) [[likely]] return info;
     return check_plan(tensors);
   }
-  // The first tier alone: true (and `info` set) when the call passes by
-  // equality with one of the last accepted ones; false says nothing, run
-  // check().
-  bool matches_remembered(std::span<const DLTensor> tensors, CallInfo* info) const noexcept;
+  using Remembered = RememberedCall;
+  // The first tier alone: true (and `info` set, and `found` when given)
+  // when the call passes by equality with one of the last accepted ones;
+  // false says nothing, run check().
+  bool matches_remembered(std::span<const DLTensor> tensors, CallInfo* info,
+                          Remembered* found = nullptr) const noexcept;
   // The same for an op of N tensors (N = the size of `tensors`, which the
   // caller has checked, and at most kMaxRememberedTensors): every loop over
   // the tensors unrolled, their byte ranges kept in registers. The
   // dispatcher's checked call picks the one for its op once.
   template <size_t N>
-  bool matches_remembered(const DLTensor* tensors, CallInfo* info) const noexcept;
+  bool matches_remembered(const DLTensor* tensors, CallInfo* info, Remembered* found) const noexcept;
   size_t num_tensors() const { return num_tensors_; }
+  // Gives the remembered call that `found` names a value (the dispatcher's:
+  // the kernel for that call), which the calls that repeat it then find in
+  // Remembered::tag. Nothing when that call has been replaced since; a call
+  // newly remembered has none.
+  void attach(const Remembered& found, const void* tag) const noexcept;
   // check() without the first tier, for a call that matches_remembered() refused.
   CallInfo check_plan(std::span<const DLTensor> tensors) const;
   // The rules that do not look at data: count, devices, dtypes, shapes and
@@ -239,9 +255,10 @@ class CompiledSchema {
   static constexpr size_t kWholeCall = ~size_t{0};  // a refusal about no one argument
 
   // Whether the N tensors equal `accepted` in its words (with no
-  // byte_offset) and no written one overlaps another; then `info` set.
+  // byte_offset) and no written one overlaps another; then `info` and
+  // `found` set.
   template <size_t N>
-  bool matches(const Accepted& accepted, const DLTensor* tensors, CallInfo* info) const noexcept;
+  bool matches(Accepted& accepted, const DLTensor* tensors, CallInfo* info, Remembered* found) const noexcept;
   // Which of a tensor's data, shape and strides pointers are null, as bits
   // 0, 1 and 2 (a shape is read only when ndim > 0, strides only when given).
   static uint64_t null_pointers(uintptr_t data, const int64_t* shape, const int64_t* strides) {
@@ -442,8 +459,8 @@ template <size_t N>
 
 // Inline: the whole per-call cost of a checked call's validation.
 template <size_t N>
-[[gnu::always_inline]] inline bool CompiledSchema::matches(const Accepted& accepted, const DLTensor* tensors,
-                                                           CallInfo* info) const noexcept {
+[[gnu::always_inline]] inline bool CompiledSchema::matches(Accepted& accepted, const DLTensor* tensors, CallInfo* info,
+                                                           Remembered* found) const noexcept {
   const uint32_t seq = accepted.seq.load(std::memory_order_acquire);
   if ((seq & 1) != 0 || seq == 0) return false;
   std::array<uint64_t, N> low;
@@ -479,6 +496,9 @@ template <size_t N>
   }
   info->dtype = accepted.dtype.load(std::memory_order_acquire);
   info->device = tensors[0].device;
+  found->entry = &accepted;
+  found->seq = seq;
+  found->tag = accepted.tag.load(std::memory_order_acquire);
   // The words are loaded with acquire and stored with release (plain moves
   // on x86): a word from a write in progress makes its odd sequence visible
   // here, so a torn read is never taken. No fences, which ThreadSanitizer
@@ -493,27 +513,30 @@ template <size_t N>
 }
 
 template <size_t N>
-[[gnu::always_inline]] inline bool CompiledSchema::matches_remembered(const DLTensor* tensors,
-                                                                      CallInfo* info) const noexcept {
-  for (const Accepted& accepted : accepted_) {
-    if (matches<N>(accepted, tensors, info)) return true;
+[[gnu::always_inline]] inline bool CompiledSchema::matches_remembered(const DLTensor* tensors, CallInfo* info,
+                                                                      Remembered* found) const noexcept {
+  for (Accepted& accepted : accepted_) {
+    if (matches<N>(accepted, tensors, info, found)) return true;
   }
   return false;
 }
 
-inline bool CompiledSchema::matches_remembered(std::span<const DLTensor> tensors, CallInfo* info) const noexcept {
+inline bool CompiledSchema::matches_remembered(std::span<const DLTensor> tensors, CallInfo* info,
+                                               Remembered* found) const noexcept {
   if (tensors.size() != num_tensors_) return false;
+  Remembered ignored;
+  Remembered* out = found != nullptr ? found : &ignored;
   const DLTensor* t = tensors.data();
   static_assert(kMaxRememberedTensors == 8);
   switch (tensors.size()) {
-    case 1: return matches_remembered<1>(t, info);
-    case 2: return matches_remembered<2>(t, info);
-    case 3: return matches_remembered<3>(t, info);
-    case 4: return matches_remembered<4>(t, info);
-    case 5: return matches_remembered<5>(t, info);
-    case 6: return matches_remembered<6>(t, info);
-    case 7: return matches_remembered<7>(t, info);
-    case 8: return matches_remembered<8>(t, info);
+    case 1: return matches_remembered<1>(t, info, out);
+    case 2: return matches_remembered<2>(t, info, out);
+    case 3: return matches_remembered<3>(t, info, out);
+    case 4: return matches_remembered<4>(t, info, out);
+    case 5: return matches_remembered<5>(t, info, out);
+    case 6: return matches_remembered<6>(t, info, out);
+    case 7: return matches_remembered<7>(t, info, out);
+    case 8: return matches_remembered<8>(t, info, out);
     default: return false;
   }
 }
