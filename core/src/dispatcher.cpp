@@ -276,7 +276,7 @@ struct OpState {
                   std::is_same_v<std::variant_alternative_t<1, AttrValue>, int64_t> &&
                   std::is_same_v<std::variant_alternative_t<2, AttrValue>, bool> &&
                   std::is_same_v<std::variant_alternative_t<3, AttrValue>, std::string>);
-    const size_t n = attr_names.size();
+    const size_t n = plain_attrs.size();  // every attribute (a stored size: no division)
     uint64_t given = 0;
     for (const NamedAttr& a : attrs) {
       const AttrName name(a.name);
@@ -585,7 +585,7 @@ void OpHandle::call_with_attrs(const OpHandle& op, std::span<DLTensor> tensors, 
   const OpState& state = *op.state_;
   std::array<kd_attr, kMaxSchemaAttrs> storage;
   const bool packed = state.pack_given(attrs, storage.data());
-  const std::span<const kd_attr> packed_attrs(storage.data(), state.defaults.size());
+  const std::span<const kd_attr> packed_attrs(storage.data(), state.plain_attrs.size());
   CompiledSchema::CallInfo info;
   RememberedCall found;
   bool remembered = false;
