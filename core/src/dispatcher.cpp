@@ -802,15 +802,42 @@ OpState* Dispatcher::intern(std::string_view op, std::string_view backend) {
 void Dispatcher::set_calls(OpState& state) {
   static_assert(kMaxRememberedTensors == 8);
   switch (state.compiled->num_tensors()) {
-    case 1: state.plain = &OpHandle::call_plain<1>; state.with_attrs = &OpHandle::call_with_attrs<1>; break;
-    case 2: state.plain = &OpHandle::call_plain<2>; state.with_attrs = &OpHandle::call_with_attrs<2>; break;
-    case 3: state.plain = &OpHandle::call_plain<3>; state.with_attrs = &OpHandle::call_with_attrs<3>; break;
-    case 4: state.plain = &OpHandle::call_plain<4>; state.with_attrs = &OpHandle::call_with_attrs<4>; break;
-    case 5: state.plain = &OpHandle::call_plain<5>; state.with_attrs = &OpHandle::call_with_attrs<5>; break;
-    case 6: state.plain = &OpHandle::call_plain<6>; state.with_attrs = &OpHandle::call_with_attrs<6>; break;
-    case 7: state.plain = &OpHandle::call_plain<7>; state.with_attrs = &OpHandle::call_with_attrs<7>; break;
-    case 8: state.plain = &OpHandle::call_plain<8>; state.with_attrs = &OpHandle::call_with_attrs<8>; break;
-    default: state.plain = &OpHandle::call_plain<0>; state.with_attrs = &OpHandle::call_with_attrs<0>; break;
+    case 1:
+      state.plain = &OpHandle::call_plain<1>;
+      state.with_attrs = &OpHandle::call_with_attrs<1>;
+      break;
+    case 2:
+      state.plain = &OpHandle::call_plain<2>;
+      state.with_attrs = &OpHandle::call_with_attrs<2>;
+      break;
+    case 3:
+      state.plain = &OpHandle::call_plain<3>;
+      state.with_attrs = &OpHandle::call_with_attrs<3>;
+      break;
+    case 4:
+      state.plain = &OpHandle::call_plain<4>;
+      state.with_attrs = &OpHandle::call_with_attrs<4>;
+      break;
+    case 5:
+      state.plain = &OpHandle::call_plain<5>;
+      state.with_attrs = &OpHandle::call_with_attrs<5>;
+      break;
+    case 6:
+      state.plain = &OpHandle::call_plain<6>;
+      state.with_attrs = &OpHandle::call_with_attrs<6>;
+      break;
+    case 7:
+      state.plain = &OpHandle::call_plain<7>;
+      state.with_attrs = &OpHandle::call_with_attrs<7>;
+      break;
+    case 8:
+      state.plain = &OpHandle::call_plain<8>;
+      state.with_attrs = &OpHandle::call_with_attrs<8>;
+      break;
+    default:
+      state.plain = &OpHandle::call_plain<0>;
+      state.with_attrs = &OpHandle::call_with_attrs<0>;
+      break;
   }
   if (state.compiled->has_flattened()) state.with_attrs = &OpHandle::call_flattened;
 }
@@ -939,13 +966,13 @@ void Dispatcher::refresh_constraints(OpState& state, uint64_t generation) {
   for (const Constraint* c : tuned) add_reads(*c);
   const bool memoised = reads.size() <= OpState::Memo::kValues;
   const bool reads_attrs = std::any_of(reads.begin(), reads.end(), [](const OpState::Constrained::Read& r) {
-    return r.kind == OpState::Constrained::Read::Kind::attr_int || r.kind == OpState::Constrained::Read::Kind::attr_bool;
+    return r.kind == OpState::Constrained::Read::Kind::attr_int ||
+           r.kind == OpState::Constrained::Read::Kind::attr_bool;
   });
   std::lock_guard lock(mutex_);
   if (!kernels.empty() || !tuned.empty()) {
-    state.owned_constrained.push_back(std::make_unique<OpState::Constrained>(
-        OpState::Constrained{generation, std::move(kernels), std::move(tuning), std::move(tuned), std::move(reads),
-                             memoised, reads_attrs}));
+    state.owned_constrained.push_back(std::make_unique<OpState::Constrained>(OpState::Constrained{
+        generation, std::move(kernels), std::move(tuning), std::move(tuned), std::move(reads), memoised, reads_attrs}));
     state.constrained.store(state.owned_constrained.back().get(), std::memory_order_release);
   } else {
     state.constrained.store(nullptr, std::memory_order_release);
@@ -953,9 +980,8 @@ void Dispatcher::refresh_constraints(OpState& state, uint64_t generation) {
   state.constrained_generation.store(generation, std::memory_order_release);
 }
 
-const ResolvedKernel& Dispatcher::resolve_slow(OpState& state, DLDevice device, Dtype dtype,
-                                               const ConstraintCall* call, uint64_t rejected,
-                                               uint64_t seen_generation, bool by_signature) {
+const ResolvedKernel& Dispatcher::resolve_slow(OpState& state, DLDevice device, Dtype dtype, const ConstraintCall* call,
+                                               uint64_t rejected, uint64_t seen_generation, bool by_signature) {
   const auto type = from_dlpack_device_type(device.device_type);
   if (!type) {
     throw CallError(ErrorCode::bad_arguments,
@@ -970,10 +996,9 @@ const ResolvedKernel& Dispatcher::resolve_slow(OpState& state, DLDevice device, 
   const kd_kernel_fn fn = context_.kernel(*selection.spec);
   const kd_kernel_fn supports = context_.supports(*selection.spec);
   std::lock_guard lock(mutex_);
-  auto resolved = std::make_unique<OpState::Resolved>(OpState::Resolved{
-      device_word(device), dtype, generation, fn, supports, selection.spec->function_data,
-      selection.spec,
-      rejected,            selection.rule, std::move(selection.ranked), by_signature});
+  auto resolved = std::make_unique<OpState::Resolved>(
+      OpState::Resolved{device_word(device), dtype, generation, fn, supports, selection.spec->function_data,
+                        selection.spec, rejected, selection.rule, std::move(selection.ranked), by_signature});
   const OpState::Resolved& out = *resolved;
   state.owned.push_back(std::move(resolved));
   // A choice made against an older list of constrained kernels (or before

@@ -240,8 +240,7 @@ bool byte_span(const DLTensor& t, uint64_t* below, uint64_t* extent) noexcept {
 
 }  // namespace
 
-bool find_written_overlap(std::span<const DLTensor> tensors, uint32_t written, size_t* writer,
-                          size_t* other) noexcept {
+bool find_written_overlap(std::span<const DLTensor> tensors, uint32_t written, size_t* writer, size_t* other) noexcept {
   // The byte ranges first, without strides sorted: most pairs end there.
   std::array<uint64_t, 2 * kMaxSchemaTensors> range;
   const size_t n = std::min(tensors.size(), kMaxSchemaTensors);

@@ -9,8 +9,8 @@
 #include <kdispatch/plugin_api.h>
 
 #include <array>
-#include <bit>
 #include <atomic>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -410,8 +410,7 @@ inline uint64_t bytes_below(const DLTensor& t) noexcept {
 // bit is set in `written`, whose memory may overlap (may_overlap); false
 // when there is none. No allocation: the byte range of each tensor first,
 // the finer test only for pairs whose ranges meet.
-bool find_written_overlap(std::span<const DLTensor> tensors, uint32_t written, size_t* writer,
-                          size_t* other) noexcept;
+bool find_written_overlap(std::span<const DLTensor> tensors, uint32_t written, size_t* writer, size_t* other) noexcept;
 
 inline constexpr size_t kMaxRememberedTensors = AcceptedCall::kTensors;
 

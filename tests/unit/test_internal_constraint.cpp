@@ -467,7 +467,7 @@ TEST_CASE("constraint: calls whose shapes change back and forth each run the ker
   ShiftCall other(3, 6, 4);  // holds, another N and rows
   // Attributes the constraints do not read change nothing.
   const NamedAttr small_block[] = {{"block", int64_t{2}}};
-  const std::vector<std::pair<ShiftCall*, bool>> steps = {{&fits, true}, {&odd, false},  {&fits, true}, {&tall, false},
+  const std::vector<std::pair<ShiftCall*, bool>> steps = {{&fits, true},  {&odd, false}, {&fits, true},  {&tall, false},
                                                           {&other, true}, {&odd, false}, {&tall, false}, {&fits, true}};
   int expected_even = 0;
   int expected_any = 0;

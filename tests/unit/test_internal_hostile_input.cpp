@@ -244,7 +244,7 @@ TEST_CASE("overlapping memory: strided tensors of a remembered call are refused 
   std::vector<float> storage(256);
   int64_t shape[2] = {4, 16};
   int64_t wide[2] = {16, 1};
-  int64_t padded[2] = {32, 1};    // rows of 32 floats: two tensors side by side
+  int64_t padded[2] = {32, 1};     // rows of 32 floats: two tensors side by side
   int64_t reversed[2] = {-16, 1};  // the rows below the data pointer
   const auto at = [&](size_t offset, int64_t* strides) {
     return DLTensor{storage.data() + offset, {kDLCPU, 0}, 2, {kDLFloat, 32, 1}, shape, strides, 0};
