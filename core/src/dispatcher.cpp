@@ -65,6 +65,11 @@ struct ResolvedKernel {
   uint64_t rejected;  // `constrained_cache` only: bit i, kernel i of Constrained refused the call
   SelectionRule rule;
   std::vector<const KernelSpec*> ranked;  // Selection::ranked
+  // Whether the choice follows from what a call's signature fixes (device,
+  // dtypes, shapes): false when a constraint or tuned choice of the op read
+  // an attribute. Then only the resolution's caches keep it, never a
+  // remembered call (CompiledSchema::attach).
+  bool by_signature;
 
   KernelHandle handle() const;
 };
@@ -113,6 +118,7 @@ struct OpState {
     };
     std::vector<Read> reads;
     bool memoised = false;
+    bool reads_attrs = false;  // an int or bool attribute among `reads`
   };
   // A recent constrained call's kernel, by everything its verdicts depend on:
   // the Constrained it was chosen with (one per registry generation), the
@@ -151,6 +157,10 @@ struct OpState {
   uint64_t all_attrs = 0;                    // bit per attribute
   uint64_t required_attrs = 0;               // bit per attribute without a default
   bool plain_calls = false;  // defaults_complete and no trace file: a call without attributes packs nothing
+  // OpHandle::operator() without attributes and with: the versions for the
+  // op's tensor count (OpHandle::call_plain, call_with_attrs).
+  void (*plain)(const OpHandle&, std::span<DLTensor>, void*) = nullptr;
+  void (*with_attrs)(const OpHandle&, std::span<DLTensor>, std::span<const NamedAttr>, void*) = nullptr;
   std::span<const kd_attr> plain_attrs;  // `defaults`, for plain calls
   std::array<std::atomic<const Resolved*>, kSlots> cache{};
   std::vector<std::unique_ptr<Resolved>> owned;  // guarded by the dispatcher's mutex
@@ -184,19 +194,6 @@ struct OpState {
         case Constrained::Read::Kind::attr_bool: key[i] = attrs[read.slot].value.b != 0 ? 1 : 0; break;
       }
     }
-  }
-
-  // The kernel of a checked call (accepted by the schema check, `attrs`
-  // every attribute in schema order) of an op with constrained kernels when
-  // memoised for their current generation; else null, and
-  // Dispatcher::resolve() decides.
-  [[gnu::always_inline]] const Resolved* find_memoised(std::span<const DLTensor> tensors, const kd_attr* attrs,
-                                                       uint64_t device, Dtype dtype) const noexcept {
-    const Constrained* c = constrained.load(std::memory_order_acquire);
-    if (c == nullptr || !c->memoised || c->generation != registry->generation()) return nullptr;
-    std::array<int64_t, Memo::kValues> key;
-    read_key(*c, tensors, attrs, key.data());
-    return find_memo(c, device, dtype, key.data());
   }
 
   // The memoised kernel for (constrained, device, dtype, values), or null.
@@ -250,6 +247,13 @@ struct OpState {
     return nullptr;
   }
 
+  // The kernel attached to a remembered call (OpHandle::call_remembered),
+  // when chosen at the registry's current generation.
+  [[gnu::always_inline]] const Resolved* attached(const RememberedCall& found) const {
+    const auto* r = static_cast<const Resolved*>(found.tag);
+    return r != nullptr && r->generation == registry->generation() ? r : nullptr;
+  }
+
   // The kernel for a checked call's device and dtype when cached and current.
   const Resolved* find_cached(uint64_t device, Dtype dtype) const {
     const uint64_t generation = registry->generation();
@@ -267,12 +271,12 @@ struct OpState {
   // partly written) when a given name is unknown or repeated, a value's type
   // is not the attribute's, or a required attribute is missing:
   // OpHandle::pack_attrs then converts the value or words the error.
-  bool pack_given(std::span<const NamedAttr> attrs, kd_attr* out) const noexcept {
+  [[gnu::always_inline]] bool pack_given(std::span<const NamedAttr> attrs, kd_attr* out) const noexcept {
     static_assert(std::is_same_v<std::variant_alternative_t<0, AttrValue>, double> &&
                   std::is_same_v<std::variant_alternative_t<1, AttrValue>, int64_t> &&
                   std::is_same_v<std::variant_alternative_t<2, AttrValue>, bool> &&
                   std::is_same_v<std::variant_alternative_t<3, AttrValue>, std::string>);
-    const size_t n = attr_names.size();
+    const size_t n = plain_attrs.size();  // every attribute (a stored size: no division)
     uint64_t given = 0;
     for (const NamedAttr& a : attrs) {
       const AttrName name(a.name);
@@ -280,23 +284,29 @@ struct OpState {
       while (i < n && !(attr_names[i] == name)) ++i;
       if (i == n || (given >> i & 1) != 0) return false;
       given |= uint64_t{1} << i;
+      // Written field by field, the type read from the default: reading
+      // it back from `out` waits on the copy just stored there.
+      const kd_attr& d = defaults[i];
       kd_attr& attr = out[i];
-      attr = defaults[i];
+      attr.name = d.name;
+      attr.type = d.type;
+      attr.reserved = 0;
       switch (a.value.index()) {
         case 0:
-          if (attr.type != KD_ATTR_TYPE_FLOAT) return false;
+          if (d.type != KD_ATTR_TYPE_FLOAT) return false;
           attr.value.f = *std::get_if<0>(&a.value);
           break;
         case 1:
-          if (attr.type != KD_ATTR_TYPE_INT) return false;
+          if (d.type != KD_ATTR_TYPE_INT) return false;
           attr.value.i = *std::get_if<1>(&a.value);
           break;
         case 2:
-          if (attr.type != KD_ATTR_TYPE_BOOL) return false;
+          if (d.type != KD_ATTR_TYPE_BOOL) return false;
+          attr.value.i = 0;
           attr.value.b = *std::get_if<2>(&a.value) ? 1 : 0;
           break;
         default:
-          if (attr.type != KD_ATTR_TYPE_STRING) return false;
+          if (d.type != KD_ATTR_TYPE_STRING) return false;
           attr.value.s = std::get_if<3>(&a.value)->c_str();
           break;
       }
@@ -529,83 +539,92 @@ KernelHandle OpHandle::resolve(std::span<const DLTensor> tensors) const {
 }
 
 void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream) const {
-  // A call with attributes leaves before anything is loaded, so that its
-  // path takes no registers or stack from the common call below.
-  if (!attrs.empty()) {
-    call_with_attrs(tensors, attrs, stream);
+  if (attrs.empty()) [[likely]] {
+    state_->plain(*this, tensors, stream);
     return;
   }
-  // The common call, kept small so that it needs few registers: no
-  // attributes given, a repeat of a recently accepted signature, a cached
-  // kernel, no tracing. Everything else goes through call_checked(), each
-  // tier of the check run at most once.
-  const OpState& state = *state_;
-  CompiledSchema::CallInfo info;
-  if (state.plain_calls) [[likely]] {
-    if (state.compiled->matches_remembered(tensors, &info)) [[likely]] {
-      if (const OpState::Resolved* r = state.find_cached(device_word(info.device), info.dtype)) [[likely]] {
-        run(state, *r, info.device, tensors, state.plain_attrs, stream, nullptr);
-        return;
-      }
-      // An op with constrained kernels: the kernel of a call with the same values.
-      if (const OpState::Resolved* r =
-              state.find_memoised(tensors, state.plain_attrs.data(), device_word(info.device), info.dtype)) {
-        run(state, *r, info.device, tensors, state.plain_attrs, stream, nullptr);
-        return;
-      }
-    } else {
-      // The defaults never split a "flattened" tensor (0); a refusal says
-      // when one looks passed flattened without its attribute.
-      info = state.compiled->check_plan(tensors, tensors, state.plain_attrs);
-    }
-    // The attributes are the defaults, as pack_attrs() would give them: an
-    // op with constrained kernels (whose kernel is never in `cache`) comes
-    // here on every call.
-    call_packed(tensors, state.plain_attrs, stream, info.device, info.dtype);
-    return;
-  }
-  call_with_attrs(tensors, attrs, stream);
+  state_->with_attrs(*this, tensors, attrs, stream);
 }
 
-// The call with attributes, as operator() without them: when pack_given()
-// takes the attributes, the tensors repeat a remembered signature, the
-// kernel is cached and no trace is written, the kernel runs at once;
-// anything else goes through call_checked(), each tier of the check run at
-// most once. The attributes are packed first, while few values are live.
-[[gnu::noinline]] void OpHandle::call_with_attrs(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs,
-                                                 void* stream) const {
-  const OpState& state = *state_;
-  if (state.compiled->has_flattened()) [[unlikely]] {
-    call_flattened(tensors, attrs, stream);
+// The common call, kept small so that it needs few registers: no
+// attributes given, a repeat of a recently accepted signature whose kernel
+// is attached to it and current, no tracing. Everything else goes through
+// call_unremembered() or call_remembered(), each tier of the check run at
+// most once.
+template <size_t N>
+void OpHandle::call_plain(const OpHandle& op, std::span<DLTensor> tensors, void* stream) {
+  const OpState& state = *op.state_;
+  if (!state.plain_calls) [[unlikely]] {
+    state.with_attrs(op, tensors, {}, stream);
     return;
   }
+  CompiledSchema::CallInfo info;
+  RememberedCall found;
+  bool remembered = false;
+  if constexpr (N != 0) {
+    remembered = tensors.size() == N && state.compiled->matches_remembered<N>(tensors.data(), &info, &found);
+  } else {
+    remembered = state.compiled->matches_remembered(tensors, &info, &found);
+  }
+  if (remembered) [[likely]] {
+    if (const OpState::Resolved* r = state.attached(found)) [[likely]] {
+      run(state, *r, info.device, tensors, state.plain_attrs, stream, nullptr);
+      return;
+    }
+    op.call_remembered(tensors, state.plain_attrs, stream, info.device, info.dtype, found);
+    return;
+  }
+  op.call_unremembered(tensors, stream);
+}
+
+[[gnu::noinline]] void OpHandle::call_unremembered(std::span<DLTensor> tensors, void* stream) const {
+  const OpState& state = *state_;
+  // The defaults never split a "flattened" tensor (0); a refusal says
+  // when one looks passed flattened without its attribute.
+  const CompiledSchema::CallInfo info = state.compiled->check_plan(tensors, tensors, state.plain_attrs);
+  // The attributes are the defaults, as pack_attrs() would give them.
+  call_packed(tensors, state.plain_attrs, stream, info.device, info.dtype);
+}
+
+// The call with attributes, as call_plain() without them: when
+// pack_given() takes the attributes, the tensors repeat a remembered
+// signature and no trace is written, the kernel runs at once (or is
+// resolved and attached first); anything else goes through call_packed()
+// or call_checked(), each tier of the check run at most once. The
+// attributes are packed first, while few values are live.
+template <size_t N>
+void OpHandle::call_with_attrs(const OpHandle& op, std::span<DLTensor> tensors, std::span<const NamedAttr> attrs,
+                               void* stream) {
+  const OpState& state = *op.state_;
   std::array<kd_attr, kMaxSchemaAttrs> storage;
   const bool packed = state.pack_given(attrs, storage.data());
+  const std::span<const kd_attr> packed_attrs(storage.data(), state.plain_attrs.size());
   CompiledSchema::CallInfo info;
-  if (state.compiled->matches_remembered(tensors, &info)) [[likely]] {
+  RememberedCall found;
+  bool remembered = false;
+  if constexpr (N != 0) {
+    remembered = tensors.size() == N && state.compiled->matches_remembered<N>(tensors.data(), &info, &found);
+  } else {
+    remembered = state.compiled->matches_remembered(tensors, &info, &found);
+  }
+  if (remembered) [[likely]] {
     if (packed && state.trace_file == nullptr) [[likely]] {
-      const std::span<const kd_attr> packed_attrs(storage.data(), state.defaults.size());
-      if (const OpState::Resolved* r = state.find_cached(device_word(info.device), info.dtype)) [[likely]] {
+      if (const OpState::Resolved* r = state.attached(found)) [[likely]] {
         run(state, *r, info.device, tensors, packed_attrs, stream, nullptr);
         return;
       }
-      if (const OpState::Resolved* r =
-              state.find_memoised(tensors, storage.data(), device_word(info.device), info.dtype)) {
-        run(state, *r, info.device, tensors, packed_attrs, stream, nullptr);
-        return;
-      }
+      op.call_remembered(tensors, packed_attrs, stream, info.device, info.dtype, found);
+      return;
     }
   } else {
     info = state.compiled->check_plan(tensors);
   }
   if (packed) {
-    // What pack_attrs() would pack again: an op with constrained kernels
-    // comes here on every call.
-    call_packed(tensors, std::span<const kd_attr>(storage.data(), state.defaults.size()), stream, info.device,
-                info.dtype);
+    // What pack_attrs() would pack again.
+    op.call_packed(tensors, packed_attrs, stream, info.device, info.dtype);
     return;
   }
-  call_checked(tensors, attrs, stream, info.device, info.dtype);
+  op.call_checked(tensors, attrs, stream, info.device, info.dtype);
 }
 
 // The call with attributes of an op whose schema has "flattened" tensors:
@@ -613,25 +632,43 @@ void OpHandle::operator()(std::span<DLTensor> tensors, std::span<const NamedAttr
 // split (CompiledSchema::unflatten), then the call goes as in
 // call_with_attrs() on the tensors as the schema sees them. The split
 // tensors' shapes and strides live on this function's stack.
-[[gnu::noinline]] void OpHandle::call_flattened(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs,
-                                                void* stream) const {
-  const OpState& state = *state_;
+void OpHandle::call_flattened(const OpHandle& op, std::span<DLTensor> tensors, std::span<const NamedAttr> attrs,
+                              void* stream) {
+  const OpState& state = *op.state_;
   std::array<kd_attr, kMaxSchemaAttrs> storage;
-  const std::span<const kd_attr> packed = pack_attrs(attrs, storage);
+  const std::span<const kd_attr> packed = op.pack_attrs(attrs, storage);
   UnflattenedCall call;
   const std::span<DLTensor> seen = state.compiled->unflatten(tensors, packed, &call);
   CompiledSchema::CallInfo info;
-  if (state.compiled->matches_remembered(seen, &info)) [[likely]] {
+  RememberedCall found;
+  if (state.compiled->matches_remembered(seen, &info, &found)) [[likely]] {
     if (state.trace_file == nullptr) [[likely]] {
-      if (const OpState::Resolved* r = state.find_cached(device_word(info.device), info.dtype)) [[likely]] {
+      if (const OpState::Resolved* r = state.attached(found)) [[likely]] {
         run(state, *r, info.device, seen, packed, stream, nullptr);
         return;
       }
+      op.call_remembered(seen, packed, stream, info.device, info.dtype, found);
+      return;
     }
   } else {
     info = state.compiled->check_plan(seen, tensors, packed);
   }
-  call_packed(seen, packed, stream, info.device, info.dtype);
+  op.call_packed(seen, packed, stream, info.device, info.dtype);
+}
+
+// A call that repeats a remembered one with no current kernel attached: the
+// kernel is resolved, attached when the call's signature decides it, and
+// run. No trace is written (the callers check).
+[[gnu::noinline]] void OpHandle::call_remembered(std::span<DLTensor> tensors, std::span<const kd_attr> packed,
+                                                 void* stream, DLDevice device, Dtype dtype,
+                                                 const RememberedCall& found) const {
+  OpState& state = *state_;
+  const uint64_t generation = state.registry->generation();
+  const ResolvedKernel& resolved = state.dispatcher->resolve(state, device, dtype, tensors, packed);
+  // A choice made at a newer generation than the one read first may rest
+  // on an older list of constrained kernels: it is not attached.
+  if (resolved.by_signature && resolved.generation == generation) state.compiled->attach(found, &resolved);
+  run(state, resolved, device, tensors, packed, stream, nullptr);
 }
 
 void OpHandle::call_checked(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream,
@@ -762,6 +799,7 @@ OpState* Dispatcher::intern(std::string_view op, std::string_view backend) {
     state->attr_names.emplace_back(arg.name);
   }
   state->plain_calls = state->defaults_complete && state->trace_file == nullptr;
+  set_calls(*state);
   state->plain_attrs = state->defaults;
   OpState* raw = state.get();
   states_.push_back(std::move(state));
@@ -772,6 +810,49 @@ OpState* Dispatcher::intern(std::string_view op, std::string_view backend) {
     overflow_.emplace(std::move(key), raw);
   }
   return raw;
+}
+
+void Dispatcher::set_calls(OpState& state) {
+  static_assert(kMaxRememberedTensors == 8);
+  switch (state.compiled->num_tensors()) {
+    case 1:
+      state.plain = &OpHandle::call_plain<1>;
+      state.with_attrs = &OpHandle::call_with_attrs<1>;
+      break;
+    case 2:
+      state.plain = &OpHandle::call_plain<2>;
+      state.with_attrs = &OpHandle::call_with_attrs<2>;
+      break;
+    case 3:
+      state.plain = &OpHandle::call_plain<3>;
+      state.with_attrs = &OpHandle::call_with_attrs<3>;
+      break;
+    case 4:
+      state.plain = &OpHandle::call_plain<4>;
+      state.with_attrs = &OpHandle::call_with_attrs<4>;
+      break;
+    case 5:
+      state.plain = &OpHandle::call_plain<5>;
+      state.with_attrs = &OpHandle::call_with_attrs<5>;
+      break;
+    case 6:
+      state.plain = &OpHandle::call_plain<6>;
+      state.with_attrs = &OpHandle::call_with_attrs<6>;
+      break;
+    case 7:
+      state.plain = &OpHandle::call_plain<7>;
+      state.with_attrs = &OpHandle::call_with_attrs<7>;
+      break;
+    case 8:
+      state.plain = &OpHandle::call_plain<8>;
+      state.with_attrs = &OpHandle::call_with_attrs<8>;
+      break;
+    default:
+      state.plain = &OpHandle::call_plain<0>;
+      state.with_attrs = &OpHandle::call_with_attrs<0>;
+      break;
+  }
+  if (state.compiled->has_flattened()) state.with_attrs = &OpHandle::call_flattened;
 }
 
 std::string Dispatcher::overflow_key(std::string_view op, std::string_view backend) {
@@ -800,7 +881,7 @@ const ResolvedKernel& Dispatcher::resolve(OpState& state, DLDevice device, Dtype
   const OpState::Constrained* constrained = state.constrained.load(std::memory_order_acquire);
   if (constrained == nullptr) [[likely]] {
     if (const OpState::Resolved* r = state.find_cached(device_word(device), dtype)) return *r;
-    return resolve_slow(state, device, dtype, nullptr, 0, generation);
+    return resolve_slow(state, device, dtype, nullptr, 0, generation, true);
   }
   const uint64_t word = device_word(device);
   // The values the constraints read: a call that repeats a recent key takes
@@ -824,7 +905,9 @@ const ResolvedKernel& Dispatcher::resolve(OpState& state, DLDevice device, Dtype
     if (constrained->tuned[i]->evaluate(call.input) != Constraint::Result::holds) rejected |= uint64_t{1} << (base + i);
   }
   const OpState::Resolved* r = state.find_constrained(word, dtype, rejected, constrained->generation);
-  if (r == nullptr) r = &resolve_slow(state, device, dtype, &call, rejected, constrained->generation);
+  if (r == nullptr) {
+    r = &resolve_slow(state, device, dtype, &call, rejected, constrained->generation, !constrained->reads_attrs);
+  }
   // A choice made at a newer generation than `constrained` is not memoised
   // for it (resolve_slow() does not cache it either).
   if (constrained->memoised && r->generation == constrained->generation) {
@@ -895,10 +978,14 @@ void Dispatcher::refresh_constraints(OpState& state, uint64_t generation) {
   }
   for (const Constraint* c : tuned) add_reads(*c);
   const bool memoised = reads.size() <= OpState::Memo::kValues;
+  const bool reads_attrs = std::any_of(reads.begin(), reads.end(), [](const OpState::Constrained::Read& r) {
+    return r.kind == OpState::Constrained::Read::Kind::attr_int ||
+           r.kind == OpState::Constrained::Read::Kind::attr_bool;
+  });
   std::lock_guard lock(mutex_);
   if (!kernels.empty() || !tuned.empty()) {
     state.owned_constrained.push_back(std::make_unique<OpState::Constrained>(OpState::Constrained{
-        generation, std::move(kernels), std::move(tuning), std::move(tuned), std::move(reads), memoised}));
+        generation, std::move(kernels), std::move(tuning), std::move(tuned), std::move(reads), memoised, reads_attrs}));
     state.constrained.store(state.owned_constrained.back().get(), std::memory_order_release);
   } else {
     state.constrained.store(nullptr, std::memory_order_release);
@@ -906,9 +993,8 @@ void Dispatcher::refresh_constraints(OpState& state, uint64_t generation) {
   state.constrained_generation.store(generation, std::memory_order_release);
 }
 
-const ResolvedKernel& Dispatcher::resolve_slow(OpState& state, DLDevice device, Dtype dtype,
-                                               const ConstraintCall* call, uint64_t rejected,
-                                               uint64_t seen_generation) {
+const ResolvedKernel& Dispatcher::resolve_slow(OpState& state, DLDevice device, Dtype dtype, const ConstraintCall* call,
+                                               uint64_t rejected, uint64_t seen_generation, bool by_signature) {
   const auto type = from_dlpack_device_type(device.device_type);
   if (!type) {
     throw CallError(ErrorCode::bad_arguments,
@@ -923,10 +1009,9 @@ const ResolvedKernel& Dispatcher::resolve_slow(OpState& state, DLDevice device, 
   const kd_kernel_fn fn = context_.kernel(*selection.spec);
   const kd_kernel_fn supports = context_.supports(*selection.spec);
   std::lock_guard lock(mutex_);
-  auto resolved = std::make_unique<OpState::Resolved>(OpState::Resolved{
-      device_word(device), dtype, generation, fn, supports, selection.spec->function_data,
-      selection.spec,
-      rejected,            selection.rule, std::move(selection.ranked)});
+  auto resolved = std::make_unique<OpState::Resolved>(
+      OpState::Resolved{device_word(device), dtype, generation, fn, supports, selection.spec->function_data,
+                        selection.spec, rejected, selection.rule, std::move(selection.ranked), by_signature});
   const OpState::Resolved& out = *resolved;
   state.owned.push_back(std::move(resolved));
   // A choice made against an older list of constrained kernels (or before

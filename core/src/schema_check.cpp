@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cerrno>
 #include <limits>
 
@@ -38,44 +37,6 @@ std::string device_str(DLDevice d) {
     return fmt::format("{}:{}", device_type_name(*type), d.device_id);
   }
   return fmt::format("<dlpack device type {}>:{}", static_cast<int>(d.device_type), d.device_id);
-}
-
-// One side of a requirement: "64", "D" or "2*R" (a constant here may be 0).
-std::optional<ShapeToken> parse_shape_token_text(std::string_view text) {
-  const auto number = [](std::string_view digits) -> std::optional<int64_t> {
-    if (digits.empty() || digits.size() > 18) return std::nullopt;
-    int64_t n = 0;
-    for (char c : digits) {
-      if (c < '0' || c > '9') return std::nullopt;
-      n = n * 10 + (c - '0');
-    }
-    return n;
-  };
-  const auto identifier = [](std::string_view name) {
-    if (name.empty() || !(std::isalpha(static_cast<unsigned char>(name[0])) || name[0] == '_')) return false;
-    return std::all_of(name.begin(), name.end(),
-                       [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
-  };
-  ShapeToken token;
-  if (const auto n = number(text)) {
-    token.kind = ShapeToken::Kind::constant;
-    token.value = *n;
-    return token;
-  }
-  if (identifier(text)) {
-    token.kind = ShapeToken::Kind::symbol;
-    token.symbol = std::string(text);
-    return token;
-  }
-  const size_t star = text.find('*');
-  if (star == std::string_view::npos) return std::nullopt;
-  const auto factor = number(text.substr(0, star));
-  const std::string_view symbol = text.substr(star + 1);
-  if (!factor || *factor == 0 || !identifier(symbol)) return std::nullopt;
-  token.kind = ShapeToken::Kind::multiple;
-  token.value = *factor;
-  token.symbol = std::string(symbol);
-  return token;
 }
 
 }  // namespace
@@ -224,37 +185,39 @@ bool may_overlap(const DLTensor& a, const DLTensor& b) noexcept {
   return footprints_overlap(fa, fb);
 }
 
-bool find_written_overlap(std::span<const DLTensor> tensors, uint32_t written, size_t* writer, size_t* other,
-                          const uint64_t* dense_bytes) noexcept {
+namespace {
+
+// The bytes a present tensor with elements addresses, relative to its
+// first element: `below` bytes before it (reached through negative strides)
+// and `extent` bytes from there to one past its last. False on overflow.
+bool byte_span(const DLTensor& t, uint64_t* below, uint64_t* extent) noexcept {
+  const std::optional<uint64_t> bytes = t.strides == nullptr ? checked_bytes(t) : checked_extent(t);
+  if (!bytes) return false;
+  // Negative strides reach below the first element.
+  *below = bytes_below(t);
+  *extent = *bytes;
+  return true;
+}
+
+}  // namespace
+
+bool find_written_overlap(std::span<const DLTensor> tensors, uint32_t written, size_t* writer, size_t* other) noexcept {
   // The byte ranges first, without strides sorted: most pairs end there.
   std::array<uint64_t, 2 * kMaxSchemaTensors> range;
   const size_t n = std::min(tensors.size(), kMaxSchemaTensors);
   for (size_t i = 0; i < n; ++i) {
     const DLTensor& t = tensors[i];
     range[2 * i] = range[2 * i + 1] = 0;
-    if (dense_bytes != nullptr && dense_bytes[i] != kUnknownBytes) {
-      if (t.data == nullptr) continue;  // absent; an empty tensor's range is empty as well
-      range[2 * i] = reinterpret_cast<uintptr_t>(t.data) + t.byte_offset;
-      range[2 * i + 1] = range[2 * i] + dense_bytes[i];
-      continue;
-    }
     if (!present_with_data(t)) continue;
-    const std::optional<uint64_t> extent = checked_extent(t);
     const uint64_t start = reinterpret_cast<uintptr_t>(t.data) + t.byte_offset;
-    if (!extent) {
+    uint64_t below = 0;
+    uint64_t extent = 0;
+    if (!byte_span(t, &below, &extent)) {
       range[2 * i + 1] = ~uint64_t{0};  // unknown: overlapping everything
       continue;
     }
-    // Negative strides reach below the first element.
-    uint64_t below = 0;
-    if (t.strides != nullptr) {
-      for (int k = 0; k < t.ndim; ++k) {
-        if (t.strides[k] < 0) below += static_cast<uint64_t>(-t.strides[k]) * static_cast<uint64_t>(t.shape[k] - 1);
-      }
-      below *= static_cast<uint64_t>((int64_t{t.dtype.bits} * t.dtype.lanes + 7) / 8);
-    }
     range[2 * i] = start - below;
-    range[2 * i + 1] = start - below + *extent;
+    range[2 * i + 1] = start - below + extent;
   }
   for (size_t i = 0; i < n; ++i) {
     if (((written >> i) & 1u) == 0 || range[2 * i] == range[2 * i + 1]) continue;
@@ -502,7 +465,8 @@ void CompiledSchema::compile_requirement(const std::string& text, uint64_t bound
 // Records an accepted call for matches_remembered(), over the oldest entry. A
 // writer that finds another one at work on that entry leaves it be: the
 // entries are a cache, and either call is fine.
-void CompiledSchema::remember(std::span<const DLTensor> tensors, Dtype dtype) const noexcept {
+void CompiledSchema::remember(std::span<const DLTensor> tensors, Dtype dtype,
+                              const uint64_t* extents) const noexcept {
   if (tensors.size() > Accepted::kTensors) return;
   for (const DLTensor& t : tensors) {
     if (static_cast<uint32_t>(t.ndim) > Accepted::kDims) return;
@@ -515,16 +479,35 @@ void CompiledSchema::remember(std::span<const DLTensor> tensors, Dtype dtype) co
   // Release stores: each one publishes the odd sequence before itself.
   for (size_t i = 0; i < tensors.size(); ++i) {
     const DLTensor& t = tensors[i];
-    std::atomic<uint64_t>* w = accepted.rows[i].data();
-    w[0].store(read_word(t, offsetof(DLTensor, device)), std::memory_order_release);
-    w[1].store(read_word(t, offsetof(DLTensor, ndim)), std::memory_order_release);
-    for (int k = 0; k < t.ndim; ++k) w[2 + k].store(static_cast<uint64_t>(t.shape[k]), std::memory_order_release);
-    accepted.bytes[i].store(t.data == nullptr ? 0 : checked_bytes(t).value_or(kUnknownBytes),
-                            std::memory_order_release);
+    Accepted::Row& row = accepted.rows[i];
+    const uint64_t pointers = null_pointers(reinterpret_cast<uintptr_t>(t.data), t.shape, t.strides);
+    row.device.store(read_word(t, offsetof(DLTensor, device)), std::memory_order_release);
+    row.header.store(read_word(t, offsetof(DLTensor, ndim)), std::memory_order_release);
+    row.pointers.store(pointers, std::memory_order_release);
+    // The range find_written_overlap() takes for the tensor (byte_span),
+    // less its data pointer; empty for one absent or without elements.
+    row.low.store(extents[i] != 0 ? uint64_t{0} - bytes_below(t) : 0, std::memory_order_release);
+    row.extent.store(extents[i], std::memory_order_release);
+    for (int k = 0; k < t.ndim; ++k) row.shape[k].store(t.shape[k], std::memory_order_release);
+    if (t.strides != nullptr) {
+      for (int k = 0; k < t.ndim; ++k) row.strides[k].store(t.strides[k], std::memory_order_release);
+    }
   }
   accepted.dtype.store(dtype, std::memory_order_release);
+  accepted.tag.store(nullptr, std::memory_order_release);
   // seq + 2 wraps to 0 ("nothing recorded") once in 2^31 writes: harmless.
   accepted.seq.store(seq + 2, std::memory_order_release);
+}
+
+// The same protocol as remember(): the entry changes only from the sequence
+// `found` read, so a value never lands on another call's words.
+void CompiledSchema::attach(const Remembered& found, const void* tag) const noexcept {
+  uint32_t seq = found.seq;
+  if (!found.entry->seq.compare_exchange_strong(seq, seq + 1, std::memory_order_relaxed)) {
+    return;
+  }
+  found.entry->tag.store(tag, std::memory_order_release);
+  found.entry->seq.store(seq + 2, std::memory_order_release);
 }
 
 // The compiled plan: see the comment on Dim. `refuse(argument, words)`
@@ -532,7 +515,8 @@ void CompiledSchema::remember(std::span<const DLTensor> tensors, Dtype dtype) co
 // throws them in the diagnosing one; the rules and their order are this
 // function's, for both.
 template <CompiledSchema::Scope scope, class Refuse>
-bool CompiledSchema::walk(std::span<const DLTensor> tensors, CallInfo* info, Refuse&& refuse) const {
+bool CompiledSchema::walk(std::span<const DLTensor> tensors, CallInfo* info, Refuse&& refuse,
+                          uint64_t* extents) const {
   const size_t n = plan_.size();
   if (tensors.size() != n || n == 0) [[unlikely]] {
     return refuse(kWholeCall, [&] {
@@ -555,7 +539,10 @@ bool CompiledSchema::walk(std::span<const DLTensor> tensors, CallInfo* info, Ref
   for (size_t i = 0; i < n; ++i) {
     const Tensor& spec = plan[i];
     const DLTensor& t = tensors[i];
-    if ((spec.flags & kOptional) && is_absent(t)) continue;
+    if ((spec.flags & kOptional) && is_absent(t)) {
+      if (extents != nullptr) extents[i] = 0;
+      continue;
+    }
     if (read_word(t, offsetof(DLTensor, device)) != device) [[unlikely]] {
       return refuse(i, [&] {
         return fmt::format("is on {}, but '{}' is on {}: all tensors of a call must be on one device",
@@ -666,6 +653,7 @@ bool CompiledSchema::walk(std::span<const DLTensor> tensors, CallInfo* info, Ref
     // A strided tensor spans more than its elements: the check of its data
     // covers every byte it addresses.
     const std::optional<uint64_t> extent = dense ? bytes : checked_extent(t);
+    if (extents != nullptr && extent) extents[i] = *extent;
     if (!extent) [[unlikely]] {
       return refuse(i, [&] {
         return fmt::format("shape {} with strides {} addresses more bytes than 64 bits count", shape_str(t),
@@ -902,8 +890,9 @@ void CompiledSchema::check_layout(std::span<const DLTensor> seen, std::span<cons
 CompiledSchema::CallInfo CompiledSchema::check_plan(std::span<const DLTensor> tensors) const {
   CallInfo info;
   const auto quiet = [](size_t, const auto&) noexcept { return false; };
-  if (!walk<Scope::call>(tensors, &info, quiet)) [[unlikely]] diagnose<Scope::call>(tensors);
-  remember(tensors, info.dtype);
+  std::array<uint64_t, kMaxSchemaTensors> extents;
+  if (!walk<Scope::call>(tensors, &info, quiet, extents.data())) [[unlikely]] diagnose<Scope::call>(tensors);
+  remember(tensors, info.dtype, extents.data());
   return info;
 }
 

@@ -10,6 +10,7 @@
 
 #include <array>
 #include <atomic>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -42,6 +43,49 @@ struct UnflattenedCall {
   std::array<std::array<int64_t, kMaxFlattenedDims>, kMaxFlattened> strides;
 };
 
+// An accepted call that a CompiledSchema remembers, as the words its
+// verdict depends on: per tensor its
+// device, ndim and dtype, which of its data, shape and strides pointers
+// are null, its shape and (when given) its strides, each tensor in a row
+// of its own. A call equal to one in these words, with no byte_offset,
+// gets the same verdict from the plan except for the overlap of its
+// written tensors, which depends on the data pointers: the row also keeps
+// the tensor's byte range relative to its data pointer. Calls of an op
+// mostly repeat (every layer of a model calls it with the same shapes, or
+// alternates a few, as q and k norms do), so comparing with the last few
+// accepted calls replaces the plan for most calls. A seqlock keeps readers
+// lock-free: a reader that overlaps a writer sees the sequence change and
+// takes the plan instead. Calls with more tensors or dims than the rows
+// hold are not remembered.
+struct AcceptedCall {
+  static constexpr size_t kTensors = 8;
+  static constexpr size_t kDims = 6;
+  struct Row {
+    std::atomic<uint64_t> device{0};    // the DLTensor's device, as one word
+    std::atomic<uint64_t> header{0};    // its ndim and dtype, as one word
+    std::atomic<uint64_t> pointers{0};  // CompiledSchema::null_pointers()
+    // The bytes the tensor addresses: from data + low (wrapping: negative
+    // strides reach below the first element) over `extent` bytes; 0 for a
+    // tensor with no data or no element.
+    std::atomic<uint64_t> low{0};
+    std::atomic<uint64_t> extent{0};
+    std::array<std::atomic<int64_t>, kDims> shape{};
+    std::array<std::atomic<int64_t>, kDims> strides{};  // when the call gave strides
+  };
+  std::atomic<uint32_t> seq{0};  // odd: being written; 0: nothing recorded
+  std::atomic<Dtype> dtype{Dtype::float32};
+  std::atomic<const void*> tag{nullptr};  // attach()
+  std::array<Row, kTensors> rows{};
+};
+
+// A remembered call that a call repeats (CompiledSchema::matches_remembered),
+// with the value CompiledSchema::attach() gave it (null: none yet).
+struct RememberedCall {
+  AcceptedCall* entry;
+  uint32_t seq;
+  const void* tag;
+};
+
 class CompiledSchema {
  public:
   // Throws ManifestError (KD-E011) when the schema exceeds the limits above.
@@ -53,19 +97,34 @@ class CompiledSchema {
   };
   // Checks count, dtypes, shapes, one device, non-null data and layout.
   // Throws CallError KD-E030 naming the argument, what was expected and what
-  // was given. Three tiers: a call whose devices, dtypes and shapes equal
-  // those of a recently accepted call only has its data and layout checked;
-  // any other walks the compiled plan (and becomes a remembered call); only
+  // was given. Three tiers: a call whose devices, dtypes, shapes and
+  // strides equal those of a recently accepted call only has its data
+  // pointers checked (null or not, and the overlap of written tensors); any
+  // other walks the compiled plan (and becomes a remembered call); only
   // a refused call walks it a second time, building the message.
   CallInfo check(std::span<const DLTensor> tensors) const {
     CallInfo info;
     if (matches_remembered(tensors, &info)) [[likely]] return info;
     return check_plan(tensors);
   }
-  // The first tier alone: true (and `info` set) when the call passes by
-  // equality with one of the last accepted ones; false says nothing, run
-  // check().
-  bool matches_remembered(std::span<const DLTensor> tensors, CallInfo* info) const noexcept;
+  using Remembered = RememberedCall;
+  // The first tier alone: true (and `info` set, and `found` when given)
+  // when the call passes by equality with one of the last accepted ones;
+  // false says nothing, run check().
+  bool matches_remembered(std::span<const DLTensor> tensors, CallInfo* info,
+                          Remembered* found = nullptr) const noexcept;
+  // The same for an op of N tensors (N = the size of `tensors`, which the
+  // caller has checked, and at most kMaxRememberedTensors): every loop over
+  // the tensors unrolled, their byte ranges kept in registers. The
+  // dispatcher's checked call picks the one for its op once.
+  template <size_t N>
+  bool matches_remembered(const DLTensor* tensors, CallInfo* info, Remembered* found) const noexcept;
+  size_t num_tensors() const { return num_tensors_; }
+  // Gives the remembered call that `found` names a value (the dispatcher's:
+  // the kernel for that call), which the calls that repeat it then find in
+  // Remembered::tag. Nothing when that call has been replaced since; a call
+  // newly remembered has none.
+  void attach(const Remembered& found, const void* tag) const noexcept;
   // check() without the first tier, for a call that matches_remembered() refused.
   CallInfo check_plan(std::span<const DLTensor> tensors) const;
   // The rules that do not look at data: count, devices, dtypes, shapes and
@@ -189,34 +248,27 @@ class CompiledSchema {
     std::array<Dtype, std::size(kAllDtypes)> dtypes;
     uint32_t count = 0;
   };
-  // An accepted call, as the words the verdict on devices, dtypes and
-  // shapes depends on: per tensor its device, then ndim and dtype, then its
-  // shape, each tensor in a row of its own. Calls of an op mostly repeat
-  // (every layer of a model calls it with the same shapes, or alternates a
-  // few, as q and k norms do), so comparing with the last few accepted calls
-  // replaces the plan for most calls. A seqlock keeps readers lock-free: a
-  // reader that overlaps a writer sees the sequence change and takes the plan
-  // instead. Calls with more tensors or dims than the rows hold are not
-  // remembered.
-  struct Accepted {
-    static constexpr size_t kTensors = 8;
-    static constexpr size_t kDims = 6;
-    std::atomic<uint32_t> seq{0};  // odd: being written; 0: nothing recorded
-    std::atomic<Dtype> dtype{Dtype::float32};
-    std::array<std::array<std::atomic<uint64_t>, 2 + kDims>, kTensors> rows{};
-    // Bytes of each tensor's elements (checked_bytes), kUnknownBytes when
-    // they overflow.
-    std::array<std::atomic<uint64_t>, kTensors> bytes{};
-  };
+  using Accepted = AcceptedCall;
   static constexpr size_t kRemembered = 4;
   // What walk() looks at: a call's data too, or only its layout.
   enum class Scope { call, layout };
   static constexpr size_t kWholeCall = ~size_t{0};  // a refusal about no one argument
 
-  // `dense_bytes[i]`: the bytes of tensor i when it is contiguous (as
-  // remembered), else kUnknownBytes.
-  bool matches(const Accepted& accepted, std::span<const DLTensor> tensors, CallInfo* info,
-               uint64_t* dense_bytes) const noexcept;
+  // Whether the N tensors equal `accepted` in its words (with no
+  // byte_offset) and no written one overlaps another; then `info` and
+  // `found` set.
+  template <size_t N>
+  bool matches(Accepted& accepted, const DLTensor* tensors, CallInfo* info, Remembered* found) const noexcept;
+  // Which of a tensor's data, shape and strides pointers are null, as bits
+  // 0, 1 and 2 (a shape is read only when ndim > 0, strides only when given).
+  static uint64_t null_pointers(uintptr_t data, const int64_t* shape, const int64_t* strides) {
+    return uint64_t{data == 0} | uint64_t{shape == nullptr} << 1 | uint64_t{strides == nullptr} << 2;
+  }
+  // The ndim in the second of them.
+  static int ndim_of(uint64_t header) {
+    static_assert(std::endian::native == std::endian::little);
+    return static_cast<int32_t>(static_cast<uint32_t>(header));
+  }
   // Two 64-bit words of a DLTensor: its device, or its ndim and dtype.
   static uint64_t read_word(const DLTensor& t, size_t offset) {
     static_assert(offsetof(DLTensor, device) + sizeof(DLDevice) == offsetof(DLTensor, ndim) &&
@@ -226,15 +278,18 @@ class CompiledSchema {
     std::memcpy(&w, reinterpret_cast<const char*>(&t) + offset, sizeof w);
     return w;
   }
-  void remember(std::span<const DLTensor> tensors, Dtype dtype) const noexcept;
+  // `extents`: walk()'s, for each tensor.
+  void remember(std::span<const DLTensor> tensors, Dtype dtype, const uint64_t* extents) const noexcept;
   // Symbol slot s's value in an accepted call; the product of the leading dims.
   int64_t symbol_value(std::span<const DLTensor> tensors, size_t s) const noexcept;
   int64_t rows_value(std::span<const DLTensor> tensors) const noexcept;
   // The rules, once. Each refusal calls refuse(argument, words): the quick
   // pass returns false without building the words, the diagnosing pass
-  // throws them.
+  // throws them. `extents`, when given, receives for each tensor of an
+  // accepted call the bytes from its lowest to one past its highest (0 for
+  // one absent or without elements).
   template <Scope scope, class Refuse>
-  bool walk(std::span<const DLTensor> tensors, CallInfo* info, Refuse&& refuse) const;
+  bool walk(std::span<const DLTensor> tensors, CallInfo* info, Refuse&& refuse, uint64_t* extents = nullptr) const;
   template <Scope scope>
   [[noreturn]] void diagnose(std::span<const DLTensor> tensors) const;
   [[noreturn]] void fail(size_t tensor, const std::string& what) const;
@@ -341,114 +396,148 @@ std::string byte_offset_problem(const DLTensor& t, uint64_t bytes);
 // as q and k of a fused QKV output, are told apart exactly); true when they
 // share one, or their layouts do not nest so that this can be proven.
 bool may_overlap(const DLTensor& a, const DLTensor& b) noexcept;
-inline constexpr uint64_t kUnknownBytes = ~uint64_t{0};
+// The bytes below a tensor's first element that its negative strides reach,
+// for one whose extent does not overflow (checked_extent).
+inline uint64_t bytes_below(const DLTensor& t) noexcept {
+  if (t.strides == nullptr) return 0;
+  uint64_t below = 0;
+  for (int k = 0; k < t.ndim; ++k) {
+    if (t.strides[k] < 0) below += static_cast<uint64_t>(-t.strides[k]) * static_cast<uint64_t>(t.shape[k] - 1);
+  }
+  return below * static_cast<uint64_t>((int64_t{t.dtype.bits} * t.dtype.lanes + 7) / 8);
+}
 // The first pair (`writer`, `other`) of a call's tensors, `writer` one whose
 // bit is set in `written`, whose memory may overlap (may_overlap); false
 // when there is none. No allocation: the byte range of each tensor first,
-// the finer test only for pairs whose ranges meet. `dense_bytes`, when
-// given, holds for each tensor known to be contiguous the bytes of its
-// elements, which are then its range (else kUnknownBytes).
-bool find_written_overlap(std::span<const DLTensor> tensors, uint32_t written, size_t* writer, size_t* other,
-                          const uint64_t* dense_bytes = nullptr) noexcept;
+// the finer test only for pairs whose ranges meet.
+bool find_written_overlap(std::span<const DLTensor> tensors, uint32_t written, size_t* writer, size_t* other) noexcept;
 
-// Whether every tensor is contiguous (no kUnknownBytes in `dense_bytes`) and
-// the byte range of each one whose bit is set in `written` meets no other's:
-// the common call, decided without branches on the data and without
-// find_written_overlap(). False says nothing (an empty tensor whose pointer
-// lies inside a written range takes the long way).
-inline bool dense_ranges_apart(std::span<const DLTensor> tensors, uint32_t written,
-                               const uint64_t* dense_bytes) noexcept {
-  constexpr size_t kMax = 8;
-  const size_t n = tensors.size();
-  if (n > kMax) return false;
-  bool unknown = false;
-  for (size_t i = 0; i < n; ++i) unknown |= dense_bytes[i] == kUnknownBytes;
-  if (unknown) return false;
-  // Each written tensor's range against every other's, read where used
-  // (a copy of all ranges first cost more than the few pairs of a call).
-  bool meet = false;
-  for (uint32_t w = written & ((1u << n) - 1); w != 0; w &= w - 1) {
-    const auto i = static_cast<size_t>(__builtin_ctz(w));
-    const uint64_t lo = reinterpret_cast<uintptr_t>(tensors[i].data);
-    const uint64_t hi = lo + dense_bytes[i];
-    for (size_t j = 0; j < n; ++j) {
-      const uint64_t lo_j = reinterpret_cast<uintptr_t>(tensors[j].data);
-      meet |= (j != i) & (lo < lo_j + dense_bytes[j]) & (lo_j < hi);
+inline constexpr size_t kMaxRememberedTensors = AcceptedCall::kTensors;
+
+// Whether the byte range [low[i], high[i]) of each of the N tensors whose
+// bit is set in `written` (none at or above N) meets no other tensor's: the
+// common call, decided without branches on the data and without
+// find_written_overlap(). False says nothing (an empty range that lies
+// inside a written one takes the long way).
+template <size_t N>
+[[gnu::always_inline]] inline bool ranges_apart(uint32_t written, const uint64_t* low, const uint64_t* high) noexcept {
+  uint64_t meet = 0;
+#pragma GCC unroll 8
+  for (size_t i = 0; i < N; ++i) {
+    if ((written >> i & 1) == 0) continue;
+#pragma GCC unroll 8
+    for (size_t j = 0; j < N; ++j) {
+      if (j != i) meet |= uint64_t{low[i] < high[j]} & uint64_t{low[j] < high[i]};
     }
   }
-  return !meet;
+  return meet == 0;
+}
+
+// The first `ndim` (at most 6) values of `given` against `remembered`: zero
+// when they are equal. Unrolled: a loop whose trip count changes from
+// tensor to tensor costs branch mispredictions on every call. Compares on
+// ndim rather than a switch, which became a jump table (an indirect branch
+// per tensor).
+template <size_t N>
+[[gnu::always_inline]] inline uint64_t dims_differ(const int64_t* given,
+                                                   const std::array<std::atomic<int64_t>, N>& remembered,
+                                                   int ndim) noexcept {
+  static_assert(N == 6);
+  const auto dim = [&](int k) {
+    return static_cast<uint64_t>(given[k] ^ remembered[k].load(std::memory_order_acquire));
+  };
+  uint64_t diff = 0;
+  if (ndim >= 1) diff |= dim(0);
+  if (ndim >= 2) diff |= dim(1);
+  if (ndim >= 3) diff |= dim(2);
+  if (ndim >= 4) diff |= dim(3);
+  if (ndim >= 5) diff |= dim(4);
+  if (ndim >= 6) diff |= dim(5);
+  return diff;
 }
 
 // Inline: the whole per-call cost of a checked call's validation.
-inline bool CompiledSchema::matches(const Accepted& accepted, std::span<const DLTensor> tensors, CallInfo* info,
-                                    uint64_t* dense_bytes) const noexcept {
+template <size_t N>
+[[gnu::always_inline]] inline bool CompiledSchema::matches(Accepted& accepted, const DLTensor* tensors, CallInfo* info,
+                                                           Remembered* found) const noexcept {
   const uint32_t seq = accepted.seq.load(std::memory_order_acquire);
   if ((seq & 1) != 0 || seq == 0) return false;
-  for (size_t i = 0; i < tensors.size(); ++i) {
+  std::array<uint64_t, N> low;
+  std::array<uint64_t, N> high;
+#pragma GCC unroll 8
+  for (size_t i = 0; i < N; ++i) {
+    // The call's words first: after an acquire load of the entry the
+    // compiler reads memory again rather than reuse what it read before.
     const DLTensor& t = tensors[i];
-    const std::atomic<uint64_t>* w = accepted.rows[i].data();
-    if (read_word(t, offsetof(DLTensor, device)) != w[0].load(std::memory_order_acquire)) return false;
-    if (read_word(t, offsetof(DLTensor, ndim)) != w[1].load(std::memory_order_acquire)) return false;
-    // ndim now equals one that remember() stored (each word is stored whole),
-    // so it is at most kDims even when the words are torn.
+    const uint64_t device = read_word(t, offsetof(DLTensor, device));
+    const uint64_t header = read_word(t, offsetof(DLTensor, ndim));
+    const int ndim = ndim_of(header);
     const int64_t* shape = t.shape;
-    if (shape == nullptr && t.ndim != 0) return false;
-    // Unrolled: a loop whose trip count changes from tensor to tensor
-    // costs branch mispredictions on every call. Compares on ndim rather
-    // than a switch, which became a jump table (an indirect branch per
-    // tensor) and cost 8 more instructions a call.
-    static_assert(Accepted::kDims == 6);
-    const auto dim = [&](int k) {
-      return static_cast<uint64_t>(shape[k]) ^ w[2 + k].load(std::memory_order_acquire);
-    };
-    uint64_t diff = 0;
-    const int ndim = t.ndim;
-    if (ndim >= 1) diff |= dim(0);
-    if (ndim >= 2) diff |= dim(1);
-    if (ndim >= 3) diff |= dim(2);
-    if (ndim >= 4) diff |= dim(3);
-    if (ndim >= 5) diff |= dim(4);
-    if (ndim >= 6) diff |= dim(5);
-    if (diff != 0) return false;
-    // What the words do not cover is checked as in the plan. An absent
-    // optional tensor (ndim 0, as remembered) has nothing more to check.
-    if (t.data == nullptr) {
-      dense_bytes[i] = 0;
-      if ((plan_[i].flags & kOptional) && ndim == 0) continue;
-      return false;
-    }
+    const int64_t* strides = t.strides;
+    const auto data = reinterpret_cast<uintptr_t>(t.data);
+    const uint64_t byte_offset = t.byte_offset;
+    const uint64_t pointers = null_pointers(data, shape, strides);
+    const Accepted::Row& row = accepted.rows[i];
     // A byte_offset is checked against the data pointer, so only the plan
     // can pass it.
-    if (t.byte_offset != 0) return false;
-    if (t.strides != nullptr && !(plan_[i].flags & kStrided) && !is_contiguous(t)) return false;
-    // Contiguous: without strides, or by the test above.
-    dense_bytes[i] = t.strides == nullptr || !(plan_[i].flags & kStrided)
-                         ? accepted.bytes[i].load(std::memory_order_acquire)
-                         : kUnknownBytes;
+    if (((device ^ row.device.load(std::memory_order_acquire)) | (header ^ row.header.load(std::memory_order_acquire)) |
+         (pointers ^ row.pointers.load(std::memory_order_acquire)) | byte_offset) != 0) {
+      return false;
+    }
+    // ndim and the null pointers now equal those of an accepted call (each
+    // word is stored whole, so even from a torn read): ndim is at most
+    // kDims, and the shape is not null when ndim > 0.
+    uint64_t diff = dims_differ(shape, row.shape, ndim);
+    if (strides != nullptr) diff |= dims_differ(strides, row.strides, ndim);
+    if (diff != 0) return false;
+    low[i] = data + row.low.load(std::memory_order_acquire);
+    high[i] = low[i] + row.extent.load(std::memory_order_acquire);
   }
   info->dtype = accepted.dtype.load(std::memory_order_acquire);
   info->device = tensors[0].device;
+  found->entry = &accepted;
+  found->seq = seq;
+  found->tag = accepted.tag.load(std::memory_order_acquire);
   // The words are loaded with acquire and stored with release (plain moves
   // on x86): a word from a write in progress makes its odd sequence visible
   // here, so a torn read is never taken. No fences, which ThreadSanitizer
   // cannot follow.
-  return accepted.seq.load(std::memory_order_relaxed) == seq;
+  if (accepted.seq.load(std::memory_order_relaxed) != seq) return false;
+  // Memory is not part of the remembered words: a written tensor that
+  // overlaps another argument goes on to the plan, which refuses it.
+  if (written_ == 0 || ranges_apart<N>(written_, low.data(), high.data())) [[likely]] return true;
+  size_t writer = 0;
+  size_t other = 0;
+  return !find_written_overlap(std::span<const DLTensor>(tensors, N), written_, &writer, &other);
 }
 
-[[gnu::always_inline]] inline bool CompiledSchema::matches_remembered(std::span<const DLTensor> tensors, CallInfo* info) const noexcept {
-  if (tensors.size() != num_tensors_ || tensors.size() > Accepted::kTensors) return false;
-  std::array<uint64_t, Accepted::kTensors> dense_bytes;
-  for (const Accepted& accepted : accepted_) {
-    if (matches(accepted, tensors, info, dense_bytes.data())) {
-      // Memory is not part of the remembered words: a written tensor that
-      // overlaps another argument goes on to the plan, which refuses it.
-      if (written_ == 0 || dense_ranges_apart(tensors, written_, dense_bytes.data())) return true;
-      size_t writer = 0;
-      size_t other = 0;
-      return !find_written_overlap(tensors, written_, &writer, &other, dense_bytes.data());
-    }
+template <size_t N>
+[[gnu::always_inline]] inline bool CompiledSchema::matches_remembered(const DLTensor* tensors, CallInfo* info,
+                                                                      Remembered* found) const noexcept {
+  for (Accepted& accepted : accepted_) {
+    if (matches<N>(accepted, tensors, info, found)) return true;
   }
   return false;
+}
+
+inline bool CompiledSchema::matches_remembered(std::span<const DLTensor> tensors, CallInfo* info,
+                                               Remembered* found) const noexcept {
+  if (tensors.size() != num_tensors_) return false;
+  Remembered ignored;
+  Remembered* out = found != nullptr ? found : &ignored;
+  const DLTensor* t = tensors.data();
+  static_assert(kMaxRememberedTensors == 8);
+  switch (tensors.size()) {
+    case 1: return matches_remembered<1>(t, info, out);
+    case 2: return matches_remembered<2>(t, info, out);
+    case 3: return matches_remembered<3>(t, info, out);
+    case 4: return matches_remembered<4>(t, info, out);
+    case 5: return matches_remembered<5>(t, info, out);
+    case 6: return matches_remembered<6>(t, info, out);
+    case 7: return matches_remembered<7>(t, info, out);
+    case 8: return matches_remembered<8>(t, info, out);
+    default: return false;
+  }
 }
 
 inline int64_t CompiledSchema::symbol_value(std::span<const DLTensor> tensors, size_t s) const noexcept {

@@ -351,6 +351,9 @@ KernelSpec shift_spec(std::string backend, ShiftKernel* k, int32_t priority, std
 }
 
 const std::vector<std::string> kEvenConstraints = {"N % 2 == 0", "rows <= 4", "block >= 4 or wide"};
+// The same without the attributes: then the shapes of a call decide its
+// kernel, which the dispatcher keeps with the call's remembered signature.
+const std::vector<std::string> kEvenShapeConstraints = {"N % 2 == 0", "rows <= 4"};
 
 std::unique_ptr<Context> shift_context() {
   const nlohmann::json manifest = {
@@ -450,72 +453,113 @@ TEST_CASE("constraint: calls whose shapes and attributes change back and forth e
   }
 }
 
-TEST_CASE("constraint: a registry change is seen by the next call of a repeated shape") {
+TEST_CASE("constraint: calls whose shapes change back and forth each run the kernel their shapes choose") {
   auto context = shift_context();
   ShiftKernel even(1.0f);
   ShiftKernel any(2.0f);
-  context->register_kernel(shift_spec("even", &even, 50, kEvenConstraints));
+  context->register_kernel(shift_spec("even", &even, 50, kEvenShapeConstraints));
   context->register_kernel(shift_spec("any", &any, 10, {}));
   Dispatcher dispatch(*context);
   const OpHandle op = dispatch.op("memo.shift");
-  ShiftCall fits(2, 8, 5);
-  ShiftCall six(2, 6, 6);
-  for (int i = 0; i < 3; ++i) CHECK(fits.shifted_by(op, {}, 1.0f));
-
-  // A preference, then none.
-  context->set_preference("memo.shift", {"any"});
-  for (int i = 0; i < 3; ++i) CHECK(fits.shifted_by(op, {}, 2.0f));
-  context->set_preference("memo.shift", {});
-  CHECK(fits.shifted_by(op, {}, 1.0f));
-
-  // The constrained kernel withdrawn, then registered again with other
-  // constraints: N = 8 no longer fits it, N = 6 does.
-  context->unregister_kernel("memo.shift", "even");
-  for (int i = 0; i < 2; ++i) CHECK(fits.shifted_by(op, {}, 2.0f));
-  ShiftKernel thirds(3.0f);
-  context->register_kernel(shift_spec("even", &thirds, 50, {"N % 3 == 0"}));
-  for (int i = 0; i < 2; ++i) {
-    CHECK(fits.shifted_by(op, {}, 2.0f));
-    CHECK(six.shifted_by(op, {}, 3.0f));
+  ShiftCall fits(2, 8, 1);   // every constraint holds
+  ShiftCall odd(2, 5, 2);    // N odd
+  ShiftCall tall(8, 8, 3);   // rows > 4
+  ShiftCall other(3, 6, 4);  // holds, another N and rows
+  // Attributes the constraints do not read change nothing.
+  const NamedAttr small_block[] = {{"block", int64_t{2}}};
+  const std::vector<std::pair<ShiftCall*, bool>> steps = {{&fits, true},  {&odd, false}, {&fits, true},  {&tall, false},
+                                                          {&other, true}, {&odd, false}, {&tall, false}, {&fits, true}};
+  int expected_even = 0;
+  int expected_any = 0;
+  for (int round = 0; round < 3; ++round) {
+    for (size_t i = 0; i < steps.size(); ++i) {
+      CAPTURE(round);
+      CAPTURE(i);
+      const auto [call, fits_even] = steps[i];
+      const float offset = fits_even ? 1.0f : 2.0f;
+      CHECK(call->shifted_by(op, {}, offset));
+      CHECK(call->shifted_by(op, small_block, offset));
+      (fits_even ? expected_even : expected_any) += 2;
+      CHECK(even.calls == expected_even);
+      CHECK(any.calls == expected_any);
+    }
   }
-  CHECK(even.calls == 4);
-  CHECK(thirds.calls == 2);
-  CHECK(any.calls == 3 + 2 + 2);
+}
 
-  // No constrained kernel left: the plain cache takes over.
-  context->unregister_kernel("memo.shift", "even");
-  CHECK(six.shifted_by(op, {}, 2.0f));
-  CHECK(thirds.calls == 2);
+TEST_CASE("constraint: a registry change is seen by the next call of a repeated shape") {
+  // With constraints that read an attribute, and with ones that read shapes only.
+  for (const std::vector<std::string>& constraints : {kEvenConstraints, kEvenShapeConstraints}) {
+    CAPTURE(constraints.size());
+    auto context = shift_context();
+    ShiftKernel even(1.0f);
+    ShiftKernel any(2.0f);
+    context->register_kernel(shift_spec("even", &even, 50, constraints));
+    context->register_kernel(shift_spec("any", &any, 10, {}));
+    Dispatcher dispatch(*context);
+    const OpHandle op = dispatch.op("memo.shift");
+    ShiftCall fits(2, 8, 5);
+    ShiftCall six(2, 6, 6);
+    for (int i = 0; i < 3; ++i) CHECK(fits.shifted_by(op, {}, 1.0f));
+
+    // A preference, then none.
+    context->set_preference("memo.shift", {"any"});
+    for (int i = 0; i < 3; ++i) CHECK(fits.shifted_by(op, {}, 2.0f));
+    context->set_preference("memo.shift", {});
+    CHECK(fits.shifted_by(op, {}, 1.0f));
+
+    // The constrained kernel withdrawn, then registered again with other
+    // constraints: N = 8 no longer fits it, N = 6 does.
+    context->unregister_kernel("memo.shift", "even");
+    for (int i = 0; i < 2; ++i) CHECK(fits.shifted_by(op, {}, 2.0f));
+    ShiftKernel thirds(3.0f);
+    context->register_kernel(shift_spec("even", &thirds, 50, {"N % 3 == 0"}));
+    for (int i = 0; i < 2; ++i) {
+      CHECK(fits.shifted_by(op, {}, 2.0f));
+      CHECK(six.shifted_by(op, {}, 3.0f));
+    }
+    CHECK(even.calls == 4);
+    CHECK(thirds.calls == 2);
+    CHECK(any.calls == 3 + 2 + 2);
+
+    // No constrained kernel left: the plain cache takes over.
+    context->unregister_kernel("memo.shift", "even");
+    CHECK(six.shifted_by(op, {}, 2.0f));
+    CHECK(thirds.calls == 2);
+  }
 }
 
 TEST_CASE("constraint: threads calling a constrained op with alternating shapes each run the right kernel") {
-  auto context = shift_context();
-  ShiftKernel even(1.0f);
-  ShiftKernel any(2.0f);
-  context->register_kernel(shift_spec("even", &even, 50, kEvenConstraints));
-  context->register_kernel(shift_spec("any", &any, 10, {}));
-  Dispatcher dispatch(*context);
-  const OpHandle op = dispatch.op("memo.shift");
-  constexpr int kThreads = 4;
-  constexpr int kCalls = 200;
-  std::atomic<int> wrong{0};
-  std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
-      ShiftCall fits(2, 8, 10 + t);
-      ShiftCall odd(2, 5 + 2 * t, 20 + t);
-      ShiftCall tall(8, 4, 30 + t);
-      for (int i = 0; i < kCalls; ++i) {
-        const bool ok = (i % 3 == 0)   ? fits.shifted_by(op, {}, 1.0f)
-                        : (i % 3 == 1) ? odd.shifted_by(op, {}, 2.0f)
-                                       : tall.shifted_by(op, {}, 2.0f);
-        if (!ok) ++wrong;
-      }
-    });
+  // With constraints that read an attribute, and with ones that read shapes only.
+  for (const std::vector<std::string>& constraints : {kEvenConstraints, kEvenShapeConstraints}) {
+    CAPTURE(constraints.size());
+    auto context = shift_context();
+    ShiftKernel even(1.0f);
+    ShiftKernel any(2.0f);
+    context->register_kernel(shift_spec("even", &even, 50, constraints));
+    context->register_kernel(shift_spec("any", &any, 10, {}));
+    Dispatcher dispatch(*context);
+    const OpHandle op = dispatch.op("memo.shift");
+    constexpr int kThreads = 4;
+    constexpr int kCalls = 200;
+    std::atomic<int> wrong{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        ShiftCall fits(2, 8, 10 + t);
+        ShiftCall odd(2, 5 + 2 * t, 20 + t);
+        ShiftCall tall(8, 4, 30 + t);
+        for (int i = 0; i < kCalls; ++i) {
+          const bool ok = (i % 3 == 0)   ? fits.shifted_by(op, {}, 1.0f)
+                          : (i % 3 == 1) ? odd.shifted_by(op, {}, 2.0f)
+                                         : tall.shifted_by(op, {}, 2.0f);
+          if (!ok) ++wrong;
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    CHECK(wrong == 0);
+    const int fits_calls = kThreads * ((kCalls + 2) / 3);
+    CHECK(even.calls == fits_calls);
+    CHECK(any.calls == kThreads * kCalls - fits_calls);
   }
-  for (auto& th : threads) th.join();
-  CHECK(wrong == 0);
-  const int fits_calls = kThreads * ((kCalls + 2) / 3);
-  CHECK(even.calls == fits_calls);
-  CHECK(any.calls == kThreads * kCalls - fits_calls);
 }

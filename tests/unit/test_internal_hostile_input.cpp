@@ -327,3 +327,39 @@ TEST_CASE("overlapping memory: a written tensor sharing a byte with another argu
     CHECK(refusal(compiled, {at(0, wide), x}) == "accepted");
   }
 }
+
+TEST_CASE("overlapping memory: strided tensors of a remembered call are refused when they share a byte, every time") {
+  SchemaFileResult parsed = parse_op_schemas(R"([{"op": "test.strided_scale",
+    "tensors": [{"name": "out", "shape": ["*", "H"], "dtype": "float32", "written": true, "strided": true},
+                {"name": "x", "shape": ["*", "H"], "dtype": "float32", "strided": true}]}])",
+                                             "<test>");
+  REQUIRE(parsed.errors.empty());
+  const CompiledSchema compiled(parsed.schemas.at(0));
+  std::vector<float> storage(256);
+  int64_t shape[2] = {4, 16};
+  int64_t wide[2] = {16, 1};
+  int64_t padded[2] = {32, 1};     // rows of 32 floats: two tensors side by side
+  int64_t reversed[2] = {-16, 1};  // the rows below the data pointer
+  const auto at = [&](size_t offset, int64_t* strides) {
+    return DLTensor{storage.data() + offset, {kDLCPU, 0}, 2, {kDLFloat, 32, 1}, shape, strides, 0};
+  };
+  const std::string overlaps = "argument 0 'out': is written by the op, and its memory overlaps that of argument 1 'x'";
+  SUBCASE("interleaved rows of one buffer") {
+    for (int i = 0; i < 3; ++i) CHECK(refusal(compiled, {at(0, padded), at(16, padded)}) == "accepted");
+    CHECK(refusal(compiled, {at(8, padded), at(16, padded)}).find(overlaps) != std::string::npos);
+    CHECK(refusal(compiled, {at(16, padded), at(47, padded)}).find(overlaps) != std::string::npos);
+    CHECK(refusal(compiled, {at(16, padded), at(0, padded)}) == "accepted");
+  }
+  SUBCASE("negative strides reach below the data pointer") {
+    // x's rows start at floats 112, 96, 80 and 64: it covers [64, 128).
+    for (int i = 0; i < 3; ++i) CHECK(refusal(compiled, {at(0, wide), at(112, reversed)}) == "accepted");
+    CHECK(refusal(compiled, {at(48, wide), at(112, reversed)}).find(overlaps) != std::string::npos);
+    CHECK(refusal(compiled, {at(128, wide), at(112, reversed)}) == "accepted");
+    CHECK(refusal(compiled, {at(112, wide), at(112, reversed)}).find(overlaps) != std::string::npos);
+  }
+  SUBCASE("the same strides given, or none") {
+    for (int i = 0; i < 3; ++i) CHECK(refusal(compiled, {at(0, wide), at(64, nullptr)}) == "accepted");
+    CHECK(refusal(compiled, {at(0, nullptr), at(63, wide)}).find(overlaps) != std::string::npos);
+    CHECK(refusal(compiled, {at(1, wide), at(64, nullptr)}).find(overlaps) != std::string::npos);
+  }
+}

@@ -99,9 +99,9 @@ void BM_CheckedCall(benchmark::State& state) {
 BENCHMARK(BM_CheckedCall);
 
 // The checked call of an op whose kernel has constraints ("H % 8 == 0",
-// "H <= 8192"), with the same shapes every call: the values they read
-// (H) repeat, so the dispatcher's memo of the last constrained calls gives
-// the kernel without evaluating them.
+// "H <= 8192"), with the same shapes every call: they read only H, which
+// the remembered signature fixes, so the kernel kept with it runs without
+// evaluating them.
 std::unique_ptr<Context> constrained_context(benchmark::State& state) {
   ContextOptions options;
   options.search.use_environment = false;

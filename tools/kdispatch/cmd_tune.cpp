@@ -319,8 +319,8 @@ Runner add_tune(CLI::App& app) {
         sweep.device_timing = gpu;
         sweep.dtype = options->dtype;
         for (const auto& [k, v] : shape) {
-          const bool rows = k == "rows" && names_rows(*ctx.registry().schema(op));
-          sweep.shape_overrides.push_back(fmt::format("{}={}", rows ? "*" : k, v));
+          const bool leading = k == "rows" && names_rows(*ctx.registry().schema(op));
+          sweep.shape_overrides.push_back(fmt::format("{}={}", leading ? "*" : k, v));
         }
         sweep.iters = 5;
         // Each shape's backends share what is left of the budget.

@@ -47,6 +47,7 @@ struct OpState;
 struct ResolvedKernel;
 struct ConstraintCall;
 struct FallbackTrail;
+struct RememberedCall;
 
 // A kernel resolved for one device and dtype: calling it checks nothing.
 // For callers that validated their arguments already. It runs that kernel
@@ -130,10 +131,22 @@ class OpHandle {
   // call_checked() with the attributes packed.
   void call_packed(std::span<DLTensor> tensors, std::span<const kd_attr> packed, void* stream, DLDevice device,
                    Dtype dtype) const;
-  // operator() for a call that gives attributes.
-  void call_with_attrs(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream) const;
+  // operator() without attributes and with, for an op of N tensors (N = 0:
+  // any count). Each op's OpState holds the ones for its count.
+  template <size_t N>
+  static void call_plain(const OpHandle& op, std::span<DLTensor> tensors, void* stream);
+  template <size_t N>
+  static void call_with_attrs(const OpHandle& op, std::span<DLTensor> tensors, std::span<const NamedAttr> attrs,
+                              void* stream);
+  // call_plain() for a call that does not repeat a remembered signature.
+  void call_unremembered(std::span<DLTensor> tensors, void* stream) const;
   // call_with_attrs() of an op with "flattened" tensors.
-  void call_flattened(std::span<DLTensor> tensors, std::span<const NamedAttr> attrs, void* stream) const;
+  static void call_flattened(const OpHandle& op, std::span<DLTensor> tensors, std::span<const NamedAttr> attrs,
+                             void* stream);
+  // A call that repeats a remembered signature with no current kernel
+  // attached to it: resolves, attaches and runs.
+  void call_remembered(std::span<DLTensor> tensors, std::span<const kd_attr> packed, void* stream, DLDevice device,
+                       Dtype dtype, const RememberedCall& found) const;
   // Runs `kernel`; a status other than OK goes to Dispatcher::recover.
   static void run(const OpState& state, const ResolvedKernel& kernel, DLDevice device, std::span<DLTensor> tensors,
                   std::span<const kd_attr> attrs, void* stream, FallbackTrail* trail);
@@ -168,9 +181,10 @@ class Dispatcher {
   const ResolvedKernel& resolve(OpState& state, DLDevice device, Dtype dtype, std::span<const DLTensor> tensors,
                                 std::span<const kd_attr> attrs);
   // `rejected`: the verdicts of the constrained kernels as of registry
-  // generation `seen_generation` (with `call` only).
+  // generation `seen_generation` (with `call` only); `by_signature`: they
+  // read no attribute (ResolvedKernel::by_signature).
   const ResolvedKernel& resolve_slow(OpState& state, DLDevice device, Dtype dtype, const ConstraintCall* call,
-                                     uint64_t rejected, uint64_t seen_generation);
+                                     uint64_t rejected, uint64_t seen_generation, bool by_signature);
   // OpState::constrained, current with the registry's generation.
   void refresh_constraints(OpState& state, uint64_t generation);
   // A call whose kernel `first` returned `status` (its message in `error`):
@@ -187,6 +201,8 @@ class Dispatcher {
   static constexpr size_t kInternSlots = 512;  // power of two
   std::unique_ptr<std::atomic<OpState*>[]> intern_slots_;
   static std::string overflow_key(std::string_view op, std::string_view backend);
+  // OpState::plain and with_attrs for the op's tensor count.
+  static void set_calls(OpState& state);
 
   mutable std::mutex mutex_;  // writers: intern table, resolution caches, trace file
   std::vector<std::unique_ptr<OpState>> states_;
