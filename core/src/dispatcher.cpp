@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <utility>
 #include <nlohmann/json.hpp>
 
 #include "constraint.hpp"
@@ -814,44 +815,16 @@ OpState* Dispatcher::intern(std::string_view op, std::string_view backend) {
 
 void Dispatcher::set_calls(OpState& state) {
   static_assert(kMaxRememberedTensors == 8);
-  switch (state.compiled->num_tensors()) {
-    case 1:
-      state.plain = &OpHandle::call_plain<1>;
-      state.with_attrs = &OpHandle::call_with_attrs<1>;
-      break;
-    case 2:
-      state.plain = &OpHandle::call_plain<2>;
-      state.with_attrs = &OpHandle::call_with_attrs<2>;
-      break;
-    case 3:
-      state.plain = &OpHandle::call_plain<3>;
-      state.with_attrs = &OpHandle::call_with_attrs<3>;
-      break;
-    case 4:
-      state.plain = &OpHandle::call_plain<4>;
-      state.with_attrs = &OpHandle::call_with_attrs<4>;
-      break;
-    case 5:
-      state.plain = &OpHandle::call_plain<5>;
-      state.with_attrs = &OpHandle::call_with_attrs<5>;
-      break;
-    case 6:
-      state.plain = &OpHandle::call_plain<6>;
-      state.with_attrs = &OpHandle::call_with_attrs<6>;
-      break;
-    case 7:
-      state.plain = &OpHandle::call_plain<7>;
-      state.with_attrs = &OpHandle::call_with_attrs<7>;
-      break;
-    case 8:
-      state.plain = &OpHandle::call_plain<8>;
-      state.with_attrs = &OpHandle::call_with_attrs<8>;
-      break;
-    default:
-      state.plain = &OpHandle::call_plain<0>;
-      state.with_attrs = &OpHandle::call_with_attrs<0>;
-      break;
-  }
+  // Entry n: the calls compiled for n tensors; entry 0 takes any count.
+  static constexpr auto plain = []<size_t... N>(std::index_sequence<N...>) {
+    return std::array{&OpHandle::call_plain<N>...};
+  }(std::make_index_sequence<kMaxRememberedTensors + 1>{});
+  static constexpr auto with_attrs = []<size_t... N>(std::index_sequence<N...>) {
+    return std::array{&OpHandle::call_with_attrs<N>...};
+  }(std::make_index_sequence<kMaxRememberedTensors + 1>{});
+  const size_t n = state.compiled->num_tensors();
+  state.plain = plain[n < plain.size() ? n : 0];
+  state.with_attrs = with_attrs[n < with_attrs.size() ? n : 0];
   if (state.compiled->has_flattened()) state.with_attrs = &OpHandle::call_flattened;
 }
 
