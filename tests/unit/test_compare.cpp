@@ -23,7 +23,15 @@ OpSchema unary_schema() {
   s.op = "t.unary";
   ShapeToken n;
   n.symbol = "N";
-  s.tensors = {TensorArg{"out", {n}, "T", true}, TensorArg{"x", {n}, "T"}};
+  TensorArg out;
+  out.name = "out";
+  out.shape = {n};
+  out.dtype = "T";
+  out.written = true;
+  TensorArg x = out;
+  x.name = "x";
+  x.written = false;
+  s.tensors = {out, x};
   s.dtype_vars = {{"T", {Dtype::float32, Dtype::float16, Dtype::bfloat16, Dtype::float8_e4m3fn, Dtype::float8_e5m2}}};
   return s;
 }
