@@ -239,7 +239,7 @@ Selection Selector::choose(const SelectRequest& request) const {
                                          request.op, device, spec.backend, failed->explain(result, request.call->input)));
       }
     }
-    return {&spec, SelectionRule::named, {&spec}};
+    return {&spec, SelectionRule::named, {&spec}, {}};
   }
 
   // Rule 3: filter by device and dtype, then choose. A reference kernel
