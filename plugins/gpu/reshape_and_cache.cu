@@ -107,13 +107,42 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(CacheWrite c, const Slot
   }
 }
 
-// Caches of type C (fp8, or T for a plain copy), N values a unit.
+// x / s in float32, rounded to nearest as a division is, without one per
+// value where the scale allows: q = x * r with r = 1 / s rounded to nearest,
+// its residual e = x - q * s (exact), and q + e * r rounded once, which is the
+// quotient correctly rounded (Markstein's theorem: r within half an ulp of
+// 1 / s, q within one ulp of x / s). Scales in [2^-60, 2^60] keep e clear of
+// underflow for every x whose quotient reaches the fp8 range; other scales
+// divide. An exact or non-finite q is the quotient as it is (and keeps the
+// sign of a zero).
+struct Divisor {
+  float s;
+  float r;
+  bool by_reciprocal;
+};
+
+__device__ __forceinline__ Divisor divisor_of(float s) {
+  const float a = fabsf(s);
+  const bool in_range = a >= 0x1p-60f && a <= 0x1p60f;
+  return Divisor{s, in_range ? __frcp_rn(s) : 0.f, in_range};
+}
+
+__device__ __forceinline__ float divide(float x, const Divisor& d) {
+  if (!d.by_reciprocal) return x / d.s;
+  const float q = __fmul_rn(x, d.r);
+  const float e = __fmaf_rn(-q, d.s, x);
+  return e != 0.f && isfinite(q) ? __fmaf_rn(e, d.r, q) : q;
+}
+
+// Caches of type C (fp8, or T for a plain copy), N values a unit. Compiled
+// for six blocks an SM (at most 40 registers a thread, not 64): the loads
+// in flight bound the write, and a third more threads hold a third more.
 template <class T, class C, int N, class Slot>
-__global__ void __launch_bounds__(kThreads) convert_kernel(CacheWrite c, const Slot* __restrict__ slots) {
+__global__ void __launch_bounds__(kThreads, 6) convert_kernel(CacheWrite c, const Slot* __restrict__ slots) {
   start_after_previous_kernel();
-  float scale[2];
+  Divisor scale[2];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) scale[i] = i < c.caches && c.scale[i] != nullptr ? *c.scale[i] : 1.0f;
+  for (int i = 0; i < 2; ++i) scale[i] = divisor_of(i < c.caches && c.scale[i] != nullptr ? *c.scale[i] : 1.0f);
   for (int64_t t = int64_t{blockIdx.x} * blockDim.y + threadIdx.y; t < c.tokens; t += int64_t{gridDim.x} * blockDim.y) {
     const auto s = static_cast<int64_t>(slots[t]);
     if (s < 0 || s >= c.cache_slots) continue;
@@ -137,7 +166,7 @@ __global__ void __launch_bounds__(kThreads) convert_kernel(CacheWrite c, const S
           if constexpr (std::is_same_v<T, C>) {
             out.v[e] = x[i].v[e];
           } else {
-            out.v[e] = from_float<C>(to_float(x[i].v[e]) / scale[i]);
+            out.v[e] = from_float<C>(divide(to_float(x[i].v[e]), scale[i]));
           }
         }
         store_vec<C, N, (N > 1)>(reinterpret_cast<C*>(c.dst[i]) + c.dst_rows[i].offset(s, h) + at, out);
