@@ -2,7 +2,7 @@
 // quantization.per_token_group_quant_fp8: output_q = fp8(x * inv) with s a
 // float32 scale, absmax / fp8_max where the op computes it (a float32
 // division, exactly the float64 quotient rounded once, as the reference
-// stores it), and inv = 1 / s rounded to nearest in float32 (__fdiv_rn, once
+// stores it), and inv = 1 / s rounded to nearest in float32 (__frcp_rn, once
 // per scale; 0 for s == 0).
 //
 // The product x * inv is rounded once to fp8, as the reference does: it is
@@ -45,8 +45,9 @@
 //
 // Per tensor: a grid-stride elementwise kernel over rows and chunks of rows,
 // kAhead vectors in flight a thread. Dynamic, small tensors (up to
-// kSmallTensor values): one block takes the absmax and writes the scale,
-// then the quantising grid reads it. Larger ones: a one-thread kernel zeroes
+// kMaxVecPerThread vectors for each of 1024 threads: 65536 16-bit values):
+// one block holds the tensor in registers, takes the absmax, writes the
+// scale and quantises, one launch. Larger ones: a one-thread kernel zeroes
 // output_s, a grid of blocks takes each block's absmax / fp8_max into it with
 // an atomic max on its bits (the values are >= 0, so the bits order as the
 // floats; dividing by fp8_max commutes with the max), and the quantising grid
@@ -65,10 +66,9 @@ using kd_plugin::RowLayout;
 constexpr int kThreads = 256;
 constexpr int kMaxThreads = 1024;
 constexpr int kMaxVecPerThread = 8;    // vectors a thread (lane) holds in registers
-constexpr int64_t kSmallTensor = 65536;  // values of a dynamic per-tensor call taken by one block
 
 // The float32 reciprocal of a scale, rounded to nearest; 0 for s == 0.
-__device__ __forceinline__ float reciprocal_of(float s) { return s == 0.f ? 0.f : __fdiv_rn(1.f, s); }
+__device__ __forceinline__ float reciprocal_of(float s) { return s == 0.f ? 0.f : __frcp_rn(s); }
 
 // x * inv rounded to odd in float32 (see the top of the file): converting
 // it to fp8 rounds the exact product once.
@@ -181,19 +181,37 @@ __global__ void zero_scale_kernel(float* scale) {
   *scale = 0.f;
 }
 
-// Per tensor, dynamic, small: one block takes the absmax over the flat
-// (row, vector) index and writes absmax / fp8_max.
-template <class T, class Q, int N, class Rows>
-__global__ void __launch_bounds__(kMaxThreads) tensor_scale_kernel(QuantArgs<T, Q, Rows> a) {
+// Per tensor, dynamic, small: one block holds the tensor in registers (V
+// vectors of N a thread, over the flat (row, vector) index), takes its
+// absmax, writes absmax / fp8_max and quantises from the registers: one
+// launch, the tensor read once.
+template <class T, class Q, int N, int V, class Rows>
+__global__ void __launch_bounds__(kMaxThreads) tensor_small_kernel(QuantArgs<T, Q, Rows> a) {
   start_after_previous_kernel();
-  const int64_t units = a.n / N;
+  const int units = static_cast<int>(a.n / N);
+  const int total = static_cast<int>(a.rows) * units;
+  Vec<T, N> v[V];
   float m = 0.f;
-  for (int64_t i = threadIdx.x; i < a.rows * units; i += blockDim.x) {
-    const int64_t row = i / units;
-    m = vec_absmax(m, load_vec<T, N, (N > 1)>(a.x + a.x_rows.offset(row) + (i - row * units) * N));
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const int i = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
+    if (i < total) {
+      const int row = i / units;
+      v[k] = load_once<T, N>(a.x + a.x_rows.offset(row) + int64_t{i - row * units} * N);
+      m = vec_absmax(m, v[k]);
+    }
   }
-  m = block_max(m);
-  if (threadIdx.x == 0) *a.scale = m / fp8_max<Q>;
+  const float s = block_max(m) / fp8_max<Q>;
+  if (threadIdx.x == 0) *a.scale = s;
+  const float inv = reciprocal_of(s);
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const int i = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
+    if (i < total) {
+      const int row = i / units;
+      quantise_vec<T, Q, N>(a.q + a.q_rows.offset(row) + int64_t{i - row * units} * N, v[k], inv);
+    }
+  }
 }
 
 // Per tensor, dynamic: the blocks' absmax / fp8_max, maxed into *scale
@@ -332,13 +350,15 @@ int threads_for(int64_t units, int warp_size, int most = kThreads) {
 
 template <class T, class Q, int N, class Rows>
 void launch_tensor(const Launch& launch, bool is_static, const QuantArgs<T, Q, Rows>& a) {
-  const int64_t numel = a.rows * a.n;
-  if (!is_static && numel <= kSmallTensor) {
-    const int threads = threads_for(ceil_div(numel, N), launch.warp_size, kMaxThreads);
-    launch_kernel(launch, tensor_scale_kernel<T, Q, N, Rows>, dim3(1), dim3(threads), a);
-  } else if (!is_static) {
-    launch_kernel(launch, zero_scale_kernel, dim3(1), dim3(1), a.scale);
+  const int64_t total_units = a.rows * (a.n / N);
+  if (!is_static && total_units <= int64_t{kMaxThreads} * kMaxVecPerThread) {
+    const int threads = threads_for(total_units, launch.warp_size, kMaxThreads);
+    with_vectors_per_thread<kMaxVecPerThread>(ceil_div(total_units, threads), [&](auto vpt) {
+      launch_kernel(launch, tensor_small_kernel<T, Q, N, decltype(vpt)::value, Rows>, dim3(1), dim3(threads), a);
+    });
+    return;
   }
+  if (!is_static) launch_kernel(launch, zero_scale_kernel, dim3(1), dim3(1), a.scale);
   if (a.rows == 0 || a.n == 0) return;
   // Rows in x; with fewer rows than fill the device, each row's vectors cut
   // into chunks in y, so that a few rows (a dense tensor is one) still do:
@@ -349,7 +369,7 @@ void launch_tensor(const Launch& launch, bool is_static, const QuantArgs<T, Q, R
   const int threads = threads_for(few ? std::min<int64_t>(units, 128) : units, launch.warp_size);
   const int per_thread = units * a.rows >= int64_t{threads} * kAhead * fill ? kAhead : 1;
   const auto chunks = few ? static_cast<unsigned>(std::min<int64_t>(ceil_div(units, int64_t{threads} * per_thread), 65535)) : 1u;
-  if (!is_static && numel > kSmallTensor) {
+  if (!is_static) {
     const int64_t absmax_rows = std::min<int64_t>(a.rows, fill);
     const auto absmax_chunks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(chunks, fill / absmax_rows)));
     launch_kernel(launch, tensor_absmax_kernel<T, Q, N, Rows>, dim3(row_grid(absmax_rows), absmax_chunks), dim3(threads), a);
