@@ -154,18 +154,43 @@ __device__ __forceinline__ void quantise_vec(Q* q, const Vec<T, N>& v, float inv
   store_vec<Q, N, (N > 1)>(q, o);
 }
 
-template <class T, class Q, int N>
-__device__ __forceinline__ void quantise_span(Q* q, const T* x, int64_t n, float inv, int64_t first, int64_t step) {
+// The reciprocal of a scale in device memory, read when first asked for:
+// after the caller has issued its first loads of x, so that the scale's
+// load and reciprocal overlap them instead of coming before them.
+struct LazyReciprocal {
+  const float* scale;
+  float inv = 0.f;
+  bool ready = false;
+  __device__ __forceinline__ float get() {
+    if (!ready) {
+      inv = reciprocal_of(*scale);
+      ready = true;
+    }
+    return inv;
+  }
+};
+
+__device__ __forceinline__ float reciprocal_value(float inv) { return inv; }
+__device__ __forceinline__ float reciprocal_value(LazyReciprocal& inv) { return inv.get(); }
+
+// fp8(x * inv) of [first, n) of a row in steps of `step` vectors of N; inv
+// a float or a LazyReciprocal.
+template <class T, class Q, int N, class Inv>
+__device__ __forceinline__ void quantise_span(Q* q, const T* x, int64_t n, Inv&& inv, int64_t first, int64_t step) {
   const int64_t units = n / N;
   int64_t i = first;
   for (; i + (kAhead - 1) * step < units; i += kAhead * step) {
     Vec<T, N> v[kAhead];
 #pragma unroll
     for (int k = 0; k < kAhead; ++k) v[k] = load_vec<T, N, (N > 1)>(x + (i + k * step) * N);
+    const float f = reciprocal_value(inv);
 #pragma unroll
-    for (int k = 0; k < kAhead; ++k) quantise_vec<T, Q, N>(q + (i + k * step) * N, v[k], inv);
+    for (int k = 0; k < kAhead; ++k) quantise_vec<T, Q, N>(q + (i + k * step) * N, v[k], f);
   }
-  for (; i < units; i += step) quantise_vec<T, Q, N>(q + i * N, load_vec<T, N, (N > 1)>(x + i * N), inv);
+  for (; i < units; i += step) {
+    const Vec<T, N> v = load_vec<T, N, (N > 1)>(x + i * N);
+    quantise_vec<T, Q, N>(q + i * N, v, reciprocal_value(inv));
+  }
 }
 
 // 2^ceil(log2 s) for a finite s > 0: the exponent, one up unless the
@@ -234,7 +259,7 @@ __global__ void __launch_bounds__(kThreads) tensor_absmax_kernel(QuantArgs<T, Q,
 template <class T, class Q, int N, class Rows>
 __global__ void __launch_bounds__(kThreads) tensor_quant_kernel(QuantArgs<T, Q, Rows> a) {
   start_after_previous_kernel();
-  const float inv = reciprocal_of(*a.scale);
+  LazyReciprocal inv{a.scale};
   const int64_t first = int64_t{blockIdx.y} * blockDim.x + threadIdx.x;
   const int64_t step = int64_t{gridDim.y} * blockDim.x;
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
