@@ -135,8 +135,9 @@ __device__ __forceinline__ float divide(float x, const Divisor& d) {
 }
 
 // Caches of type C (fp8, or T for a plain copy), N values a unit. Compiled
-// for six blocks an SM (at most 40 registers a thread, not 64): the loads
-// in flight bound the write, and a third more threads hold a third more.
+// for six blocks an SM, at most 40 registers a thread (left free, the
+// compiler takes 64, and four blocks fit): the loads in flight bound the
+// write, and a third more threads hold a third more of them.
 template <class T, class C, int N, class Slot>
 __global__ void __launch_bounds__(kThreads, 6) convert_kernel(CacheWrite c, const Slot* __restrict__ slots) {
   start_after_previous_kernel();
