@@ -9,7 +9,10 @@
 
 #include <cstddef>
 #include <optional>
+#include <string>
 #include <string_view>
+
+#include <fmt/format.h>
 
 namespace kdispatch {
 
@@ -56,6 +59,16 @@ inline std::optional<JsonDepthExceeded> json_too_deep(std::string_view text) {
     }
   }
   return std::nullopt;
+}
+
+// The KD-E010 message for `text`, read from `file`, when it nests deeper than
+// kMaxJsonDepth: "FILE:LINE:COLUMN: arrays and objects nested deeper than
+// 128 levels"; nullopt when it does not.
+inline std::optional<std::string> json_depth_error(std::string_view text, std::string_view file) {
+  const auto deep = json_too_deep(text);
+  if (!deep) return std::nullopt;
+  return fmt::format("{}:{}:{}: arrays and objects nested deeper than {} levels", file, deep->line, deep->column,
+                     kMaxJsonDepth);
 }
 
 }  // namespace kdispatch

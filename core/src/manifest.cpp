@@ -468,10 +468,8 @@ std::optional<json> parse_json(std::string_view text, Reader& r) {
                 fmt::format("{}: and {} more repeated keys", r.file(), with_thousands(more)));
   }
   if (finder.duplicate_count() != 0) return std::nullopt;
-  if (const auto deep = json_too_deep(text)) {
-    r.raw_error(ErrorCode::manifest_bad_json,
-                fmt::format("{}:{}:{}: arrays and objects nested deeper than {} levels", r.file(), deep->line,
-                            deep->column, kMaxJsonDepth));
+  if (auto deep = json_depth_error(text, r.file())) {
+    r.raw_error(ErrorCode::manifest_bad_json, std::move(*deep));
     return std::nullopt;
   }
   return doc;

@@ -34,10 +34,8 @@ PreferenceFileResult parse_preference_file(std::string_view text, const std::str
     result.errors.push_back({ErrorCode::manifest_bad_json, path, fmt::format("{}: not valid JSON: {}", path, e.what())});
     return result;
   }
-  if (const auto deep = json_too_deep(text)) {
-    result.errors.push_back({ErrorCode::manifest_bad_json, path,
-                             fmt::format("{}: line {}, column {}: arrays and objects nested deeper than {} levels",
-                                         path, deep->line, deep->column, kMaxJsonDepth)});
+  if (auto deep = json_depth_error(text, path)) {
+    result.errors.push_back({ErrorCode::manifest_bad_json, path, std::move(*deep)});
     return result;
   }
   constexpr std::string_view kDocExpected = "an object {\"preferences\": {\"<op>\": [\"<backend>\", ...]}}";

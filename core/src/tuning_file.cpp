@@ -128,11 +128,7 @@ TuningFile parse_tuning_file(std::string_view text, const std::string& path, con
   } catch (const json::exception& e) {
     throw ManifestError(ErrorCode::manifest_bad_json, fmt::format("{}: not valid JSON: {}", path, e.what()));
   }
-  if (const auto deep = json_too_deep(text)) {
-    throw ManifestError(ErrorCode::manifest_bad_json,
-                        fmt::format("{}: line {}, column {}: arrays and objects nested deeper than {} levels", path,
-                                    deep->line, deep->column, kMaxJsonDepth));
-  }
+  if (auto deep = json_depth_error(text, path)) throw ManifestError(ErrorCode::manifest_bad_json, std::move(*deep));
   if (!doc.is_object()) bad_field(path, "/", "an object {\"kdispatch_tuning\": 1, \"key\": ..., \"choices\": ...}", doc);
   const json& version = member(doc, "kdispatch_tuning", path, "", "1");
   if (!version.is_number_integer() || version.get<int64_t>() != 1) bad_field(path, "/kdispatch_tuning", "1", version);

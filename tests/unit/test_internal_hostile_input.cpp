@@ -155,7 +155,7 @@ TEST_CASE("hostile json: nesting deeper than kMaxJsonDepth is KD-E010 with its p
   } catch (const ManifestError& e) {
     CHECK(e.code() == ErrorCode::manifest_bad_json);
     CHECK(std::string(e.what()).find(
-              "deep-tuning.json: line 1, column 149: arrays and objects nested deeper than 128 levels") !=
+              "deep-tuning.json:1:149: arrays and objects nested deeper than 128 levels") !=
           std::string::npos);
   }
   // 128 levels are read, and the field is then refused as usual.
@@ -174,7 +174,7 @@ TEST_CASE("hostile json: nesting deeper than kMaxJsonDepth is KD-E010 with its p
   REQUIRE(preferences.errors.size() == 1);
   CHECK(preferences.errors[0].code == ErrorCode::manifest_bad_json);
   CHECK(preferences.errors[0].message ==
-        "deep-preferences.json: line 1, column 151: arrays and objects nested deeper than 128 levels");
+        "deep-preferences.json:1:151: arrays and objects nested deeper than 128 levels");
   const PreferenceFileResult shallow =
       parse_preference_file("{\"preferences\": {\"a.b\": " + nested(126) + "}}", "preferences.json");
   REQUIRE(shallow.errors.size() == 1);
