@@ -408,16 +408,31 @@ struct ShiftCall {
   }
 };
 
+// memo.shift with two kernels, "even" (adds 1, priority 50, under
+// `constraints`) and "any" (adds 2, priority 10), and a handle to the op.
+struct EvenOrAny {
+  std::unique_ptr<Context> context = shift_context();
+  ShiftKernel even{1.0f};
+  ShiftKernel any{2.0f};
+  Dispatcher dispatch;
+  OpHandle op;
+  explicit EvenOrAny(const std::vector<std::string>& constraints)
+      : dispatch(with_kernels(constraints)), op(dispatch.op("memo.shift")) {}
+
+ private:
+  // The context, once both kernels are registered (a handle needs them).
+  Context& with_kernels(const std::vector<std::string>& constraints) {
+    context->register_kernel(shift_spec("even", &even, 50, constraints));
+    context->register_kernel(shift_spec("any", &any, 10, {}));
+    return *context;
+  }
+};
+
 }  // namespace
 
 TEST_CASE("constraint: calls whose shapes and attributes change back and forth each run the kernel their values choose") {
-  auto context = shift_context();
-  ShiftKernel even(1.0f);
-  ShiftKernel any(2.0f);
-  context->register_kernel(shift_spec("even", &even, 50, kEvenConstraints));
-  context->register_kernel(shift_spec("any", &any, 10, {}));
-  Dispatcher dispatch(*context);
-  const OpHandle op = dispatch.op("memo.shift");
+  EvenOrAny shift(kEvenConstraints);
+  auto& [context, even, any, dispatch, op] = shift;
 
   ShiftCall fits(2, 8, 1);    // every constraint holds
   ShiftCall odd(2, 5, 2);     // N odd
@@ -454,13 +469,8 @@ TEST_CASE("constraint: calls whose shapes and attributes change back and forth e
 }
 
 TEST_CASE("constraint: calls whose shapes change back and forth each run the kernel their shapes choose") {
-  auto context = shift_context();
-  ShiftKernel even(1.0f);
-  ShiftKernel any(2.0f);
-  context->register_kernel(shift_spec("even", &even, 50, kEvenShapeConstraints));
-  context->register_kernel(shift_spec("any", &any, 10, {}));
-  Dispatcher dispatch(*context);
-  const OpHandle op = dispatch.op("memo.shift");
+  EvenOrAny shift(kEvenShapeConstraints);
+  auto& [context, even, any, dispatch, op] = shift;
   ShiftCall fits(2, 8, 1);   // every constraint holds
   ShiftCall odd(2, 5, 2);    // N odd
   ShiftCall tall(8, 8, 3);   // rows > 4
@@ -490,13 +500,8 @@ TEST_CASE("constraint: a registry change is seen by the next call of a repeated 
   // With constraints that read an attribute, and with ones that read shapes only.
   for (const std::vector<std::string>& constraints : {kEvenConstraints, kEvenShapeConstraints}) {
     CAPTURE(constraints.size());
-    auto context = shift_context();
-    ShiftKernel even(1.0f);
-    ShiftKernel any(2.0f);
-    context->register_kernel(shift_spec("even", &even, 50, constraints));
-    context->register_kernel(shift_spec("any", &any, 10, {}));
-    Dispatcher dispatch(*context);
-    const OpHandle op = dispatch.op("memo.shift");
+    EvenOrAny shift(constraints);
+    auto& [context, even, any, dispatch, op] = shift;
     ShiftCall fits(2, 8, 5);
     ShiftCall six(2, 6, 6);
     for (int i = 0; i < 3; ++i) CHECK(fits.shifted_by(op, {}, 1.0f));
@@ -532,13 +537,8 @@ TEST_CASE("constraint: threads calling a constrained op with alternating shapes 
   // With constraints that read an attribute, and with ones that read shapes only.
   for (const std::vector<std::string>& constraints : {kEvenConstraints, kEvenShapeConstraints}) {
     CAPTURE(constraints.size());
-    auto context = shift_context();
-    ShiftKernel even(1.0f);
-    ShiftKernel any(2.0f);
-    context->register_kernel(shift_spec("even", &even, 50, constraints));
-    context->register_kernel(shift_spec("any", &any, 10, {}));
-    Dispatcher dispatch(*context);
-    const OpHandle op = dispatch.op("memo.shift");
+    EvenOrAny shift(constraints);
+    auto& [context, even, any, dispatch, op] = shift;
     constexpr int kThreads = 4;
     constexpr int kCalls = 200;
     std::atomic<int> wrong{0};
@@ -549,9 +549,9 @@ TEST_CASE("constraint: threads calling a constrained op with alternating shapes 
         ShiftCall odd(2, 5 + 2 * t, 20 + t);
         ShiftCall tall(8, 4, 30 + t);
         for (int i = 0; i < kCalls; ++i) {
-          const bool ok = (i % 3 == 0)   ? fits.shifted_by(op, {}, 1.0f)
-                          : (i % 3 == 1) ? odd.shifted_by(op, {}, 2.0f)
-                                         : tall.shifted_by(op, {}, 2.0f);
+          const bool ok = (i % 3 == 0)   ? fits.shifted_by(shift.op, {}, 1.0f)
+                          : (i % 3 == 1) ? odd.shifted_by(shift.op, {}, 2.0f)
+                                         : tall.shifted_by(shift.op, {}, 2.0f);
           if (!ok) ++wrong;
         }
       });
