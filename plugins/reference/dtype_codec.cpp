@@ -1,6 +1,7 @@
 #include "dtype_codec.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -29,14 +30,26 @@ constexpr Format kBFloat16{8, -126, 127, 8, 0x1.fep127, true, false};
 constexpr Format kFloat8E4M3FN{4, -6, 7, 4, 448.0, false, true};
 constexpr Format kFloat8E5M2{3, -14, 15, 5, 57344.0, true, true};
 
+// Finite non-zero v rounded to the nearest multiple of the format's spacing
+// at |v|, 2^(exponent - precision + 1), the exponent held at its minimum for
+// subnormals (ties to even): v ~ units * 2^scale.
+struct Rounded {
+  double units;  // an integer, |units| <= 2^precision
+  int exponent;
+  int scale;
+};
+
+Rounded round_units(const Format& f, double v) {
+  const int exponent = std::max(std::ilogb(v), f.min_exponent);
+  const int scale = exponent - f.precision + 1;
+  return {std::nearbyint(std::ldexp(v, -scale)), exponent, scale};
+}
+
 double round_to_format(const Format& f, double v) {
   if (std::isnan(v) || v == 0.0) return v;
   if (std::isinf(v)) return f.saturate ? std::copysign(f.largest_finite, v) : v;
-  // Spacing of the format at |v|: 2^(exponent - precision + 1), with the
-  // exponent held at its minimum for subnormals.
-  const int exponent = std::max(std::ilogb(v), f.min_exponent);
-  const double quantum = std::ldexp(1.0, exponent - f.precision + 1);
-  const double r = std::nearbyint(v / quantum) * quantum;  // ties to even
+  const Rounded q = round_units(f, v);
+  const double r = std::ldexp(q.units, q.scale);
   if (std::fabs(r) > f.largest_finite) return std::copysign(f.saturate ? f.largest_finite : HUGE_VAL, v);
   return r;
 }
@@ -45,22 +58,20 @@ uint32_t encode_format(const Format& f, double v) {
   const int mantissa_bits = f.precision - 1;
   const uint32_t exponent_mask = (1u << f.exponent_bits) - 1;
   const uint32_t sign = std::signbit(v) ? 1u << (f.exponent_bits + mantissa_bits) : 0u;
-  if (std::isnan(v)) {
-    return (exponent_mask << mantissa_bits) |
-           (f.ieee_specials ? 1u << (mantissa_bits - 1) : (1u << mantissa_bits) - 1);
+  const uint32_t infinity = exponent_mask << mantissa_bits;
+  if (std::isnan(v)) return infinity | (f.ieee_specials ? 1u << (mantissa_bits - 1) : (1u << mantissa_bits) - 1);
+  if (v == 0.0) return sign;
+  const Rounded q = std::isinf(v) ? Rounded{} : round_units(f, std::fabs(v));
+  if (std::isinf(v) || std::ldexp(q.units, q.scale) > f.largest_finite) {
+    return sign | (f.saturate ? encode_format(f, f.largest_finite) : infinity);
   }
-  const double r = std::fabs(round_to_format(f, v));
-  if (std::isinf(r)) return sign | (exponent_mask << mantissa_bits);
-  if (r == 0.0) return sign;
-  const int bias = f.bias;
-  if (r < std::ldexp(1.0, f.min_exponent)) {
-    const double units = r / std::ldexp(1.0, f.min_exponent - mantissa_bits);
-    return sign | static_cast<uint32_t>(units);
-  }
-  const int e = std::ilogb(r);
-  const double fraction = (r / std::ldexp(1.0, e) - 1.0) * std::ldexp(1.0, mantissa_bits);
-  return sign | (static_cast<uint32_t>(e + bias) << mantissa_bits) |
-         static_cast<uint32_t>(fraction);
+  // units * 2^scale with units in [2^m, 2^(m+1)] is the normal number of
+  // biased exponent (exponent + bias) and fraction units - 2^m; adding the
+  // units to (exponent + bias - 1) << m gives both, a carry into the next
+  // binade (units == 2^(m+1)) included. A subnormal's exponent is the
+  // minimum, where exponent + bias == 1: its code is its units.
+  return sign | ((static_cast<uint32_t>(q.exponent + f.bias - 1) << mantissa_bits) +
+                 static_cast<uint32_t>(q.units));
 }
 
 double decode_format(const Format& f, uint32_t bits) {
@@ -81,6 +92,19 @@ double decode_format(const Format& f, uint32_t bits) {
                    static_cast<int>(exponent) - bias);
   }
   return negative ? -v : v;
+}
+
+// decode_format of every code of F (a sign bit, the exponent and the
+// fraction), computed once.
+template <const Format& F>
+const auto& decoded() {
+  constexpr size_t kCodes = size_t{1} << (1 + F.exponent_bits + F.precision - 1);
+  static const std::array<double, kCodes> table = [] {
+    std::array<double, kCodes> t{};
+    for (uint32_t code = 0; code < kCodes; ++code) t[code] = decode_format(F, code);
+    return t;
+  }();
+  return table;
 }
 
 }  // namespace
@@ -139,10 +163,10 @@ double decode(Dtype dtype, uint32_t bits) {
       std::memcpy(&f, &bits, sizeof(f));
       return static_cast<double>(f);
     }
-    case Dtype::kFloat16: return decode_format(kHalf, bits);
-    case Dtype::kBFloat16: return decode_format(kBFloat16, bits);
-    case Dtype::kFloat8E4M3FN: return decode_format(kFloat8E4M3FN, bits);
-    case Dtype::kFloat8E5M2: return decode_format(kFloat8E5M2, bits);
+    case Dtype::kFloat16: return decoded<kHalf>()[bits & 0xffffu];
+    case Dtype::kBFloat16: return decoded<kBFloat16>()[bits & 0xffffu];
+    case Dtype::kFloat8E4M3FN: return decoded<kFloat8E4M3FN>()[bits & 0xffu];
+    case Dtype::kFloat8E5M2: return decoded<kFloat8E5M2>()[bits & 0xffu];
   }
   return 0.0;
 }

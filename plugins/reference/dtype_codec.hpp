@@ -3,7 +3,7 @@
 //
 // Written arithmetically (ilogb, ldexp, nearbyint) rather than with bit
 // tricks, so that it checks the backends' own conversions instead of
-// repeating them.
+// repeating them. decode reads a table of every code's value, computed once.
 #pragma once
 
 #include <cstdint>

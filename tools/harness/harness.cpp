@@ -297,12 +297,11 @@ std::vector<int64_t> padded_strides(const std::vector<int64_t>& shape) {
 size_t Buffer::offset(size_t i) const {
   if (strides_.empty()) return i;
   size_t at = 0;
-  for (size_t k = shape_.size(); k-- > 0;) {
-    const auto dim = static_cast<size_t>(shape_[k]);
-    at += (i % dim) * static_cast<size_t>(strides_[k]);
-    i /= dim;
+  for (size_t k = runs_.size(); k-- > 1;) {
+    at += (i % runs_[k]) * run_strides_[k];
+    i /= runs_[k];
   }
-  return at;
+  return runs_.empty() ? at : at + i * run_strides_[0];  // i < runs_[0]
 }
 
 Buffer Buffer::absent(Dtype dtype, DLDevice device, std::string name) {
@@ -328,6 +327,18 @@ Buffer::Buffer(Dtype dtype, std::vector<int64_t> shape, DLDevice device, const k
     if (strides_.size() != shape_.size()) throw std::invalid_argument("Buffer: one stride per dim");
     if (__builtin_mul_overflow(strided_elements(shape_, strides_), dtype_size(dtype), &bytes_)) {
       throw std::invalid_argument(fmt::format("tensor '{}' with padded rows is too large to address", name_));
+    }
+    for (size_t k = 0; k < shape_.size(); ++k) {
+      const auto dim = static_cast<size_t>(shape_[k]);
+      const auto stride = static_cast<size_t>(strides_[k]);
+      if (dim == 1) continue;  // any stride: it is never stepped over
+      if (!runs_.empty() && run_strides_.back() == stride * dim) {
+        runs_.back() *= dim;
+        run_strides_.back() = stride;
+      } else {
+        runs_.push_back(dim);
+        run_strides_.push_back(stride);
+      }
     }
   }
   // [PROT_NONE page][front guard][data][back guard][PROT_NONE page]; the
@@ -370,6 +381,8 @@ Buffer::Buffer(Buffer&& o) noexcept
     : dtype_(o.dtype_),
       shape_(std::move(o.shape_)),
       strides_(std::move(o.strides_)),
+      runs_(std::move(o.runs_)),
+      run_strides_(std::move(o.run_strides_)),
       name_(std::move(o.name_)),
       present_(o.present_),
       numel_(o.numel_),

@@ -125,6 +125,10 @@ class Buffer {
   Dtype dtype_;
   std::vector<int64_t> shape_;
   std::vector<int64_t> strides_;
+  // The padded layout with adjacent dims that lie densely in each other
+  // merged (padded rows: [rows, width]), which offset() walks.
+  std::vector<size_t> runs_;
+  std::vector<size_t> run_strides_;
   std::string name_;
   bool present_ = true;
   size_t numel_ = 0;
