@@ -192,12 +192,26 @@ def check(op, got, inputs, case=None):
 Error = Error  # errors of these functions are kdispatch errors
 
 
+def _cases_of_variant(all_cases, vi, others):
+    """The cases variant `vi` of `others` + 1 runs, as kdispatch-conformance
+    shares them: the plain variant (0) runs every case; the others share the
+    cases in turn, each running every `others`-th (one case each, in turn,
+    when there are fewer cases than variants)."""
+    if vi == 0:
+        return all_cases
+    if len(all_cases) >= others:
+        return [c for ci, c in enumerate(all_cases) if ci % others == vi - 1]
+    return [all_cases[(vi - 1) % len(all_cases)]]
+
+
 def conformance(op, backend, device="cpu", dtypes=None, seed=0):
     """The conformance checks of one backend's kernel for `op`, run from
     Python (for backends registered at run time as for plugins): every case
     of the schema's "tests" in each dtype (`dtypes`, default those the
     backend's kernel declares and torch can make), each variant (dtype
-    alternatives, optional tensors left out), on torch tensors on `device`,
+    alternatives, optional tensors left out; the plain variant on every
+    case, the others sharing the cases in turn, as kdispatch-conformance
+    does), on torch tensors on `device`,
     against the reference. Returns (calls checked, failures), each failure
     (case, dtype, variant, verdict). Calls the backend passes on as
     unsupported (KD_STATUS_UNSUPPORTED, kdispatch.Unsupported) are not
@@ -208,11 +222,13 @@ def conformance(op, backend, device="cpu", dtypes=None, seed=0):
     import torch
     checked, failures, passed_on = 0, [], []
     missing = set(unavailable_dtypes(op, alternatives=True))
+    all_cases = cases(op)
     for dtype in (dtypes or [d for d in _kdispatch._call_dtypes(op, backend) if d not in missing]):
-        for variant in variants(op, dtype):
+        op_variants = variants(op, dtype)
+        for vi, variant in enumerate(op_variants):
             if any(d in missing for d in variant["dtypes"].values()):
                 continue
-            for case in cases(op):
+            for case in _cases_of_variant(all_cases, vi, len(op_variants) - 1):
                 host = inputs(op, dtype, case, seed, dtypes=variant["dtypes"], absent=variant["absent"])
                 want = reference(op, host, case)
                 got = [None if t is None else t.to(device, copy=True) for t in host]
