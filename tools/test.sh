@@ -14,6 +14,7 @@ presets=("$@")
 if ((${#presets[@]} == 0)); then presets=(default asan tsan); fi
 
 for preset in "${presets[@]}"; do
+  started=${SECONDS}
   echo "=== preset ${preset}: configure + build"
   cmake --preset "${preset}" >/dev/null
   cmake --build --preset "${preset}" -j2
@@ -24,4 +25,5 @@ for preset in "${presets[@]}"; do
   else
     ctest --preset "${preset}" -j2
   fi
+  echo "=== preset ${preset}: built and tested in $((SECONDS - started)) s"
 done
