@@ -49,8 +49,8 @@ fi
 
 echo "=== building the tree with the op"
 # Unoptimised (-O0, no debug info): what is checked is which files the op
-# touches and that every check passes, and -O0 builds the copy in about
-# half the time of a release build.
+# touches and that every check passes, which needs no optimised code; -O0
+# builds the copy faster.
 cmake -S "$tree" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG=-O0 \
   -DCMAKE_C_FLAGS_DEBUG=-O0 -DKDISPATCH_WITH_CUDA=OFF -DKDISPATCH_WITH_HIP=OFF -DKDISPATCH_BUILD_BENCH=OFF -DPython3_EXECUTABLE="$python" >/dev/null
 cmake --build "$work/build" -j2 --target kdispatch kdispatch_plugin_reference kdispatch_plugin_cpu \
