@@ -229,9 +229,11 @@ typedef struct kd_memory_api {
   /* 1.1: times `count` calls (count >= 1) of `fn` on device `device_id`, on
    * a stream the plugin creates there: fn(user, i, stream) for i = 0 and 1
    * (of the count) to warm up; then the calls i = 0..count-1 captured into
-   * one graph (CUDA graph / HIP graph), which is replayed once and then
-   * timed over several replays with events: *graph_us (out) is the median
-   * replay's time divided by count. Then the same `count` calls launched
+   * one graph (CUDA graph / HIP graph) and twice over into another, each
+   * replayed once and then timed over several replays with events:
+   * *graph_us (out) is the difference of their median replays divided by
+   * count, the time one more call adds to a graph (what a replay costs once
+   * whatever its length does not count). Then the same `count` calls launched
    * back to back between two events: *eager_us (out), per call. Everything
    * it made is destroyed before it returns. A status other than OK from
    * `fn` is returned as it is (fn wrote its own message); a device error is

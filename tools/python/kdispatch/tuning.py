@@ -16,8 +16,9 @@ rows); one that fails is left out and reported. The others are timed on torch te
 
 - on a CPU, wall clock over batches of calls, inputs rotated over enough
   copies to exceed the last-level cache, the median batch;
-- on a GPU, a CUDA graph of calls over rotated inputs, replayed and timed
-  with CUDA events (the ``graph`` column, which decides), and the same calls
+- on a GPU, CUDA graphs of n and 2n calls over rotated inputs, replayed and
+  timed with CUDA events: the difference per call, what one more call adds
+  to a graph (the ``graph`` column, which decides), and the same calls
   launched back to back (the ``eager`` column).
 
 The measurements go to the core, which builds the choices and the key
@@ -171,6 +172,11 @@ def _time_cpu(op, sets, backend, attrs, deadline):
 
 
 def _time_cuda(op, sets, backend, attrs, deadline):
+    """Graph replay: the time one more call adds to a graph of calls, from
+    graphs of n and 2n calls (n = max(20, len(sets))) replayed in turn, so
+    that what a replay costs once whatever its length (its launch, not the
+    same for every backend's kernels) does not count. Then n calls launched
+    back to back between two events."""
     import torch
     calls = max(len(sets), 20)
     stream = torch.cuda.Stream()
@@ -180,29 +186,41 @@ def _time_cuda(op, sets, backend, attrs, deadline):
             _call(op, tensors, backend, attrs)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            _call(op, sets[i % len(sets)], backend, attrs)
-    graph.replay()
+    graphs = []
+    for n in (calls, 2 * calls):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(n):
+                _call(op, sets[i % len(sets)], backend, attrs)
+        graph.replay()
+        graphs.append(graph)
     torch.cuda.synchronize()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    replays = []
-    for _ in range(5):
+
+    def replay_us(graph):
         begin.record()
         graph.replay()
         end.record()
         end.synchronize()
-        replays.append(begin.elapsed_time(end) * 1e3 / calls)
-        if _time.monotonic() > deadline and len(replays) >= 3:
+        return begin.elapsed_time(end) * 1e3
+
+    short, long = [], []
+    for _ in range(5):
+        short.append(replay_us(graphs[0]))
+        long.append(replay_us(graphs[1]))
+        if _time.monotonic() > deadline and len(short) >= 3:
             break
+    del graphs
+    graph_us = (_statistics.median(long) - _statistics.median(short)) / calls
+    if graph_us <= 0:  # noise over calls that cost next to nothing
+        graph_us = _statistics.median(long) / (2 * calls)
     begin.record()
     for i in range(calls):
         _call(op, sets[i % len(sets)], backend, attrs)
     end.record()
     end.synchronize()
     eager = begin.elapsed_time(end) * 1e3 / calls
-    return _statistics.median(replays), eager
+    return graph_us, eager
 
 
 def tune(ops, sizes, *, dtype="bfloat16", device="cpu", backends=None, attrs=None, out=None, apply=True,
