@@ -10,9 +10,12 @@
 // arguments at every launch. Blocks of kThreads threads take blockDim.y
 // tokens each, a token's units across blockDim.x threads (looping when there
 // are more tokens than a grid holds); each thread moves its unit of the key
-// and of the value. With both caches in the activation dtype the units are
-// 16, 8, 4, 2 or 1 bytes: the widest that divides a row and every row's
-// start (a copy is exact whatever the dtype, so the kernel moves bytes).
+// and of the value, loaded before the token's slot is known to be written,
+// so that those loads wait on memory together with the slot's instead of
+// after it (a skipped token's rows are read for nothing). With both caches
+// in the activation dtype the units are 16, 8, 4, 2 or 1 bytes: the widest
+// that divides a row and every row's start (a copy is exact whatever the
+// dtype, so the kernel moves bytes).
 // With fp8 caches a unit is N values (16 bytes of the activations where the
 // rows allow), each divided by its cache's scale in float32 and converted
 // once, saturating, as vLLM does; caches of two different dtypes take a
@@ -94,13 +97,13 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(CacheWrite c, const Slot
   start_after_previous_kernel();
   for (int64_t t = int64_t{blockIdx.x} * blockDim.y + threadIdx.y; t < c.tokens; t += int64_t{gridDim.x} * blockDim.y) {
     const auto s = static_cast<int64_t>(slots[t]);
-    if (s < 0 || s >= c.cache_slots) continue;
     for (int64_t k = threadIdx.x; k < c.heads * c.row_units; k += blockDim.x) {
       const int64_t h = k / c.row_units;
       const int64_t u = k % c.row_units;
       U v[2];
 #pragma unroll
       for (int i = 0; i < 2; ++i) v[i] = load_streaming(reinterpret_cast<const U*>(c.src[i]) + c.src_rows[i].offset(t, h) + u);
+      if (s < 0 || s >= c.cache_slots) continue;
 #pragma unroll
       for (int i = 0; i < 2; ++i) reinterpret_cast<U*>(c.dst[i])[c.dst_rows[i].offset(s, h) + u] = v[i];
     }
@@ -146,7 +149,6 @@ __global__ void __launch_bounds__(kThreads, 6) convert_kernel(CacheWrite c, cons
   for (int i = 0; i < 2; ++i) scale[i] = divisor_of(i < c.caches && c.scale[i] != nullptr ? *c.scale[i] : 1.0f);
   for (int64_t t = int64_t{blockIdx.x} * blockDim.y + threadIdx.y; t < c.tokens; t += int64_t{gridDim.x} * blockDim.y) {
     const auto s = static_cast<int64_t>(slots[t]);
-    if (s < 0 || s >= c.cache_slots) continue;
     for (int64_t k = threadIdx.x; k < c.heads * c.row_units; k += blockDim.x) {
       const int64_t h = k / c.row_units;
       const int64_t at = (k % c.row_units) * N;
@@ -158,6 +160,7 @@ __global__ void __launch_bounds__(kThreads, 6) convert_kernel(CacheWrite c, cons
                                                              c.src_rows[i].offset(t, h) + at);
         }
       }
+      if (s < 0 || s >= c.cache_slots) continue;
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         if (i >= c.caches) continue;
