@@ -40,6 +40,10 @@
 // reduced by shuffles, and the group quantised from the registers. Groups too
 // long for that, or without 16-byte vectors, are read twice instead.
 //
+// The kernels that hold values in registers issue all their loads before
+// the first use of a loaded value: a use between two loads keeps the second
+// from being issued until the first has arrived.
+//
 // Each value is converted as x * inv rounded to odd, two at a time (one
 // instruction on CUDA).
 //
@@ -223,8 +227,11 @@ __global__ void __launch_bounds__(kMaxThreads) tensor_small_kernel(QuantArgs<T, 
     if (i < total) {
       const int row = i / units;
       v[k] = load_once<T, N>(a.x + a.x_rows.offset(row) + int64_t{i - row * units} * N);
-      m = vec_absmax(m, v[k]);
     }
+  }
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    if (static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x) < total) m = vec_absmax(m, v[k]);
   }
   const float s = block_max(m) / fp8_max<Q>;
   if (threadIdx.x == 0) *a.scale = s;
@@ -281,10 +288,12 @@ __global__ void __launch_bounds__(kMaxThreads) token_quant_regs_kernel(QuantArgs
 #pragma unroll
   for (int k = 0; k < V; ++k) {
     const int i = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
-    if (i < units) {
-      v[k] = load_once<T, N>(x + int64_t{i} * N);
-      m = vec_absmax(m, v[k]);
-    }
+    if (i < units) v[k] = load_once<T, N>(x + int64_t{i} * N);
+  }
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const int i = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
+    if (i < units) m = vec_absmax(m, v[k]);
   }
   const float s = block_max(m) / fp8_max<Q>;
   if (threadIdx.x == 0) a.scale[row] = s;
@@ -339,10 +348,12 @@ __global__ void __launch_bounds__(kThreads) group_quant_kernel(QuantArgs<T, Q, R
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       const int i = lane + k * lanes;
-      if (in && i < units) {
-        v[k] = load_once<T, N>(xg + int64_t{i} * N);
-        m = vec_absmax(m, v[k]);
-      }
+      if (in && i < units) v[k] = load_once<T, N>(xg + int64_t{i} * N);
+    }
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const int i = lane + k * lanes;
+      if (in && i < units) m = vec_absmax(m, v[k]);
     }
   } else {
     if (in) m = partial_absmax<T, N>(xg, a.group_size, lane, lanes);
