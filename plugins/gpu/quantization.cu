@@ -402,7 +402,7 @@ void launch_tensor(const Launch& launch, bool is_static, const QuantArgs<T, Q, R
   const int64_t units = std::max<int64_t>(1, a.n / N);
   const int64_t fill = int64_t{launch.sm_count} * 8;
   const bool few = a.rows < fill;
-  const int threads = threads_for(few ? std::min<int64_t>(units, 128) : units, launch.warp_size);
+  const int threads = threads_for(units, launch.warp_size);
   const int per_thread = units * a.rows >= int64_t{threads} * kAhead * fill ? kAhead : 1;
   const auto chunks = few ? static_cast<unsigned>(std::min<int64_t>(ceil_div(units, int64_t{threads} * per_thread), 65535)) : 1u;
   if (!is_static) {
