@@ -31,6 +31,7 @@ import triton
 
 import kdispatch.torch  # noqa: F401 - registers torch.ops.kdispatch
 from kdispatch import _triton_kernels
+from python_graph_bench import capture  # this folder's graph capture (warm-up on a side stream)
 
 CHAIN = 64
 
@@ -58,19 +59,6 @@ def kernels(hidden):
         "S": lambda: ops.activation_silu_and_mul(act, gate_up),
         "R": lambda: ops.embeddings_rotary_embedding(positions, q, k, cos_sin, True),
     }
-
-
-def capture(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def us_per_kernel(graph, replays=20, repeats=7):
