@@ -31,7 +31,7 @@ import triton
 
 import kdispatch.torch  # noqa: F401 - registers torch.ops.kdispatch
 from kdispatch import _triton_kernels
-from python_graph_bench import capture  # this folder's graph capture (warm-up on a side stream)
+from python_graph_bench import capture, time_replays  # this folder's graph capture and replay timing
 
 CHAIN = 64
 
@@ -62,16 +62,7 @@ def kernels(hidden):
 
 
 def us_per_kernel(graph, replays=20, repeats=7):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / replays / CHAIN)
-    return statistics.median(times)
+    return statistics.median(time_replays(graph, replays) for _ in range(repeats)) / CHAIN
 
 
 def main():
