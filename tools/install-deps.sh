@@ -20,6 +20,7 @@ packages=(
   python3-numpy              # tests check saved .npy files against numpy; Python tests
   python3-dev pybind11-dev   # the Python module (tools/python)
   python3-torch              # kdispatch.torch and its tests (torch 1.13, CPU; about 240 packages)
+  libtorch-dev               # torch's C++ headers: kdispatch._torch_native (docs/python.md)
 )
 if [[ "${KDISPATCH_DEPS_NO_FUZZ:-0}" != 1 ]]; then
   packages+=(clang libfuzzer-14-dev)  # tools/fuzz.sh

@@ -2,7 +2,9 @@
 """The installed package works on its own: `cmake --install` of the build
 into a temporary prefix, then a fresh interpreter with nothing but
 PYTHONPATH (and PATH) set imports kdispatch from the prefix, finds the
-prefix's plugins beside the prefix's core library, and runs a kernel.
+prefix's plugins beside the prefix's core library, and runs a kernel;
+where the build has kdispatch._torch_native, the installed one reads torch
+tensors.
 
 Usage: test_installed.py CMAKE BUILD_DIR PYTHON_INSTALL_DIR"""
 import os
@@ -30,6 +32,12 @@ kdispatch.call("layernorm.rmsnorm", out, x, w)
 verdict = kt.check("layernorm.rmsnorm", [out, x, w], [np.full_like(x, np.nan), x, w])  # the installed reference
 assert verdict.ok, verdict.first_mismatch
 print("installed package:", where.parent, "plugins:", manifest.parent, "ops:", len(kdispatch.ops()))
+if sys.argv[2] == "1":  # the build has kdispatch._torch_native: installed, and used under this torch
+    import torch, kdispatch._torch_tensors as tt
+    t = torch.rand(2, 37)
+    kdispatch.call("layernorm.rmsnorm", torch.empty_like(t), t, torch.ones(37))
+    assert tt.native_reason is None, tt.native_reason
+    print("torch tensors read by", kdispatch._torch_native.__file__)
 """
 
 
@@ -50,8 +58,9 @@ def main():
             return 1
         package_dir = pathlib.Path(prefix) / python_dir
         env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(package_dir)}
-        run = subprocess.run([sys.executable, "-c", CHECK, prefix], env=env, cwd=prefix, capture_output=True,
-                             text=True)
+        built_native = any((pathlib.Path(build) / "python" / "kdispatch").glob("_torch_native*"))
+        run = subprocess.run([sys.executable, "-c", CHECK, prefix, "1" if built_native else "0"], env=env,
+                             cwd=prefix, capture_output=True, text=True)
         print(run.stdout, run.stderr, end="")
         return run.returncode
 

@@ -40,7 +40,7 @@ if [[ "$stage" == build || "$stage" == all ]]; then
         -DPython3_EXECUTABLE="$python" -Dpybind11_DIR="$pybind11_dir" > "$OUT/python_build.log" 2>&1 &&
      cmake --build "$build" -j "$(nproc)" --target kdispatch_python kdispatch kdispatch_plugin_cpu \
         kdispatch_plugin_cuda fx_good >> "$OUT/python_build.log" 2>&1; then
-    note "python build: $(grep -m1 'Python module:' "$OUT/python_build.log" | sed 's/^-- //'), $(( $(date +%s) - started )) s"
+    note "python build: $(grep 'Python module:' "$OUT/python_build.log" | sed 's/^-- //' | paste -sd ';'), $(( $(date +%s) - started )) s"
   else
     note "FAIL: the Python module did not build (python_build.log)"
     grep -m 5 -A 3 -E "CMake Error|error:|FAILED|skipped" "$OUT/python_build.log" | sed 's/^/  | /' | tee -a "$summary"

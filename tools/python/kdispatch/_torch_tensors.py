@@ -3,6 +3,8 @@ through the C methods and getters of torch's tensor base type (data_ptr,
 shape, stride, dtype, device) instead of being exported as DLPack capsules,
 CUDA calls run on torch's current stream, and the tensors a call writes
 have their version counters bumped as torch's own in-place ops do."""
+import os
+
 import torch
 
 from . import _kdispatch
@@ -65,11 +67,38 @@ def storage_bounds(tensor):
     return storage.data_ptr(), storage.nbytes()
 
 
+def _native():
+    """(capsule, reason): the API of kdispatch._torch_native, the helper that
+    reads a tensor's negative bit and requires_grad and bumps its version
+    counter as function calls into torch's C++ (a few nanoseconds, where
+    torch's Python bindings take 0.03-0.09 us a read), and None with the
+    reason where it is not used: turned off (KDISPATCH_TORCH_NATIVE=0), not
+    built (torch had no C++ headers at build time), or built for another
+    torch version (its reads follow the C++ tensor layout of the torch it
+    was built for)."""
+    if os.environ.get("KDISPATCH_TORCH_NATIVE", "1") == "0":
+        return None, "turned off by KDISPATCH_TORCH_NATIVE=0"
+    try:
+        from . import _torch_native
+    except ImportError as e:
+        return None, f"kdispatch._torch_native is not available ({e})"
+    if _torch_native.TORCH_VERSION != torch.__version__:
+        return None, (f"kdispatch._torch_native was built for torch {_torch_native.TORCH_VERSION}, "
+                      f"and this is torch {torch.__version__}")
+    return _torch_native.API, None
+
+
+# Why torch tensors are read through torch's bindings rather than by
+# kdispatch._torch_native, or None while the helper reads them.
+native_reason = None
+
+
 def enable():
-    global _enabled
+    global _enabled, native_reason
     if _enabled:
         return
     bump, bump_takes_sequence = _version_bump_function()
+    native, native_reason = _native()
     _kdispatch._set_torch(torch.Tensor, _DTYPES, _raw_stream_function(), torch.is_grad_enabled,
-                          bump, bump_takes_sequence, getattr(torch.version, "hip", None) is not None)
+                          bump, bump_takes_sequence, getattr(torch.version, "hip", None) is not None, native)
     _enabled = True

@@ -224,8 +224,8 @@ PYBIND11_MODULE(_kdispatch, m) {
   m.def("_live_runtimes", &live_runtimes, "How many runtimes are alive (one per configure() still in use).");
 
   m.def("_set_torch", [](py::object tensor_type, py::list dtypes, py::object raw_stream, py::object grad_enabled,
-                         py::object version_bump, bool bump_takes_sequence, bool rocm) {
+                         py::object version_bump, bool bump_takes_sequence, bool rocm, py::object native) {
     set_torch_support(tensor_type.ptr(), dtypes.ptr(), raw_stream.ptr(), grad_enabled.ptr(), version_bump.ptr(),
-                      bump_takes_sequence, rocm);
+                      bump_takes_sequence, rocm, native.ptr());
   });
 }

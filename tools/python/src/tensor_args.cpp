@@ -11,6 +11,7 @@
 
 #include "dlpack_versioned.hpp"
 #include "errors.hpp"
+#include "torch_native.hpp"
 
 namespace py = pybind11;
 
@@ -67,6 +68,10 @@ struct TorchSupport {
   PyObject* grad_enabled = nullptr;             // torch.is_grad_enabled
   PyObject* version_bump = nullptr;             // torch._C._increment_version or the like, or nullptr
   bool bump_takes_sequence = false;             // version_bump takes a tuple of tensors
+  // kdispatch._torch_native's functions, or nullptr: they read the negative
+  // bit and requires_grad and bump version counters in place of the calls
+  // above, for tensors whose reads run no Python code.
+  const TorchNativeApi* native = nullptr;
   bool rocm = false;
 };
 TorchSupport g_torch;
@@ -182,12 +187,26 @@ bool is_gpu(int32_t dl_type) { return dl_type == kDLCUDA || dl_type == kDLROCM |
 }  // namespace
 
 void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* raw_stream_fn, PyObject* grad_enabled_fn,
-                       PyObject* version_bump_fn, bool bump_takes_sequence, bool rocm) {
+                       PyObject* version_bump_fn, bool bump_takes_sequence, bool rocm, PyObject* native_api) {
   if (!PyType_Check(tensor_type)) throw py::type_error("torch support: tensor_type must be a type");
   if (version_bump_fn != Py_None && !PyCallable_Check(version_bump_fn)) {
     throw py::type_error("torch support: version_bump must be callable or None");
   }
   TorchSupport support;
+  if (native_api != Py_None) {
+    auto* api = static_cast<const TorchNativeApi*>(PyCapsule_GetPointer(native_api, kTorchNativeCapsule));
+    if (api == nullptr) {
+      PyErr_Clear();
+      throw py::type_error(fmt::format("torch support: native must be None or a capsule named '{}'", kTorchNativeCapsule));
+    }
+    if (api->size != sizeof(TorchNativeApi)) {
+      throw py::value_error(fmt::format("torch support: kdispatch._torch_native was built with another version of "
+                                        "the extension module ({} bytes of API, {} expected); rebuild both",
+                                        api->size, sizeof(TorchNativeApi)));
+    }
+    Py_INCREF(native_api);  // the helper module stays loaded while its capsule lives
+    support.native = api;
+  }
   Py_INCREF(tensor_type);
   support.tensor_type = tensor_type;
   PyTypeObject* base = nullptr;
@@ -373,12 +392,20 @@ void TensorArgs::add_torch(PyObject* object) {
     // is done; a written tensor is refused, since the kernel would write
     // values that read back negated. (The conjugate bit only exists on
     // complex dtypes, which no op takes.)
-    py::object neg = steal(PyObject_CallOneArg(base.is_neg, object));
-    if (!neg) {
-      throw_call_error(fmt::format("{}: cannot read the torch tensor's negative bit: {}", where(),
-                                   take_python_error()));
-    }
-    if (neg.ptr() == Py_True) {
+    // Read by kdispatch._torch_native, or through torch's bindings (which
+    // run a __torch_function__ the tensor has).
+    auto python_flags = [&] {
+      py::object neg = steal(PyObject_CallOneArg(base.is_neg, object));
+      if (!neg) {
+        throw_call_error(fmt::format("{}: cannot read the torch tensor's negative bit: {}", where(),
+                                     take_python_error()));
+      }
+      py::object grad = steal(get(base.requires_grad, object));
+      if (!grad) PyErr_Clear();
+      return (neg.ptr() == Py_True ? kNegative : 0) | (grad.ptr() == Py_True ? kRequiresGrad : 0);
+    };
+    const int flags = python || g_torch.native == nullptr ? python_flags() : g_torch.native->flags(object);
+    if (flags & kNegative) {
       if (writes(count_)) {
         throw_call_error(
             fmt::format("{}: is a torch tensor with its negative bit set (a lazily negated view, "
@@ -391,10 +418,9 @@ void TensorArgs::add_torch(PyObject* object) {
       object = resolved.ptr();
     }
     // No op has a backward: a call that autograd would have to follow is
-    // refused rather than leaving results without a grad_fn.
-    py::object grad = steal(get(base.requires_grad, object));
-    if (!grad) PyErr_Clear();
-    if (grad.ptr() == Py_True) {
+    // refused rather than leaving results without a grad_fn. (A resolved
+    // copy requires grad as the tensor it was made of does.)
+    if (flags & kRequiresGrad) {
       py::object enabled = steal(PyObject_CallNoArgs(g_torch.grad_enabled));
       if (!enabled) throw_call_error(fmt::format("{}: torch.is_grad_enabled() failed: {}", where(), take_python_error()));
       if (enabled.ptr() == Py_True) {
@@ -448,6 +474,12 @@ void TensorArgs::record_writes() {
   for (size_t k = 0; k < torch_count_; ++k) {
     if (!writes(torch_[k].index)) continue;
     PyObject* tensor = torch_[k].object;
+    if (g_torch.native != nullptr && !torch_[k].python) {
+      if (g_torch.native->bump_version(tensor) == 0) continue;
+      throw_call_error(fmt::format("op '{}': the kernel ran, but bumping the version counter of a tensor it wrote "
+                                   "failed: {}",
+                                   schema_.op, take_python_error()));
+    }
     py::object done = steal(bump_version(tensor));
     if (done) continue;
     // An inference tensor has no counter, and torch refuses to count a
@@ -491,7 +523,9 @@ void TensorArgs::finish() {
   // exported by torch's C++), so no argument can be released, resized or
   // moved between the reads of its pointer and the kernel.
   bool mode = false;
-  if (purpose_ == Purpose::call) {
+  if (purpose_ == Purpose::call && g_torch.native != nullptr) {
+    mode = g_torch.native->function_mode_enabled();
+  } else if (purpose_ == Purpose::call) {
     py::object enabled = steal(PyObject_CallNoArgs(g_torch.function_mode_enabled));
     if (!enabled) throw_call_error(fmt::format("op '{}': {}", schema_.op, take_python_error()));
     mode = enabled.ptr() == Py_True;

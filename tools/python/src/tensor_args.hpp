@@ -45,9 +45,10 @@ inline constexpr size_t kMaxDims = 16;
 // torch.is_grad_enabled, torch's function that bumps the version counter of
 // a tensor written by a call (taking the tensor, or with
 // `bump_takes_sequence` a tuple of tensors) or None where torch has none,
-// and whether torch is a ROCm build (its "cuda" tensors are DLPack kDLROCM).
+// whether torch is a ROCm build (its "cuda" tensors are DLPack kDLROCM),
+// and the capsule of kdispatch._torch_native (torch_native.hpp) or None.
 void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* raw_stream_fn, PyObject* grad_enabled_fn,
-                       PyObject* version_bump_fn, bool bump_takes_sequence, bool rocm);
+                       PyObject* version_bump_fn, bool bump_takes_sequence, bool rocm, PyObject* native_api);
 
 // The stream a caller asked for: None, an int (a cudaStream_t), or an object
 // with a `cuda_stream` (torch) or `ptr` (CuPy) attribute.
