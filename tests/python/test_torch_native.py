@@ -55,6 +55,11 @@ class Mode(TorchFunctionMode):
         return f(*args, **(kwargs or {}))
 with Mode():
     print("under a mode", call(out, x, w))
+view = torch.rand(3, 40)[:, 4:20]  # rows 40 apart
+got = torch.full((3, 32), float("nan"))[:, ::2]  # a last-dim stride of 2
+print("row-strided view", call(torch.full_like(view, float("nan")), view, w), "last-dim stride", call(got, x, w))
+print("zero rows", call(torch.empty(0, 16), torch.empty(0, 16), w))
+print("complex", call(out, x.to(torch.complex64), w), "int8", call(out, x.to(torch.int8), w))
 print("reason", tt.native_reason)
 """
 
@@ -81,7 +86,8 @@ class TorchNative(unittest.TestCase):
         self.assertEqual(self.native_reason, "None")
         self.assertEqual(self.native, [
             "plain ok 1", "negated input ok True", "negated output KD-E030 neg", "grad KD-E030 grad",
-            "grad under no_grad ok", "inference tensor ok", "under a mode ok"])
+            "grad under no_grad ok", "inference tensor ok", "under a mode ok",
+            "row-strided view ok last-dim stride KD-E030", "zero rows ok", "complex KD-E030 int8 KD-E030"])
 
     def test_turned_off_reads_through_the_bindings_alike(self):
         lines, reason = run(env_native="0")

@@ -69,9 +69,9 @@ def storage_bounds(tensor):
 
 def _native():
     """(capsule, reason): the API of kdispatch._torch_native, the helper that
-    reads a tensor's negative bit and requires_grad and bumps its version
-    counter as function calls into torch's C++ (a few nanoseconds, where
-    torch's Python bindings take 0.03-0.09 us a read), and None with the
+    reads a tensor's negative bit, requires_grad and layout and bumps its
+    version counter as function calls into torch's C++ (a few nanoseconds,
+    where torch's Python bindings take 0.03-0.09 us a read), and None with the
     reason where it is not used: turned off (KDISPATCH_TORCH_NATIVE=0), not
     built (torch had no C++ headers at build time), or built for another
     torch version (its reads follow the C++ tensor layout of the torch it

@@ -37,6 +37,7 @@ const Names& names() {
 struct TorchDtype {
   PyObject* dtype;  // a torch.dtype, referenced for the process's lifetime
   DLDataType dl;
+  int scalar_type;  // its ScalarType, where kdispatch._torch_native is used
 };
 struct TorchSupport {
   PyObject* tensor_type = nullptr;
@@ -259,7 +260,8 @@ void set_torch_support(PyObject* tensor_type, PyObject* dtype_table, PyObject* r
     if (support.dtype_count == support.dtypes.size()) throw py::value_error("torch support: too many dtypes");
     PyObject* torch_dtype = pair[0].ptr();
     Py_INCREF(torch_dtype);
-    support.dtypes[support.dtype_count++] = {torch_dtype, to_dlpack(*dtype)};
+    const int scalar_type = support.native != nullptr ? support.native->scalar_type(torch_dtype) : -1;
+    support.dtypes[support.dtype_count++] = {torch_dtype, to_dlpack(*dtype), scalar_type};
   }
   if (raw_stream_fn != nullptr && raw_stream_fn != Py_None) {
     Py_INCREF(raw_stream_fn);
@@ -535,7 +537,9 @@ void TensorArgs::finish() {
     if (purpose_ == Purpose::call && (mode || python)) {
       read_torch_capsule(object, i);
     } else {
-      read_torch(object, i);
+      if (purpose_ != Purpose::call || g_torch.native == nullptr || !read_torch_native(object, i)) {
+        read_torch(object, i);
+      }
       // Python code ran after the tensor was added (another argument's
       // __dlpack__, a __torch_function__) and may have shrunk its storage
       // under its shape (x.storage().resize_(n)).
@@ -585,6 +589,30 @@ void TensorArgs::read_torch_capsule(PyObject* object, size_t i) {
     throw_call_error(fmt::format("{}: the torch tensor (a {}) has no data for a kernel", where(i),
                                  Py_TYPE(object)->tp_name));
   }
+}
+
+bool TensorArgs::read_torch_native(PyObject* object, size_t i) {
+  TorchNativeTensor t{};
+  if (g_torch.native->read(object, &t, shapes_[i].data(), strides_[i].data(), static_cast<int>(kMaxDims)) != 0) {
+    return false;
+  }
+  const TorchDtype* found = nullptr;
+  for (size_t k = 0; k < g_torch.dtype_count; ++k) {
+    if (g_torch.dtypes[k].scalar_type == t.scalar_type) found = &g_torch.dtypes[k];
+  }
+  int64_t elements = 1;
+  for (int d = 0; d < t.ndim; ++d) elements *= shapes_[i][static_cast<size_t>(d)];
+  // Another dtype, or no data: read_torch reports it in its words.
+  if (found == nullptr || (t.data == nullptr && elements != 0)) return false;
+  DLTensor& out = tensors_[i];
+  out.data = t.data;
+  out.device = t.cuda ? DLDevice{g_torch.rocm ? kDLROCM : kDLCUDA, t.device_index} : DLDevice{kDLCPU, 0};
+  out.ndim = t.ndim;
+  out.dtype = found->dl;
+  out.shape = shapes_[i].data();
+  out.strides = strides_[i].data();
+  out.byte_offset = 0;
+  return true;
 }
 
 // A torch tensor through the C methods and getters of torch's tensor base

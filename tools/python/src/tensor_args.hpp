@@ -114,6 +114,9 @@ class TensorArgs {
   const DLTensor* first_present() const;
   void add_torch(PyObject* object);
   void read_torch(PyObject* object, size_t i);
+  // Through kdispatch._torch_native, for a call: whether it read the tensor
+  // (a strided CPU or CUDA tensor of a dtype kdispatch handles, with data).
+  bool read_torch_native(PyObject* object, size_t i);
   void read_torch_capsule(PyObject* object, size_t i);
   // Refuses torch tensor i when its shape and strides reach past its storage.
   void check_storage(PyObject* object, size_t i);

@@ -6,6 +6,7 @@
 #include "torch_native.hpp"
 
 #include <ATen/PythonTorchFunctionTLS.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/version.h>
@@ -32,6 +33,32 @@ int bump_version(PyObject* tensor) noexcept {
   }
 }
 
+int scalar_type(PyObject* dtype) noexcept { return static_cast<int>(reinterpret_cast<THPDtype*>(dtype)->scalar_type); }
+
+int read(PyObject* tensor, kdispatch::python::TorchNativeTensor* out, int64_t* shape, int64_t* strides,
+         int max_dims) noexcept {
+  try {
+    const at::Tensor& t = THPVariable_Unpack(tensor);
+    if (t.layout() != c10::kStrided || !t.has_storage() || t.dim() > max_dims) return 1;
+    const c10::Device device = t.device();
+    if (!device.is_cpu() && !device.is_cuda()) return 1;
+    out->data = t.data_ptr();
+    out->scalar_type = static_cast<int>(t.scalar_type());
+    out->cuda = device.is_cuda();
+    out->device_index = device.is_cuda() ? device.index() : 0;
+    out->ndim = static_cast<int>(t.dim());
+    const auto sizes = t.sizes();
+    const auto steps = t.strides();
+    for (size_t d = 0; d < sizes.size(); ++d) {
+      shape[d] = sizes[d];
+      strides[d] = steps[d];
+    }
+    return 0;
+  } catch (const std::exception&) {
+    return 1;  // read through the bindings, whose error the caller reports
+  }
+}
+
 bool function_mode_enabled() noexcept {
 #if TORCH_VERSION_MAJOR >= 2
   return at::impl::torch_function_mode_enabled();
@@ -40,7 +67,7 @@ bool function_mode_enabled() noexcept {
 #endif
 }
 
-const TorchNativeApi api{sizeof(TorchNativeApi), &flags, &bump_version, &function_mode_enabled};
+const TorchNativeApi api{sizeof(TorchNativeApi), &flags, &bump_version, &function_mode_enabled, &scalar_type, &read};
 
 PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "_torch_native",

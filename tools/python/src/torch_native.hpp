@@ -19,6 +19,15 @@ namespace kdispatch::python {
 
 inline constexpr const char* kTorchNativeCapsule = "kdispatch._torch_native.api";
 
+// What TorchNativeApi::read gives of a tensor beside its sizes and strides.
+struct TorchNativeTensor {
+  void* data;
+  int scalar_type;   // as TorchNativeApi::scalar_type gives it
+  bool cuda;         // a CUDA (or ROCm) tensor, else a CPU one
+  int device_index;  // of a CUDA tensor
+  int ndim;
+};
+
 struct TorchNativeApi {
   uint32_t size;  // sizeof(TorchNativeApi) in the helper's build
   // Of a torch tensor (torch.Tensor or a subclass; its C++ tensor is read,
@@ -32,6 +41,15 @@ struct TorchNativeApi {
   // Whether a torch-function mode is active on this thread
   // (torch._C._is_torch_function_mode_enabled()).
   bool (*function_mode_enabled)() noexcept;
+  // The scalar type of a torch.dtype (its index in torch's ScalarType); the
+  // object must be a torch.dtype.
+  int (*scalar_type)(PyObject* dtype) noexcept;
+  // The layout of a tensor a call passes to a kernel, when it is a strided
+  // CPU or CUDA tensor of at most max_dims dims with storage: its sizes and
+  // strides written to shape and strides, 0 returned. 1 for any other
+  // tensor, which the caller reads through torch's bindings instead (and
+  // reports as they find it).
+  int (*read)(PyObject* tensor, TorchNativeTensor* out, int64_t* shape, int64_t* strides, int max_dims) noexcept;
 };
 inline constexpr int kNegative = 1;
 inline constexpr int kRequiresGrad = 2;
