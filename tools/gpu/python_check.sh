@@ -38,7 +38,7 @@ if [[ "$stage" == build || "$stage" == all ]]; then
   } > "$OUT/python_env.txt" 2>&1
   if cmake --preset cuda -DKDISPATCH_DLPACK_INCLUDE_DIR="$dlpack_dir" -DCMAKE_INCLUDE_PATH="$root/.gpu-carry/include" \
         -DPython3_EXECUTABLE="$python" -Dpybind11_DIR="$pybind11_dir" > "$OUT/python_build.log" 2>&1 &&
-     cmake --build "$build" -j "$(nproc)" --target kdispatch_python kdispatch kdispatch_plugin_cpu \
+     cmake --build "$build" -j "$(nproc)" --target kdispatch_python kdispatch kdispatch_plugin_reference kdispatch_plugin_cpu \
         kdispatch_plugin_cuda fx_good >> "$OUT/python_build.log" 2>&1; then
     note "python build: $(grep 'Python module:' "$OUT/python_build.log" | sed 's/^-- //' | paste -sd ';'), $(( $(date +%s) - started )) s"
   else
