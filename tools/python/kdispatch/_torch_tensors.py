@@ -1,6 +1,7 @@
 """Tells the extension module about torch, so that torch tensors are read
-through the C methods and getters of torch's tensor base type (data_ptr,
-shape, stride, dtype, device) instead of being exported as DLPack capsules,
+by kdispatch._torch_native where it is used, else through the C methods and
+getters of torch's tensor base type (data_ptr, shape, stride, dtype,
+device), instead of being exported as DLPack capsules,
 CUDA calls run on torch's current stream, and the tensors a call writes
 have their version counters bumped as torch's own in-place ops do."""
 import os

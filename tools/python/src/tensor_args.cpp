@@ -70,8 +70,9 @@ struct TorchSupport {
   PyObject* version_bump = nullptr;             // torch._C._increment_version or the like, or nullptr
   bool bump_takes_sequence = false;             // version_bump takes a tuple of tensors
   // kdispatch._torch_native's functions, or nullptr: they read the negative
-  // bit and requires_grad and bump version counters in place of the calls
-  // above, for tensors whose reads run no Python code.
+  // bit, requires_grad, the layout and the torch-function mode and bump
+  // version counters in place of the calls above, for tensors whose reads
+  // run no Python code.
   const TorchNativeApi* native = nullptr;
   bool rocm = false;
 };
@@ -598,7 +599,10 @@ bool TensorArgs::read_torch_native(PyObject* object, size_t i) {
   }
   const TorchDtype* found = nullptr;
   for (size_t k = 0; k < g_torch.dtype_count; ++k) {
-    if (g_torch.dtypes[k].scalar_type == t.scalar_type) found = &g_torch.dtypes[k];
+    if (g_torch.dtypes[k].scalar_type == t.scalar_type) {
+      found = &g_torch.dtypes[k];
+      break;
+    }
   }
   int64_t elements = 1;
   for (int d = 0; d < t.ndim; ++d) elements *= shapes_[i][static_cast<size_t>(d)];
