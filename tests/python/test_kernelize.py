@@ -255,6 +255,60 @@ check(any(what == "rotary embedding" and "MiB" in reason for _, what, reason in 
       f"a cos/sin cache over 1 GiB is not built: {report_long.left}")
 print("ok   left with reasons:", "; ".join(sorted({f'{w}: {r}' for _, w, r in report.left + report_long.left})))
 
+# Under torch.compile (its tracing stood in for by kt._is_compiling, as Debian's
+# torch has no torch.compile): with when_compiled="torch", the default, the
+# replaced modules run their torch code and no kdispatch op is called; with
+# "kdispatch" the ops are called as outside compile. Both match the original.
+class CountingOps:
+    def __init__(self, ops):
+        self.ops = ops
+        self.calls = 0
+
+    def __getattr__(self, name):
+        op = getattr(self.ops, name)
+
+        def call(*args, **kwargs):
+            self.calls += 1
+            return op(*args, **kwargs)
+        return call
+
+
+def moe_model():
+    return td.LlamaForCausalLM(td.Config(num_experts=8), moe=True, norm_heads=True)
+
+
+ops, is_compiling = kt._ops, kt._is_compiling
+try:
+    for name, make in (("llama", llama()), ("qwen3-moe", moe_model)):
+        for when in ("torch", "kdispatch"):
+            kt._ops, kt._is_compiling = CountingOps(ops), is_compiling
+            torch.manual_seed(0)
+            original = td.randomize(make(), 0)
+            model = copy.deepcopy(original)
+            report = kt.kernelize(model, when_compiled=when)
+            check(report.when_compiled == when and f"when_compiled={when!r}" in str(report),
+                  f"{name}: the report names when_compiled={when!r}: {str(report).splitlines()[0]}")
+            for compiling in (False, True):
+                kt._is_compiling = lambda c=compiling: c
+                kt._ops.calls = 0
+                ids = tokens(batch=2, length=5)
+                with torch.no_grad():
+                    err = rel_l2(model(ids), original(ids))
+                kd_calls = kt._ops.calls + 0
+                want_kd = not (compiling and when == "torch")
+                check(err <= 1e-5, f"{name} when_compiled={when} compiling={compiling}: relative L2 {err:.3g}")
+                check((kd_calls > 0) == want_kd,
+                      f"{name} when_compiled={when} compiling={compiling}: {kd_calls} kdispatch calls")
+            print(f"ok   {name} when_compiled={when!r}: under compile {'no kdispatch call' if when == 'torch' else 'kdispatch ops'}, "
+                  "outside it kdispatch ops; matches the original")
+finally:
+    kt._ops, kt._is_compiling = ops, is_compiling
+try:
+    kt.kernelize(copy.deepcopy(original), when_compiled="inductor")
+    check(False, "kernelize(when_compiled='inductor') raises")
+except ValueError as e:
+    check("when_compiled='inductor'" in str(e) and "torch, kdispatch" in str(e), f"a bad when_compiled: {e}")
+
 # kernelize twice replaces nothing more; restore gives the classes back.
 again = kt.kernelize(model)
 check(not again.replaced, f"a second kernelize replaces nothing: {again.replaced}")

@@ -10,9 +10,9 @@ Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Gemma, in bfloat16 on CUDA
 - the logits against the original run in float32 are no further off than
   the original's own (a quarter more, or 2e-3, allowed);
 - output_hidden_states gives the original's hidden states;
-- on CUDA: torch.compile and a CUDA graph of the kernelized model match its
-  eager output; the MoE experts under each of transformers' experts
-  implementations match too.
+- on CUDA: torch.compile (with each of kernelize's when_compiled values)
+  and a CUDA graph of the kernelized model match its eager output; the MoE
+  experts under each of transformers' experts implementations match too.
 
 Skipped (exit 77) without transformers (Debian does not package it)."""
 import copy
@@ -117,8 +117,12 @@ for family in FAMILIES:
     if cuda:
         with torch.no_grad():
             eager = model(ids).logits
-            compiled = torch.compile(model)
-            got_compiled = compiled(ids).logits
+            got_compiled = {}
+            for when in kt.WHEN_COMPILED:
+                kt.kernelize(model, when_compiled=when)
+                torch._dynamo.reset()
+                got_compiled[when] = torch.compile(model)(ids).logits
+            torch._dynamo.reset()
             static = ids.clone()
             for _ in range(2):
                 model(static)
@@ -127,10 +131,13 @@ for family in FAMILIES:
                 graphed = model(static).logits
             graph.replay()
             torch.cuda.synchronize()
-        err_c, err_g = rel_l2(got_compiled, eager), rel_l2(graphed, eager)
-        check(err_c <= 1e-2, f"{family}: torch.compile differs from eager ({err_c:.3g})")
+        err_c = {when: rel_l2(got, eager) for when, got in got_compiled.items()}
+        err_g = rel_l2(graphed, eager)
+        for when, err in err_c.items():
+            check(err <= 1e-2, f"{family}: torch.compile (when_compiled={when}) differs from eager ({err:.3g})")
         check(err_g <= 1e-6, f"{family}: CUDA graph replay differs from eager ({err_g:.3g})")
-        print(f"ok   {family}: torch.compile vs eager {err_c:.2e}, CUDA graph replay vs eager {err_g:.2e}")
+        print(f"ok   {family}: torch.compile vs eager " + ", ".join(f"{e:.2e} (when_compiled={w})" for w, e in err_c.items())
+              + f"; CUDA graph replay vs eager {err_g:.2e}")
 
     if family == "qwen3_moe":
         config = model.config

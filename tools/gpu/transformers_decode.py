@@ -10,9 +10,12 @@ random weights, a few layers, bfloat16:
 - speed: one decode step (static cache of 512 tokens, the step at position
   511) at batch 1 and 32, under CUDA-graph replay (and back to back without
   a graph), original vs kernelized, then both under torch.compile (the
-  compiled step captured in a CUDA graph the same way).
+  compiled step captured in a CUDA graph the same way), the kernelized model
+  once for each --when-compiled value of kernelize (torch: the replaced
+  modules' torch code in the compiled graph; kdispatch: kdispatch's ops).
 
     python3 tools/gpu/transformers_decode.py [--layers 4] [--models llama,qwen3_moe] [--batches 1,32]
+                                             [--when-compiled torch,kdispatch]
 
 Prints the kernelize reports, then a table. Needs transformers and CUDA.
 """
@@ -150,10 +153,16 @@ def main():
     parser.add_argument("--models", default="llama,qwen3_moe")
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
+    parser.add_argument("--when-compiled", default="torch,kdispatch",
+                        help="kernelize's when_compiled values to time the compiled kernelized model with")
     parser.add_argument("--profile", action="store_true",
                         help="print the GPU kernels of one decode step at the first batch size, by total time, "
                              "eager and compiled")
     args = parser.parse_args()
+    whens = args.when_compiled.split(",")
+    for when in whens:
+        if when not in kt.WHEN_COMPILED:
+            parser.error(f"--when-compiled: {when!r} is not one of {', '.join(kt.WHEN_COMPILED)}")
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     accuracy = []
     rows = []
@@ -182,17 +191,24 @@ def main():
             for label, model in (("original", original), ("kernelized", kernelized)):
                 with torch.inference_mode():
                     times[label] = time_graph(decode_step(model, batch))
-                    if not args.no_compile:
+                if args.no_compile:
+                    continue
+                for when in (whens if label == "kernelized" else [None]):
+                    key = label + "+compile" + (f" {when}" if when else "")
+                    if when:
+                        kt.kernelize(model, when_compiled=when)
+                    torch._dynamo.reset()
+                    with torch.inference_mode():
                         try:
                             compiled = torch.compile(model)
-                            times[label + "+compile"] = time_graph(decode_step(compiled, batch))
+                            times[key] = time_graph(decode_step(compiled, batch))
                             if args.profile and batch == batches[0]:
-                                profile(f"{name} {label}+compile batch {batch}", decode_step(compiled, batch))
-                                profile(f"{name} {label}+compile batch {batch} graph replay",
+                                profile(f"{name} {key} batch {batch}", decode_step(compiled, batch))
+                                profile(f"{name} {key} batch {batch} graph replay",
                                         graph_of(decode_step(compiled, batch)), rows=200)
                         except Exception as e:  # noqa: BLE001 - reported in the table
-                            print(f"{name} b{batch} {label} torch.compile: {type(e).__name__}: {str(e)[:400]}")
-                            times[label + "+compile"] = (float("nan"), float("nan"))
+                            print(f"{name} b{batch} {key} torch.compile: {type(e).__name__}: {str(e)[:400]}")
+                            times[key] = (float("nan"), float("nan"))
                 torch._dynamo.reset()
             rows.append((name, batch, times))
         del original, kernelized
@@ -204,16 +220,23 @@ def main():
         print(f"{name:10s} {a:14.3e} {b:11.3e}  {'ok' if b <= 1.25 * a + 2e-3 else 'WORSE'}")
     print(f"\ndecode step, static cache {KV_LENGTH}, {args.layers} layers: us per step, CUDA-graph replay "
           "(back to back without a graph)")
-    print(f"{'model':10s} {'batch':>5s} {'original':>17s} {'kernelized':>17s} {'speedup':>7s} "
-          f"{'orig+compile':>17s} {'kd+compile':>17s} {'kd+c/orig+c':>11s}")
+    print("(kd+compile W: the kernelized model compiled with kernelize's when_compiled=W; ratio: the compiled "
+          "original's time over it)")
+    head = f"{'model':10s} {'batch':>5s} {'original':>17s} {'kernelized':>17s} {'speedup':>7s} {'orig+compile':>17s}"
+    for when in whens:
+        head += f" {'kd+compile ' + when:>20s} {'ratio':>6s}"
+    print(head)
+    nan = (float("nan"), float("nan"))
     for name, batch, t in rows:
-        def cell(key):
-            g, e = t.get(key, (float("nan"), float("nan")))
-            return f"{g:8.1f} ({e:6.1f})"
-        speed = t["original"][0] / t["kernelized"][0]
-        comp = t["original+compile"][0] / t["kernelized+compile"][0] if "original+compile" in t else float("nan")
-        print(f"{name:10s} {batch:5d} {cell('original')} {cell('kernelized')} {speed:6.2f}x "
-              f"{cell('original+compile')} {cell('kernelized+compile')} {comp:10.2f}x")
+        def cell(key, width=17):
+            g, e = t.get(key, nan)
+            return f"{f'{g:8.1f} ({e:6.1f})':>{width}s}"
+        line = (f"{name:10s} {batch:5d} {cell('original')} {cell('kernelized')} "
+                f"{t['original'][0] / t['kernelized'][0]:6.2f}x {cell('original+compile')}")
+        for when in whens:
+            key = f"kernelized+compile {when}"
+            line += f" {cell(key, 20)} {t.get('original+compile', nan)[0] / t.get(key, nan)[0]:5.2f}x"
+        print(line)
     return 0
 
 

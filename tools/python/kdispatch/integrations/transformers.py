@@ -40,9 +40,14 @@ The model keeps its parameters (state_dict, loading, tying are unchanged);
 only the classes of the replaced modules change, to subclasses of the
 originals whose forward calls kdispatch. Under autograd (grad mode on and a
 tensor requiring grad) each replaced module runs its original forward, so
-training still works. Call ``kernelize`` after the model is on its device and
-in its dtype: a later ``.to()`` separates the fused gate/up weight from the
-projections' weights. ``restore(model)`` gives the modules their original
+training still works. Under torch.compile they run their original torch code
+too by default (``when_compiled="torch"``; the gate/up matmul stays fused),
+so that inductor fuses it with the code around it, as vLLM leaves its custom
+ops to inductor; ``kernelize(model, when_compiled="kdispatch")`` keeps
+kdispatch's ops in the compiled graph instead. Outside torch.compile, CUDA
+graphs included, kdispatch's ops run. Call ``kernelize`` after the model is
+on its device and in its dtype: a later ``.to()`` separates the fused
+gate/up weight from the projections' weights. ``restore(model)`` gives the modules their original
 classes back.
 """
 import inspect as _inspect
@@ -83,11 +88,14 @@ _DYNAMIC_ROPE = ("dynamic", "longrope")
 
 class Report:
     """What ``kernelize`` did: ``replaced`` [(module path, what, kdispatch op)],
-    ``left`` [(module path, what, reason)]. ``str(report)`` summarises both."""
+    ``left`` [(module path, what, reason)], ``when_compiled`` (what the
+    replaced modules run under torch.compile). ``str(report)`` summarises
+    them."""
 
-    def __init__(self):
+    def __init__(self, when_compiled="torch"):
         self.replaced = []
         self.left = []
+        self.when_compiled = when_compiled
 
     def _replace(self, path, what, op):
         self.replaced.append((path, what, op))
@@ -103,7 +111,10 @@ class Report:
         return out
 
     def __str__(self):
-        lines = [f"kdispatch.kernelize: {len(self.replaced)} replaced, {len(self.left)} left"]
+        compiled = {"torch": "their torch code, fused by inductor",
+                    "kdispatch": "kdispatch's ops"}[self.when_compiled]
+        lines = [f"kdispatch.kernelize: {len(self.replaced)} replaced, {len(self.left)} left; "
+                 f"under torch.compile the replaced modules run {compiled} (when_compiled={self.when_compiled!r})"]
         grouped = {}
         for path, what, op in self.replaced:
             grouped.setdefault((what, op), []).append(path)
@@ -135,6 +146,27 @@ def _materialize(hidden_states):
 
 def _needs_grad(*tensors):
     return _torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# torch.compiler.is_compiling (torch >= 2.3): True while torch.compile traces
+# a call, a constant to the trace.
+_is_compiling = getattr(getattr(_torch, "compiler", None), "is_compiling", None)
+
+# kernelize's when_compiled values.
+WHEN_COMPILED = ("torch", "kdispatch")
+
+
+def _compiled_in_torch(module):
+    """Whether torch.compile is tracing a call that kernelize left to torch
+    (when_compiled="torch"): the module's torch code goes into the trace,
+    where inductor fuses it with its neighbours."""
+    return _is_compiling is not None and _is_compiling() and getattr(module, "_kd_when_compiled", "torch") == "torch"
+
+
+def _original_path(module, *tensors):
+    """Whether `module` runs its original forward for this call: under
+    autograd, and under torch.compile with when_compiled="torch"."""
+    return _needs_grad(*tensors) or _compiled_in_torch(module)
 
 
 def _rel_l2(got, want):
@@ -191,7 +223,7 @@ def _eps_of(norm):
 def _norm_forward(self, hidden_states):
     if isinstance(hidden_states, PendingAdd):
         return self._kd_add_norm(hidden_states.x, hidden_states.residual)[0]
-    if _needs_grad(hidden_states, self.weight):
+    if _original_path(self, hidden_states, self.weight):
         return self._kd_original_class.forward(self, hidden_states)
     out = _torch.empty_like(hidden_states)
     self._kd_norm_op(out, hidden_states, self.weight, self._kd_eps, None)
@@ -200,7 +232,7 @@ def _norm_forward(self, hidden_states):
 
 def _norm_add_norm(self, x, residual):
     """(norm(x + residual), x + residual)."""
-    if _needs_grad(x, residual, self.weight):
+    if _original_path(self, x, residual, self.weight):
         s = residual + x
         return self._kd_original_class.forward(self, s), s
     out = _torch.empty_like(x)
@@ -288,6 +320,9 @@ def _mlp_forward(self, x):
     if _needs_grad(x, self.gate_proj.weight):
         return self._kd_original_class.forward(self, x)
     gate_up = _F.linear(x, self._kd_gate_up, self._kd_gate_up_bias)
+    if _compiled_in_torch(self):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
     out = _torch.empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,), dtype=gate_up.dtype, device=gate_up.device)
     self._kd_act_op(out, gate_up, None)
     return self.down_proj(out)
@@ -358,7 +393,7 @@ def _kernelize_mlps(model, report, device_ok):
 
 
 def _experts_apply_gate(self, gate_up_out):
-    if _needs_grad(gate_up_out):
+    if _original_path(self, gate_up_out):
         return self._kd_original_class._apply_gate(self, gate_up_out)
     out = _torch.empty(gate_up_out.shape[:-1] + (gate_up_out.shape[-1] // 2,), dtype=gate_up_out.dtype,
                        device=gate_up_out.device)
@@ -392,7 +427,7 @@ def _experts_eager(self, hidden_states, top_k_index, top_k_weights):
 
 def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
     implementation = getattr(getattr(self, "config", None), "_experts_implementation", None)
-    if implementation not in (None, "eager") or _needs_grad(hidden_states, self.gate_up_proj):
+    if implementation not in (None, "eager") or _original_path(self, hidden_states, self.gate_up_proj):
         return self._kd_original_class.forward(self, hidden_states, top_k_index, top_k_weights)
     return _experts_eager(self, hidden_states, top_k_index, top_k_weights)
 
@@ -483,7 +518,7 @@ def _kernelize_experts(model, report, device_ok):
 
 def _router_forward(self, hidden_states):
     h = hidden_states.reshape(-1, self.weight.shape[1])
-    if _needs_grad(h, self.weight):
+    if _original_path(self, h, self.weight):
         return self._kd_original_class.forward(self, hidden_states)
     if self._kd_weight_float32 is not None:
         logits = _F.linear(h.float(), self._kd_weight_float32)
@@ -571,6 +606,8 @@ def _check_router(router, renormalize):
 def _rotary_forward(self, x, position_ids):
     """(position ids, float32 cos/sin cache) in place of (cos, sin): the
     attention modules' apply_rotary_pos_emb, replaced too, rotates with them."""
+    if _compiled_in_torch(self):
+        return self._kd_original_class.forward(self, x, position_ids)
     return position_ids, self._kd_cos_sin_cache
 
 
@@ -723,7 +760,8 @@ def _layer_refusal(layer, norms):
 
 def _layer_forward(self, hidden_states, *args, **kwargs):
     pending = isinstance(hidden_states, PendingAdd)
-    if args or _needs_grad(*(hidden_states if pending else (hidden_states,)), self.post_attention_layernorm.weight):
+    if args or _original_path(self, *(hidden_states if pending else (hidden_states,)),
+                              self.post_attention_layernorm.weight):
         return self._kd_original_class.forward(self, _materialize(hidden_states), *args, **kwargs)
     if pending:
         normed, residual = self.input_layernorm._kd_add_norm(hidden_states.x, hidden_states.residual)
@@ -794,14 +832,24 @@ def _forwards_to_norm(parent, layers_name):
 # ---------------------------------------------------------------------------
 
 
-def kernelize(model, *, norms=True, residual_adds=True, mlps=True, rotary=True, moe=True):
+def kernelize(model, *, norms=True, residual_adds=True, mlps=True, rotary=True, moe=True, when_compiled="torch"):
     """Swaps kdispatch's ops into `model` (a torch.nn.Module from
     transformers), in place, and returns a Report of what it replaced and
-    what it left with the reason. Each keyword turns one kind off. Calling it
-    again replaces only what is not replaced yet."""
+    what it left with the reason. Each of norms, residual_adds, mlps, rotary
+    and moe turns one kind off. Calling it again replaces only what is not
+    replaced yet.
+
+    when_compiled: what a replaced module runs while torch.compile traces it.
+    "torch" (the default): its original torch code (with the fused gate/up
+    matmul), which inductor fuses with the code around it, as vLLM runs its
+    custom ops' native forms under inductor; "kdispatch": kdispatch's ops, as
+    opaque calls in the compiled graph. Each call sets it for every module of
+    the model that kernelize has replaced."""
     if not isinstance(model, _torch.nn.Module):
         raise TypeError(f"kernelize: expected a torch.nn.Module, got {type(model).__name__}")
-    report = Report()
+    if when_compiled not in WHEN_COMPILED:
+        raise ValueError(f"kernelize: when_compiled={when_compiled!r}; expected one of {', '.join(WHEN_COMPILED)}")
+    report = Report(when_compiled)
 
     def device_ok(t):
         return t.device.type in ("cpu", "cuda")
@@ -819,5 +867,8 @@ def kernelize(model, *, norms=True, residual_adds=True, mlps=True, rotary=True, 
         _kernelize_routers(model, report, device_ok)
     if rotary:
         _kernelize_rotary(model, report, device_ok)
+    for module in model.modules():
+        if "_kd_role" in type(module).__dict__:
+            module._kd_when_compiled = when_compiled
     return report
 
