@@ -211,6 +211,7 @@ def main():
                             times[key] = (float("nan"), float("nan"))
                 torch._dynamo.reset()
             rows.append((name, batch, times))
+            print(f"{name} batch {batch}: " + ", ".join(f"{key} {g:.1f} us" for key, (g, _) in times.items()))
         del original, kernelized
         torch.cuda.empty_cache()
 
