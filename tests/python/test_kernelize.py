@@ -257,8 +257,9 @@ print("ok   left with reasons:", "; ".join(sorted({f'{w}: {r}' for _, w, r in re
 
 # Under torch.compile (its tracing stood in for by kt._is_compiling, as Debian's
 # torch has no torch.compile): with when_compiled="torch", the default, the
-# replaced modules run their torch code and no kdispatch op is called; with
-# "kdispatch" the ops are called as outside compile. Both match the original.
+# replaced modules run their original forwards (the original's logits bit for
+# bit) and no kdispatch op is called; with "kdispatch" the ops are called as
+# outside compile, matching the original.
 class CountingOps:
     def __init__(self, ops):
         self.ops = ops
@@ -297,6 +298,9 @@ try:
                 kd_calls = kt._ops.calls + 0
                 want_kd = not (compiling and when == "torch")
                 check(err <= 1e-5, f"{name} when_compiled={when} compiling={compiling}: relative L2 {err:.3g}")
+                if compiling and when == "torch":
+                    check(err == 0.0, f"{name}: under compile with when_compiled='torch' the original code runs "
+                                      f"(bit for bit the original's logits), relative L2 {err:.3g}")
                 check((kd_calls > 0) == want_kd,
                       f"{name} when_compiled={when} compiling={compiling}: {kd_calls} kdispatch calls")
             print(f"ok   {name} when_compiled={when!r}: under compile {'no kdispatch call' if when == 'torch' else 'kdispatch ops'}, "

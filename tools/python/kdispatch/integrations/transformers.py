@@ -40,11 +40,12 @@ The model keeps its parameters (state_dict, loading, tying are unchanged);
 only the classes of the replaced modules change, to subclasses of the
 originals whose forward calls kdispatch. Under autograd (grad mode on and a
 tensor requiring grad) each replaced module runs its original forward, so
-training still works. Under torch.compile they run their original torch code
-too by default (``when_compiled="torch"``; the gate/up matmul stays fused),
-so that inductor fuses it with the code around it, as vLLM leaves its custom
-ops to inductor; ``kernelize(model, when_compiled="kdispatch")`` keeps
-kdispatch's ops in the compiled graph instead. Outside torch.compile, CUDA
+training still works. Under torch.compile they run their original forward
+too by default (``when_compiled="torch"``): the compiled model is the
+compiled original, whose torch code inductor fuses with the code around it,
+as vLLM leaves its custom ops to inductor;
+``kernelize(model, when_compiled="kdispatch")`` keeps kdispatch's ops in the
+compiled graph instead. Outside torch.compile, CUDA
 graphs included, kdispatch's ops run. Call ``kernelize`` after the model is
 on its device and in its dtype: a later ``.to()`` separates the fused
 gate/up weight from the projections' weights. ``restore(model)`` gives the modules their original
@@ -111,7 +112,7 @@ class Report:
         return out
 
     def __str__(self):
-        compiled = {"torch": "their torch code, fused by inductor",
+        compiled = {"torch": "their original forward, fused by inductor",
                     "kdispatch": "kdispatch's ops"}[self.when_compiled]
         lines = [f"kdispatch.kernelize: {len(self.replaced)} replaced, {len(self.left)} left; "
                  f"under torch.compile the replaced modules run {compiled} (when_compiled={self.when_compiled!r})"]
@@ -158,8 +159,8 @@ WHEN_COMPILED = ("torch", "kdispatch")
 
 def _compiled_in_torch(module):
     """Whether torch.compile is tracing a call that kernelize left to torch
-    (when_compiled="torch"): the module's torch code goes into the trace,
-    where inductor fuses it with its neighbours."""
+    (when_compiled="torch"): the module's original forward goes into the
+    trace, where inductor fuses it with its neighbours."""
     return _is_compiling is not None and _is_compiling() and getattr(module, "_kd_when_compiled", "torch") == "torch"
 
 
@@ -317,12 +318,9 @@ def _act_op(module):
 
 
 def _mlp_forward(self, x):
-    if _needs_grad(x, self.gate_proj.weight):
+    if _original_path(self, x, self.gate_proj.weight):
         return self._kd_original_class.forward(self, x)
     gate_up = _F.linear(x, self._kd_gate_up, self._kd_gate_up_bias)
-    if _compiled_in_torch(self):
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
     out = _torch.empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,), dtype=gate_up.dtype, device=gate_up.device)
     self._kd_act_op(out, gate_up, None)
     return self.down_proj(out)
@@ -840,10 +838,10 @@ def kernelize(model, *, norms=True, residual_adds=True, mlps=True, rotary=True, 
     replaced yet.
 
     when_compiled: what a replaced module runs while torch.compile traces it.
-    "torch" (the default): its original torch code (with the fused gate/up
-    matmul), which inductor fuses with the code around it, as vLLM runs its
-    custom ops' native forms under inductor; "kdispatch": kdispatch's ops, as
-    opaque calls in the compiled graph. Each call sets it for every module of
+    "torch" (the default): its original forward, whose torch code inductor
+    fuses with the code around it, as vLLM runs its custom ops' native forms
+    under inductor; "kdispatch": kdispatch's ops, as opaque calls in the
+    compiled graph. Each call sets it for every module of
     the model that kernelize has replaced."""
     if not isinstance(model, _torch.nn.Module):
         raise TypeError(f"kernelize: expected a torch.nn.Module, got {type(model).__name__}")
