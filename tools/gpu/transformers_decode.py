@@ -12,7 +12,8 @@ random weights, a few layers, bfloat16:
   a graph), original vs kernelized, then both under torch.compile (the
   compiled step captured in a CUDA graph the same way), the kernelized model
   once for each --when-compiled value of kernelize (torch: the replaced
-  modules' torch code in the compiled graph; kdispatch: kdispatch's ops).
+  modules' original forwards in the compiled graph; kdispatch: kdispatch's
+  ops).
 
     python3 tools/gpu/transformers_decode.py [--layers 4] [--models llama,qwen3_moe] [--batches 1,32]
                                              [--when-compiled torch,kdispatch]

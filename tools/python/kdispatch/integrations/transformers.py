@@ -45,10 +45,10 @@ too by default (``when_compiled="torch"``): the compiled model is the
 compiled original, whose torch code inductor fuses with the code around it,
 as vLLM leaves its custom ops to inductor;
 ``kernelize(model, when_compiled="kdispatch")`` keeps kdispatch's ops in the
-compiled graph instead. Outside torch.compile, CUDA
-graphs included, kdispatch's ops run. Call ``kernelize`` after the model is
-on its device and in its dtype: a later ``.to()`` separates the fused
-gate/up weight from the projections' weights. ``restore(model)`` gives the modules their original
+compiled graph instead. Outside torch.compile, CUDA graphs included,
+kdispatch's ops run. Call ``kernelize`` after the model is on its device and
+in its dtype: a later ``.to()`` separates the fused gate/up weight from the
+projections' weights. ``restore(model)`` gives the modules their original
 classes back.
 """
 import inspect as _inspect
@@ -61,7 +61,7 @@ import torch.nn.functional as _F
 from .. import rotary as _rotary
 from .. import torch as _kdt
 
-__all__ = ["Report", "kernelize", "restore"]
+__all__ = ["Report", "WHEN_COMPILED", "kernelize", "restore"]
 
 _ops = _torch.ops.kdispatch
 
@@ -112,10 +112,8 @@ class Report:
         return out
 
     def __str__(self):
-        compiled = {"torch": "their original forward, fused by inductor",
-                    "kdispatch": "kdispatch's ops"}[self.when_compiled]
-        lines = [f"kdispatch.kernelize: {len(self.replaced)} replaced, {len(self.left)} left; "
-                 f"under torch.compile the replaced modules run {compiled} (when_compiled={self.when_compiled!r})"]
+        lines = [f"kdispatch.kernelize: {len(self.replaced)} replaced, {len(self.left)} left; under torch.compile "
+                 f"the replaced modules run {WHEN_COMPILED[self.when_compiled]} (when_compiled={self.when_compiled!r})"]
         grouped = {}
         for path, what, op in self.replaced:
             grouped.setdefault((what, op), []).append(path)
@@ -150,18 +148,19 @@ def _needs_grad(*tensors):
 
 
 # torch.compiler.is_compiling (torch >= 2.3): True while torch.compile traces
-# a call, a constant to the trace.
-_is_compiling = getattr(getattr(_torch, "compiler", None), "is_compiling", None)
+# a call, a constant to the trace; older torch has no torch.compile.
+_is_compiling = getattr(getattr(_torch, "compiler", None), "is_compiling", None) or (lambda: False)
 
-# kernelize's when_compiled values.
-WHEN_COMPILED = ("torch", "kdispatch")
+# kernelize's when_compiled values: what the replaced modules run under
+# torch.compile.
+WHEN_COMPILED = {"torch": "their original forward, fused by inductor", "kdispatch": "kdispatch's ops"}
 
 
 def _compiled_in_torch(module):
     """Whether torch.compile is tracing a call that kernelize left to torch
     (when_compiled="torch"): the module's original forward goes into the
     trace, where inductor fuses it with its neighbours."""
-    return _is_compiling is not None and _is_compiling() and getattr(module, "_kd_when_compiled", "torch") == "torch"
+    return _is_compiling() and getattr(module, "_kd_when_compiled", "torch") == "torch"
 
 
 def _original_path(module, *tensors):
@@ -841,8 +840,8 @@ def kernelize(model, *, norms=True, residual_adds=True, mlps=True, rotary=True, 
     "torch" (the default): its original forward, whose torch code inductor
     fuses with the code around it, as vLLM runs its custom ops' native forms
     under inductor; "kdispatch": kdispatch's ops, as opaque calls in the
-    compiled graph. Each call sets it for every module of
-    the model that kernelize has replaced."""
+    compiled graph. Each call sets it for every module of the model that
+    kernelize has replaced."""
     if not isinstance(model, _torch.nn.Module):
         raise TypeError(f"kernelize: expected a torch.nn.Module, got {type(model).__name__}")
     if when_compiled not in WHEN_COMPILED:
