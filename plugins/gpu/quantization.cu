@@ -348,7 +348,7 @@ __global__ void __launch_bounds__(kThreads) group_quant_kernel(QuantArgs<T, Q, R
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       const int i = lane + k * lanes;
-      if (in && i < units) v[k] = load_once<T, N>(xg + int64_t{i} * N);
+      if (in && i < units) v[k] = load_vec<T, N>(xg + int64_t{i} * N);
     }
 #pragma unroll
     for (int k = 0; k < V; ++k) {

@@ -137,27 +137,30 @@ __device__ __forceinline__ float divide(float x, const Divisor& d) {
   return e != 0.f && isfinite(q) ? __fmaf_rn(e, d.r, q) : q;
 }
 
-// Caches of type C (fp8, or T for a plain copy), N values a unit. Compiled
-// for six blocks an SM, at most 40 registers a thread (left free, the
-// compiler takes 64, and four blocks fit): the loads in flight bound the
-// write, and a third more threads hold a third more of them.
+// Caches of type C (fp8, or T for a plain copy), N values a unit. Each
+// thread takes one unit of a row (its head and offset worked out once, in 32
+// bits) for every token of its block's stride, and converts two values at a
+// time. Compiled for six blocks an SM, at most 40 registers a thread (left
+// free, the compiler takes 64, and four blocks fit): the loads in flight
+// bound the write, and a third more threads hold a third more of them.
 template <class T, class C, int N, class Slot>
 __global__ void __launch_bounds__(kThreads, 6) convert_kernel(CacheWrite c, const Slot* __restrict__ slots) {
   start_after_previous_kernel();
   Divisor scale[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) scale[i] = divisor_of(i < c.caches && c.scale[i] != nullptr ? *c.scale[i] : 1.0f);
-  for (int64_t t = int64_t{blockIdx.x} * blockDim.y + threadIdx.y; t < c.tokens; t += int64_t{gridDim.x} * blockDim.y) {
-    const auto s = static_cast<int64_t>(slots[t]);
-    for (int64_t k = threadIdx.x; k < c.heads * c.row_units; k += blockDim.x) {
-      const int64_t h = k / c.row_units;
-      const int64_t at = (k % c.row_units) * N;
+  const int row_units = static_cast<int>(c.row_units);
+  const int units = static_cast<int>(c.heads) * row_units;  // fits: run_cache() checks
+  for (int k = threadIdx.x; k < units; k += blockDim.x) {
+    const int h = k / row_units;
+    const int at = (k - h * row_units) * N;
+    for (int64_t t = int64_t{blockIdx.x} * blockDim.y + threadIdx.y; t < c.tokens; t += int64_t{gridDim.x} * blockDim.y) {
+      const auto s = static_cast<int64_t>(slots[t]);
       Vec<T, N> x[2];
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         if (i < c.caches) {
-          x[i] = load_vec<T, N, (N > 1), Access::kStreaming>(reinterpret_cast<const T*>(c.src[i]) +
-                                                             c.src_rows[i].offset(t, h) + at);
+          x[i] = load_vec<T, N, (N > 1)>(reinterpret_cast<const T*>(c.src[i]) + c.src_rows[i].offset(t, h) + at);
         }
       }
       if (s < 0 || s >= c.cache_slots) continue;
@@ -165,13 +168,16 @@ __global__ void __launch_bounds__(kThreads, 6) convert_kernel(CacheWrite c, cons
       for (int i = 0; i < 2; ++i) {
         if (i >= c.caches) continue;
         Vec<C, N> out;
+        if constexpr (std::is_same_v<T, C>) {
+          out = x[i];
+        } else if constexpr (N % 2 == 0) {
 #pragma unroll
-        for (int e = 0; e < N; ++e) {
-          if constexpr (std::is_same_v<T, C>) {
-            out.v[e] = x[i].v[e];
-          } else {
-            out.v[e] = from_float<C>(divide(to_float(x[i].v[e]), scale[i]));
+          for (int e = 0; e < N; e += 2) {
+            from_float2(divide(to_float(x[i].v[e]), scale[i]), divide(to_float(x[i].v[e + 1]), scale[i]), &out.v[e]);
           }
+        } else {
+#pragma unroll
+          for (int e = 0; e < N; ++e) out.v[e] = from_float<C>(divide(to_float(x[i].v[e]), scale[i]));
         }
         store_vec<C, N, (N > 1)>(reinterpret_cast<C*>(c.dst[i]) + c.dst_rows[i].offset(s, h) + at, out);
       }
@@ -334,6 +340,10 @@ kd_status run_cache(const kd_call_args* args) {
                            kOp, cache_dtype_name, kd_plugin::dtype_name(key_cache), kd_plugin::dtype_name(value_cache));
   }
   if (tokens == 0 || heads == 0 || d == 0) return KD_STATUS_OK;
+  // The converting kernel counts a token's values in 32 bits.
+  if ((!same_dtype(key, key_cache) || !same_dtype(value, value_cache)) && heads * d > INT32_MAX) {
+    return kd_plugin::fail(args, KD_STATUS_UNSUPPORTED, "%s: more than 2^31-1 values a token into an fp8 cache", kOp);
+  }
   DeviceScope scope;
   Launch launch;
   const int device = key.device.device_id;
