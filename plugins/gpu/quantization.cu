@@ -33,7 +33,7 @@
 //
 // Per group: the grid runs over the flat (row, group) pairs, a group to each
 // `lanes` lanes of a warp (the least power of two, up to the warp, that
-// gives a lane one vector, or two when the groups fill the device many
+// gives a lane one vector, or four when the groups fill the device many
 // times over; at most kMaxVecPerThread), so a warp takes several
 // short groups at once and one row of many groups spreads over blocks. Each
 // lane holds its vectors of the group in registers, the group's absmax is
@@ -436,9 +436,9 @@ void launch_token(const Launch& launch, const QuantArgs<T, Q, Rows>& a) {
 template <class T, class Q, int N, class Rows>
 void launch_group(const Launch& launch, const QuantArgs<T, Q, Rows>& a) {
   const int64_t units = a.group_size / N;
-  // A lane a vector (two when the groups fill the device many times over):
+  // A lane a vector (four when the groups fill the device many times over):
   // the least power of two of lanes, up to the warp, that covers the group.
-  const int per_lane = a.rows * a.groups * units >= int64_t{launch.sm_count} * kMaxThreads * 4 ? 2 : 1;
+  const int per_lane = a.rows * a.groups * units >= int64_t{launch.sm_count} * kMaxThreads * 4 ? 4 : 1;
   int lanes = 1;
   int lane_shift = 0;
   while (lanes < launch.warp_size && lanes * per_lane < units) {
