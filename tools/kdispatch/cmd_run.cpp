@@ -110,14 +110,14 @@ void print_sweep(const Sweep& sweep, bool bench) {
                  r.op, r.backend, r.dtype, r.shapes, r.input_sets, r.rotated_bytes / (1024.0 * 1024.0));
     }
   }
-  for (const auto& s : sweep.skipped) fmt::print("skipped: {} on {}: {}\n", s.op, s.backend, s.reason);
+  for (const auto& s : sweep.skipped) fmt::print("skipped: {} (backend {}): {}\n", s.op, s.backend, s.reason);
   std::set<std::string> unchecked_ops;
   for (const auto& r : sweep.results) {
     if (result_status(r) == "unchecked") unchecked_ops.insert(fmt::format("{}: {}", r.op, r.checked_against));
   }
   for (const auto& u : unchecked_ops) fmt::print("unchecked: {}\n", u);
   for (const auto& g : sweep.not_run) {
-    fmt::print("not run: {}{}: {}\n", g.op, g.backend == "-" ? "" : fmt::format(" on {}", g.backend), g.reason);
+    fmt::print("not run: {}{}: {}\n", g.op, g.backend == "-" ? "" : fmt::format(" (backend {})", g.backend), g.reason);
   }
   const Counts c = count(sweep);
   const std::string_view tool = bench ? "bench" : "run";
