@@ -187,7 +187,7 @@ TEST_CASE("several usable backends: KD-E004 until one is named or ordered") {
   fs::remove_all(dir);
 }
 
-TEST_CASE("KDISPATCH_PREFERENCE_FILE ranks an op's backends; a bad file gets a KD code and changes nothing") {
+TEST_CASE("KDISPATCH_PREFERENCE_FILE ranks an op's backends, and a bad file gets a KD code and changes nothing") {
   const std::string dir = plugin_dir({kGpuManifests + "/cuda.json", kFixtures + "/cli/triton.json"});
   const std::vector<std::string> json{"select", "layernorm.rmsnorm", "--device", "cuda:9.0",
                                       "--plugin-path", dir, "--json"};
@@ -553,10 +553,10 @@ TEST_CASE("common options go before the subcommand too") {
   CHECK(run_tool({"--json", "explain", "KD-E002"}).out.find("\"code\"") != std::string::npos);
 }
 
-TEST_CASE("--device cuda:N names a device by ordinal; a device that is not here is skipped") {
+TEST_CASE("--device cuda:N names a device by ordinal, and a device that is not here is skipped") {
   const ToolResult run = run_tool({"run", "layernorm.rmsnorm", "--device", "cuda:1", "--dtype", "float32"});
   CHECK(run.exit_code == 4);  // the op named ran no case: nothing was checked
-  CHECK(run.out.find("no cuda:1 device here") != std::string::npos);
+  CHECK(run.out.find("skipped: layernorm.rmsnorm (backend cpu): no cuda:1 device here") != std::string::npos);
   CHECK(run.out.find("not run: layernorm.rmsnorm: ran no case: every kernel was skipped (above)") != std::string::npos);
   const ToolResult bad = run_tool({"run", "layernorm.rmsnorm", "--device", "cuda:x"});
   CHECK(bad.exit_code == 1);

@@ -92,7 +92,7 @@ TEST_CASE("tune: a backend with wrong results is excluded, and select follows th
   fs::remove_all(dir);
 }
 
-TEST_CASE("tune: a failing backend is excluded; a grid of sizes gives per-shape choices") {
+TEST_CASE("tune: a failing backend is excluded, and a grid of sizes gives per-shape choices") {
   const std::string dir = make_temp_dir();
   const std::string out = dir + "/tuning.json";
   const ToolResult r =

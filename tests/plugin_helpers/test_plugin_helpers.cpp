@@ -159,7 +159,7 @@ void check_fp8(int mantissa, int bias, double max_finite, uint32_t nan_bits) {
 
 }  // namespace
 
-TEST_CASE("float8: every pattern decodes exactly; float -> 8 bits rounds to nearest even and saturates") {
+TEST_CASE("float8: every pattern decodes exactly, and float -> 8 bits rounds to nearest even and saturates") {
   SUBCASE("float8_e4m3fn") { check_fp8<kd_plugin::Float8E4M3FN>(3, 7, 448.0, 0x7fu); }
   SUBCASE("float8_e5m2") { check_fp8<kd_plugin::Float8E5M2>(2, 15, 57344.0, 0x7eu); }
   using kd_plugin::Float8E4M3FN;

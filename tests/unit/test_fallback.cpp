@@ -244,7 +244,7 @@ TEST_CASE("fallback on: a failing backend is demoted for the op and device, stic
   CHECK(ctx->choose(other).spec->backend == "fx_fb_broken");
 }
 
-TEST_CASE("fallback on: a device error is demoted too; with no backend left the error names each one tried") {
+TEST_CASE("fallback on: a device error is demoted too, and with no backend left the error names each one tried") {
   CaptureLog log;
   auto ctx = fixture_context({"fx_fb_picky", "fx_fb_broken", "fx_fb_reference"}, /*fallback=*/true);
   Dispatcher dispatch(*ctx);
@@ -326,7 +326,7 @@ TEST_CASE("fallback: a KernelHandle runs its one kernel, with no fallback") {
   CHECK(odd.untouched());
 }
 
-TEST_CASE("fallback: KDISPATCH_FALLBACK=1 turns it on; another value warns and leaves it off") {
+TEST_CASE("fallback: KDISPATCH_FALLBACK=1 turns it on, and another value warns and leaves it off") {
   CaptureLog log;
   setenv("KDISPATCH_FALLBACK", "1", 1);
   CHECK(SelectorOptions::from_environment().fallback);

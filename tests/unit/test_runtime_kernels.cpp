@@ -257,7 +257,7 @@ TEST_CASE("run-time kernel: registration is checked like a manifest's kernel") {
   }
 }
 
-TEST_CASE("run-time kernel: unregistered, calls go elsewhere, handles resolved before included; again, it is back") {
+TEST_CASE("run-time kernel: unregistered, calls go elsewhere, handles resolved before included, and registered again it is back") {
   auto ctx = fixture_context({"fx_fb_good", "fx_fb_reference"});
   RtData data;
   data.offset = 1.0f;
